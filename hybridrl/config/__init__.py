@@ -1,0 +1,20 @@
+"""Configuration: dataclass schema (``schema.py``) + strict YAML/CLI loader (``loader.py``)."""
+from hybridrl.config.loader import ConfigError, apply_overrides, dump_yaml, from_dict, load_config, to_dict
+from hybridrl.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    ControllerConfig,
+    ModelConfig,
+    PoolConfig,
+    RolloutConfig,
+    SFTConfig,
+    TaskConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "ControllerConfig", "ModelConfig", "PoolConfig",
+    "RolloutConfig", "SFTConfig", "TaskConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict",
+    "load_config", "to_dict",
+]

@@ -1,0 +1,151 @@
+"""The configuration schema: one dataclass per component, nested in :class:`Config`.
+
+Field metadata drives validation (``ge``/``gt``/``le``/``lt``/``choices``) and
+the ``help`` text; ``validate()`` methods check relations between fields.
+Everything is checked before any work starts (see ``config/loader.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+
+def _f(default, help: str, **checks):
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **checks})
+    return field(default=default, metadata={"help": help, **checks})
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["tiny", "small"] = _f("tiny", "built-in Qwen2 size, used when path is null")
+    path: str | None = _f(None, "local transformers checkpoint directory (model + tokenizer) instead of a built-in size")
+    seed: int = _f(0, "seed of the random initialisation of a built-in model")
+
+    def validate(self) -> None:
+        if self.path is not None:
+            p = Path(self.path).expanduser()
+            if not p.is_dir():
+                raise ValueError(f"model.path {self.path!r} does not exist or is not a directory")
+            if not (p / "config.json").is_file():
+                raise ValueError(f"model.path {self.path!r} holds no config.json (not a transformers checkpoint)")
+
+
+@dataclass
+class TaskConfig:
+    name: str = _f("arith", "registered task name or dotted path 'pkg.module:TaskClass'")
+    reward_fn: str = _f("exact_match", "registered reward function or dotted path 'pkg.module:fn'")
+    heldout_size: int = _f(1024, "prompts in the fixed held-out set", ge=1)
+    eval_size: int | None = _f(None, "held-out prompts used per evaluation (null: all)", ge=1)
+
+
+@dataclass
+class PoolConfig:
+    nodes: int = _f(1, "number of nodes", ge=1)
+    workers_per_node: int = _f(1, "worker processes per node", ge=1)
+    cpus_per_worker: float = _f(1.0, "CPUs reserved per worker (ray backend)", gt=0)
+    gpus_per_worker: float = _f(0.0, "GPUs reserved per worker (ray backend)", ge=0)
+
+
+ROLES = ("actor", "reference", "rollout", "reward")
+
+
+@dataclass
+class ControllerConfig:
+    backend: Literal["local", "ray"] = _f("local", "local: every worker in the driver process; ray: Ray actors")
+    ray_address: str | None = _f(None, "join this Ray cluster instead of starting a local one")
+    num_threads: int = _f(2, "torch threads per worker process", ge=1)
+    pools: dict[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig()}, metadata={"help": "resource pools by name"})
+    placement: dict[str, str] = _f({r: "global" for r in ROLES}, "role -> pool name")
+
+    def validate(self) -> None:
+        missing = [r for r in ROLES if r not in self.placement]
+        if missing:
+            raise ValueError(f"placement lacks role(s) {missing}; every role of {list(ROLES)} needs a pool")
+        for role, pool in self.placement.items():
+            if role not in ROLES:
+                raise ValueError(f"placement names unknown role {role!r} (roles: {', '.join(ROLES)})")
+            if pool not in self.pools:
+                raise ValueError(f"placement.{role} names pool {pool!r}, which is not in pools ({', '.join(self.pools)})")
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = _f("hf", "rollout backend: hf (transformers generate) or a registered/dotted one")
+    temperature: float = _f(1.0, "sampling temperature (0: greedy)", ge=0)
+    top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = _f(0, "top-k sampling (0: off)", ge=0)
+    max_new_tokens: int = _f(16, "longest response in tokens", ge=1)
+    max_batch_size: int = _f(512, "sequences per generate call", ge=1)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = _f(2e-4, "AdamW learning rate", gt=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
+    ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
+    ppo_epochs: int = _f(1, "passes over each step's batch", ge=1)
+    micro_batch_tokens: int = _f(8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = _f("grpo", "advantage estimator (registry name or dotted path)")
+    policy_loss: str = _f("ppo_clip", "policy loss (registry name or dotted path)")
+    norm_adv_by_std: bool = _f(True, "GRPO: divide by the group's std (false: Dr.GRPO)")
+    clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
+    clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
+    kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (0: reference not run)", ge=0)
+    kl_estimator: str = _f("k3", "KL estimator: k1, k2, k3")
+    entropy_coef: float = _f(0.0, "entropy bonus weight", ge=0)
+    loss_agg: Literal["token-mean"] = _f("token-mean", "loss aggregation over tokens")
+
+
+@dataclass
+class SFTConfig:
+    steps: int = _f(150, "supervised warm-start optimizer steps", ge=0)
+    batch_size: int = _f(256, "examples per SFT step", ge=1)
+    lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
+    checkpoint: str | None = _f(None, "warm-start checkpoint directory (null: a cache path derived from the model/task/sft config)")
+    enabled: bool = _f(True, "run (or reuse) the warm start before RL")
+
+
+@dataclass
+class TrainerConfig:
+    name: str = _f("arith_grpo", "run name: outputs go to <runs_dir>/<name>")
+    runs_dir: str = _f("runs", "parent directory of run outputs")
+    total_steps: int = _f(60, "RL steps", ge=0)
+    prompts_per_step: int = _f(32, "prompts per RL step", ge=1)
+    samples_per_prompt: int = _f(8, "G: samples per prompt", ge=1)
+    eval_every: int = _f(10, "held-out evaluation every N steps (0: only before and after)", ge=0)
+    save_every: int = _f(20, "checkpoint every N steps (0: only at the end)", ge=0)
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk", ge=1)
+    seed: int = _f(0, "seed of the prompt stream, sampling and shuffling")
+    tensorboard: bool = _f(True, "also write TensorBoard events")
+    progress: bool = _f(True, "show a progress bar")
+
+    def validate(self) -> None:
+        if self.total_steps and not self.name:
+            raise ValueError("name must not be empty")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> None:
+        samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
+        if samples % self.actor.ppo_minibatch_size:
+            raise ValueError(
+                f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} must be a multiple of "
+                f"actor.ppo_minibatch_size = {self.actor.ppo_minibatch_size}"
+            )

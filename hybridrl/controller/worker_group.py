@@ -1,0 +1,149 @@
+"""WorkerGroup: ``world_size`` ranks of one worker class, one role, placed on
+a ResourcePool, driven from the single controller as if it were one object.
+
+Every method of the worker class marked with ``@register`` becomes a method
+of the group of the same name that dispatches per its mode::
+
+    pool = ResourcePool("actor", workers_per_node=2)
+    actor = WorkerGroup(ActorWorker, pool, role="actor", backend="ray", args=(cfg,))
+    batch = batch | actor.compute_log_prob(batch)   # DP_COMPUTE: split, run, concat
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from hybridrl.controller.dispatch import Dispatch, collect, plan, registered_methods
+from hybridrl.controller.local_backend import LocalBackend
+from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.controller.worker import Worker, WorkerContext
+
+BACKENDS = ("local", "ray")
+
+
+class WorkerGroup:
+    """The ranks of one role.
+
+    Args:
+        cls: a :class:`Worker` subclass, built as ``cls(ctx, *args, **kwargs)``
+            on every rank.
+        pool: where the ranks go; ``pool.world_size`` ranks.
+        role: name of the role (``actor``, ``ref``, ``rollout`` ...), used in
+            contexts and error messages.
+        backend: ``local`` (all ranks in this process, run one after another)
+            or ``ray`` (one actor per rank, ranks run in parallel; starts a
+            local Ray cluster with :func:`init_ray` if none is running).
+        num_threads: torch/OpenMP threads per rank. ``local``: left as is when
+            None. ``ray``: 1 when None.
+        seed: the group's seed, in every rank's context.
+        env: extra environment variables for each rank (``ray`` only; the
+            local backend shares the driver's environment).
+    """
+
+    def __init__(
+        self,
+        cls: type,
+        pool: ResourcePool,
+        *,
+        role: str,
+        backend: str = "local",
+        args: tuple = (),
+        kwargs: dict | None = None,
+        num_threads: int | None = None,
+        seed: int = 0,
+        env: dict | None = None,
+    ):
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"WorkerGroup needs a Worker subclass, got {cls!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        self.cls, self.pool, self.role, self.backend_name = cls, pool, role, backend
+        self._methods = registered_methods(cls)
+        clash = sorted(n for n in self._methods if hasattr(WorkerGroup, n))
+        if clash:
+            raise ValueError(f"{cls.__name__}: registered method(s) {clash} clash with WorkerGroup attributes")
+        if backend == "ray" and num_threads is None:
+            num_threads = 1
+        contexts = [
+            WorkerContext(rank=r, world_size=pool.world_size, role=role, pool=pool.name, num_threads=num_threads, seed=seed)
+            for r in range(pool.world_size)
+        ]
+        if backend == "local":
+            self._backend = LocalBackend(cls, contexts, tuple(args), dict(kwargs or {}))
+        else:
+            from hybridrl.controller.ray_backend import RayBackend
+
+            self._backend = RayBackend(cls, pool, contexts, tuple(args), dict(kwargs or {}), dict(env or {}))
+        for name, mode in self._methods.items():
+            setattr(self, name, self._proxy(name, mode))
+
+    # --- introspection -----------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.pool.world_size
+
+    @property
+    def contexts(self) -> list[WorkerContext]:
+        """Every rank's context (with the group's master address and port)."""
+        return list(self._backend.contexts)
+
+    @property
+    def workers(self) -> list[Any]:
+        """Per rank: the worker object (local) or the Ray actor handle (ray)."""
+        return list(self._backend.workers if self.backend_name == "local" else self._backend.actors)
+
+    @property
+    def methods(self) -> dict[str, Dispatch]:
+        """The proxied methods and their dispatch modes."""
+        return dict(self._methods)
+
+    def __repr__(self) -> str:
+        return f"WorkerGroup({self.cls.__name__}, role={self.role!r}, pool={self.pool.name!r}, world_size={self.world_size}, backend={self.backend_name!r})"
+
+    # --- calls ---------------------------------------------------------------
+    def _proxy(self, name: str, mode: Dispatch):
+        def proxy(*args, **kwargs):
+            return collect(mode, self._run(name, plan(mode, self.world_size, args, kwargs)))
+
+        proxy.__name__ = proxy.__qualname__ = name
+        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks] " + (getattr(self.cls, name).__doc__ or "")
+        return proxy
+
+    def _run(self, name: str, calls: list) -> list:
+        return self._backend.gather(name, self._backend.submit(name, calls))
+
+    def execute_all(self, name: str, *args, **kwargs) -> list:
+        """Call any method (registered or not) on every rank with the same
+        arguments; per-rank results in rank order."""
+        self._check_method(name)
+        return self._run(name, plan(Dispatch.ONE_TO_ALL, self.world_size, args, kwargs))
+
+    def execute_rank(self, rank: int, name: str, *args, **kwargs) -> Any:
+        """Call any method on one rank; its result."""
+        self._check_method(name)
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"group {self.role!r} has {self.world_size} ranks, no rank {rank}")
+        return self._run(name, [(rank, args, kwargs)])[0]
+
+    def _check_method(self, name: str) -> None:
+        if not callable(getattr(self.cls, name, None)):
+            raise AttributeError(f"{self.cls.__name__} has no method {name!r}")
+
+    def __getattr__(self, name: str):
+        # only reached when normal lookup fails: explain unregistered methods
+        if not name.startswith("_") and callable(getattr(self.__dict__.get("cls"), name, None)):
+            raise AttributeError(
+                f"{self.cls.__name__}.{name} is not marked with @register, so the group has no proxy for it; "
+                f"mark it or use execute_all({name!r}, ...)"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # --- lifetime ------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the group's workers (the pool stays reserved for others)."""
+        self._backend.shutdown()
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

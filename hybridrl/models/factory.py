@@ -1,0 +1,58 @@
+"""Build or load the policy model and its tokenizer.
+
+Built-in sizes are W1's Qwen2 configs (GUIDE.md §4), randomly initialised
+from a seed (no download); ``model.path`` loads any local transformers
+causal-LM checkpoint together with its tokenizer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+SIZES = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408),
+}
+
+
+def model_size_config(name: str, tokenizer) -> Qwen2Config:
+    if name not in SIZES:
+        raise ValueError(f"unknown model size {name!r} (built-in: {', '.join(SIZES)})")
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,
+        rope_theta=1e4,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+        **SIZES[name],
+    )
+
+
+def build_model(name: str, tokenizer, seed: int) -> PreTrainedModel:
+    """A randomly initialised built-in model; the same seed gives the same weights in any process."""
+    devnull_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(model_size_config(name, tokenizer))
+    torch.random.set_rng_state(devnull_state)  # do not disturb the caller's RNG stream
+    return model
+
+
+def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokenizer=None):
+    """(model, tokenizer): from a local checkpoint directory, or a built-in size with the task's tokenizer."""
+    if path is None:
+        if task_tokenizer is None:
+            raise ValueError("a built-in model size needs the task's tokenizer")
+        return build_model(size, task_tokenizer, seed), task_tokenizer
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model path {str(p)!r} holds no transformers checkpoint (config.json missing)")
+    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True) if (p / "tokenizer_config.json").exists() else task_tokenizer
+    if tokenizer is None:
+        raise FileNotFoundError(f"model path {str(p)!r} has no tokenizer and the task provides none")
+    model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
+    return model, tokenizer

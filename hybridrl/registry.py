@@ -1,0 +1,64 @@
+"""Name -> object registries with plug-ins by dotted path.
+
+Every pluggable part of hybridrl (tasks, reward functions, rollout backends,
+advantage estimators, policy losses, KL estimators) is looked up through a
+:class:`Registry`, so adding one is a decorator, never an if/elif chain.
+A name containing ``:`` is a dotted path ``package.module:attribute`` and is
+imported on demand, e.g. ``reward.fn=my_pkg.rewards:exact_match``.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._items and self._items[name] is not obj:
+                raise KeyError(f"{self.kind} {name!r} is already registered")
+            self._items[name] = obj
+            return obj
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items or ":" in name
+
+    def get(self, name: str) -> T:
+        if ":" in name:
+            return load_dotted(name)
+        if name not in self._items:
+            close = difflib.get_close_matches(name, self._items, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise KeyError(
+                f"unknown {self.kind} {name!r}{hint} (registered: {', '.join(self.names())}; "
+                f"or give a dotted path 'package.module:name')"
+            )
+        return self._items[name]
+
+
+def load_dotted(path: str) -> Any:
+    """Import ``package.module:attr`` (attr may be nested with dots)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise KeyError(f"dotted path {path!r} must look like 'package.module:name'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise KeyError(f"cannot import module {module_name!r} from {path!r}: {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise KeyError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj

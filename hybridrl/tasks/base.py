@@ -1,0 +1,107 @@
+"""The task interface, the task and reward-function registries, and reward
+normalisation.
+
+A task supplies a deterministic stream of training prompts, a fixed held-out
+set, correct supervised examples for the warm start, and its tokenizer.
+Tasks are registered in :data:`TASKS` and built as ``cls(seed=..., **kwargs)``.
+
+A reward function is a plain function ``fn(prompt, response, *, finished=True)``
+returning a float, or a dict with key ``"score"`` plus extra values to log.
+``response`` is the decoded response text before the first ``<eos>`` (special
+tokens skipped); ``finished`` is False when the sample never emitted ``<eos>``
+(truncated at the token limit, or aborted). Accepting ``finished`` is optional:
+:func:`compute_reward` passes it only to functions whose signature takes it (a
+parameter named ``finished`` or ``**kwargs``), so a two-argument plug-in works.
+Reward functions are registered in :data:`REWARDS` or given by dotted path.
+"""
+from __future__ import annotations
+
+import abc
+import inspect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+from transformers import PreTrainedTokenizerFast
+
+from hybridrl.registry import Registry
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: str  # unique id of this prompt in its stream, e.g. "arith-000123"
+    text: str  # prompt text without <bos>, e.g. "12+345="
+    answer: str  # reference answer text, e.g. "357"
+    task_id: str  # task name, e.g. "arith"
+
+
+class Task(abc.ABC):
+    """Base class of built-in tasks (constructed as ``cls(seed=..., **kwargs)``)."""
+
+    name: str = ""
+    default_reward: str = ""  # name in REWARDS the task is scored with by default
+
+    @abc.abstractmethod
+    def prompt(self, index: int) -> Prompt:
+        """The ``index``-th training prompt: a pure function of (seed, index),
+        so a resumed run continues the stream exactly."""
+
+    @abc.abstractmethod
+    def heldout(self) -> list[Prompt]:
+        """The fixed held-out evaluation set (same on every run, any seed)."""
+
+    @abc.abstractmethod
+    def sft_example(self, index: int) -> tuple[str, str]:
+        """(prompt text, correct completion text without <eos>), deterministic in index."""
+
+    @abc.abstractmethod
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The tokenizer the task's text is written for."""
+
+
+RewardFn = Callable[..., Union[float, Mapping[str, Any]]]
+
+TASKS: Registry[type[Task]] = Registry("task")
+REWARDS: Registry[RewardFn] = Registry("reward function")
+
+
+def _accepts_finished(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "finished" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in params
+    )
+
+
+def compute_reward(fn: RewardFn, prompt: Prompt, response: str, *, finished: bool = True) -> tuple[float, dict]:
+    """Call a reward function and normalise its result to ``(score, extras)``.
+
+    A float (or int / numpy / 0-d tensor) result gives ``(float(r), {})``; a
+    mapping must hold ``"score"`` and its other items become ``extras``.
+    ``finished`` is forwarded only if ``fn`` accepts it (see module docstring).
+    Exceptions raised by ``fn`` propagate (the reward worker handles them);
+    a malformed result or a NaN score raises ``TypeError`` / ``ValueError``.
+    """
+    result = fn(prompt, response, finished=finished) if _accepts_finished(fn) else fn(prompt, response)
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise ValueError(f"reward function {_name(fn)} returned a dict without 'score': keys {sorted(result)}")
+        extras = {k: v for k, v in result.items() if k != "score"}
+        raw = result["score"]
+    else:
+        extras, raw = {}, result
+    if isinstance(raw, (str, bytes)) or not hasattr(raw, "__float__"):
+        raise TypeError(f"reward function {_name(fn)} returned score {raw!r} of type {type(raw).__name__}, not a number")
+    score = float(raw)
+    if math.isnan(score):
+        raise ValueError(f"reward function {_name(fn)} returned a NaN score for prompt {prompt.uid!r}")
+    return score, extras
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)

@@ -1,0 +1,138 @@
+"""Metric sinks: one JSON line per ``log`` call in ``run_dir/metrics.jsonl``
+and (optionally) TensorBoard scalars in ``run_dir/tb``.
+
+``metrics.jsonl`` is the source of truth (the report is drawn from it). Each
+line is ``{"step": <int>, "<name>": <number or null>, ...}``; non-finite
+numbers are written as ``null`` so that every line is strict JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def _to_python(value: Any) -> Any:
+    """Turn numpy / torch scalars into plain Python; non-finite floats -> None."""
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalar
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError):  # not a single element
+            raise TypeError(f"metric value must be a scalar, got {type(value).__name__}") from None
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    raise TypeError(f"unsupported metric value type {type(value).__name__}")
+
+
+def _parse_lines(path: Path) -> list[dict]:
+    """Parse a jsonl file, skipping blank and malformed (e.g. half-written) lines."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{lineno}: skipping malformed metrics line")
+                continue
+            if isinstance(rec, dict):
+                records.append(rec)
+    return records
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """All records of ``run_dir/metrics.jsonl`` in file order ([] if absent)."""
+    path = Path(run_dir) / METRICS_FILE
+    return _parse_lines(path) if path.exists() else []
+
+
+class MetricsLogger:
+    """Writes metrics to ``run_dir/metrics.jsonl`` and, if ``tensorboard``,
+    to a ``SummaryWriter`` in ``run_dir/tb``.
+
+    ``resume_step``: when resuming from a checkpoint taken at that step, lines
+    with ``step > resume_step`` (written after the checkpoint, and about to be
+    recomputed) are dropped from ``metrics.jsonl``; everything else is kept.
+    TensorBoard events after the checkpoint are purged via ``purge_step``.
+    Without ``resume_step`` an existing file is appended to.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if self._file.tell() > 0 and not self._ends_with_newline():
+            self._file.write("\n")  # previous run died mid-line
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency
+
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+
+    def _ends_with_newline(self) -> bool:
+        with open(self.path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) == b"\n"
+
+    def _truncate_after(self, resume_step: int) -> None:
+        kept = [r for r in _parse_lines(self.path) if not (isinstance(r.get("step"), int) and r["step"] > resume_step)]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in kept:
+                f.write(json.dumps(rec, allow_nan=False) + "\n")
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append ``{"step": step, **metrics}`` as one line and write the
+        numeric values as TensorBoard scalars (strings only go to the jsonl)."""
+        if self._file is None:
+            raise RuntimeError("MetricsLogger is closed")
+        if "step" in metrics:
+            raise ValueError("'step' is reserved; pass it as the step argument")
+        step = int(step)
+        record: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            record[str(key)] = _to_python(value)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, raw in metrics.items():
+                value = record[str(key)]
+                if value is None and raw is not None:  # non-finite: keep it visible in TB
+                    value = float(raw.item() if hasattr(raw, "item") else raw)
+                if isinstance(value, (int, float)):  # bool is an int too
+                    self._tb.add_scalar(str(key), float(value), global_step=step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close both sinks (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,26 @@
+"""What every role builds the same way: the task, the tokenizer and the model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from hybridrl.config import Config
+from hybridrl.models import load_model_and_tokenizer
+from hybridrl.tasks import TASKS, Task
+
+
+def make_task(cfg: Config) -> Task:
+    return TASKS.get(cfg.task.name)(seed=cfg.trainer.seed, heldout_size=cfg.task.heldout_size)
+
+
+def load_tokenizer(cfg: Config, model_path: str | None):
+    """The checkpoint's own tokenizer when it has one, else the task's."""
+    if model_path and (Path(model_path) / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    return make_task(cfg).tokenizer()
+
+
+def load_model(cfg: Config, model_path: str | None):
+    """(model, tokenizer) from ``model_path``, or the built-in ``cfg.model.name`` from its seed."""
+    return load_model_and_tokenizer(model_path, cfg.model.name, cfg.model.seed, make_task(cfg).tokenizer())

@@ -1,0 +1,40 @@
+"""The rollout role: a rollout engine (``rollout.backend``) behind the worker interface."""
+from __future__ import annotations
+
+from hybridrl.config import Config
+from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.protocol import Batch, Sample
+from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.workers.common import load_model
+
+
+class RolloutWorker(Worker):
+    def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
+        super().__init__(ctx)
+        model, tokenizer = load_model(cfg, model_path)
+        self.engine = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate(self, prompts: Batch, params: SamplingParams) -> list[Sample]:
+        """``prompts`` holds meta ``prompt`` (Prompt) and ``prompt_ids``; returns ``params.n`` samples per prompt."""
+        requests = [
+            GenerationRequest(request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p})
+            for p, ids in zip(prompts["prompt"], prompts["prompt_ids"])
+        ]
+        return self.engine.generate(requests, params)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def update_weights(self, buckets: list[list], version: int) -> int:
+        return self.engine.update_weights((item for bucket in buckets for item in bucket), version)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pause(self) -> None:
+        self.engine.pause()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def resume(self) -> None:
+        self.engine.resume()
+
+    @register(Dispatch.RANK_ZERO)
+    def stats(self) -> dict:
+        return self.engine.stats()

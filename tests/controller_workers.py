@@ -1,0 +1,95 @@
+"""Worker classes for tests/test_controller.py (a module of their own so Ray
+can ship them to its worker processes by value)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.protocol import Batch
+
+
+def placement() -> tuple:
+    """(placement group id, assigned resources) of the calling Ray actor."""
+    import ray
+
+    rt = ray.get_runtime_context()
+    return rt.get_placement_group_id(), rt.get_assigned_resources()
+
+
+class EchoWorker(Worker):
+    def __init__(self, ctx: WorkerContext, tag: str = "echo"):
+        super().__init__(ctx)
+        self.tag = tag
+        self.seen_rows: list[list[int]] = []
+        self.lead_calls = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def info(self, x=None) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "role": self.role,
+            "tag": self.tag,
+            "x": x,
+            "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+            "master": (self.ctx.master_addr, self.ctx.master_port),
+            "env_master": (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")),
+            "test_env": os.environ.get("HYBRIDRL_TEST_ENV"),
+        }
+
+    @register(Dispatch.DP_COMPUTE)
+    def scale(self, batch: Batch, factor: int = 2) -> Batch:
+        self.seen_rows.append(batch["idx"].tolist())
+        return Batch({"y": batch["x"] * factor}, {"rank": [self.rank] * len(batch)})
+
+    @register(Dispatch.DP_COMPUTE)
+    def count(self, batch: Batch) -> int:
+        return len(batch)
+
+    @register(Dispatch.RANK_ZERO)
+    def lead(self) -> int:
+        self.lead_calls += 1
+        return self.rank
+
+    @register()
+    def history(self) -> dict:
+        return {"seen_rows": self.seen_rows, "lead_calls": self.lead_calls}
+
+    @register
+    def reset(self) -> None:
+        self.seen_rows, self.lead_calls = [], 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def boom(self, fail_rank: int) -> int:
+        if self.rank == fail_rank:
+            raise ValueError(f"kaboom from rank {self.rank}")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def placement(self) -> tuple:
+        return placement()
+
+    def plain(self) -> str:
+        return f"plain {self.rank}"
+
+
+class ScoreWorker(Worker):
+    """A second role, for colocation."""
+
+    @register(Dispatch.DP_COMPUTE)
+    def score(self, batch: Batch) -> Batch:
+        return Batch({"score": batch["x"].float() + 0.5})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def placement(self) -> tuple:
+        return placement()
+
+
+class BrokenWorker(Worker):
+    def __init__(self, ctx: WorkerContext):
+        super().__init__(ctx)
+        if ctx.rank == 1:
+            raise RuntimeError("cannot build rank 1")
