@@ -3,7 +3,7 @@
 per-sample metadata lists).
 
 A ``Batch`` is what every worker method receives and returns. Workers add
-columns (``log_probs``, ``ref_log_probs``, ``advantages`` ...) and the driver
+columns (``old_log_probs``, ``ref_log_probs``, ``rewards``, ``advantages`` ...) and the driver
 merges them back with :meth:`Batch.union`.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every pluggable part of hybridrl (tasks, reward functions, rollout backends,
 advantage estimators, policy losses, KL estimators) is looked up through a
 :class:`Registry`, so adding one is a decorator, never an if/elif chain.
 A name containing ``:`` is a dotted path ``package.module:attribute`` and is
-imported on demand, e.g. ``reward.fn=my_pkg.rewards:exact_match``.
+imported on demand, e.g. ``task.reward_fn=my_pkg.rewards:exact_match``.
 """
 from __future__ import annotations
 

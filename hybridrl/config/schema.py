@@ -97,7 +97,7 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = _f(True, "GRPO: divide by the group's std (false: Dr.GRPO)")
     clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
     clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
-    kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (0: reference not run)", ge=0)
+    kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (the KL is always measured and logged)", ge=0)
     kl_estimator: str = _f("k3", "KL estimator: k1, k2, k3")
     entropy_coef: float = _f(0.0, "entropy bonus weight", ge=0)
     loss_agg: Literal["token-mean"] = _f("token-mean", "loss aggregation over tokens")
@@ -105,7 +105,7 @@ class AlgorithmConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = _f(150, "supervised warm-start optimizer steps", ge=0)
+    steps: int = _f(300, "supervised warm-start optimizer steps", ge=0)
     batch_size: int = _f(256, "examples per SFT step", ge=1)
     lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
     checkpoint: str | None = _f(None, "warm-start checkpoint directory (null: a cache path derived from the model/task/sft config)")

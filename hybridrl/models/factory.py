@@ -54,5 +54,7 @@ def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokeni
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True) if (p / "tokenizer_config.json").exists() else task_tokenizer
     if tokenizer is None:
         raise FileNotFoundError(f"model path {str(p)!r} has no tokenizer and the task provides none")
+    if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none; padding is masked anyway
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
     return model, tokenizer

@@ -12,9 +12,13 @@ from hybridrl.config import Config, dump_yaml
 log = logging.getLogger(__name__)
 
 
+def run_path(cfg: Config) -> Path:
+    return Path(cfg.trainer.runs_dir) / cfg.trainer.name
+
+
 def open_run_dir(cfg: Config, resume: bool) -> Path:
     """The run's directory. A fresh run never overwrites an earlier one: that is moved aside first."""
-    run_dir = Path(cfg.trainer.runs_dir) / cfg.trainer.name
+    run_dir = run_path(cfg)
     if run_dir.exists() and not resume and any(run_dir.iterdir()):
         aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)

@@ -43,13 +43,23 @@ def sft_batch(task, tokenizer, start: int, size: int) -> tuple[torch.Tensor, tor
     return ids, pad_2d([[1] * len(r) for r in rows], 0, torch.long), pad_2d(labels, -100, torch.long)
 
 
+def lr_factor(step: int, total: int, warmup: int = 20, decay_frac: float = 0.2) -> float:
+    """Warmup, constant, then a linear decay to 10% over the last ``decay_frac`` of the steps."""
+    decay_start = int(total * (1 - decay_frac))
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < decay_start:
+        return 1.0
+    return 1.0 - 0.9 * (step - decay_start) / max(1, total - decay_start)
+
+
 def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = True) -> Path:
     """Train, then write the checkpoint atomically (temporary directory renamed when complete)."""
     out = Path(out_dir) if out_dir else warm_start_path(cfg)
     task = make_task(cfg)
     model, tokenizer = load_model(cfg, cfg.model.path)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.sft.steps))
     model.train()
     t0, losses = time.perf_counter(), []
     bar = tqdm(range(cfg.sft.steps), desc="warm start (SFT)", disable=not progress, dynamic_ncols=True)
@@ -59,7 +69,6 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())

@@ -7,6 +7,7 @@ branches here.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -20,16 +21,20 @@ from hybridrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
 from hybridrl.trainers.evaluate import Evaluator, collate, prompt_batch
 from hybridrl.trainers.metrics import batch_metrics, mean_over_ranks
 from hybridrl.trainers.roles import build_roles
-from hybridrl.trainers.run_dir import open_run_dir, write_summary
+from hybridrl.trainers.run_dir import open_run_dir, run_path, write_summary
 from hybridrl.trainers.sft import ensure_warm_start
 from hybridrl.workers.common import load_tokenizer, make_task
+
+log = logging.getLogger(__name__)
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
     t_start, t = time.perf_counter(), cfg.trainer
     warm = ensure_warm_start(cfg, t.progress)
-    run_dir = open_run_dir(cfg, resume)
-    found = latest_checkpoint(run_dir) if resume else None
+    found = latest_checkpoint(run_path(cfg)) if resume else None
+    if resume and not found:
+        log.warning("--resume: no complete checkpoint under %s, starting a fresh run", run_path(cfg))
+    run_dir = open_run_dir(cfg, resume=found is not None)
     state = found[1] if found else {"step": 0, "reference_path": warm}
     policy_path = str(found[0] / "model") if found else warm
     task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
@@ -46,7 +51,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         with timer.phase("eval"):
             state["before"] = evaluate()
         logger.log(0, state["before"])
-    last = dict(state["before"])
+    last = dict(state.get("last", state["before"]))
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps, desc="GRPO", disable=not t.progress, dynamic_ncols=True)
     timer.pop()
     for step in bar:
@@ -74,7 +79,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         logger.log(done, metrics | timer.pop())
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}")
         if (t.save_every and done % t.save_every == 0) or done == t.total_steps:
-            save_checkpoint(run_dir, done, roles.actor, state | {"step": done}, cfg)
+            save_checkpoint(run_dir, done, roles.actor, state | {"step": done, "last": last}, cfg)
     logger.close()
     roles.shutdown()
     summary = {

@@ -54,17 +54,28 @@ class HFRollout(RolloutEngine):
         tok = self.tokenizer
         ids = pad_2d([r.prompt_ids for r in reqs], tok.pad_token_id, torch.long, left=True)
         attn = pad_2d([[1] * len(r.prompt_ids) for r in reqs], 0, torch.long, left=True)
-        if params.seed is not None:
-            torch.manual_seed(params.seed + offset)
+        with torch.random.fork_rng(devices=[]):  # a seeded call leaves the caller's RNG stream alone
+            if params.seed is not None:
+                torch.manual_seed(params.seed + offset)
+            res = self._hf_generate(ids, attn, params)
+        return self._to_samples(reqs, ids.shape[1], res, params, t0)
+
+    def _hf_generate(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams):
+        tok = self.tokenizer
         gen_kwargs = dict(do_sample=not params.greedy, num_return_sequences=params.n)
         if not params.greedy:
             gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)  # top_k=0: off
-        eos = [tok.eos_token_id, *params.stop_token_ids]
-        res = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=params.max_new_tokens, eos_token_id=eos,
+        return self.model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=params.max_new_tokens, eos_token_id=self._eos(params),
             pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True, **gen_kwargs,
         )
-        responses = res.sequences[:, ids.shape[1]:]
+
+    def _eos(self, params: SamplingParams) -> list[int]:
+        return [self.tokenizer.eos_token_id, *params.stop_token_ids]
+
+    def _to_samples(self, reqs: list[GenerationRequest], prompt_width: int, res, params: SamplingParams, t0: float) -> list[Sample]:
+        eos = self._eos(params)
+        responses = res.sequences[:, prompt_width:]
         scores = torch.stack(res.scores, 1).float()  # (B*n, R, V) processed logits
         logps = torch.log_softmax(scores, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         samples = []
