@@ -49,3 +49,8 @@ def test_print_config_resolves_overrides(capsys):
 def test_console_script_exit_code():
     proc = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", "trainer.nme=x"], capture_output=True, text=True)
     assert proc.returncode == 2 and "did you mean 'trainer.name'" in proc.stderr
+
+
+def test_config_reference_is_up_to_date():
+    proc = subprocess.run([sys.executable, "docs/gen_config_reference.py", "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, "docs/configuration.md is stale: run python docs/gen_config_reference.py\n" + proc.stdout + proc.stderr

@@ -54,7 +54,8 @@ def test_two_steps_local_then_resume(tmp_path):
 
 def test_ray_first_step_matches_local(tmp_path, ray_cluster):
     local = train(make_cfg(tmp_path, "trainer.total_steps=1", "trainer.name=local"))
-    remote = train(make_cfg(tmp_path, "trainer.total_steps=1", "trainer.name=ray", "controller.backend=ray"))
+    remote = train(make_cfg(tmp_path, "trainer.total_steps=2", "trainer.name=ray", "controller.backend=ray"))
+    assert remote["steps"] == 2
     a, b = first_step(tmp_path / "runs" / "local"), first_step(tmp_path / "runs" / "ray")
     assert a.keys() == b.keys()
     for k in a:

@@ -82,7 +82,7 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = _f(2e-4, "AdamW learning rate", gt=0)
+    lr: float = _f(1e-4, "AdamW learning rate", gt=0)
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
     ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
@@ -116,7 +116,7 @@ class SFTConfig:
 class TrainerConfig:
     name: str = _f("arith_grpo", "run name: outputs go to <runs_dir>/<name>")
     runs_dir: str = _f("runs", "parent directory of run outputs")
-    total_steps: int = _f(60, "RL steps", ge=0)
+    total_steps: int = _f(200, "RL steps", ge=0)
     prompts_per_step: int = _f(32, "prompts per RL step", ge=1)
     samples_per_prompt: int = _f(8, "G: samples per prompt", ge=1)
     eval_every: int = _f(10, "held-out evaluation every N steps (0: only before and after)", ge=0)
