@@ -5,6 +5,7 @@ from hybridrl.config.schema import (
     AlgorithmConfig,
     Config,
     ControllerConfig,
+    CriticConfig,
     ModelConfig,
     PoolConfig,
     RolloutConfig,
@@ -14,7 +15,7 @@ from hybridrl.config.schema import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "ControllerConfig", "ModelConfig", "PoolConfig",
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "ControllerConfig", "CriticConfig", "ModelConfig", "PoolConfig",
     "RolloutConfig", "SFTConfig", "TaskConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict",
     "load_config", "to_dict",
 ]

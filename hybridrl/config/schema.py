@@ -48,7 +48,7 @@ class PoolConfig:
     gpus_per_worker: float = _f(0.0, "GPUs reserved per worker (ray backend)", ge=0)
 
 
-ROLES = ("actor", "reference", "rollout", "reward")
+ROLES = ("actor", "reference", "rollout", "reward", "critic")
 
 
 @dataclass
@@ -57,9 +57,10 @@ class ControllerConfig:
     ray_address: str | None = _f(None, "join this Ray cluster instead of starting a local one")
     num_threads: int = _f(2, "torch threads per worker process", ge=1)
     pools: dict[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig()}, metadata={"help": "resource pools by name"})
-    placement: dict[str, str] = _f({r: "global" for r in ROLES}, "role -> pool name")
+    placement: dict[str, str] = _f({r: "global" for r in ROLES}, "role -> pool name (critic: used by gae only)")
 
     def validate(self) -> None:
+        self.placement.setdefault("critic", self.placement.get("actor", "global"))
         missing = [r for r in ROLES if r not in self.placement]
         if missing:
             raise ValueError(f"placement lacks role(s) {missing}; every role of {list(ROLES)} needs a pool")
@@ -77,7 +78,13 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = _f(0, "top-k sampling (0: off)", ge=0)
     max_new_tokens: int = _f(16, "longest response in tokens", ge=1)
-    max_batch_size: int = _f(512, "sequences per generate call", ge=1)
+    max_batch_size: int = _f(512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1)
+    kv_cache_bytes: int = _f(256 << 20, "native: bytes of the paged KV-cache pool", ge=1)
+    block_size: int = _f(16, "native: tokens per KV-cache block", ge=1)
+    max_num_batched_tokens: int = _f(4096, "native: token budget of one engine step (prefill + decode)", ge=1)
+    enable_prefix_caching: bool = _f(True, "native: share KV blocks of identical prompt prefixes")
+    draft_model_path: str | None = _f(None, "native: draft model checkpoint for speculative decoding (null: off)")
+    num_speculative_tokens: int = _f(4, "native: tokens the draft proposes per step", ge=1)
 
 
 @dataclass
@@ -90,17 +97,43 @@ class ActorConfig:
     micro_batch_tokens: int = _f(8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1)
 
 
+LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
 @dataclass
 class AlgorithmConfig:
-    advantage: str = _f("grpo", "advantage estimator (registry name or dotted path)")
-    policy_loss: str = _f("ppo_clip", "policy loss (registry name or dotted path)")
-    norm_adv_by_std: bool = _f(True, "GRPO: divide by the group's std (false: Dr.GRPO)")
-    clip_ratio_low: float = _f(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
-    clip_ratio_high: float = _f(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
-    kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (the KL is always measured and logged)", ge=0)
-    kl_estimator: str = _f("k3", "KL estimator: k1, k2, k3")
+    advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae (registry name or dotted path)")
+    policy_loss: str = _f("ppo_clip", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo (registry name or dotted path)")
+    norm_adv_by_std: bool = _f(True, "grpo: divide by the group's std (false: Dr.GRPO)")
+    gamma: float = _f(1.0, "discount (gae, reinforce_pp)", ge=0, le=1)
+    lam: float = _f(1.0, "GAE lambda", ge=0, le=1)
+    clip_ratio_low: float = _f(0.2, "clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
+    clip_ratio_high: float = _f(0.2, "clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher: larger than low)", ge=0)
+    clip_ratio_c: float | None = _f(3.0, "dual clip bound for negative advantages (null: off)", gt=1)
+    behav_imp_weight_cap: float | None = _f(None, "decoupled_ppo: cap of the behaviour importance weight (null: none)", gt=0)
+    loss_agg: str = _f("token-mean", "loss aggregation", choices=LOSS_AGG_MODES)
+    loss_agg_norm_len: int | None = _f(None, "seq-mean-token-sum-norm: the fixed length (null: rollout.max_new_tokens)", ge=1)
+    kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (the KL is always measured)", ge=0)
+    kl_estimator: str = _f("k3", "KL estimator of the loss term and the reward penalty: k1, k2, k3")
+    kl_reward_coef: float = _f(0.0, "initial weight of the per-token KL penalty in the reward (0: off)", ge=0)
+    kl_ctrl: Literal["fixed", "adaptive"] = _f("fixed", "reward KL controller (adaptive: Ziegler et al. 2019)")
+    kl_target: float = _f(0.01, "adaptive KL controller: target KL per sequence", gt=0)
+    kl_horizon: int = _f(10000, "adaptive KL controller: horizon in samples", ge=1)
     entropy_coef: float = _f(0.0, "entropy bonus weight", ge=0)
-    loss_agg: Literal["token-mean"] = _f("token-mean", "loss aggregation over tokens")
+    filter_groups: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts")
+    max_sampling_rounds: int = _f(4, "dynamic sampling: generate rounds per step at most", ge=1)
+    overlong_buffer: int = _f(0, "DAPO soft overlong punishment: length of the buffer before max_new_tokens (0: off)", ge=0)
+    overlong_penalty: float = _f(1.0, "soft overlong punishment at max_new_tokens", ge=0)
+
+
+@dataclass
+class CriticConfig:
+    lr: float = _f(1e-3, "critic AdamW learning rate (gae only)", gt=0)
+    value_clip: float = _f(0.5, "value-loss clip range around the old values", gt=0)
+    grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
+    ppo_minibatch_size: int = _f(64, "samples per critic optimizer step", ge=1)
+    ppo_epochs: int = _f(1, "passes over each step's batch", ge=1)
+    micro_batch_tokens: int = _f(8192, "token budget of one forward/backward", ge=1)
 
 
 @dataclass
@@ -139,6 +172,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

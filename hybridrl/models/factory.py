@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 SIZES = {
@@ -44,6 +45,7 @@ def build_model(name: str, tokenizer, seed: int) -> PreTrainedModel:
 
 def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokenizer=None):
     """(model, tokenizer): from a local checkpoint directory, or a built-in size with the task's tokenizer."""
+    hf_logging.disable_progress_bar()  # per-load progress bars drown the training bar (also inside Ray workers)
     if path is None:
         if task_tokenizer is None:
             raise ValueError("a built-in model size needs the task's tokenizer")

@@ -18,7 +18,7 @@ import torch
 from hybridrl.protocol import Sample
 from hybridrl.registry import Registry
 
-ROLLOUT_BACKENDS = Registry("rollout backend")
+ROLLOUT_BACKENDS = Registry("rollout backend")  # name -> cls(model, tokenizer, cfg: RolloutConfig)
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""Trainer checkpoints: ``<run>/checkpoints/step_NNNNNN/{model/, actor_state.pt, trainer.json, config.yaml}``.
+"""Trainer checkpoints: ``<run>/checkpoints/step_NNNNNN/{model/, critic/, trainer.json, config.yaml}``.
+
+``model/`` is the policy in transformers format (plus ``train_state.pt``: optimizer and RNG);
+``critic/`` the same for the value model when the run has one.
 
 Written to a temporary directory and renamed when complete, so a crash
 mid-save leaves the previous checkpoint loadable; the last K are kept.
@@ -15,12 +18,14 @@ from hybridrl.config import Config, dump_yaml
 PREFIX = "step_"
 
 
-def save_checkpoint(run_dir: Path, step: int, actor, trainer_state: dict, cfg: Config) -> Path:
+def save_checkpoint(run_dir: Path, step: int, roles, trainer_state: dict, cfg: Config) -> Path:
     root = run_dir / "checkpoints"
     final, tmp = root / f"{PREFIX}{step:06d}", root / f".tmp-{PREFIX}{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    actor.save_checkpoint(str(tmp))
+    roles.actor.save_checkpoint(str(tmp / "model"))
+    if roles.critic is not None:
+        roles.critic.save_checkpoint(str(tmp / "critic"))
     (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     (tmp / "config.yaml").write_text(dump_yaml(cfg))
     shutil.rmtree(final, ignore_errors=True)

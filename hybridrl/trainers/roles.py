@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridrl.algorithms import ADVANTAGES
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
-from hybridrl.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker
+from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutWorker
 
 
 @dataclass
@@ -14,13 +15,19 @@ class Roles:
     reference: WorkerGroup
     rollout: WorkerGroup
     reward: WorkerGroup
+    critic: WorkerGroup | None = None  # only for estimators that need values (gae)
 
     def shutdown(self) -> None:
-        for wg in (self.actor, self.reference, self.rollout, self.reward):
-            wg.shutdown()
+        for wg in (self.actor, self.reference, self.rollout, self.reward, self.critic):
+            if wg is not None:
+                wg.shutdown()
 
 
-def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None) -> Roles:
+def needs_critic(cfg: Config) -> bool:
+    return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_values", False)
+
+
+def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None, critic_path: str | None = None) -> Roles:
     """Worker groups for every role; roles mapped to the same pool share its devices (colocation)."""
     c = cfg.controller
     if c.backend == "ray":
@@ -36,4 +43,5 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
         reference=group(ReferenceWorker, "reference", reference_path),
         rollout=group(RolloutWorker, "rollout", policy_path),
         reward=group(RewardWorker, "reward", policy_path),
+        critic=group(CriticWorker, "critic", critic_path or reference_path) if needs_critic(cfg) else None,
     )

@@ -1,15 +1,15 @@
 """The synchronous RL driver: one plain loop over the roles (GUIDE.md §1).
 
-Every step: generate -> score -> reference log-probs -> old log-probs ->
-advantages -> policy update -> weight sync. Which algorithm runs is decided
-by registries (``algorithm.advantage``, ``algorithm.policy_loss``), never by
-branches here.
+Every step: generate and score -> reference log-probs -> old log-probs ->
+(values) -> token-level rewards -> advantages -> (critic update) -> policy
+update -> weight sync. Which algorithm runs is decided by registries
+(``algorithm.advantage``, ``algorithm.policy_loss``, ``algorithm.loss_agg``),
+never by branches here; the critic exists only when the estimator needs values.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -18,11 +18,13 @@ from hybridrl.config import Config
 from hybridrl.rollout import SamplingParams
 from hybridrl.telemetry import MetricsLogger, PhaseTimer, write_report
 from hybridrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
-from hybridrl.trainers.evaluate import Evaluator, collate, prompt_batch
+from hybridrl.trainers.collect import collect
+from hybridrl.trainers.evaluate import Evaluator
 from hybridrl.trainers.metrics import batch_metrics, mean_over_ranks
 from hybridrl.trainers.roles import build_roles
 from hybridrl.trainers.run_dir import open_run_dir, run_path, write_summary
 from hybridrl.trainers.sft import ensure_warm_start
+from hybridrl.trainers.shaping import RewardShaper
 from hybridrl.workers.common import load_tokenizer, make_task
 
 log = logging.getLogger(__name__)
@@ -35,42 +37,49 @@ def train(cfg: Config, resume: bool = False) -> dict:
     if resume and not found:
         log.warning("--resume: no complete checkpoint under %s, starting a fresh run", run_path(cfg))
     run_dir = open_run_dir(cfg, resume=found is not None)
-    state = found[1] if found else {"step": 0, "reference_path": warm}
-    policy_path = str(found[0] / "model") if found else warm
-    task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
-    roles = build_roles(cfg, policy_path, state["reference_path"])
-    if found:
-        roles.actor.load_state(str(found[0]))
+    state = found[1] if found else {"step": 0, "prompt_cursor": 0, "reference_path": warm}
+    ckpt = found[0] if found else None
+    roles = build_roles(cfg, str(ckpt / "model") if ckpt else warm, state["reference_path"],
+                        str(ckpt / "critic") if ckpt and (ckpt / "critic").is_dir() else None)
+    if ckpt:
+        roles.actor.load_state(str(ckpt / "model"))
+        if roles.critic is not None:
+            roles.critic.load_state(str(ckpt / "critic"))
         roles.rollout.update_weights(roles.actor.weight_buckets(), state["step"])
+    task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_new_tokens=cfg.rollout.max_new_tokens, n=t.samples_per_prompt)
     evaluate = Evaluator(roles, task.heldout()[: cfg.task.eval_size], tokenizer, params, seed=t.seed + 10_000)
-    logger = MetricsLogger(run_dir, t.tensorboard, resume_step=state["step"] if found else None)
-    timer = PhaseTimer()
+    shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens, state.get("kl_reward_coef"))
+    logger, timer = MetricsLogger(run_dir, t.tensorboard, resume_step=state["step"] if found else None), PhaseTimer()
     if "before" not in state:
         with timer.phase("eval"):
             state["before"] = evaluate()
         logger.log(0, state["before"])
-    last = dict(state.get("last", state["before"]))
-    bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps, desc="GRPO", disable=not t.progress, dynamic_ncols=True)
+    last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
     timer.pop()
+    bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps, desc=cfg.algorithm.advantage,
+               disable=not t.progress, dynamic_ncols=True)
     for step in bar:
-        prompts = prompt_batch([task.prompt(step * t.prompts_per_step + i) for i in range(t.prompts_per_step)], tokenizer)
-        with timer.phase("rollout"):
-            batch = collate(roles.rollout.generate(prompts, replace(params, seed=t.seed + step)), tokenizer.pad_token_id)
-        with timer.phase("reward"):
-            batch |= roles.reward.score(batch)
+        batch, cursor, metrics = collect(roles, task, tokenizer, cfg, params, cursor, seed=t.seed + step, timer=timer)
         with timer.phase("reference"):
             batch |= roles.reference.compute_ref_log_prob(batch)
         with timer.phase("old_log_prob"):
             batch |= roles.actor.compute_log_prob(batch)
+        if roles.critic is not None:
+            with timer.phase("values"):
+                batch |= roles.critic.compute_values(batch)
         with timer.phase("advantage"):
+            batch, shaping_metrics = shape(batch)
             batch = compute_advantages(batch, cfg.algorithm)
+        if roles.critic is not None:
+            with timer.phase("critic_update"):
+                metrics |= mean_over_ranks(roles.critic.update_critic(batch))
         with timer.phase("update"):
-            metrics = mean_over_ranks(roles.actor.update_policy(batch))
+            metrics |= mean_over_ranks(roles.actor.update_policy(batch))
         with timer.phase("weight_sync"):
             roles.rollout.update_weights(roles.actor.weight_buckets(), step + 1)
-        metrics |= batch_metrics(batch) | roles.rollout.stats()
+        metrics |= shaping_metrics | batch_metrics(batch) | roles.rollout.stats()
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.total_steps:
             with timer.phase("eval"):
@@ -79,7 +88,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
         logger.log(done, metrics | timer.pop())
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}")
         if (t.save_every and done % t.save_every == 0) or done == t.total_steps:
-            save_checkpoint(run_dir, done, roles.actor, state | {"step": done, "last": last}, cfg)
+            save_checkpoint(run_dir, done, roles, state | {"step": done, "last": last, "prompt_cursor": cursor,
+                                                           "kl_reward_coef": shape.kl.value}, cfg)
     logger.close()
     roles.shutdown()
     summary = {
@@ -89,5 +99,5 @@ def train(cfg: Config, resume: bool = False) -> dict:
         "warm_start": warm, "resumed_from_step": found[1]["step"] if found else None,
     }
     write_summary(run_dir, summary)
-    write_report(run_dir, title=f"{t.name}: {cfg.algorithm.advantage} on {cfg.task.name}")
+    write_report(run_dir, title=f"{t.name}: {cfg.algorithm.advantage} / {cfg.algorithm.policy_loss} on {cfg.task.name}")
     return summary

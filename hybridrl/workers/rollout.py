@@ -12,7 +12,7 @@ class RolloutWorker(Worker):
     def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
         super().__init__(ctx)
         model, tokenizer = load_model(cfg, model_path)
-        self.engine = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+        self.engine = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout)
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: Batch, params: SamplingParams) -> list[Sample]:

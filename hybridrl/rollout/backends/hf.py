@@ -12,17 +12,18 @@ from typing import Iterable
 
 import torch
 
+from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
 
 
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout(RolloutEngine):
-    def __init__(self, model, tokenizer, max_batch_size: int = 512):
+    def __init__(self, model, tokenizer, cfg: RolloutConfig | None = None):
         super().__init__()
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = (cfg or RolloutConfig()).max_batch_size
         self._tokens = 0
         self._seconds = 0.0
 

@@ -1,0 +1,75 @@
+"""Loss aggregation: ``fn(loss (B, R), mask, totals) -> scalar``.
+
+``totals`` are the totals of the whole mini-batch (one optimizer step), not of the micro-batch
+being aggregated, so every mode is a sum of per-row terms divided by a mini-batch constant and
+the micro-batch results of gradient accumulation add up exactly to the mini-batch loss.
+Padded positions never contribute; the seq-mean modes average over non-empty rows (veRL).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridrl.registry import Registry
+
+LOSS_AGG = Registry("loss aggregation")
+
+
+@dataclass
+class AggTotals:
+    """Mini-batch totals: valid tokens, non-empty rows, and the fixed length of seq-mean-token-sum-norm."""
+
+    n_tokens: float
+    n_seqs: float
+    norm_len: float
+
+
+def agg_totals(mask: torch.Tensor, norm_len: float | None = None) -> AggTotals:
+    """Totals of a mini-batch's ``response_mask``; ``norm_len`` None: the mask's width (veRL's default)."""
+    m = mask.bool() if mask.dtype != torch.bool else mask
+    return AggTotals(n_tokens=float(m.sum().item()), n_seqs=float(m.any(-1).sum().item()),
+                     norm_len=float(mask.shape[-1] if norm_len is None else norm_len))
+
+
+def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m = mask.bool() if mask.dtype != torch.bool else mask
+    sums = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)).sum(-1)
+    return sums, m.sum(-1)
+
+
+def _div(x: torch.Tensor, d: float) -> torch.Tensor:
+    return x / d if d > 0 else x * 0.0  # an empty mini-batch: 0 (the numerator is 0 too), never NaN
+
+
+@LOSS_AGG.register("token-mean")
+def token_mean(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+    """sum over valid tokens / n_tokens."""
+    return _div(_row_sums(loss, mask)[0].sum(), totals.n_tokens)
+
+
+@LOSS_AGG.register("seq-mean-token-sum")
+def seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+    """sum_i (sum_t loss_it) / n_seqs."""
+    return _div(_row_sums(loss, mask)[0].sum(), totals.n_seqs)
+
+
+@LOSS_AGG.register("seq-mean-token-mean")
+def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+    """sum_i (mean_t loss_it) / n_seqs; an empty row contributes 0."""
+    sums, counts = _row_sums(loss, mask)
+    return _div((sums / counts.clamp(min=1).to(sums.dtype)).sum(), totals.n_seqs)
+
+
+@LOSS_AGG.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+    """sum over valid tokens / (n_seqs * norm_len) (Dr.GRPO, Liu et al. 2503.20783).
+
+    Differs from veRL, which divides by norm_len only (its scale then grows with the batch size);
+    Dr.GRPO's objective averages over the G sequences too.
+    """
+    return _div(_row_sums(loss, mask)[0].sum(), totals.n_seqs * totals.norm_len)
+
+
+def aggregate(name: str, loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+    return LOSS_AGG.get(name)(loss, mask, totals)

@@ -1,0 +1,196 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts, prefix caching.
+
+Pure Python (no tensors): the model runner owns the KV pool, this class only
+decides which block holds which tokens.
+
+Prefix caching: a *full* block whose KV has been written is registered under a
+chained hash ``hash((hash of the previous block, its tokens))``, so one hash
+names the whole prefix up to the block's end. A lookup checks the block's
+stored tokens too, so a hash collision can never serve wrong KV. A block whose
+reference count drops to zero goes to the back of the free list but keeps its
+hash: it can be revived by a later hit until it is handed out again (LRU
+eviction from the front). A block is registered only after its KV is written
+(:meth:`register_computed`), so a hit never reads KV that is still pending.
+Any weight change calls :meth:`invalidate`: all hashes are dropped, and
+sequences whose KV was computed under older weights stop registering blocks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from hybridrl.rollout.sequence import Sequence
+
+
+def block_hash(prev_hash: int, tokens: list[int]) -> int:
+    return hash((prev_hash, tuple(tokens)))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
+        self.hash_to_block: dict[int, int] = {}
+        self.epoch = 0
+
+    # --- state ----------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # --- allocation -------------------------------------------------------------
+    def _take_free(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash != -1:  # evict: its KV is about to be overwritten
+            if self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = -1, ()
+        block.ref_count = 1
+        return bid
+
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self.free[bid]
+        block.ref_count += 1
+
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], int]:
+        """Cached leading blocks of ``seq`` (at least its last token stays uncached) and the last hash."""
+        hits: list[int] = []
+        h = -1
+        if not self.enable_prefix_caching:
+            return hits, h
+        bs = self.block_size
+        for i in range((len(seq) - 1) // bs):  # full blocks that end before the last token
+            tokens = seq.token_ids[i * bs: (i + 1) * bs]
+            h = block_hash(h, tokens)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(tokens):
+                break
+            hits.append(bid)
+        if hits:
+            h = self.blocks[hits[-1]].hash
+        else:
+            h = -1
+        return hits, h
+
+    def num_new_blocks(self, seq: Sequence) -> int:
+        """Free blocks that allocating ``seq`` would consume."""
+        hits, _ = self.match_prefix(seq)
+        revived = sum(1 for bid in hits if self.blocks[bid].ref_count == 0)
+        return self.blocks_for(len(seq)) - len(hits) + revived
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        return self.num_new_blocks(seq) + reserve <= self.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, f"{seq} already holds blocks"
+        hits, h = self.match_prefix(seq)
+        if self.num_new_blocks(seq) > self.num_free:
+            raise RuntimeError("allocate() without enough free blocks; call can_allocate() first")
+        for bid in hits:
+            self._ref(bid)
+        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.last_hash = h
+        seq.hash_epoch = self.epoch
+
+    def deallocate(self, seq: Sequence) -> None:
+        for bid in reversed(seq.block_table):  # tail first, so prefix blocks stay cached longest
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.num_draft_computed = 0
+        seq.num_hashed_blocks = 0
+        seq.last_hash = -1
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` can grow to hold ``num_tokens`` tokens in total."""
+        return self.blocks_for(num_tokens) - len(seq.block_table) <= self.num_free
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> None:
+        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            raise RuntimeError("append_slots() without enough free blocks; call can_append() first")
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Share the parent's computed full blocks with ``child``; copy its partial block.
+
+        Returns the ``(src, dst)`` block copies the KV pool must perform. Needs one
+        free block when the computed tokens end inside a block.
+        """
+        bs = self.block_size
+        full, rest = divmod(parent.num_computed, bs)
+        table = parent.block_table[:full]
+        for bid in table:
+            self._ref(bid)
+        copies = []
+        if rest:
+            dst = self._take_free()
+            copies.append((parent.block_table[full], dst))
+            table = table + [dst]
+        child.block_table = table
+        return copies
+
+    # --- prefix cache -----------------------------------------------------------
+    def register_computed(self, seq: Sequence) -> None:
+        """Register the full blocks of ``seq`` whose KV has now been written."""
+        if not self.enable_prefix_caching or seq.hash_epoch != self.epoch:
+            return
+        bs = self.block_size
+        done = min(seq.num_computed, len(seq)) // bs
+        for i in range(seq.num_hashed_blocks, done):
+            bid = seq.block_table[i]
+            block = self.blocks[bid]
+            tokens = seq.token_ids[i * bs: (i + 1) * bs]
+            h = block_hash(seq.last_hash, tokens)
+            if block.hash == -1:
+                block.hash, block.token_ids = h, tuple(tokens)
+                self.hash_to_block.setdefault(h, bid)
+            seq.last_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, done)
+
+    def invalidate(self) -> None:
+        """Forget every cached prefix (the weights changed)."""
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, ()
+        self.hash_to_block.clear()
+        self.epoch += 1
+
+    def reset(self) -> None:
+        """Drop every allocation (the KV pool was released); sequences must be re-allocated."""
+        epoch = self.epoch
+        self.__init__(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        self.epoch = epoch + 1

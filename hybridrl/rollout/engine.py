@@ -1,0 +1,246 @@
+"""The native engine's core loop: schedule, run the model, sample, update sequences.
+
+One :meth:`LLMEngine.step` schedules a batch (continuous batching, see
+``scheduler.py``), runs one forward pass over it (``model_runner.py``),
+samples the sequences whose KV is now complete (``sampler.py``), forks the
+``n`` samples of a freshly prefilled prompt, and retires finished sequences at
+once. With a draft model, decode-only steps at small batch run speculatively
+(``spec_decode.py``). Every step holds ``lock``, so weight updates, aborts and
+memory release from other threads land between steps.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+
+from hybridrl.rollout.block_manager import BlockManager
+from hybridrl.rollout.model_runner import ModelRunner
+from hybridrl.rollout.sampler import SamplingTensors, sample
+from hybridrl.rollout.scheduler import Scheduler
+from hybridrl.rollout.sequence import Sequence, Status, derive_seed
+
+
+class LLMEngine:
+    def __init__(self, model, cfg, *, eos_token_ids: Iterable[int] = (), tokenizer=None, draft_model=None,
+                 num_blocks: int | None = None, spec_max_batch: int = 32):
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.runner = ModelRunner(model.config, device=self.device, dtype=self.dtype, block_size=cfg.block_size, hf_model=model)
+        self.spec = None
+        per_block = self.runner.bytes_per_block()
+        if draft_model is not None:
+            from hybridrl.rollout.spec_decode import SpecDecoder
+
+            draft_runner = ModelRunner(draft_model.config, device=self.device, dtype=self.dtype, block_size=cfg.block_size,
+                                       hf_model=draft_model)
+            self.spec = SpecDecoder(self, draft_runner, cfg.num_speculative_tokens, spec_max_batch)
+            per_block += draft_runner.bytes_per_block()
+        self.num_blocks = num_blocks or max(2, cfg.kv_cache_bytes // per_block)
+        self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, cfg.max_batch_size, cfg.max_num_batched_tokens)
+        self._allocate()
+        self.version = 0
+        self.lock = threading.RLock()
+        self.finished: dict[str, list[Sequence]] = defaultdict(list)
+        self.aborted: set[str] = set()
+        self.stats_acc: dict[str, float] = defaultdict(float)
+        self.released = False
+
+    # --- memory -----------------------------------------------------------------------
+    def _allocate(self) -> None:
+        self.runner.allocate_kv(self.num_blocks)
+        if self.spec is not None:
+            self.spec.draft.allocate_kv(self.num_blocks)
+
+    def release_memory(self) -> None:
+        """Free the KV pool; running sequences go back to waiting and are recomputed after :meth:`wake_up`."""
+        with self.lock:
+            n = self.scheduler.num_preemptions
+            self.scheduler.preempt_all()
+            self.scheduler.num_preemptions = n  # not memory pressure: do not count
+            self.bm.reset()
+            self.runner.free_kv()
+            if self.spec is not None:
+                self.spec.draft.free_kv()
+            self.released = True
+
+    def wake_up(self) -> None:
+        with self.lock:
+            if self.released:
+                self._allocate()
+                self.released = False
+
+    # --- requests ---------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, seed: int | None = None, tag: Any = None) -> None:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        n = max(1, int(getattr(params, "n", 1)))
+        seq = Sequence(request_id, prompt_ids, params, derive_seed(seed, 0), num_forks=n - 1, tag=tag)
+        seq.base_seed = seed
+        limit = self.runner.spec.max_positions
+        if len(prompt_ids) + seq.max_tokens > limit:
+            seq.max_tokens = max(0, limit - len(prompt_ids))
+        if seq.max_tokens <= 0:
+            raise ValueError(f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room below {limit} positions")
+        self.stats_acc["prompt_tokens"] += n * len(prompt_ids)
+        with self.lock:
+            self.scheduler.add(seq)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        with self.lock:
+            self.aborted.update(request_ids)
+
+    def _drop_aborted(self) -> None:
+        if not self.aborted:
+            return
+        sch = self.scheduler
+        for seq in [s for s in list(sch.waiting) + sch.running if s.request_id in self.aborted]:
+            sch.finish(seq, Status.ABORTED)
+            self.finished[seq.request_id].append(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load new weights in place between steps and invalidate the prefix cache."""
+        with self.lock:
+            count = self.runner.load_weights(named_tensors)
+            self.bm.invalidate()
+            self.version = version
+            return count
+
+    # --- one step ---------------------------------------------------------------------
+    def step(self) -> int:
+        """Run one engine step; returns the number of tokens it generated."""
+        with self.lock:
+            if self.released:
+                self.wake_up()
+            self._drop_aborted()
+            if not self.scheduler.has_work():
+                return 0
+            spec = self.spec is not None and self.spec.wants_step(self.scheduler)
+            batch = self.scheduler.schedule(lookahead=self.spec.k if spec else 0)
+            if not batch.seqs:
+                if self.scheduler.running or not self.scheduler.waiting:
+                    return 0
+                raise RuntimeError(f"a sequence of {len(self.scheduler.waiting[0])} tokens does not fit the KV pool "
+                                   f"({self.num_blocks} blocks of {self.bm.block_size}); raise rollout.kv_cache_bytes")
+            acc = self.stats_acc
+            acc["steps"] += 1
+            acc["kv_usage_sum"] += self.bm.usage()
+            acc["kv_usage_peak"] = max(acc["kv_usage_peak"], self.bm.usage())
+            if spec and batch.is_decode_only:
+                return self.spec.step(batch)
+            return self._plain_step(batch)
+
+    def _plain_step(self, batch) -> int:
+        seqs, qs = batch.seqs, batch.num_tokens
+        for seq, q in zip(seqs, qs):
+            st = seq.num_computed
+            self.stats_acc["prompt_tokens_computed"] += max(0, min(st + q, seq.num_prompt_tokens) - st)
+        logits = self.runner.execute(seqs, qs)
+        if self.spec is not None:
+            self.spec.follow(seqs, qs)
+        rows, row_seqs = [], []
+        for i, (seq, q) in enumerate(zip(seqs, qs)):
+            seq.num_computed += q
+            self.bm.register_computed(seq)
+            if seq.num_computed == len(seq):
+                rows.append(i)
+                row_seqs.append(seq)
+                if seq.num_forks:
+                    for j in range(1, seq.num_forks + 1):
+                        rows.append(i)
+                        row_seqs.append(self._fork(seq, j))
+                    seq.num_forks = 0
+        if not rows:
+            return 0
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        st = SamplingTensors.build([s.params for s in row_seqs], [s.seed for s in row_seqs], [len(s) for s in row_seqs], self.device)
+        tokens, lps, raws = sample(logits, st)
+        self.append_tokens(row_seqs, [[t] for t in tokens.tolist()], [[x] for x in lps.tolist()],
+                           None if raws is None else [[x] for x in raws.tolist()])
+        return len(row_seqs)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        child = parent.fork(index, derive_seed(parent.base_seed, index))
+        child.base_seed = parent.base_seed
+        partial = parent.num_computed % self.bm.block_size != 0
+        if self.bm.num_free >= int(partial):
+            self.runner.copy_blocks(copies := self.bm.fork(parent, child))
+            if self.spec is not None:
+                self.spec.draft.copy_blocks(copies)
+            self.scheduler.add_running(child)
+        else:  # no block for the copy: recompute the prompt later (prefix caching serves its full blocks)
+            child.num_computed = child.num_draft_computed = 0
+            child.num_cached_prompt_tokens = 0
+            self.scheduler.add(child)
+        return child
+
+    def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], lps: list[list[float]],
+                      raws: list[list[float]] | None) -> None:
+        """Append each sequence's new tokens, stopping at a stop token/string or the token limit."""
+        version, eos = self.version, self.eos_token_ids
+        done, statuses = [], []
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            stops = seq.__dict__.get("_stops")
+            if stops is None:
+                stops = seq._stops = (frozenset() if getattr(p, "ignore_eos", False) else eos) | frozenset(p.stop_token_ids)
+            status = None
+            for j, t in enumerate(tokens[i]):
+                seq.append(t, lps[i][j], version, None if raws is None else raws[i][j])
+                self.stats_acc["tokens"] += 1
+                if t in stops or (getattr(p, "stop", None) and self._hit_stop_string(seq, p.stop)):
+                    status = Status.FINISHED
+                elif seq.num_completion_tokens >= seq.max_tokens:
+                    status = Status.TRUNCATED
+                if status is not None:
+                    break
+            if status is not None:
+                done.append(seq)
+                statuses.append(status)
+        if done:
+            waiting = [s for s, st in zip(done, statuses) if s.status is Status.WAITING]
+            for s in waiting:
+                self.scheduler.finish(s, statuses[done.index(s)])
+            run = [(s, st) for s, st in zip(done, statuses) if s.status is Status.RUNNING]
+            self.scheduler.finish_many([s for s, _ in run], [st for _, st in run])
+            for s in done:
+                self.finished[s.request_id].append(s)
+
+    def _hit_stop_string(self, seq: Sequence, stop) -> bool:
+        stops = (stop,) if isinstance(stop, str) else tuple(stop)
+        width = max(len(s) for s in stops) + 4
+        text = self.tokenizer.decode(seq.completion_ids[-width:], skip_special_tokens=False)
+        return any(text.endswith(s) or (len(seq.completion_ids) <= width and s in text) for s in stops)
+
+    # --- statistics ----------------------------------------------------------------------
+    def stats(self, reset: bool = True) -> dict[str, float]:
+        a = self.stats_acc
+        out = {
+            "rollout/tokens_per_s": a["tokens"] / a["seconds"] if a["seconds"] else 0.0,
+            "rollout/generated_tokens": a["tokens"],
+            "rollout/steps": a["steps"],
+            "rollout/kv_usage_mean": a["kv_usage_sum"] / a["steps"] if a["steps"] else 0.0,
+            "rollout/kv_usage_peak": a["kv_usage_peak"],
+            "rollout/prompt_tokens": a["prompt_tokens"],
+            "rollout/prompt_tokens_computed": a["prompt_tokens_computed"],
+            "rollout/prefix_hit_rate": 1.0 - a["prompt_tokens_computed"] / a["prompt_tokens"] if a["prompt_tokens"] else 0.0,
+            "rollout/preemptions": float(self.scheduler.num_preemptions) - a["preemptions_base"],
+        }
+        if self.spec is not None:
+            out["rollout/spec_acceptance"] = a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
+            out["rollout/spec_steps"] = a["spec_steps"]
+        if reset:
+            base = float(self.scheduler.num_preemptions)
+            self.stats_acc = defaultdict(float, preemptions_base=base)
+        return out

@@ -1,0 +1,327 @@
+"""Our own forward pass for dense Qwen2 / Qwen3 / Llama models over a paged KV cache.
+
+Weights are plain tensors loaded by their transformers names (from a live
+state dict or a safetensors checkpoint); q/k/v and gate/up are fused into one
+matrix each, so a layer is four matmuls. The step's tokens of all sequences are
+packed into one flat (T, hidden) batch with no padding for every matmul; only
+attention pads, to the step's longest query and context. The KV pool is one
+tensor per K and V of shape (layers, kv_heads, slots, head_dim), slot =
+block * block_size + offset; attention writes the new K/V at the sequences'
+slots and gathers each sequence's context through its block table into a
+reused buffer, then computes grouped-query attention without repeating K/V.
+Everything is plain device-agnostic torch (CPU here, CUDA unchanged).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from hybridrl.rollout.sequence import Sequence
+
+
+@dataclass
+class ModelSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    tie_word_embeddings: bool
+    attn_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    o_bias: bool
+    max_positions: int
+
+    @staticmethod
+    def from_config(cfg) -> "ModelSpec":
+        mt = getattr(cfg, "model_type", "")
+        if mt not in ("qwen2", "qwen3", "llama"):
+            raise ValueError(f"native rollout supports qwen2, qwen3 and llama models, not {mt!r}")
+        heads = cfg.num_attention_heads
+        return ModelSpec(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate_size=cfg.intermediate_size, rms_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attn_bias=True if mt == "qwen2" else bool(getattr(cfg, "attention_bias", False)),
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qk_norm=mt == "qwen3",
+            o_bias=mt != "qwen2" and bool(getattr(cfg, "attention_bias", False)),
+            max_positions=getattr(cfg, "max_position_embeddings", 4096),
+        )
+
+
+def default_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rp.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} needs the live model's rotary embedding (pass hf_model)")
+    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # (T,)
+    cos: torch.Tensor  # (T, 1, D)
+    sin: torch.Tensor
+    slots: torch.Tensor  # (T,) cache slot of each new token
+    kv_blocks: torch.Tensor  # (B * nb,) block table of each sequence, padded with block 0 (masked)
+    bias: torch.Tensor  # (B, qmax, kmax) additive attention mask
+    batch: int
+    qmax: int
+    kmax: int
+    q_pad_index: torch.Tensor | None  # (B * qmax,) flat token index per padded query (None: decode only)
+    out_index: torch.Tensor | None  # (T,) padded row of each token
+    last_index: torch.Tensor  # (B,) flat index of each sequence's last query token
+
+
+class ModelRunner:
+    def __init__(self, config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 block_size: int = 16, hf_model=None):
+        self.config = config
+        self.spec = s = ModelSpec.from_config(config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        kw = dict(device=self.device, dtype=dtype)
+        H, D, KV, I = s.hidden_size, s.head_dim, s.num_kv_heads, s.intermediate_size
+        self.q_size, self.kv_size = s.num_heads * D, KV * D
+        qkv = self.q_size + 2 * self.kv_size
+        self.layers = []
+        for _ in range(s.num_layers):
+            self.layers.append(dict(
+                ln1=torch.ones(H, **kw), ln2=torch.ones(H, **kw),
+                wqkv=torch.zeros(qkv, H, **kw), bqkv=torch.zeros(qkv, **kw) if s.attn_bias else None,
+                qn=torch.ones(D, **kw) if s.qk_norm else None, kn=torch.ones(D, **kw) if s.qk_norm else None,
+                wo=torch.zeros(H, self.q_size, **kw), bo=torch.zeros(H, **kw) if s.o_bias else None,
+                wgu=torch.zeros(2 * I, H, **kw), bgu=torch.zeros(2 * I, **kw) if s.mlp_bias else None,
+                wd=torch.zeros(H, I, **kw), bd=torch.zeros(H, **kw) if s.mlp_bias else None,
+            ))
+        self.embed = torch.zeros(s.vocab_size, H, **kw)
+        self.lm_head = self.embed if s.tie_word_embeddings else torch.zeros(s.vocab_size, H, **kw)
+        self.norm = torch.ones(H, **kw)
+        self._targets = self._name_map()
+        rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
+        if rot is not None:
+            inv_freq, scaling = rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+        else:
+            inv_freq, scaling = default_inv_freq(config, D)
+        self._build_rope(inv_freq, scaling, s.max_positions)
+        self.k_cache = self.v_cache = None
+        self.num_blocks = 0
+        self._kbuf = self._vbuf = None
+        if hf_model is not None:
+            self.load_weights(hf_model.state_dict().items())
+
+    # --- weights ----------------------------------------------------------------
+    def _name_map(self) -> dict[str, torch.Tensor]:
+        s, m = self.spec, {}
+        q, kv, I = self.q_size, self.kv_size, s.intermediate_size
+        m["model.embed_tokens.weight"] = self.embed
+        m["lm_head.weight"] = self.lm_head
+        m["model.norm.weight"] = self.norm
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            m[p + "input_layernorm.weight"] = L["ln1"]
+            m[p + "post_attention_layernorm.weight"] = L["ln2"]
+            for name, t in (("weight", L["wqkv"]), ("bias", L["bqkv"])):
+                if t is not None:
+                    m[p + f"self_attn.q_proj.{name}"] = t[:q]
+                    m[p + f"self_attn.k_proj.{name}"] = t[q:q + kv]
+                    m[p + f"self_attn.v_proj.{name}"] = t[q + kv:]
+            m[p + "self_attn.o_proj.weight"] = L["wo"]
+            if L["bo"] is not None:
+                m[p + "self_attn.o_proj.bias"] = L["bo"]
+            if s.qk_norm:
+                m[p + "self_attn.q_norm.weight"] = L["qn"]
+                m[p + "self_attn.k_norm.weight"] = L["kn"]
+            for name, t in (("weight", L["wgu"]), ("bias", L["bgu"])):
+                if t is not None:
+                    m[p + f"mlp.gate_proj.{name}"] = t[:I]
+                    m[p + f"mlp.up_proj.{name}"] = t[I:]
+            m[p + "mlp.down_proj.weight"] = L["wd"]
+            if L["bd"] is not None:
+                m[p + "mlp.down_proj.bias"] = L["bd"]
+        return m
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors (transformers names) into the live weights in place; returns how many were loaded."""
+        count = 0
+        for name, tensor in named_tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                raise KeyError(f"native rollout: no weight named {name!r}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+            target.copy_(tensor)
+            count += 1
+        return count
+
+    def load_safetensors(self, path: str) -> int:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {path!r}")
+        return sum(self.load_weights(load_file(str(f)).items()) for f in files)
+
+    def _build_rope(self, inv_freq: torch.Tensor, scaling: float, max_pos: int) -> None:
+        self._rope_args = (inv_freq, scaling)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], -1)
+        self.cos_table = (emb.cos() * scaling).to(self.device, self.dtype)
+        self.sin_table = (emb.sin() * scaling).to(self.device, self.dtype)
+
+    # --- KV pool ------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        s = self.spec
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.block_size * torch.finfo(self.dtype).bits // 8
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        s = self.spec
+        shape = (s.num_layers, s.num_kv_heads, num_blocks * self.block_size, s.head_dim)
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)  # zeros: masked slots stay finite
+        self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        self.num_blocks = num_blocks
+
+    def free_kv(self) -> None:
+        self.k_cache = self.v_cache = self._kbuf = self._vbuf = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        bs = self.block_size
+        off = torch.arange(bs)
+        src = (torch.tensor([p[0] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
+        dst = (torch.tensor([p[1] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
+        for cache in (self.k_cache, self.v_cache):
+            cache.index_copy_(2, dst, cache.index_select(2, src))
+
+    # --- inputs -------------------------------------------------------------------
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
+        """Flat step inputs for ``num_tokens[i]`` new tokens of each sequence, starting at its ``num_computed``."""
+        B, bs, dev = len(seqs), self.block_size, self.device
+        decode = all(q == 1 for q in num_tokens)
+        starts = [s.num_computed for s in seqs]
+        if decode:
+            ids = [s.token_ids[st] for s, st in zip(seqs, starts)]
+        else:
+            ids = [t for s, st, q in zip(seqs, starts, num_tokens) for t in s.token_ids[st:st + q]]
+        ctx = [st + q for st, q in zip(starts, num_tokens)]
+        qmax = max(num_tokens)
+        nb = (max(ctx) + bs - 1) // bs
+        kmax = nb * bs  # contexts are gathered whole blocks at a time
+        bt = torch.tensor([(s.block_table + [0] * nb)[:nb] for s in seqs], dtype=torch.long)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        q_t = torch.tensor(num_tokens, dtype=torch.long)
+        T = len(ids)
+        keys = torch.arange(kmax)
+        if decode:
+            seq_idx, pos = torch.arange(B), starts_t
+            qpos = starts_t.unsqueeze(1)  # (B, 1)
+            q_pad_index = out_index = None
+            last_index = torch.arange(B)
+        else:
+            seq_idx = torch.repeat_interleave(torch.arange(B), q_t)
+            cu = torch.cumsum(q_t, 0) - q_t
+            local = torch.arange(T) - cu[seq_idx]
+            pos = starts_t[seq_idx] + local
+            i = torch.minimum(torch.arange(qmax).unsqueeze(0), (q_t - 1).unsqueeze(1))  # (B, qmax)
+            qpos = starts_t.unsqueeze(1) + i
+            q_pad_index = (cu.unsqueeze(1) + i).flatten()
+            out_index = seq_idx * qmax + local
+            last_index = cu + q_t - 1
+        slots = bt[seq_idx, pos // bs] * bs + pos % bs
+        bias = torch.zeros(B, qmax, kmax, dtype=self.dtype).masked_fill_(keys.view(1, 1, -1) > qpos.unsqueeze(-1), float("-inf"))
+        to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+        pos_d = to(pos)
+        return StepInputs(
+            input_ids=to(torch.tensor(ids, dtype=torch.long)), cos=self.cos_table[pos_d].unsqueeze(1),
+            sin=self.sin_table[pos_d].unsqueeze(1), slots=to(slots), kv_blocks=to(bt.flatten()), bias=to(bias),
+            batch=B, qmax=qmax, kmax=kmax, q_pad_index=to(q_pad_index), out_index=to(out_index), last_index=to(last_index),
+        )
+
+    # --- forward ------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_eps)
+        return w * xf.to(x.dtype)
+
+    def _gather_buf(self, name: str, numel: int) -> torch.Tensor:
+        buf = getattr(self, name)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(int(numel * 1.25) + 1, device=self.device, dtype=self.dtype)
+            setattr(self, name, buf)
+        return buf[:numel]
+
+    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: StepInputs) -> torch.Tensor:
+        s = self.spec
+        KV, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+        kc, vc = self.k_cache[li], self.v_cache[li]  # (KV, slots, D)
+        kc.index_copy_(1, x.slots, k.transpose(0, 1))
+        vc.index_copy_(1, x.slots, v.transpose(0, 1))
+        B, qmax, kmax = x.batch, x.qmax, x.kmax
+        n, nb, bsd = KV * B * kmax * D, x.kv_blocks.shape[0], self.block_size * D
+        kb, vb = kc.view(KV, -1, bsd), vc.view(KV, -1, bsd)  # (KV, blocks, block_size * D)
+        K = torch.index_select(kb, 1, x.kv_blocks, out=self._gather_buf("_kbuf", n).view(KV, nb, bsd)).view(KV, B, kmax, D)
+        V = torch.index_select(vb, 1, x.kv_blocks, out=self._gather_buf("_vbuf", n).view(KV, nb, bsd)).view(KV, B, kmax, D)
+        if x.q_pad_index is None:  # decode: one query per sequence
+            Q = q.view(B, KV, G, D).transpose(0, 1)
+        else:
+            Q = q[x.q_pad_index].view(B, qmax, KV, G, D).permute(2, 0, 3, 1, 4).reshape(KV, B, G * qmax, D)
+        scores = torch.matmul(Q, K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))
+        scores.view(KV, B, G, qmax, kmax).add_(x.bias.view(1, B, 1, qmax, kmax))
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(self.dtype)
+        out = torch.matmul(probs, V)  # (KV, B, G*qmax, D)
+        if x.q_pad_index is None:
+            return out.transpose(0, 1).reshape(B, KV * G * D)
+        out = out.view(KV, B, G, qmax, D).permute(1, 3, 0, 2, 4).reshape(B * qmax, KV * G * D)
+        return out[x.out_index]
+
+    @torch.inference_mode()
+    def forward(self, x: StepInputs, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) at ``logits_index`` (default: each sequence's last new token)."""
+        s = self.spec
+        T = x.input_ids.shape[0]
+        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
+        h = F.embedding(x.input_ids, self.embed)
+        for li, L in enumerate(self.layers):
+            a = self._rms(h, L["ln1"])
+            qkv = F.linear(a, L["wqkv"], L["bqkv"])
+            qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+            v = qkv[:, (H + KV) * D:].view(T, KV, D)
+            if s.qk_norm:
+                qk = torch.cat([self._rms(qk[:, :H], L["qn"]), self._rms(qk[:, H:], L["kn"])], 1)
+            q1, q2 = qk.chunk(2, -1)
+            qk = qk * x.cos + torch.cat([-q2, q1], -1) * x.sin
+            o = self._attention(li, qk[:, :H], qk[:, H:], v, x)
+            h = h + F.linear(o, L["wo"], L["bo"])
+            a = self._rms(h, L["ln2"])
+            gu = F.linear(a, L["wgu"], L["bgu"])
+            g, u = gu.chunk(2, -1)
+            h = h + F.linear(F.silu(g) * u, L["wd"], L["bd"])
+        h = h[x.last_index if logits_index is None else logits_index]
+        return F.linear(self._rms(h, self.norm), self.lm_head).float()
+
+    def execute(self, seqs: list[Sequence], num_tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+        x = self.prepare(seqs, num_tokens)
+        idx = torch.arange(x.input_ids.shape[0], device=self.device) if all_logits else None
+        return self.forward(x, idx)

@@ -1,0 +1,142 @@
+"""Batched token sampling with per-sequence reproducible randomness.
+
+The sampling distribution of a row is the softmax of its logits divided by the
+temperature, restricted by top-k, top-p (nucleus) and min-p; the log-prob
+returned for a token is taken under exactly that distribution (the behaviour
+policy the trainer needs), and optionally under the raw, untempered softmax.
+Greedy rows (temperature 0) take the argmax and report the raw log-prob.
+
+Randomness: a row's uniform number is a hash of (sequence seed, position,
+stream), computed with integer tensor ops on the logits' device. A sequence's
+tokens thus depend only on its own seed, not on which other sequences share
+the step, on preemption, or on the device's RNG state. A token is drawn by
+inverting the row's CDF with that one uniform, which is exact for any
+distribution.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
+
+import torch
+
+_M32 = 0xFFFFFFFF
+STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT = 0, 1, 2
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), float64, one per (seed, counter) pair, for the given stream."""
+    h = _mix32(seeds ^ (stream * 0x9E3779B9))
+    h = _mix32(h ^ (seeds >> 32))
+    h = _mix32(h ^ counters)
+    h2 = _mix32(h ^ 0x5BD1E995)
+    return ((h >> 5).double() * 67108864.0 + (h2 >> 6).double() + 0.5) / 9007199254740992.0  # 53 bits
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as tensors (``None``: the filter is off for every row)."""
+
+    temperature: torch.Tensor  # (R, 1) float32; greedy rows hold 1.0
+    greedy: torch.Tensor | None  # (R,) bool, or None when no row is greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # (R,) long, 0 = off
+    top_p: torch.Tensor | None  # (R, 1) float32
+    min_p: torch.Tensor | None  # (R, 1) float32
+    seeds: torch.Tensor  # (R,) int64
+    counters: torch.Tensor  # (R,) int64: position of the token being drawn
+    want_raw: bool = False
+
+    @staticmethod
+    def build(params: Seq[Any], seeds: Seq[int], counters: Seq[int], device: torch.device) -> "SamplingTensors":
+        """``params[i]`` is row i's SamplingParams (the same object repeated is the fast path)."""
+        rows = len(params)
+        p0 = params[0]
+        uniform_params = all(p is p0 for p in params)
+        plist = [p0] if uniform_params else list(params)
+
+        def col(get, dtype):
+            vals = [get(p) for p in plist]
+            t = torch.tensor(vals, dtype=dtype, device=device)
+            return t.expand(rows) if uniform_params else t
+
+        temps = [float(p.temperature) for p in plist]
+        greedy_vals = [t == 0 for t in temps]
+        all_greedy = all(greedy_vals)
+        greedy = None if not any(greedy_vals) else col(lambda p: p.temperature == 0, torch.bool)
+        temperature = col(lambda p: p.temperature if p.temperature > 0 else 1.0, torch.float32).unsqueeze(1)
+        top_k = col(lambda p: int(p.top_k or 0), torch.long) if any(int(p.top_k or 0) > 0 for p in plist) else None
+        top_p = col(lambda p: float(p.top_p), torch.float32).unsqueeze(1) if any(p.top_p < 1.0 for p in plist) else None
+        min_ps = [float(getattr(p, "min_p", 0.0) or 0.0) for p in plist]
+        min_p = col(lambda p: float(getattr(p, "min_p", 0.0) or 0.0), torch.float32).unsqueeze(1) if any(m > 0 for m in min_ps) else None
+        want_raw = any(getattr(p, "return_raw_log_probs", False) for p in plist)
+        return SamplingTensors(
+            temperature=temperature, greedy=greedy, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+            seeds=torch.tensor(list(seeds), dtype=torch.long, device=device),
+            counters=torch.tensor(list(counters), dtype=torch.long, device=device), want_raw=want_raw,
+        )
+
+    def repeat_rows(self, counts: torch.Tensor) -> "SamplingTensors":
+        """Rows repeated ``counts[i]`` times (used by speculative decoding: k+1 positions per sequence)."""
+        def rep(t):
+            return None if t is None else t.repeat_interleave(counts, 0)
+        return SamplingTensors(rep(self.temperature), rep(self.greedy), self.all_greedy, rep(self.top_k), rep(self.top_p),
+                               rep(self.min_p), rep(self.seeds), rep(self.counters), self.want_raw)
+
+
+def processed_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf)."""
+    x = logits.float() / st.temperature
+    neg_inf = torch.tensor(float("-inf"), device=x.device)
+    if st.top_k is not None:
+        kmax = int(st.top_k.max())
+        vals = torch.topk(x, min(kmax, x.shape[-1]), dim=-1).values
+        k = st.top_k.clamp(1, vals.shape[-1])
+        thresh = vals.gather(1, (k - 1).unsqueeze(1))
+        thresh = torch.where(st.top_k.unsqueeze(1) > 0, thresh, neg_inf)
+        x = torch.where(x < thresh, neg_inf, x)
+    if st.top_p is not None:
+        probs = torch.softmax(x, -1)
+        sorted_p, order = probs.sort(-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly higher-ranked tokens
+        drop_sorted = mass_before >= st.top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    if st.min_p is not None:
+        probs = torch.softmax(x, -1)
+        x = torch.where(probs < st.min_p * probs.max(-1, keepdim=True).values, neg_inf, x)
+    return torch.log_softmax(x, -1)
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: one token per row of (unnormalised, non-negative) ``probs`` given uniforms ``u``."""
+    cdf = probs.double().cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    idx = torch.searchsorted(cdf, target).squeeze(1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Tokens (R,), their log-probs under the sampling distribution (R,), and raw log-probs (R,) or None."""
+    raw = torch.log_softmax(logits.float(), -1) if (st.want_raw or st.greedy is not None) else None
+    if st.all_greedy:
+        tokens = logits.argmax(-1)
+        lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, lp, (lp if st.want_raw else None)
+    logp = processed_logprobs(logits, st)
+    tokens = draw(logp.exp(), uniform(st.seeds, st.counters, STREAM_SAMPLE))
+    lp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if st.greedy is not None:
+        g_tokens = logits.argmax(-1)
+        tokens = torch.where(st.greedy, g_tokens, tokens)
+        lp = torch.where(st.greedy, raw.gather(1, g_tokens.unsqueeze(1)).squeeze(1), lp)
+    raw_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) if st.want_raw else None
+    return tokens, lp, raw_lp

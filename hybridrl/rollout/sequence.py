@@ -1,0 +1,118 @@
+"""One sequence being generated: its tokens, its KV blocks and its per-token outputs.
+
+A request asking for ``n`` samples enters the engine as one sequence; when its
+prompt has been prefilled the engine samples ``n`` first tokens from the same
+logits and forks ``n - 1`` children that share the prompt's KV blocks
+(:meth:`BlockManager.fork`). Every sequence has its own seed, so its random
+stream does not depend on which other sequences share a step.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from itertools import count
+from typing import Any
+
+_MASK63 = (1 << 63) - 1
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"  # stop token / stop string
+    TRUNCATED = "truncated"  # max tokens
+    ABORTED = "aborted"
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for sample ``index`` of a request seeded with ``seed``."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & ((1 << 64) - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & ((1 << 64) - 1)
+    x ^= x >> 32
+    return x & _MASK63
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: Any, seed: int, *,
+                 sample_index: int = 0, num_forks: int = 0, max_tokens: int | None = None, tag: Any = None):
+        if not prompt_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.sample_index = sample_index
+        self.params = params
+        self.seed = seed
+        self.tag = tag  # the caller's request object
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.max_tokens = params.max_new_tokens if max_tokens is None else max_tokens
+        self.num_forks = num_forks  # children to create when the first token is sampled
+        self.status = Status.WAITING
+        # KV state
+        self.block_table: list[int] = []
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.last_hash = -1  # hash of block num_hashed_blocks - 1
+        self.hash_epoch = -1  # block-manager epoch its KV was computed in (stale after a weight change)
+        self.num_draft_computed = 0  # tokens whose KV is in the draft model's cache (speculative decoding)
+        # outputs
+        self.log_probs: list[float] = []
+        self.raw_log_probs: list[float] = []
+        self.versions: list[int] = []
+        self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache or a fork
+
+    # --- sizes ----------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.TRUNCATED, Status.ABORTED)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def num_blocks(self, block_size: int) -> int:
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size: (i + 1) * block_size]
+
+    # --- outputs --------------------------------------------------------------
+    def append(self, token: int, log_prob: float, version: int, raw_log_prob: float | None = None) -> None:
+        self.token_ids.append(token)
+        self.log_probs.append(log_prob)
+        self.versions.append(version)
+        if raw_log_prob is not None:
+            self.raw_log_probs.append(raw_log_prob)
+
+    def fork(self, sample_index: int, seed: int) -> "Sequence":
+        """A child with the same prompt (and KV state); its outputs are filled by the caller."""
+        child = Sequence(self.request_id, self.prompt_ids, self.params, seed, sample_index=sample_index,
+                         max_tokens=self.max_tokens, tag=self.tag)
+        child.num_computed = self.num_computed
+        child.num_draft_computed = self.num_draft_computed
+        child.num_cached_prompt_tokens = self.num_prompt_tokens
+        child.hash_epoch = self.hash_epoch
+        child.num_hashed_blocks = self.num_hashed_blocks
+        child.last_hash = self.last_hash
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.sample_index}, {self.status.value}, "
+                f"tokens={len(self)}, computed={self.num_computed}, blocks={self.block_table})")

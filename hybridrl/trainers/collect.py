@@ -1,0 +1,44 @@
+"""Rollout collection for one step: generate and score; with DAPO dynamic sampling
+(``algorithm.filter_groups``) keep only groups whose rewards differ and sample more prompts until
+the step has ``prompts_per_step`` groups or ``max_sampling_rounds`` is reached. The prompt-stream
+position is explicit state, so a resumed run continues the stream exactly.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from hybridrl.config import Config
+from hybridrl.protocol import Batch, samples_to_batch
+from hybridrl.rollout import SamplingParams
+from hybridrl.trainers.evaluate import prompt_batch
+
+
+def informative_rows(uids: list, rewards) -> list[int]:
+    """Rows of the groups whose rewards are not all equal (equal rewards give zero group advantage)."""
+    rows: dict = defaultdict(list)
+    for i, uid in enumerate(uids):
+        rows[uid].append(i)
+    return [i for idx in rows.values() if len(idx) > 1 and len(set(rewards[idx].tolist())) > 1 for i in idx]
+
+
+def collect(roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor: int, seed: int, timer) -> tuple[Batch, int, dict]:
+    """(scored batch, new prompt cursor, metrics); time goes to the ``rollout`` and ``reward`` phases of ``timer``."""
+    t, alg = cfg.trainer, cfg.algorithm
+    samples, scores = [], []
+    rounds = alg.max_sampling_rounds if alg.filter_groups else 1
+    for rnd in range(rounds):
+        prompts = prompt_batch([task.prompt(cursor + i) for i in range(t.prompts_per_step)], tokenizer)
+        cursor += t.prompts_per_step
+        with timer.phase("rollout"):
+            new = [s for part in roles.rollout.generate(prompts, replace(params, seed=seed * 1000 + rnd)) for s in part]
+        with timer.phase("reward"):
+            scored = roles.reward.score(samples_to_batch(new, tokenizer.pad_token_id))
+        rows = informative_rows([s.uid for s in new], scored["rewards"]) if alg.filter_groups else list(range(len(new)))
+        samples += [new[i] for i in rows]
+        scores.append(scored.index(rows))
+        if len(samples) >= t.prompts_per_step * t.samples_per_prompt:
+            break
+    keep = min(len(samples), t.prompts_per_step * t.samples_per_prompt)  # whole groups: a prompt's samples are contiguous
+    batch = samples_to_batch(samples[:keep], tokenizer.pad_token_id) | Batch.concat(scores).index(slice(0, keep))
+    return batch, cursor, {"rollout/sampling_rounds": rnd + 1, "rollout/kept_samples": keep}

@@ -1,0 +1,86 @@
+"""The critic role (PPO with GAE): a value head on the causal-LM trunk, with its own optimizer.
+
+The trunk starts from the same checkpoint as the policy; the head (one
+linear output per position) starts at zero, so the first values are 0.
+The value of response token t is read at position P + t - 1, the state
+before the token is generated (the same alignment as the log-probs).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForTokenClassification
+
+from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
+from hybridrl.config import Config
+from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.models.factory import model_size_config
+from hybridrl.protocol import Batch
+from hybridrl.training.logprob import micro_batches
+from hybridrl.training.state import load_trainable, save_trainable
+from hybridrl.training.update import run_updates
+from hybridrl.workers.common import load_tokenizer
+
+
+def build_value_model(cfg: Config, model_path: str | None):
+    if model_path is None:
+        config = model_size_config(cfg.model.name, load_tokenizer(cfg, None))
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        torch.manual_seed(cfg.model.seed)
+        model = AutoModelForTokenClassification.from_config(config)
+    else:
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_path, num_labels=1, classifier_dropout=0.0, local_files_only=True, dtype=torch.float32)
+    with torch.no_grad():
+        model.score.weight.zero_()
+        if model.score.bias is not None:
+            model.score.bias.zero_()
+    return model
+
+
+def response_values(model, mb: Batch) -> torch.Tensor:
+    attn, resp_len = mb["attention_mask"], mb["responses"].shape[1]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    return out[:, -resp_len - 1 : -1, 0].float() * mb["response_mask"]
+
+
+class CriticWorker(Worker):
+    def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
+        super().__init__(ctx)
+        if ctx.world_size > 1:
+            raise NotImplementedError("a data-parallel critic needs the FSDP2 engine (issue 4); use one critic worker")
+        self.cfg = cfg
+        self.model = build_value_model(cfg, model_path)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr)
+        self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
+        self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 2)
+
+    @register(Dispatch.DP_COMPUTE)
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> Batch:
+        self.model.eval()
+        parts = [response_values(self.model, mb) for mb in micro_batches(batch, self.cfg.critic.micro_batch_tokens)]
+        return Batch({"values": torch.cat(parts, 0)})
+
+    def _loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mb["response_mask"]
+        values = response_values(self.model, mb)
+        per_token, metrics = value_loss(values, mb["values"], mb["returns"], mask, self.cfg.critic.value_clip)
+        loss = self.aggregate(per_token, mask, totals)
+        return loss, metrics | {"critic/vf_loss": masked_mean(per_token.detach(), mask).item()}
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        c = self.cfg.critic
+        return run_updates(self.model, self.optimizer, batch, self._loss, minibatch_size=c.ppo_minibatch_size,
+                           epochs=c.ppo_epochs, micro_batch_tokens=c.micro_batch_tokens, grad_clip=c.grad_clip,
+                           generator=self.shuffle, norm_len=self.cfg.algorithm.loss_agg_norm_len or self.cfg.rollout.max_new_tokens,
+                           prefix="critic")
+
+    @register(Dispatch.RANK_ZERO)
+    def save_checkpoint(self, path: str) -> None:
+        save_trainable(path, self.model, self.optimizer, self.shuffle)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_state(self, path: str) -> None:
+        load_trainable(path, self.optimizer, self.shuffle)
