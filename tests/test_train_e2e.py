@@ -61,3 +61,22 @@ def test_ray_first_step_matches_local(tmp_path, ray_cluster):
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     assert local["accuracy_before"] == remote["accuracy_before"]
+
+
+def test_ppo_with_critic_runs_and_resumes(tmp_path):
+    """gae creates the critic role from the warm start; its state is checkpointed and resumed."""
+    summary = train(make_cfg(tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01"))
+    ckpt = tmp_path / "runs" / "ppo" / "checkpoints" / "step_000002"
+    assert (ckpt / "critic" / "train_state.pt").is_file() and (ckpt / "model" / "train_state.pt").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert "critic/vf_loss" in rows[1] and "kl/coef" in rows[1] and "timing/critic_update" in rows[1]
+    resumed = train(make_cfg(tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01",
+                             "trainer.total_steps=3"), resume=True)
+    assert resumed["resumed_from_step"] == 2 and summary["steps"] == 2
+
+
+def test_dynamic_sampling_and_gspo_run(tmp_path):
+    train(make_cfg(tmp_path, "algorithm.filter_groups=true", "algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean",
+                   "algorithm.overlong_buffer=4", "trainer.name=dapo", "trainer.total_steps=1"))
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "dapo" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["rollout/sampling_rounds"] >= 1 and "actor/seq_ratio_mean" in rows[1]

@@ -25,7 +25,9 @@ def informative_rows(uids: list, rewards) -> list[int]:
 def collect(roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor: int, seed: int, timer) -> tuple[Batch, int, dict]:
     """(scored batch, new prompt cursor, metrics); time goes to the ``rollout`` and ``reward`` phases of ``timer``."""
     t, alg = cfg.trainer, cfg.algorithm
-    samples, scores = [], []
+    target = t.prompts_per_step * t.samples_per_prompt
+    kept: list = []  # (sample, one-row scored batch) of informative groups, then the rest as filler
+    filler: list = []
     rounds = alg.max_sampling_rounds if alg.filter_groups else 1
     for rnd in range(rounds):
         prompts = prompt_batch([task.prompt(cursor + i) for i in range(t.prompts_per_step)], tokenizer)
@@ -35,10 +37,13 @@ def collect(roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor:
         with timer.phase("reward"):
             scored = roles.reward.score(samples_to_batch(new, tokenizer.pad_token_id))
         rows = informative_rows([s.uid for s in new], scored["rewards"]) if alg.filter_groups else list(range(len(new)))
-        samples += [new[i] for i in rows]
-        scores.append(scored.index(rows))
-        if len(samples) >= t.prompts_per_step * t.samples_per_prompt:
+        other = sorted(set(range(len(new))) - set(rows))
+        kept += [(new[i], scored.index([i])) for i in rows]
+        filler += [(new[i], scored.index([i])) for i in other]
+        if len(kept) >= target:
             break
-    keep = min(len(samples), t.prompts_per_step * t.samples_per_prompt)  # whole groups: a prompt's samples are contiguous
-    batch = samples_to_batch(samples[:keep], tokenizer.pad_token_id) | Batch.concat(scores).index(slice(0, keep))
-    return batch, cursor, {"rollout/sampling_rounds": rnd + 1, "rollout/kept_samples": keep}
+    informative = min(len(kept), target)
+    # the cap was hit: fill with uninformative groups (zero advantage) so every step has the same shape
+    chosen = (kept + filler)[:target]
+    batch = samples_to_batch([s for s, _ in chosen], tokenizer.pad_token_id) | Batch.concat([b for _, b in chosen])
+    return batch, cursor, {"rollout/sampling_rounds": rnd + 1, "rollout/informative_frac": informative / max(len(batch), 1)}

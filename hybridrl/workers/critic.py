@@ -8,14 +8,16 @@ before the token is generated (the same alignment as the log-probs).
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForTokenClassification
 
 from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.models.factory import model_size_config
 from hybridrl.protocol import Batch
-from hybridrl.training.logprob import micro_batches
+from hybridrl.training.distributed import init_distributed, teardown_distributed
+from hybridrl.training.fsdp import fsdp_config_of, prepare_model
+from hybridrl.training.logprob import batch_map
 from hybridrl.training.state import load_trainable, save_trainable
 from hybridrl.training.update import run_updates
 from hybridrl.workers.common import load_tokenizer
@@ -28,8 +30,9 @@ def build_value_model(cfg: Config, model_path: str | None):
         torch.manual_seed(cfg.model.seed)
         model = AutoModelForTokenClassification.from_config(config)
     else:
-        model = AutoModelForTokenClassification.from_pretrained(
-            model_path, num_labels=1, classifier_dropout=0.0, local_files_only=True, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, local_files_only=True, dtype=torch.float32)
     with torch.no_grad():
         model.score.weight.zero_()
         if model.score.bias is not None:
@@ -47,20 +50,16 @@ def response_values(model, mb: Batch) -> torch.Tensor:
 class CriticWorker(Worker):
     def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
         super().__init__(ctx)
-        if ctx.world_size > 1:
-            raise NotImplementedError("a data-parallel critic needs the FSDP2 engine (issue 4); use one critic worker")
         self.cfg = cfg
-        self.model = build_value_model(cfg, model_path)
+        self.dist = init_distributed(ctx)
+        self.model = prepare_model(build_value_model(cfg, model_path), fsdp_config_of(cfg), self.dist)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 2)
 
     @register(Dispatch.DP_COMPUTE)
-    @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
-        self.model.eval()
-        parts = [response_values(self.model, mb) for mb in micro_batches(batch, self.cfg.critic.micro_batch_tokens)]
-        return Batch({"values": torch.cat(parts, 0)})
+        return Batch({"values": batch_map(self.model, batch, self.cfg.critic.micro_batch_tokens, response_values)})
 
     def _loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
@@ -77,10 +76,14 @@ class CriticWorker(Worker):
                            generator=self.shuffle, norm_len=self.cfg.algorithm.loss_agg_norm_len or self.cfg.rollout.max_new_tokens,
                            prefix="critic")
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         save_trainable(path, self.model, self.optimizer, self.shuffle)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str) -> None:
-        load_trainable(path, self.optimizer, self.shuffle)
+        load_trainable(path, self.model, self.optimizer, self.shuffle)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        teardown_distributed()
