@@ -1,6 +1,8 @@
-"""``hybridrl`` command line: ``train``, ``sft``, ``eval``.
+"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``.
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
+    hybridrl export runs/arith_grpo/checkpoints/step_000200 exported_model
+    hybridrl memory small --world-size 2 --sharding full
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
@@ -21,7 +23,8 @@ EXIT_CONFIG = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of LLMs with a single controller.")
+    p = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of LLMs with a single controller. "
+                                "Also: `hybridrl export CKPT OUT` and `hybridrl memory MODEL [layout flags]`.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in [("train", "RL training (runs or reuses the warm start first)"),
                        ("sft", "supervised warm start only"), ("eval", "held-out accuracy of the start checkpoint")]:
@@ -55,7 +58,31 @@ def check_plugins(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r}: {e.args[0]}") from None
 
 
+def export(argv: list[str]) -> int:
+    """``hybridrl export CHECKPOINT OUT_DIR``: a transformers-format directory (safetensors) from any checkpoint."""
+    p = argparse.ArgumentParser(prog="hybridrl export", description=export.__doc__)
+    p.add_argument("checkpoint", help="a run checkpoint (runs/<name>/checkpoints/step_N) or its model/ directory")
+    p.add_argument("out_dir")
+    args = p.parse_args(argv)
+    from hybridrl.training.fsdp import export_hf
+
+    ckpt = Path(args.checkpoint)
+    ckpt = ckpt / "model" if (ckpt / "model").is_dir() else ckpt
+    if not (ckpt / "config.json").is_file() and not (ckpt / "dcp").is_dir():
+        print(f"hybridrl: error: {args.checkpoint!r} is not a checkpoint (no config.json or dcp/ in {str(ckpt)!r})", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"exported to {export_hf(ckpt, args.out_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "memory":
+        from hybridrl.training.memory import main as memory_main
+
+        return memory_main(argv[1:])
+    if argv and argv[0] == "export":
+        return export(argv[1:])
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

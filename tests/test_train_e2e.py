@@ -80,3 +80,18 @@ def test_dynamic_sampling_and_gspo_run(tmp_path):
                    "algorithm.overlong_buffer=4", "trainer.name=dapo", "trainer.total_steps=1"))
     rows = [json.loads(line) for line in (tmp_path / "runs" / "dapo" / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["rollout/sampling_rounds"] >= 1 and "actor/seq_ratio_mean" in rows[1]
+
+
+def test_export_cli_writes_a_loadable_model(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.cli import main
+
+    train(make_cfg(tmp_path, "trainer.total_steps=1", "trainer.name=exp"))
+    ckpt = tmp_path / "runs" / "exp" / "checkpoints" / "step_000001"
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 0
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    b = AutoModelForCausalLM.from_pretrained(ckpt / "model")
+    ids = torch.tensor([[1, 4, 5, 13, 6, 15]])
+    assert torch.equal(a(ids).logits, b(ids).logits)

@@ -6,6 +6,7 @@ from hybridrl.config.schema import (
     Config,
     ControllerConfig,
     CriticConfig,
+    FSDPConfig,
     ModelConfig,
     PoolConfig,
     RolloutConfig,
@@ -15,7 +16,7 @@ from hybridrl.config.schema import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "ControllerConfig", "CriticConfig", "ModelConfig", "PoolConfig",
+    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "ControllerConfig", "CriticConfig", "FSDPConfig", "ModelConfig", "PoolConfig",
     "RolloutConfig", "SFTConfig", "TaskConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict",
     "load_config", "to_dict",
 ]

@@ -137,6 +137,17 @@ class CriticConfig:
 
 
 @dataclass
+class FSDPConfig:
+    """How trained roles (actor, critic) and the reference are sharded when their world size is > 1."""
+
+    strategy: Literal["fsdp2", "none"] = _f("fsdp2", "fsdp2: fully_shard per decoder layer + root; none: plain module (world size 1 only)")
+    sharding: Literal["full", "grad_op"] = _f("full", "full: ZeRO-3-like (params resharded after forward); grad_op: ZeRO-2-like")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto: bf16 params + fp32 reduce on GPU, fp32 on CPU")
+    cpu_offload: bool = _f(False, "keep sharded params, grads and optimizer states in CPU memory (GPU only)")
+    activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+
+
+@dataclass
 class SFTConfig:
     steps: int = _f(300, "supervised warm-start optimizer steps", ge=0)
     batch_size: int = _f(256, "examples per SFT step", ge=1)
@@ -173,10 +184,17 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> None:
+        if self.controller.backend == "local":
+            for role in ("actor", "critic", "reference"):
+                pool = self.controller.pools[self.controller.placement[role]]
+                if pool.nodes * pool.workers_per_node > 1:
+                    raise ValueError(f"the {role} pool has {pool.nodes * pool.workers_per_node} workers: more than one rank of a "
+                                     "trained role needs one process per rank, i.e. controller.backend=ray")
         samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
         if samples % self.actor.ppo_minibatch_size:
             raise ValueError(

@@ -19,8 +19,11 @@ class Roles:
 
     def shutdown(self) -> None:
         for wg in (self.actor, self.reference, self.rollout, self.reward, self.critic):
-            if wg is not None:
-                wg.shutdown()
+            if wg is None:
+                continue
+            if wg.world_size > 1 and "close" in wg.methods:  # leave the torch.distributed group cleanly
+                wg.close()
+            wg.shutdown()
 
 
 def needs_critic(cfg: Config) -> bool:

@@ -4,6 +4,11 @@ Layout (veRL-style): ``input_ids = prompts (left-padded) ++ responses
 (right-padded)``, ``attention_mask`` marks real tokens, ``response_mask``
 marks real response tokens. Log-prob of response token t comes from the
 logits at position P + t - 1.
+
+Data parallel (world size > 1, FSDP2): every rank must run the same number of
+forwards (each one all-gathers the sharded layers), so :func:`dp_micro_batches`
+pads a rank's list with *dummy* micro-batches (one row, ``response_mask`` all
+zero) up to the largest count over the ranks; their outputs are dropped.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridrl.protocol import Batch
+from hybridrl.training import distributed as D
 
 
 def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
@@ -18,6 +24,31 @@ def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
     width = batch["input_ids"].shape[1]
     rows = max(1, token_budget // max(width, 1))
     return batch.split(rows)
+
+
+def dummy_micro_batch(batch: Batch) -> Batch:
+    """One row that contributes nothing: the first row of ``batch`` (zeros when it has none) with an
+    all-zero ``response_mask`` and a full ``attention_mask``."""
+    if len(batch):
+        mb = batch.index(slice(0, 1))
+        tensors = dict(mb.tensors)
+    else:
+        tensors = {k: torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype) for k, t in batch.tensors.items()}
+        tensors["attention_mask"] = torch.ones_like(tensors["attention_mask"])
+    tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
+    return Batch(tensors)
+
+
+def dp_micro_batches(batch: Batch, token_budget: int, pad_from: Batch | None = None) -> tuple[list[Batch], int]:
+    """``(micro-batches, n_real)``: :func:`micro_batches` of this rank's rows, padded with dummies (made from
+    ``pad_from``, default ``batch``) to the largest count over the ranks (a collective when the world size is
+    > 1; world size 1: no padding)."""
+    mbs = micro_batches(batch, token_budget) if len(batch) else []
+    n = len(mbs)
+    if D.world_size() > 1:
+        most = int(D.all_reduce([n], op="max")[0].item())
+        mbs = mbs + [dummy_micro_batch(batch if pad_from is None else pad_from) for _ in range(most - n)]
+    return mbs, n
 
 
 def response_log_probs(model, mb: Batch, temperature: float = 1.0, with_entropy: bool = False):
@@ -38,8 +69,29 @@ def response_log_probs(model, mb: Batch, temperature: float = 1.0, with_entropy:
     return logp, entropy
 
 
+def model_device(model) -> torch.device:
+    """Where a micro-batch must go: the compute device (a sharded model's parameters may be CPU-offloaded)."""
+    from hybridrl.training.fsdp import is_sharded
+
+    return D.compute_device() if is_sharded(model) else next(model.parameters()).device
+
+
 @torch.no_grad()
-def batch_log_probs(model, batch: Batch, token_budget: int, temperature: float = 1.0) -> torch.Tensor:
+def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
+    """``cat(fn(model, mb))`` over this rank's micro-batches (on the model's device, result on the CPU);
+    the ranks of a sharded model run in lockstep (dummy micro-batches pad the shorter ranks)."""
     model.eval()
-    parts = [response_log_probs(model, mb, temperature)[0] for mb in micro_batches(batch, token_budget)]
+    device = model_device(model)
+    mbs, n_real = dp_micro_batches(batch, token_budget)
+    parts = []
+    for i, mb in enumerate(mbs):
+        out = fn(model, mb.to(device) if device.type != "cpu" else mb)
+        if i < n_real:
+            parts.append(out.cpu())
+    if not parts:
+        return torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
     return torch.cat(parts, 0)
+
+
+def batch_log_probs(model, batch: Batch, token_budget: int, temperature: float = 1.0) -> torch.Tensor:
+    return batch_map(model, batch, token_budget, lambda m, mb: response_log_probs(m, mb, temperature)[0])

@@ -1,21 +1,80 @@
-"""Save / load what a trained role needs to resume exactly: weights (transformers format), optimizer, shuffle RNG."""
+"""Save / load what a trained role needs to resume exactly.
+
+A role checkpoint directory ``path``::
+
+    path/config.json, model.safetensors ...   transformers format (rank 0; weights only when ``hf_weights``)
+    path/tokenizer*                            the tokenizer, when the role has one
+    path/dcp/                                  sharded layout: model + optimizer shards (every rank) and the
+                                               extra state (shuffle RNG) -- see ``training/fsdp.py``
+    path/train_state.pt                        single-process layout: optimizer + shuffle RNG
+
+``layout="auto"`` writes the sharded layout for an FSDP-wrapped model and the single-process one
+otherwise (``"dcp"`` forces the sharded layout, which also works in one process). Every rank of the
+role calls :func:`save_trainable` / :func:`load_trainable` (the sharded parts are collectives);
+either layout loads. ``hybridrl.training.fsdp.export_hf(path, out)`` rebuilds a transformers directory
+from ``path/dcp`` alone.
+"""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from hybridrl.training import distributed as D
+from hybridrl.training.fsdp import full_state_dict, is_complete, is_sharded, load_sharded, save_sharded
 
-def save_trainable(path: str | Path, model, optimizer, generator: torch.Generator, tokenizer=None) -> None:
+
+def _plain_class_name(model) -> str:
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def save_trainable(path: str | Path, model, optimizer, generator: torch.Generator, tokenizer=None, *,
+                   hf_weights: bool = True, layout: str = "auto") -> None:
     path = Path(path)
-    model.save_pretrained(path)
-    if tokenizer is not None:
+    if layout not in ("auto", "dcp", "single"):
+        raise ValueError(f"layout must be auto, dcp or single, got {layout!r}")
+    if layout == "single" or (layout == "auto" and not is_sharded(model)):
+        if is_sharded(model):
+            raise ValueError("a sharded model needs the dcp layout")
+        model.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        torch.save({"optimizer": optimizer.state_dict(), "shuffle_rng": generator.get_state()}, path / "train_state.pt")
+        return
+    if not is_sharded(model):
+        if hf_weights:
+            model.save_pretrained(path)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            model.config.save_pretrained(path)
+    else:
+        sd = full_state_dict(model) if hf_weights else {}  # collective
+        if D.rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            if hf_weights:
+                model.save_pretrained(path, state_dict=sd)
+            else:
+                model.config.save_pretrained(path)
+            config = json.loads((path / "config.json").read_text())  # the class name, not FSDP's subclass
+            config["architectures"] = [_plain_class_name(model)]
+            (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        del sd
+    if tokenizer is not None and D.rank() == 0:
         tokenizer.save_pretrained(path)
-    torch.save({"optimizer": optimizer.state_dict(), "shuffle_rng": generator.get_state()}, path / "train_state.pt")
+    save_sharded(path / "dcp", model, optimizer, extra={"shuffle_rng": generator.get_state()})
 
 
-def load_trainable(path: str | Path, optimizer, generator: torch.Generator) -> None:
-    """Optimizer and RNG state (the weights were loaded when the model was built from ``path``)."""
-    state = torch.load(Path(path) / "train_state.pt", weights_only=True)
+def load_trainable(path: str | Path, model, optimizer, generator: torch.Generator) -> None:
+    """Weights, optimizer and RNG state (sharded layout); the older layout restores optimizer and RNG (its
+    weights were loaded when the model was built from ``path``)."""
+    path = Path(path)
+    if is_complete(path / "dcp"):
+        extra = load_sharded(path / "dcp", model, optimizer)
+        generator.set_state(extra["shuffle_rng"])
+        return
+    state = torch.load(path / "train_state.pt", weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["shuffle_rng"])

@@ -5,6 +5,18 @@ mini-batch is cut into micro-batches under a token budget and the gradients
 accumulate. ``loss_fn(mb, totals)`` returns the micro-batch's *contribution*
 to the mini-batch loss (normalised by the mini-batch totals), so the sum over
 micro-batches is exactly the mini-batch loss whatever the budget.
+
+Data parallel (world size > 1): the driver gives rank r a contiguous chunk of
+the step's batch (``Dispatch.DP_COMPUTE``). Every rank draws the same
+permutation of the *global* batch (same generator state on every rank) and
+cuts it into the same global mini-batches as one process would; a rank trains
+on the rows of each mini-batch that lie in its chunk. The totals
+(``AggTotals``) are all-reduced, so each rank's loss is its share of the
+global mini-batch loss, and FSDP sums the gradients over ranks: the update
+equals the single-process update on the same batch (up to float rounding).
+Ranks with fewer micro-batches run dummy ones (no contribution) so that the
+collectives line up. Metrics are token-weighted means over the global
+mini-batch, identical on every rank.
 """
 from __future__ import annotations
 
@@ -15,9 +27,34 @@ import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.protocol import Batch
-from hybridrl.training.logprob import micro_batches
+from hybridrl.training import distributed as D
+from hybridrl.training.fsdp import clip_grad_norm
+from hybridrl.training.logprob import dp_micro_batches, model_device
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
+
+
+def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: int) -> list[Batch]:
+    """This rank's part of each global mini-batch of one epoch (world size 1: ``batch.shuffle(g).split(m)``).
+
+    Rank r holds rows ``[offset_r, offset_r + len(batch))`` of the global batch (DP_COMPUTE chunks are
+    contiguous, in rank order). Consumes the generator exactly as the single-process shuffle does.
+    """
+    sizes = D.all_gather_ints(len(batch))
+    total, offset = sum(sizes), sum(sizes[: D.rank()])
+    perm = torch.randperm(total, generator=generator)
+    out = []
+    for start in range(0, total, minibatch_size):
+        rows = perm[start : start + minibatch_size]
+        mine = rows[(rows >= offset) & (rows < offset + len(batch))] - offset
+        out.append(batch.index(mine))
+    return out
+
+
+def global_totals(mini: Batch, norm_len: float) -> AggTotals:
+    t = agg_totals(mini["response_mask"], norm_len)
+    n_tokens, n_seqs = D.all_reduce([t.n_tokens, t.n_seqs]).tolist()
+    return AggTotals(n_tokens=n_tokens, n_seqs=n_seqs, norm_len=t.norm_len)
 
 
 def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, *, minibatch_size: int, epochs: int,
@@ -25,21 +62,34 @@ def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, *, minibatch_si
                 prefix: str) -> dict[str, float]:
     """Train ``epochs`` passes over ``batch`` (shuffled by ``generator``); metrics averaged over optimizer steps."""
     model.train()
+    device = model_device(model)
     sums: dict[str, float] = defaultdict(float)
-    steps = 0
+    grad_norm, steps = 0.0, 0
     for _ in range(epochs):
-        for mini in batch.shuffle(generator).split(minibatch_size):
+        for mini in local_minibatches(batch, generator, minibatch_size):
             optimizer.zero_grad(set_to_none=True)
-            totals = agg_totals(mini["response_mask"], norm_len)
-            n_tokens = max(float(mini["response_mask"].sum()), 1.0)
-            for mb in micro_batches(mini, micro_batch_tokens):
+            totals = global_totals(mini, norm_len)
+            n_tokens = max(totals.n_tokens, 1.0)
+            mbs, n_real = dp_micro_batches(mini, micro_batch_tokens, pad_from=batch)
+            for i, mb in enumerate(mbs):
+                if device.type != "cpu":
+                    mb = mb.to(device)
                 loss, metrics = loss_fn(mb, totals)
+                if i >= n_real:  # dummy: keeps the collectives in step, contributes nothing
+                    loss = loss * 0.0
                 loss.backward()
-                share = float(mb["response_mask"].sum()) / n_tokens  # metrics: token-weighted mean over the mini-batch
-                for k, v in metrics.items():
-                    sums[k] += v * share
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-            sums[f"{prefix}/grad_norm"] += norm.item()
+                if i < n_real:
+                    share = float(mb["response_mask"].sum()) / n_tokens  # token-weighted mean over the mini-batch
+                    for k, v in metrics.items():
+                        sums[k] += v * share
+                else:
+                    for k in metrics:
+                        sums[k] += 0.0
+            grad_norm += clip_grad_norm(model, grad_clip)
             optimizer.step()
             steps += 1
-    return {k: v / max(steps, 1) for k, v in sums.items()} | {f"{prefix}/updates": steps}
+    if D.world_size() > 1:  # each rank summed its tokens' shares: the sum over ranks is the global mean
+        keys = sorted(set().union(*D.all_gather_object(sorted(sums))))
+        sums = dict(zip(keys, D.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
+    out = {k: v / max(steps, 1) for k, v in sums.items()}
+    return out | {f"{prefix}/grad_norm": grad_norm / max(steps, 1), f"{prefix}/updates": steps}

@@ -3,6 +3,12 @@
 The policy loss (``algorithm.policy_loss``) and the loss aggregation
 (``algorithm.loss_agg``) come from registries; the KL-to-reference loss term
 and the entropy bonus are aggregated the same way.
+
+World size > 1 (one process per rank, e.g. the ``ray`` backend): the ranks share
+a torch.distributed group and the model is sharded with FSDP2
+(``training/fsdp.py``); ``compute_log_prob`` and ``update_policy`` take each
+rank's chunk of the batch (DP_COMPUTE) and the update equals the
+single-process update on the whole batch (``training/update.py``).
 """
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, AggTotals, kl_penalty, 
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
+from hybridrl.training.distributed import init_distributed, teardown_distributed
+from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.training.logprob import batch_log_probs, response_log_probs
 from hybridrl.training.state import load_trainable, save_trainable
 from hybridrl.training.update import run_updates
@@ -21,10 +29,10 @@ from hybridrl.workers.common import load_model
 class ActorWorker(Worker):
     def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
         super().__init__(ctx)
-        if ctx.world_size > 1:
-            raise NotImplementedError("a data-parallel actor (world size > 1) needs the FSDP2 engine (issue 4); use one actor worker")
         self.cfg = cfg
-        self.model, self.tokenizer = load_model(cfg, model_path)
+        self.dist = init_distributed(ctx)
+        model, self.tokenizer = load_model(cfg, model_path)
+        self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
         self.policy_loss = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
@@ -55,24 +63,24 @@ class ActorWorker(Worker):
                            generator=self.shuffle, norm_len=self.cfg.algorithm.loss_agg_norm_len or self.cfg.rollout.max_new_tokens,
                            prefix="actor")
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL)
     def weight_buckets(self, bucket_bytes: int = 64 << 20) -> list[list[tuple[str, torch.Tensor]]]:
-        """The full weights as buckets of (name, tensor), each at most ``bucket_bytes`` (or one tensor)."""
-        buckets, current, size = [], [], 0
-        for name, p in self.model.named_parameters():
-            nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append((name, p.detach()))
-            size += nbytes
-        return buckets + ([current] if current else [])
+        """The full weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor). Every rank
+        takes part in gathering the shards; rank 0 returns the buckets, the others ``[]``: the driver reads ``[0]``."""
+        buckets = list(iter_weight_buckets(self.model, bucket_bytes))
+        return buckets if self.rank == 0 else []
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """The policy in transformers format with its tokenizer, plus optimizer and shuffle RNG."""
+        """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded
+        model + optimizer + shuffle RNG under ``path/dcp``."""
         save_trainable(path, self.model, self.optimizer, self.shuffle, self.tokenizer)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str) -> None:
-        load_trainable(path, self.optimizer, self.shuffle)
+        load_trainable(path, self.model, self.optimizer, self.shuffle)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        """Leave the process group (barrier first); the worker is unusable afterwards."""
+        teardown_distributed()

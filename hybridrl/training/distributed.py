@@ -1,0 +1,135 @@
+"""The torch.distributed group of one worker group, from its :class:`WorkerContext`.
+
+Every rank of a trained role (actor, critic, reference) runs in its own
+process (the ``ray`` backend: one actor per rank; or any launcher that sets
+``RANK``/``WORLD_SIZE``) and joins one process group: gloo when the rank has
+no GPU, NCCL when it has one. World size 1 needs no group: every helper here
+is then a no-op, so the single-process path costs nothing.
+
+Several roles living in the same process with the same rank layout share the
+group (reference counted); :func:`teardown_distributed` calls ``barrier()``
+before ``destroy_process_group()`` (GUIDE.md §6: without it, exit crashes
+about one run in five).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_users = 0  # workers of this process sharing the default group
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this rank runs: its rank/world size, its compute device and the backend of its group."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str | None = None  # None: no group (world size 1)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def compute_device() -> torch.device:
+    """The GPU this process was given (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor; a launcher sets
+    ``LOCAL_RANK``), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_distributed(ctx, timeout_s: float = 600.0) -> DistEnv:
+    """Join (or create) the group of ``ctx``'s worker group; world size 1: no group.
+
+    Raises when ranks of a group of world size > 1 share one process (the ``local`` backend builds
+    every rank in the driver, one after another, so the first rendezvous would wait forever).
+    """
+    global _users
+    device = compute_device()
+    if ctx.world_size <= 1:
+        return DistEnv(0, 1, device, None)
+    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if env_rank != str(ctx.rank) or env_world != str(ctx.world_size):
+        raise RuntimeError(
+            f"role {ctx.role!r}: world size {ctx.world_size} needs one process per rank (backend 'ray', or a launcher "
+            f"setting RANK/WORLD_SIZE); this process has RANK={env_rank} WORLD_SIZE={env_world}. "
+            "Use the ray backend or one worker for this role.")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():
+        if dist.get_rank() != ctx.rank or dist.get_world_size() != ctx.world_size:
+            raise RuntimeError(f"role {ctx.role!r} rank {ctx.rank}/{ctx.world_size}: this process already belongs to a "
+                               f"group as rank {dist.get_rank()}/{dist.get_world_size()}")
+        _users += 1
+        return DistEnv(ctx.rank, ctx.world_size, device, dist.get_backend())
+    addr = ctx.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = ctx.master_port or int(os.environ["MASTER_PORT"])
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=ctx.rank, world_size=ctx.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    _users += 1
+    return DistEnv(ctx.rank, ctx.world_size, device, backend)
+
+
+def teardown_distributed() -> None:
+    """Leave the group; the last user of this process destroys it (after a barrier)."""
+    global _users
+    if not dist.is_initialized():
+        return
+    _users = max(_users - 1, 0)
+    if _users == 0:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device_of_group() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce(values: list[float] | torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Float64 all-reduce (``sum`` or ``max``) of a small vector; a plain tensor when there is no group."""
+    t = torch.as_tensor(values, dtype=torch.float64)
+    if world_size() == 1:
+        return t
+    t = t.to(_device_of_group())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.cpu()
+
+
+def all_gather_ints(value: int) -> list[int]:
+    """Every rank's ``value`` in rank order."""
+    if world_size() == 1:
+        return [int(value)]
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_device_of_group())
+    out = [torch.zeros_like(t) for _ in range(world_size())]
+    dist.all_gather(out, t)
+    return [int(x.item()) for x in out]
+
+
+def all_gather_object(obj) -> list:
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()

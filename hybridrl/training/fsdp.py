@@ -1,0 +1,331 @@
+"""The FSDP2 training engine: sharding a transformers model with ``fully_shard``, gathering its full
+weights in bounded buckets, and sharded checkpoints with torch.distributed.checkpoint (DCP).
+
+Sharding (``FSDPConfig.sharding``), GUIDE.md §3 (ZeRO, Ψ parameters, N ranks):
+
+* ``full``: ZeRO-3-like. Parameters, gradients and optimizer states sharded; each decoder layer's
+  parameters are all-gathered for its forward, freed after it (``reshard_after_forward=True``) and
+  gathered again for its backward.
+* ``grad_op``: ZeRO-2-like. Gradients and optimizer states sharded; the unsharded parameters stay
+  from forward to backward (``reshard_after_forward=False``): one all-gather less per layer,
+  more memory between forward and backward.
+
+Every decoder layer is one FSDP unit (its own all-gather / reduce-scatter), the root holds the
+rest (embeddings, final norm, a tied or untied LM head). Gradients are *summed* over ranks (the
+divide factor is 1): each rank's loss is already normalised by the global mini-batch totals
+(see ``training/update.py``), so the sum over ranks is the single-process gradient.
+
+World size 1 never wraps: the model stays an ordinary module (``strategy: none`` semantics), so
+the single-process path is unchanged.
+
+Checkpoint layout written by :func:`save_sharded` at ``path``::
+
+    path/.metadata, path/__0_0.distcp ...   DCP: {"model": ..., "optim": ...}, one file per rank
+    path/extra.pt                            the extra state (RNG, scheduler, step ...), rank 0
+
+written under ``.<name>.tmp`` and renamed when every rank is done, so a crash mid-save leaves
+whatever was at ``path`` before untouched and loadable.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridrl.config import FSDPConfig
+from hybridrl.training import distributed as D
+from hybridrl.training.distributed import DistEnv
+
+COMPLETE_MARK = ".metadata"  # DCP writes it last (rank 0, after every rank's data)
+
+
+def fsdp_config_of(cfg) -> FSDPConfig:
+    """The run's sharding settings (``cfg.fsdp``), or the defaults for objects without them."""
+    return getattr(cfg, "fsdp", None) or FSDPConfig()
+
+
+# --- wrapping -------------------------------------------------------------------------------------------
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (``model.model.layers`` for Qwen2/Llama-style transformers models)."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return list(layers)
+    for module in model.modules():  # any other architecture: the longest ModuleList of identical blocks
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            return list(module)
+    raise ValueError(f"{type(model).__name__}: found no list of decoder layers to shard")
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer in backward (only the layer inputs are kept: O(L) activations)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise TypeError(f"{type(model).__name__} is not a transformers model: no per-layer activation checkpointing")
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+
+
+def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda")
+    if not bf16:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def prepare_model(model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable: bool = True) -> nn.Module:
+    """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder layer + root
+    when the rank has a process group (world size > 1, or a launcher-made group of one: e.g. one GPU with
+    CPU offload); no group: the module moved to ``env.device``, unwrapped."""
+    if trainable and cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if env.backend is None or (cfg.strategy == "none" and not env.distributed):
+        return model.to(env.device)
+    if cfg.strategy != "fsdp2":
+        raise ValueError(f"world size {env.world_size} needs fsdp.strategy 'fsdp2' (got {cfg.strategy!r})")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    offload = cfg.cpu_offload and env.device.type == "cuda"  # on a CPU-only rank everything is in CPU memory anyway
+    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(cfg, env.device),
+                  offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
+    reshard = cfg.sharding == "full"
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard, **common)
+    # the root's parameters (embeddings, final norm, head) are used last in forward and first in backward:
+    # keeping them gathered in between saves one all-gather (it costs the unsharded root until backward)
+    fully_shard(model, reshard_after_forward=False, **common)
+    for module in model.modules():  # every unit: sum over ranks (losses carry the global normalisation)
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: measure only); the norm before."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm or float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm.item())
+
+
+# --- full weights -----------------------------------------------------------------------------------------
+def _full(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The unsharded value of a parameter (a collective when it is a DTensor: every rank must call)."""
+    from torch.distributed.tensor import DTensor
+
+    p = p.detach()
+    if not isinstance(p, DTensor):
+        return p
+    local = p.to_local()
+    if local.device != device:  # CPU-offloaded shard: gather on the compute device
+        p = DTensor.from_local(local.to(device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    return p.full_tensor()
+
+
+def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 64 << 20, *, dtype: torch.dtype | None = None,
+                        device: torch.device | None = None, dst: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one tensor).
+
+    Every rank must iterate to the end (each sharded parameter is one all-gather); rank ``dst`` gets the
+    tensors (on the CPU when sharded), every other rank gets empty buckets in the same rhythm. Only one
+    bucket is held at a time. Names are the model's own (``named_parameters``; a tied head appears once).
+    An unsharded model yields its parameters themselves (detached, no copy).
+    """
+    sharded = is_sharded(model)
+    device = device or next(model.parameters()).device
+    if sharded and device.type == "cpu" and torch.cuda.is_available() and dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    keep = D.rank() == dst
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, p in model.named_parameters():
+        full = _full(p, device)
+        nbytes = full.numel() * (full.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+        if size and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        size += nbytes
+        if keep:
+            if dtype is not None and full.dtype != dtype:
+                full = full.to(dtype)
+            bucket.append((name, full.cpu() if sharded else full))
+    if size:
+        yield bucket
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict on the CPU of rank 0 (other ranks: ``{}``); every rank must call."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_sharded(model):
+        return {k: v.detach() for k, v in model.state_dict().items()}
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if D.rank() == 0 else {}
+
+
+# --- sharded checkpoints ----------------------------------------------------------------------------------
+def is_complete(path: str | Path) -> bool:
+    """A finished :func:`save_sharded` checkpoint (not a temporary directory)."""
+    path = Path(path)
+    return (path / COMPLETE_MARK).is_file() and not path.name.endswith(".tmp")
+
+
+def _replace_dir(tmp: Path, path: Path) -> None:
+    """``tmp`` becomes ``path``; the old ``path`` stays in place until the new one is there."""
+    old = path.parent / f".{path.name}.old"
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every call without a process group; one process is a supported layout here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _states(model: nn.Module, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_sharded(path: str | Path, model: nn.Module, optimizer=None, extra: dict | None = None) -> Path:
+    """Every rank writes its shards of model (+ optimizer) to ``path`` (one DCP checkpoint), rank 0 ``extra``.
+
+    ``extra``: plain state (tensors, numbers, strings, lists, dicts): LR scheduler, RNG states, data
+    position, step. Written to ``.<name>.tmp`` next to ``path`` and renamed when complete. All ranks
+    must see the same filesystem at ``path``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp"
+    if D.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    D.barrier()
+    with _quiet_single_process():
+        dcp.save(_states(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp))
+    if D.rank() == 0:
+        torch.save(dict(extra or {}), tmp / "extra.pt")
+    D.barrier()
+    if D.rank() == 0:
+        _replace_dir(tmp, path)
+    D.barrier()
+    return path
+
+
+def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
+    """Load model (+ optimizer) shards from a :func:`save_sharded` checkpoint, whatever the world size that
+    wrote it (DCP reshards); returns the ``extra`` state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint ({COMPLETE_MARK} missing)")
+    state = _states(model, optimizer)
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    extra = path / "extra.pt"
+    return torch.load(extra, weights_only=True) if extra.is_file() else {}
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config_dir: str | Path | None = None,
+              dtype: torch.dtype | None = None) -> Path:
+    """Write a transformers-format directory (config, safetensors weights, tokenizer when found) from a sharded
+    checkpoint, in one process (no group needed).
+
+    ``checkpoint``: a :func:`save_sharded` directory or a worker checkpoint holding one under ``dcp/``;
+    ``config_dir``: where ``config.json`` is (default: ``checkpoint``, then its parent).
+    """
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    ckpt = Path(checkpoint)
+    shards = ckpt / "dcp" if is_complete(ckpt / "dcp") else ckpt
+    if not is_complete(shards):
+        if any(ckpt.glob("*.safetensors")) and (ckpt / "config.json").is_file():  # single-process layout
+            return _copy_hf(ckpt, Path(out_dir), dtype)
+        raise FileNotFoundError(f"{ckpt}: no complete sharded checkpoint (and no transformers weights)")
+    candidates = [Path(config_dir)] if config_dir else [ckpt, shards, ckpt.parent]
+    cdir = next((c for c in candidates if (c / "config.json").is_file()), None)
+    if cdir is None:
+        raise FileNotFoundError(f"{ckpt}: no config.json to build the model from (pass config_dir)")
+    config = transformers.AutoConfig.from_pretrained(cdir, local_files_only=True)
+    cls = _model_class(config)
+    with torch.device("meta"):
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    model.to_empty(device="cpu")
+    sd = model.state_dict()
+    with _quiet_single_process():
+        dcp.load({"model": sd}, storage_reader=dcp.FileSystemReader(shards))
+    model.load_state_dict(sd, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if dtype is not None:
+        model.to(dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    for src in (ckpt, cdir):
+        if (src / "tokenizer_config.json").is_file():
+            transformers.AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
+            break
+    return out
+
+
+def _model_class(config):
+    """The class named in ``config.architectures`` (a causal LM when it names none)."""
+    import transformers
+
+    arch = (config.architectures or ["AutoModelForCausalLM"])[0]
+    return getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
+
+
+def _copy_hf(src: Path, out: Path, dtype: torch.dtype | None) -> Path:
+    import transformers
+
+    cls = _model_class(transformers.AutoConfig.from_pretrained(src, local_files_only=True))
+    model = cls.from_pretrained(src, local_files_only=True, dtype=dtype or torch.float32)
+    model.save_pretrained(out)
+    if (src / "tokenizer_config.json").is_file():
+        transformers.AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
+    return out

@@ -1,0 +1,324 @@
+"""Training-memory estimator: bytes per device for one training step of a causal LM.
+
+``estimate(model, layout)`` returns the bytes each device holds for a model
+(a transformers ``PretrainedConfig`` of a dense decoder such as Qwen2/Llama,
+or only a parameter count Ψ) under a ``Layout``; ``hybridrl memory`` prints it.
+
+Notation: Ψ parameters (Ψ_t of them trainable: Ψ, or the LoRA adapters),
+N = ``world_size``, p = bytes of ``param_dtype`` (4 fp32, 2 bf16), n =
+``micro_batch_tokens``, L layers, h hidden size, I intermediate size,
+H / K attention / key-value heads, d = h / H head dim, V vocabulary, T
+sequence length (``seq_len``; default min(n, max positions)), a = p bytes
+per activation element.
+
+States (GUIDE.md §3, ZeRO 1910.02054). "master" = 4Ψ_t when the parameters
+are not fp32 and ``master_fp32`` (mixed precision keeps fp32 master weights),
+else 0; Adam m and v are fp32 under mixed precision (4Ψ_t each), else in
+the parameter dtype (pΨ_t each).
+
+* weights    = pΨ                  (/N with ``sharding="full"``)
+* gradients  = pΨ_t                (/N with ``grad_op`` and ``full``)
+* optimizer  = master + m + v      (/N with ``optim``, ``grad_op``, ``full``)
+
+so mixed-precision Adam is 2Ψ + 2Ψ + 12Ψ = 16Ψ per replica, and per device
+ZeRO-1 (``optim``) 4Ψ + 12Ψ/N, ZeRO-2 (``grad_op``) 2Ψ + 14Ψ/N, ZeRO-3
+(``full``) 16Ψ/N. With LoRA (``lora_rank`` r > 0) Ψ_t = Σ_layers r·(in+out)
+over q, k, v, o, gate, up, down; the frozen base keeps only its weights.
+With ``cpu_offload`` the (sharded) weights, gradients and optimizer states
+live in host memory (their device is "cpu"), as FSDP2's CPUOffloadPolicy does.
+
+Activations (what autograd saves for backward in the micro-batch; counted
+tensor by tensor for transformers' Qwen2 decoder layer under SDPA with a
+padding mask, which this module was calibrated against), bytes per token:
+
+* per layer  = 2·(4h + 2ah + 4)            two RMSNorms: fp32 input, normalised, weighted output, 1/rms
+             + a·(2h + 2h)                  q and o-input (SDPA output); k and v after repeat_kv (H heads)
+             + 4H + a·T                     SDPA logsumexp and the (float) attention mask row
+             + 4a·I                         MLP: gate, silu(gate), up, silu(gate)·up
+             + 7a·r (LoRA)                  the adapters' low-rank activations
+* head       = 4h + 2ah + 4 + a·V + 3·4V    final norm, logits, fp32 log-softmax, softmax (entropy), dlogits
+* backward   = a·(6h + 3I)                  per token, the gradients of one layer's intermediates in flight
+
+  activations = n·(L·per_layer + head + backward)
+  with activation checkpointing: n·(L·a·h + per_layer + head + backward)
+  (only each layer's input is kept; one layer is recomputed at a time).
+
+Workspace: with ``full`` sharding the all-gathered parameters of two layers
+(the current one and the prefetched next) plus one layer's unsharded
+gradients before reduce-scatter: 2·p·P_layer + p·P_layer (P_layer parameters
+of one decoder layer); 0 otherwise. It and the activations are always on the
+device. A bare parameter count gives no activations or workspace (a config
+is needed for the shapes).
+
+Total on the device = the terms whose device is the accelerator; host =
+the offloaded ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SHARDING = ("none", "optim", "grad_op", "full")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass
+class Layout:
+    world_size: int = 1
+    sharding: str = "none"          # none | optim (ZeRO-1) | grad_op (ZeRO-2) | full (ZeRO-3)
+    param_dtype: str = "fp32"       # fp32 | bf16
+    master_fp32: bool = True        # with bf16 params: keep an fp32 master copy (mixed precision)
+    cpu_offload: bool = False
+    lora_rank: int = 0
+    activation_checkpointing: bool = False
+    micro_batch_tokens: int = 8192
+    seq_len: int | None = None      # padded row width; default min(micro_batch_tokens, max positions)
+
+    def __post_init__(self):
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.sharding not in SHARDING:
+            raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {self.sharding!r}")
+        if self.param_dtype not in DTYPE_BYTES:
+            raise ValueError(f"param_dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.param_dtype!r}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+
+
+@dataclass
+class Shape:
+    """The dimensions of a dense decoder-only transformer that the estimate needs."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, cfg) -> "Shape":
+        get = lambda *names, default=None: next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
+        if get("num_experts", "num_local_experts", "n_routed_experts"):
+            raise ValueError("mixture-of-experts configs are not supported by the estimator (dense decoders only)")
+        h, L, H = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads")
+        I, V = get("intermediate_size"), get("vocab_size")
+        if None in (h, L, H, I, V):
+            raise ValueError("config lacks hidden_size / num_hidden_layers / num_attention_heads / intermediate_size / vocab_size")
+        model_type = getattr(cfg, "model_type", "")
+        attn_bias = get("attention_bias", default=None)
+        return cls(layers=L, hidden=h, intermediate=I, heads=H, kv_heads=get("num_key_value_heads", default=H),
+                   head_dim=get("head_dim", default=h // H), vocab=V,
+                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+                   qkv_bias=bool(attn_bias) if attn_bias is not None else model_type == "qwen2",
+                   o_bias=bool(attn_bias) if attn_bias is not None else False,
+                   max_positions=get("max_position_embeddings", default=4096))
+
+    def layer_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        q, kv = self.heads * d, self.kv_heads * d
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        return attn + 3 * h * self.intermediate + 2 * h
+
+    def params(self) -> int:
+        emb = self.vocab * self.hidden
+        return emb * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
+
+    def lora_params(self, r: int) -> int:
+        h, I = self.hidden, self.intermediate
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        dims = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, I), "up": (h, I), "down": (I, h)}
+        return self.layers * sum(r * (i + o) for i, o in (dims[t] for t in LORA_TARGETS))
+
+
+def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
+    """Bytes of the activation terms (see the module docstring for the formulas)."""
+    a = DTYPE_BYTES[lay.param_dtype]
+    n = lay.micro_batch_tokens
+    T = lay.seq_len or min(n, s.max_positions)
+    h, I = s.hidden, s.intermediate
+    norm = 4 * h + 2 * a * h + 4
+    per_layer = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * I + 7 * a * lay.lora_rank
+    head = norm + a * s.vocab + 3 * 4 * s.vocab
+    backward = a * (6 * h + 3 * I)
+    layers = n * (s.layers * a * h + per_layer) if lay.activation_checkpointing else n * s.layers * per_layer
+    return {"layers": layers, "head": n * head, "backward": n * backward}
+
+
+def estimate(model, layout: Layout | None = None) -> dict:
+    """Bytes per device for ``model`` (a transformers config or a parameter count) under ``layout``.
+
+    Returns a dict with ints ``weights``, ``gradients``, ``optimizer``, ``states`` (their sum),
+    ``activations`` and ``workspace`` (None for a bare parameter count), ``total`` (all terms),
+    ``device_total`` / ``host_total`` (split by where each term lives), ``device`` (term -> "accelerator"
+    or "cpu"), ``breakdown`` (optimizer master/m/v and activation parts), ``n_params``,
+    ``trainable_params`` and ``layout``.
+    """
+    lay = layout or Layout()
+    shape = None
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        psi = int(model)
+        if psi <= 0:
+            raise ValueError(f"parameter count must be positive, got {model}")
+    else:
+        shape = Shape.from_config(model)
+        psi = shape.params()
+    if lay.lora_rank and shape is None:
+        raise ValueError("a LoRA estimate needs a model config (the adapter sizes depend on the layer shapes)")
+    trainable = shape.lora_params(lay.lora_rank) if lay.lora_rank else psi
+    N, p = lay.world_size, DTYPE_BYTES[lay.param_dtype]
+    mixed = lay.param_dtype != "fp32" and lay.master_fp32
+    shard_w = N if lay.sharding == "full" else 1
+    shard_g = N if lay.sharding in ("grad_op", "full") else 1
+    shard_o = N if lay.sharding != "none" else 1
+    adapters = trainable if lay.lora_rank else 0
+    weights = math.ceil((p * psi + p * adapters) / shard_w)
+    gradients = math.ceil(p * trainable / shard_g)
+    state_bytes = 4 if mixed else p
+    opt = {"master": math.ceil((4 * trainable if mixed else 0) / shard_o),
+           "m": math.ceil(state_bytes * trainable / shard_o), "v": math.ceil(state_bytes * trainable / shard_o)}
+    optimizer = sum(opt.values())
+    acts = workspace = None
+    breakdown = {"optimizer": opt}
+    if shape is not None:
+        parts = _activation_terms(shape, lay)
+        acts = sum(parts.values())
+        breakdown["activations"] = parts
+        workspace = 3 * p * shape.layer_params() if lay.sharding == "full" and N > 1 else 0
+    where_states = "cpu" if lay.cpu_offload else "accelerator"
+    device = {"weights": where_states, "gradients": where_states, "optimizer": where_states,
+              "activations": "accelerator", "workspace": "accelerator"}
+    terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
+             "activations": acts or 0, "workspace": workspace or 0}
+    return {
+        "n_params": psi, "trainable_params": trainable, "layout": asdict(lay),
+        "weights": weights, "gradients": gradients, "optimizer": optimizer,
+        "states": weights + gradients + optimizer, "activations": acts, "workspace": workspace,
+        "total": sum(terms.values()),
+        "device_total": sum(v for k, v in terms.items() if device[k] == "accelerator"),
+        "host_total": sum(v for k, v in terms.items() if device[k] == "cpu"),
+        "device": device, "breakdown": breakdown,
+    }
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_table(result: dict) -> str:
+    lay = result["layout"]
+    head = (f"params {result['n_params']:,} (trainable {result['trainable_params']:,}); "
+            f"world {lay['world_size']}, sharding {lay['sharding']}, {lay['param_dtype']}"
+            f"{' + fp32 master' if lay['param_dtype'] != 'fp32' and lay['master_fp32'] else ''}, "
+            f"offload {'on' if lay['cpu_offload'] else 'off'}, LoRA r={lay['lora_rank']}, "
+            f"AC {'on' if lay['activation_checkpointing'] else 'off'}, micro-batch {lay['micro_batch_tokens']} tokens")
+    rows = [("term", "bytes/device", "where")]
+    opt = result["breakdown"]["optimizer"]
+    for key in ("weights", "gradients", "optimizer"):
+        rows.append((key, human(result[key]), result["device"][key]))
+    rows += [(f"  {k}", human(v), "") for k, v in opt.items() if v]
+    rows.append(("activations", human(result["activations"]), "accelerator" if result["activations"] is not None else "(needs a config)"))
+    for k, v in result["breakdown"].get("activations", {}).items():
+        rows.append((f"  {k}", human(v), ""))
+    if result["workspace"]:
+        rows.append(("workspace", human(result["workspace"]), "accelerator"))
+    rows += [("states", human(result["states"]), ""), ("total", human(result["total"]), ""),
+             ("  on device", human(result["device_total"]), ""), ("  on host", human(result["host_total"]), "")]
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    lines = [head] + [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
+    return "\n".join(lines)
+
+
+_SUFFIX = {"k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "b": 1e9, "B": 1e9, "g": 1e9, "G": 1e9, "t": 1e12, "T": 1e12}
+
+
+def resolve_model(spec: str):
+    """A built-in size name, a config.json / checkpoint directory, or a parameter count (7e9, 70B, 1.5M)."""
+    from hybridrl.models.factory import SIZES
+
+    if spec in SIZES:
+        from hybridrl.models.factory import model_size_config
+        from hybridrl.tasks import build_char_tokenizer
+
+        return model_size_config(spec, build_char_tokenizer())
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", spec)
+    if m:
+        return float(m.group(1)) * _SUFFIX.get(m.group(2), 1)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model {spec!r} is not a built-in size, a parameter count or a config path")
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {str(path)!r}: {e}") from None
+    try:
+        return AutoConfig.for_model(**data) if "model_type" in data else PretrainedConfig(**data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot build a config from {str(path)!r}: {e}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def parse_args(argv):
+    p = _Parser(prog="hybridrl memory", description="Estimate the training memory per device (GUIDE.md §3).")
+    p.add_argument("model", help="tiny | small | a config.json or checkpoint directory | a parameter count (7e9, 70B)")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--sharding", choices=SHARDING, default="none",
+                   help="none, optim (ZeRO-1), grad_op (ZeRO-2), full (ZeRO-3)")
+    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="parameter/compute dtype")
+    p.add_argument("--no-master", action="store_true", help="bf16 without an fp32 master copy")
+    p.add_argument("--offload", action="store_true", help="weights, gradients and optimizer states in host memory")
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--seq-len", type=int, default=None, help="padded row width (default min(tokens, max positions))")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hybridrl memory MODEL [flags]``: print the table; 2 and one line on stderr for bad input."""
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        layout = Layout(world_size=args.world_size, sharding=args.sharding, param_dtype=args.dtype,
+                        master_fp32=not args.no_master, cpu_offload=args.offload, lora_rank=args.lora_rank,
+                        activation_checkpointing=args.activation_checkpointing,
+                        micro_batch_tokens=args.micro_batch_tokens, seq_len=args.seq_len)
+        result = estimate(resolve_model(args.model), layout)
+    except ValueError as e:
+        print(f"hybridrl memory: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
