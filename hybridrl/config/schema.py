@@ -95,6 +95,11 @@ class ActorConfig:
     ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
     ppo_epochs: int = _f(1, "passes over each step's batch", ge=1)
     micro_batch_tokens: int = _f(8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1)
+    lora_rank: int = _f(0, "LoRA rank of the policy's adapters (0: train all weights)", ge=0)
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank)", gt=0)
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input", ge=0, lt=1)
+    lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                        "module names that get adapters")
 
 
 LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
