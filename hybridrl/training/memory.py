@@ -37,7 +37,9 @@ padding mask, which this module was calibrated against), bytes per token:
              + 4a·I                         MLP: gate, silu(gate), up, silu(gate)·up
              + 7a·r (LoRA)                  the adapters' low-rank activations
 * head       = 4h + 2ah + 4 + a·V + 3·4V    final norm, logits, fp32 log-softmax, softmax (entropy), dlogits
-* backward   = a·(6h + 3I)                  per token, the gradients of one layer's intermediates in flight
+* backward   = a·(h + I)                    the gradients of a hidden state and an MLP intermediate in
+                                            flight during a layer's backward (calibrated against the
+                                            live-tensor peak measured by bench/memory.py)
 
   activations = n·(L·per_layer + head + backward)
   with activation checkpointing: n·(L·a·h + per_layer + head + backward)
@@ -51,7 +53,10 @@ device. A bare parameter count gives no activations or workspace (a config
 is needed for the shapes).
 
 Total on the device = the terms whose device is the accelerator; host =
-the offloaded ones.
+the offloaded ones. These are tensor bytes: on CPU with glibc's default
+malloc the process RSS peak is 1.3-2.6x higher (heap fragmentation after the
+mmap threshold rises; bench/memory.py), with the threshold pinned
+(``MALLOC_MMAP_THRESHOLD_=131072``) it is within a few percent.
 """
 from __future__ import annotations
 
@@ -154,7 +159,7 @@ def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
     norm = 4 * h + 2 * a * h + 4
     per_layer = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * I + 7 * a * lay.lora_rank
     head = norm + a * s.vocab + 3 * 4 * s.vocab
-    backward = a * (6 * h + 3 * I)
+    backward = a * (h + I)
     layers = n * (s.layers * a * h + per_layer) if lay.activation_checkpointing else n * s.layers * per_layer
     return {"layers": layers, "head": n * head, "backward": n * backward}
 
