@@ -46,6 +46,7 @@ class PoolConfig:
     workers_per_node: int = _f(1, "worker processes per node", ge=1)
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker (ray backend)", gt=0)
     gpus_per_worker: float = _f(0.0, "GPUs reserved per worker (ray backend)", ge=0)
+    resources: dict[str, float] = _f({}, "custom Ray resources reserved per worker, e.g. {node1: 0.01}: pins the pool to nodes offering them (ray backend)")
 
 
 ROLES = ("actor", "reference", "rollout", "reward", "critic")

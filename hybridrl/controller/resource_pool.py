@@ -17,6 +17,10 @@ Distinct node groups are not forced onto distinct machines (Ray has no
 pool they end up on different ones. An actor asks its bundle for only
 ``1 / max_colocate`` of the bundle's resources, so up to ``max_colocate``
 groups fit on one pool.
+
+``resources`` adds custom Ray resources to every bundle: a pool asking for
+``{"node1": 0.01}`` per worker only lands on nodes started with a ``node1``
+resource (how a pool is pinned to a node or a kind of machine).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class ResourcePool:
     cpus_per_worker: float = 1
     gpus_per_worker: float = 0
     max_colocate: int = 8  # how many WorkerGroups may share this pool (ray)
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (node pinning)
     _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -42,6 +47,8 @@ class ResourcePool:
             raise ValueError(f"pool {self.name!r}: nodes and workers_per_node must be >= 1")
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0 or self.cpus_per_worker + self.gpus_per_worker <= 0:
             raise ValueError(f"pool {self.name!r}: each worker needs some CPU or GPU")
+        if any(v <= 0 for v in self.resources.values()):
+            raise ValueError(f"pool {self.name!r}: custom resources must be > 0, got {self.resources}")
         if self.max_colocate < 1:
             raise ValueError(f"pool {self.name!r}: max_colocate must be >= 1")
 
@@ -54,12 +61,14 @@ class ResourcePool:
         out = {"CPU": float(self.cpus_per_worker)}
         if self.gpus_per_worker:
             out["GPU"] = float(self.gpus_per_worker)
+        out.update({k: float(v) for k, v in self.resources.items()})
         return {k: v for k, v in out.items() if v > 0}
 
     def actor_resources(self) -> dict[str, float]:
         """What one actor asks of its bundle: a ``1/max_colocate`` share."""
         share = {k: v / self.max_colocate for k, v in self.bundle().items()}
-        return {"num_cpus": share.get("CPU", 0.0), "num_gpus": share.get("GPU", 0.0)}
+        out = {"num_cpus": share.pop("CPU", 0.0), "num_gpus": share.pop("GPU", 0.0)}
+        return out | ({"resources": share} if share else {})
 
     # --- ray placement -----------------------------------------------------
     def placement(self, rank: int) -> tuple[Any, int]:

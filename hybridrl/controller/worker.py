@@ -63,6 +63,11 @@ class Worker:
     def role(self) -> str:
         return self.ctx.role
 
+    def apply(self, fn, /, *args, **kwargs):
+        """Run ``fn(self, *args, **kwargs)`` here (driver: ``WorkerGroup.apply_all``): code that needs the
+        worker's state without being one of its methods, e.g. moving weights between roles."""
+        return fn(self, *args, **kwargs)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, rank={self.rank}/{self.world_size})"
 

@@ -124,6 +124,11 @@ class WorkerGroup:
             raise IndexError(f"group {self.role!r} has {self.world_size} ranks, no rank {rank}")
         return self._run(name, [(rank, args, kwargs)])[0]
 
+    def apply_all(self, fn, *args, **kwargs) -> list:
+        """``fn(worker, *args, **kwargs)`` on every rank (in the rank's process); per-rank results in rank order.
+        Under ray ``fn`` must be importable (or pickled by value) in the worker processes."""
+        return self._run("apply", plan(Dispatch.ONE_TO_ALL, self.world_size, (fn, *args), kwargs))
+
     def _check_method(self, name: str) -> None:
         if not callable(getattr(self.cls, name, None)):
             raise AttributeError(f"{self.cls.__name__} has no method {name!r}")

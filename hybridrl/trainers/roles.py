@@ -1,29 +1,71 @@
-"""Place the roles on their resource pools (``controller.pools`` / ``controller.placement``)."""
+"""Place the roles on their resource pools (``controller.pools`` / ``controller.placement``).
+
+* ``local`` backend: one WorkerGroup per role, all in the driver process.
+* ``ray`` backend: the roles mapped to one pool share one process per slot (a
+  :class:`~hybridrl.workers.colocated.ColocatedWorker`, which makes trained roles and the rollout take
+  turns on the device); a pool with a single role gets that role's own WorkerGroup. Any mix works:
+  everything on one pool (colocated), rollout + reward on their own pool (disaggregated), ...
+
+The driver sees one object per role either way (a WorkerGroup or a RoleView of the fused group) and
+calls :meth:`Roles.sync_weights`, which picks the weight-sync path (``trainers/weight_sync.py``).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridrl.algorithms import ADVANTAGES
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
+from hybridrl.controller.colocated import RoleView
+from hybridrl.trainers import weight_sync
 from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutWorker
+from hybridrl.workers.colocated import ColocatedWorker
+
+ROLE_CLASSES = {"actor": ActorWorker, "reference": ReferenceWorker, "rollout": RolloutWorker, "reward": RewardWorker,
+                "critic": CriticWorker}
 
 
 @dataclass
 class Roles:
-    actor: WorkerGroup
-    reference: WorkerGroup
-    rollout: WorkerGroup
-    reward: WorkerGroup
-    critic: WorkerGroup | None = None  # only for estimators that need values (gae)
+    actor: WorkerGroup | RoleView
+    reference: WorkerGroup | RoleView
+    rollout: WorkerGroup | RoleView
+    reward: WorkerGroup | RoleView
+    critic: WorkerGroup | RoleView | None = None  # only for estimators that need values (gae)
+    groups: list[WorkerGroup] = field(default_factory=list)  # the processes behind the roles, each once
+    transport: str = "memory"  # weight sync: memory (one process), fused, shm (one node) or store (object store)
+    bucket_bytes: int = weight_sync.BUCKET_BYTES
+
+    def __post_init__(self):
+        actor, rollout = self.actor, self.rollout
+        if isinstance(actor, RoleView) and isinstance(rollout, RoleView) and actor.group is rollout.group:
+            self.transport = "fused"
+        elif actor.backend_name == "ray":
+            src, shm = actor.apply_all(weight_sync.where)[0]
+            same = shm and all(node == src for node, _ in rollout.apply_all(weight_sync.where))
+            self.transport = "shm" if same else "store"
+
+    def sync_weights(self, version: int) -> None:
+        """Actor -> rollout, bucketed and versioned (``trainers/weight_sync.py``: in memory, over the fused
+        group, through a shared-memory staging file or through the object store)."""
+        actor, rollout, ws = self.actor, self.rollout, weight_sync
+        if self.transport == "fused":
+            actor.group.apply_all(ws.sync_fused, version, self.bucket_bytes)
+        elif self.transport == "memory":
+            rollout.update_weights(actor.weight_buckets(self.bucket_bytes)[0], version)
+        else:
+            publish, load = (ws.publish_shared, ws.load_shared) if self.transport == "shm" else (ws.publish, ws.load_published)
+            handle = actor.apply_all(publish, self.bucket_bytes)[0]
+            rollout.apply_all(load, handle, version)
 
     def shutdown(self) -> None:
-        for wg in (self.actor, self.reference, self.rollout, self.reward, self.critic):
-            if wg is None:
-                continue
-            if wg.world_size > 1 and "close" in wg.methods:  # leave the torch.distributed group cleanly
-                wg.close()
-            wg.shutdown()
+        if self.transport == "shm":
+            self.actor.apply_all(weight_sync.release_stage)
+        for role in (self.actor, self.reference, self.rollout, self.reward, self.critic):
+            if role is not None and role.world_size > 1 and "close" in role.methods:  # leave torch.distributed cleanly
+                role.close()
+        for group in self.groups:
+            group.shutdown()
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -36,15 +78,23 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
     if c.backend == "ray":
         init_ray(c.ray_address)
     pools = {name: ResourcePool(name=name, **vars(p)) for name, p in c.pools.items()}
+    paths = {"actor": policy_path, "reference": reference_path, "rollout": policy_path, "reward": policy_path,
+             "critic": critic_path or reference_path}
+    wanted = [r for r in ROLE_CLASSES if r != "critic" or needs_critic(cfg)]
+    by_pool: dict[str, list[str]] = {}
+    for role in wanted:
+        by_pool.setdefault(c.placement[role], []).append(role)
 
-    def group(cls, role: str, path: str | None) -> WorkerGroup:
-        return WorkerGroup(cls, pools[c.placement[role]], role=role, backend=c.backend, args=(cfg, path),
-                           num_threads=c.num_threads, seed=cfg.trainer.seed)
-
-    return Roles(
-        actor=group(ActorWorker, "actor", policy_path),
-        reference=group(ReferenceWorker, "reference", reference_path),
-        rollout=group(RolloutWorker, "rollout", policy_path),
-        reward=group(RewardWorker, "reward", policy_path),
-        critic=group(CriticWorker, "critic", critic_path or reference_path) if needs_critic(cfg) else None,
-    )
+    handles, groups = {}, []
+    for pool, roles in by_pool.items():
+        common = dict(backend=c.backend, num_threads=c.num_threads, seed=cfg.trainer.seed)
+        if c.backend == "local" or len(roles) == 1:
+            for role in roles:
+                handles[role] = WorkerGroup(ROLE_CLASSES[role], pools[pool], role=role, args=(cfg, paths[role]), **common)
+                groups.append(handles[role])
+            continue
+        parts = {role: (ROLE_CLASSES[role], (cfg, paths[role])) for role in roles}
+        fused = WorkerGroup(ColocatedWorker, pools[pool], role="+".join(roles), args=(parts,), **common)
+        groups.append(fused)
+        handles |= {role: RoleView(fused, role, ROLE_CLASSES[role]) for role in roles}
+    return Roles(**handles, groups=groups)

@@ -45,7 +45,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         roles.actor.load_state(str(ckpt / "model"))
         if roles.critic is not None:
             roles.critic.load_state(str(ckpt / "critic"))
-        roles.rollout.update_weights(roles.actor.weight_buckets()[0], state["step"])
+        roles.sync_weights(state["step"])
     task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
     params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_new_tokens=cfg.rollout.max_new_tokens, n=t.samples_per_prompt)
@@ -78,7 +78,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         with timer.phase("update"):
             metrics |= mean_over_ranks(roles.actor.update_policy(batch))
         with timer.phase("weight_sync"):
-            roles.rollout.update_weights(roles.actor.weight_buckets()[0], step + 1)
+            roles.sync_weights(step + 1)
         metrics |= shaping_metrics | batch_metrics(batch) | roles.rollout.stats()
         done = step + 1
         if (t.eval_every and done % t.eval_every == 0) or done == t.total_steps:

@@ -1,0 +1,141 @@
+"""Weight sync actor -> rollout across processes under Ray, against this machine's memcpy bandwidth.
+
+    python bench/weight_sync.py [--model small] [--repeats 5] [--bucket-mb 64] [--actor-ranks 1]
+
+The actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are separate Ray actors on a local
+cluster. One sync is what the trainer does (``Roles.sync_weights``, ``trainers/weight_sync.py``): every
+actor rank gathers the weights in buckets; rank 0 copies them into a reused shared-memory staging file
+(``shm``, the same-node path) or puts each bucket into the object store as numpy arrays (``store``, the
+cross-node path, reported as ``store_*``) and returns a descriptor / the references; the rollout reads
+the buckets itself and copies them into its live weights. The time is the driver's wall time of the whole sync (both remote calls); bytes are the
+tensor bytes synced. memcpy: copying a buffer of the same size into an existing buffer in this process
+(``torch.Tensor.copy_``, 1 thread, best of 3), measured right before each sync; ``fraction_of_memcpy`` is
+memcpy time / sync time of the best pair (``_median``: the median pair), ``memcpy_bytes_per_s`` the best
+memcpy seen.
+
+A sync makes at least two copies (into the staging memory, then into the rollout's weights), so one
+memcpy is a hard ceiling and 0.5 the best a two-copy design can do.
+
+``lora_bytes_ratio``: bytes of one LoRA sync (rank 8 on q,k,v,o,gate,up,down: the adapters and their
+scales, what ``ActorWorker.weight_buckets`` sends after the first sync) over the full sync's bytes.
+
+Prints one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
+    """Bytes of an adapter-only sync / bytes of a full sync, from a real LoRA actor when available."""
+    from hybridrl.config import load_config, Config
+    from hybridrl.controller import WorkerContext
+    from hybridrl.workers import ActorWorker
+
+    try:
+        from hybridrl.training import lora as L
+
+        lcfg = load_config(Config, None, [f"model.name={cfg.model.name}", "actor.lora_rank=8", "controller.num_threads=1"])
+        actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), lcfg, None)
+        actor.weight_buckets()  # the first sync also sends the base weights
+        return L.sync_bytes(actor.weight_buckets()) / full_bytes, "measured: ActorWorker(lora_rank=8).weight_buckets() after the first sync"
+    except Exception as exc:  # LoRA not available: count rank-8 adapter parameters on the targets
+        from hybridrl.workers.common import load_model
+
+        model, _ = load_model(cfg, None)
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        params = sum(8 * (m.in_features + m.out_features) for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in targets)
+        return params * 4 / full_bytes, f"computed: rank-8 adapter parameter count ({type(exc).__name__})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--actor-ranks", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    import ray
+
+    from hybridrl.config import Config, load_config
+    from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
+    from hybridrl.trainers import weight_sync
+    from hybridrl.workers import ActorWorker, RolloutWorker
+
+    cfg = load_config(Config, None, [f"model.name={args.model}", "controller.num_threads=1"])
+    init_ray(num_cpus=max(2, args.actor_ranks + 1))
+    actor = WorkerGroup(ActorWorker, ResourcePool("train", workers_per_node=args.actor_ranks, cpus_per_worker=1), role="actor",
+                        backend="ray", args=(cfg, None))
+    rollout = WorkerGroup(RolloutWorker, ResourcePool("gen", cpus_per_worker=1), role="rollout", backend="ray", args=(cfg, None))
+    bucket_bytes = args.bucket_mb << 20
+
+    paths = {"shm": (weight_sync.publish_shared, weight_sync.load_shared), "store": (weight_sync.publish, weight_sync.load_published)}
+
+    def one_sync(version: int, transport: str) -> float:
+        publish, load = paths[transport]
+        t0 = time.perf_counter()
+        handle = actor.apply_all(publish, bucket_bytes)[0]
+        rollout.apply_all(load, handle, version)
+        dt = time.perf_counter() - t0
+        del handle
+        return dt
+
+    sizes = actor.apply_all(lambda w: sum(p.numel() * p.element_size() for p in w.model.parameters()))
+    full_bytes = int(sizes[0])  # a DTensor counts its global size
+    # this machine is shared and its load changes by the second: each sync is paired with a memcpy measured
+    # just before it (same size, this process, 1 thread), and the fraction is taken per pair
+    src = torch.ones(full_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+
+    def memcpy_s() -> float:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - t0
+
+    times, fractions, memcpys = {}, {}, []
+    for transport in paths:
+        one_sync(0, transport)  # warm-up: connections, first touch of the staging pages
+        times[transport], fractions[transport] = [], []
+        for v in range(1, args.repeats + 1):
+            m = min(memcpy_s() for _ in range(3))
+            t = one_sync(v, transport)
+            memcpys.append(m)
+            times[transport].append(t)
+            fractions[transport].append(m / t)
+    actor.apply_all(weight_sync.release_stage)
+    for wg in (actor, rollout):
+        if wg.world_size > 1:
+            wg.close()
+        wg.shutdown()
+    ray.shutdown()
+    memcpy = full_bytes / min(memcpys)
+    ratio, source = lora_ratio(cfg, full_bytes)
+    out = {"model": args.model, "actor_ranks": args.actor_ranks, "sync_bytes": full_bytes, "bucket_bytes": bucket_bytes,
+           "memcpy_bytes_per_s": round(memcpy)}
+    for transport, ts in times.items():  # headline: shm, what Roles.sync_weights uses when the roles share a node
+        best, median = min(ts), statistics.median(ts)
+        key = "" if transport == "shm" else "store_"
+        out |= {f"{key}sync_seconds_best": round(best, 4), f"{key}sync_seconds_median": round(median, 4),
+                f"{key}sync_bytes_per_s": round(full_bytes / best),
+                f"{key}fraction_of_memcpy": round(max(fractions[transport]), 3),  # best pair
+                f"{key}fraction_of_memcpy_median": round(statistics.median(fractions[transport]), 3)}
+    out |= {"transport": "shm (same node; store_*: object store, the cross-node path)",
+            "lora_bytes_ratio": round(ratio, 5), "lora_bytes_ratio_source": source}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
