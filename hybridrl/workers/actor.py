@@ -9,6 +9,11 @@ a torch.distributed group and the model is sharded with FSDP2
 (``training/fsdp.py``); ``compute_log_prob`` and ``update_policy`` take each
 rank's chunk of the batch (DP_COMPUTE) and the update equals the
 single-process update on the whole batch (``training/update.py``).
+
+LoRA (``actor.lora_rank`` > 0, ``training/lora.py``): the policy is wrapped with PEFT adapters before
+sharding, the optimizer holds only the adapters, ``weight_buckets`` sends only the adapters (the first
+call after the actor is built or loaded also sends the base weights) and checkpoints hold the merged
+model, the PEFT adapter and the adapter + optimizer state.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
 from hybridrl.training.distributed import init_distributed, teardown_distributed
+from hybridrl.training import lora as L
 from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.training.logprob import batch_log_probs, response_log_probs
 from hybridrl.training.state import load_trainable, save_trainable
@@ -32,8 +38,14 @@ class ActorWorker(Worker):
         self.cfg = cfg
         self.dist = init_distributed(ctx)
         model, self.tokenizer = load_model(cfg, model_path)
+        self.lora = L.lora_settings(cfg)
+        self.base_source = model_path  # where the (LoRA base) weights came from; None: built-in from model.seed
+        self._base_synced = False  # LoRA: the rollout has our base weights (first weight_buckets sends them)
+        if self.lora is not None:
+            model = L.apply_lora(model, self.lora, seed=cfg.model.seed)
         self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        params = L.trainable_parameters(self.model) if self.lora is not None else self.model.parameters()
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
         self.policy_loss = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
@@ -64,21 +76,44 @@ class ActorWorker(Worker):
                            prefix="actor")
 
     @register(Dispatch.ONE_TO_ALL)
-    def weight_buckets(self, bucket_bytes: int = 64 << 20) -> list[list[tuple[str, torch.Tensor]]]:
-        """The full weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor). Every rank
-        takes part in gathering the shards; rank 0 returns the buckets, the others ``[]``: the driver reads ``[0]``."""
-        buckets = list(iter_weight_buckets(self.model, bucket_bytes))
+    def weight_buckets(self, bucket_bytes: int = 64 << 20, mode: str = "auto") -> list[list[tuple[str, torch.Tensor]]]:
+        """The weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor). Every rank
+        takes part in gathering the shards; rank 0 returns the buckets, the others ``[]``: the driver reads ``[0]``.
+
+        Without LoRA: the full weights. With LoRA, ``mode``: ``adapter`` the adapters only (``training/lora.py``);
+        ``base`` the base weights, then the adapters; ``auto`` (default): ``base`` on the first call after the
+        actor was built or loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain names)."""
+        if self.lora is None:
+            buckets = list(iter_weight_buckets(self.model, bucket_bytes))
+        elif mode == "merged":
+            merged = L.merged_weights(self.model)
+            buckets = list(L.bucketed(merged.items(), bucket_bytes, keep=True))
+        else:
+            if mode not in ("auto", "adapter", "base"):
+                raise ValueError(f"weight_buckets: mode must be auto, adapter, base or merged, got {mode!r}")
+            with_base = mode == "base" or (mode == "auto" and not self._base_synced)
+            buckets = list(L.lora_weight_buckets(self.model, bucket_bytes, with_base=with_base))
+            self._base_synced |= with_base
         return buckets if self.rank == 0 else []
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded
-        model + optimizer + shuffle RNG under ``path/dcp``."""
-        save_trainable(path, self.model, self.optimizer, self.shuffle, self.tokenizer)
+        model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of ``training/lora.py``)."""
+        if self.lora is not None:
+            L.save_lora_checkpoint(path, self.model, self.optimizer, self.shuffle, self.tokenizer, base_source=self.base_source)
+        else:
+            save_trainable(path, self.model, self.optimizer, self.shuffle, self.tokenizer)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str) -> None:
-        load_trainable(path, self.model, self.optimizer, self.shuffle)
+        if self.lora is not None and L.is_lora_checkpoint(path):
+            self.base_source = L.base_source_of(path)
+            base, _ = load_model(self.cfg, self.base_source)
+            L.load_lora_state(path, self.model, self.optimizer, self.shuffle, base)
+            self._base_synced = False
+        else:
+            load_trainable(path, self.model, self.optimizer, self.shuffle)
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
