@@ -74,7 +74,7 @@ class ControllerConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = _f("hf", "rollout backend: hf (transformers generate) or a registered/dotted one")
+    backend: str = _f("native", "rollout backend: native (paged-KV engine), hf (transformers generate) or a registered/dotted one")
     temperature: float = _f(1.0, "sampling temperature (0: greedy)", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = _f(0, "top-k sampling (0: off)", ge=0)
@@ -86,6 +86,8 @@ class RolloutConfig:
     enable_prefix_caching: bool = _f(True, "native: share KV blocks of identical prompt prefixes")
     draft_model_path: str | None = _f(None, "native: draft model checkpoint for speculative decoding (null: off)")
     num_speculative_tokens: int = _f(4, "native: tokens the draft proposes per step", ge=1)
+    spec_max_batch: int = _f(32, "native: speculate only while at most this many sequences decode", ge=1)
+    kv_cache_memory_fraction: float | None = _f(None, "native, CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)", gt=0, le=1)
 
 
 @dataclass

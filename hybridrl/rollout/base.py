@@ -44,6 +44,10 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()  # stop strings (native backend)
+    ignore_eos: bool = False
+    return_raw_log_probs: bool = False
 
     @property
     def greedy(self) -> bool:

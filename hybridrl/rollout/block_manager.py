@@ -117,7 +117,7 @@ class BlockManager:
         for bid in hits:
             self._ref(bid)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
-        seq.num_computed = len(hits) * self.block_size
+        seq.num_computed = seq.num_draft_computed = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.last_hash = h
         seq.hash_epoch = self.epoch

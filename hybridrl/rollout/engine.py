@@ -26,7 +26,7 @@ from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 
 class LLMEngine:
     def __init__(self, model, cfg, *, eos_token_ids: Iterable[int] = (), tokenizer=None, draft_model=None,
-                 num_blocks: int | None = None, spec_max_batch: int = 32):
+                 num_blocks: int | None = None, spec_max_batch: int | None = None):
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cfg = cfg
@@ -40,9 +40,15 @@ class LLMEngine:
 
             draft_runner = ModelRunner(draft_model.config, device=self.device, dtype=self.dtype, block_size=cfg.block_size,
                                        hf_model=draft_model)
+            if spec_max_batch is None:
+                spec_max_batch = getattr(cfg, "spec_max_batch", 32)
             self.spec = SpecDecoder(self, draft_runner, cfg.num_speculative_tokens, spec_max_batch)
             per_block += draft_runner.bytes_per_block()
-        self.num_blocks = num_blocks or max(2, cfg.kv_cache_bytes // per_block)
+        budget = cfg.kv_cache_bytes
+        fraction = getattr(cfg, "kv_cache_memory_fraction", None)  # GPU: a share of the free device memory
+        if fraction and self.device.type == "cuda":
+            budget = int(fraction * torch.cuda.mem_get_info(self.device)[0])
+        self.num_blocks = num_blocks or max(2, budget // per_block)
         self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, cfg.max_batch_size, cfg.max_num_batched_tokens)
         self._allocate()
@@ -82,8 +88,9 @@ class LLMEngine:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         n = max(1, int(getattr(params, "n", 1)))
-        seq = Sequence(request_id, prompt_ids, params, derive_seed(seed, 0), num_forks=n - 1, tag=tag)
-        seq.base_seed = seed
+        stops = (frozenset() if getattr(params, "ignore_eos", False) else self.eos_token_ids) | frozenset(params.stop_token_ids)
+        seq = Sequence(request_id, prompt_ids, params, derive_seed(seed, 0), num_forks=n - 1, tag=tag, base_seed=seed,
+                       stop_ids=stops)
         limit = self.runner.spec.max_positions
         if len(prompt_ids) + seq.max_tokens > limit:
             seq.max_tokens = max(0, limit - len(prompt_ids))
@@ -104,6 +111,7 @@ class LLMEngine:
         for seq in [s for s in list(sch.waiting) + sch.running if s.request_id in self.aborted]:
             sch.finish(seq, Status.ABORTED)
             self.finished[seq.request_id].append(seq)
+        self.aborted.clear()  # handled: a request id aborted before it arrives is the caller's to skip
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -141,6 +149,13 @@ class LLMEngine:
             return self._plain_step(batch)
 
     def _plain_step(self, batch) -> int:
+        t0 = time.perf_counter()
+        n = self._plain_step_inner(batch)
+        if self.spec is not None and batch.is_decode_only:
+            self.spec.note_plain(time.perf_counter() - t0)
+        return n
+
+    def _plain_step_inner(self, batch) -> int:
         seqs, qs = batch.seqs, batch.num_tokens
         for seq, q in zip(seqs, qs):
             st = seq.num_computed
@@ -172,7 +187,6 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         child = parent.fork(index, derive_seed(parent.base_seed, index))
-        child.base_seed = parent.base_seed
         partial = parent.num_computed % self.bm.block_size != 0
         if self.bm.num_free >= int(partial):
             self.runner.copy_blocks(copies := self.bm.fork(parent, child))
@@ -188,13 +202,10 @@ class LLMEngine:
     def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], lps: list[list[float]],
                       raws: list[list[float]] | None) -> None:
         """Append each sequence's new tokens, stopping at a stop token/string or the token limit."""
-        version, eos = self.version, self.eos_token_ids
+        version = self.version
         done, statuses = [], []
         for i, seq in enumerate(seqs):
-            p = seq.params
-            stops = seq.__dict__.get("_stops")
-            if stops is None:
-                stops = seq._stops = (frozenset() if getattr(p, "ignore_eos", False) else eos) | frozenset(p.stop_token_ids)
+            p, stops = seq.params, seq.stop_ids
             status = None
             for j, t in enumerate(tokens[i]):
                 seq.append(t, lps[i][j], version, None if raws is None else raws[i][j])

@@ -82,11 +82,15 @@ class StepInputs:
     q_pad_index: torch.Tensor | None  # (B * qmax,) flat token index per padded query (None: decode only)
     out_index: torch.Tensor | None  # (T,) padded row of each token
     last_index: torch.Tensor  # (B,) flat index of each sequence's last query token
+    reuse: bool = False  # decode step over (a subset of) the kept batch: the gathered context is still valid
+    pos: torch.Tensor | None = None  # (B,) position of each new token (decode)
+    rows: torch.Tensor | None = None  # (B,) kept-buffer row of each sequence (None: row b is sequence b)
+    num_rows: int = 0  # rows of the kept buffers (>= B; the extra rows belong to sequences that left)
 
 
 class ModelRunner:
     def __init__(self, config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 block_size: int = 16, hf_model=None):
+                 block_size: int = 16, hf_model=None, keep_gathered: bool | None = None):
         self.config = config
         self.spec = s = ModelSpec.from_config(config)
         self.device = torch.device(device)
@@ -115,10 +119,15 @@ class ModelRunner:
             inv_freq, scaling = rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
         else:
             inv_freq, scaling = default_inv_freq(config, D)
-        self._build_rope(inv_freq, scaling, s.max_positions)
+        self._build_rope(inv_freq, scaling, s.max_positions + 64)  # + room for speculative lookahead
         self.k_cache = self.v_cache = None
         self.num_blocks = 0
         self._kbuf = self._vbuf = None
+        # Keep each layer's gathered context between decode steps over the same batch and only append the new
+        # token: on a CPU the per-step gather costs about as much as a small model's matmuls. Off on CUDA.
+        self.keep_gathered = self.device.type == "cpu" if keep_gathered is None else keep_gathered
+        self._layer_bufs: list | None = None
+        self._last_batch: tuple | None = None  # (blocks per row, {seq_id: row}) of the kept buffers
         if hf_model is not None:
             self.load_weights(hf_model.state_dict().items())
 
@@ -199,7 +208,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def free_kv(self) -> None:
-        self.k_cache = self.v_cache = self._kbuf = self._vbuf = None
+        self.k_cache = self.v_cache = self._kbuf = self._vbuf = self._layer_bufs = self._last_batch = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -212,6 +221,7 @@ class ModelRunner:
         dst = (torch.tensor([p[1] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
         for cache in (self.k_cache, self.v_cache):
             cache.index_copy_(2, dst, cache.index_select(2, src))
+        self._last_batch = None
 
     # --- inputs -------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
@@ -248,14 +258,37 @@ class ModelRunner:
             out_index = seq_idx * qmax + local
             last_index = cu + q_t - 1
         slots = bt[seq_idx, pos // bs] * bs + pos % bs
-        bias = torch.zeros(B, qmax, kmax, dtype=self.dtype).masked_fill_(keys.view(1, 1, -1) > qpos.unsqueeze(-1), float("-inf"))
+        reuse, rows, num_rows = False, None, B
+        if decode and self.keep_gathered:
+            reuse, rows, num_rows = self._kept_rows(seqs, nb)
+        else:  # this step writes the pool without updating the kept context
+            self._last_batch = None
+        if rows is not None:  # rows of sequences that left keep a harmless mask (key 0 only)
+            qpos = torch.zeros(num_rows, 1, dtype=torch.long).index_copy_(0, rows, qpos)
+        bias = torch.zeros(num_rows, qmax, kmax, dtype=self.dtype).masked_fill_(keys.view(1, 1, -1) > qpos.unsqueeze(-1), float("-inf"))
         to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         pos_d = to(pos)
         return StepInputs(
             input_ids=to(torch.tensor(ids, dtype=torch.long)), cos=self.cos_table[pos_d].unsqueeze(1),
             sin=self.sin_table[pos_d].unsqueeze(1), slots=to(slots), kv_blocks=to(bt.flatten()), bias=to(bias),
             batch=B, qmax=qmax, kmax=kmax, q_pad_index=to(q_pad_index), out_index=to(out_index), last_index=to(last_index),
+            reuse=reuse, pos=pos_d if decode else None, rows=to(rows), num_rows=num_rows,
         )
+
+    def _kept_rows(self, seqs, nb: int) -> tuple[bool, torch.Tensor | None, int]:
+        """Whether this decode step can reuse the kept context (same block count, every sequence already has a
+        row), the row of each sequence (None when row b is sequence b) and the number of rows."""
+        ids = [getattr(s, "seq_id", None) for s in seqs]
+        last = self._last_batch
+        if last is not None and last[0] == nb and None not in ids:
+            row_of = last[1]
+            rows = [row_of.get(i) for i in ids]
+            if None not in rows:
+                if len(rows) == len(row_of) and rows == list(range(len(rows))):
+                    return True, None, len(rows)
+                return True, torch.tensor(rows, dtype=torch.long), len(row_of)
+        self._last_batch = None if None in ids else (nb, {i: r for r, i in enumerate(ids)})
+        return False, None, len(seqs)
 
     # --- forward ------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -272,6 +305,19 @@ class ModelRunner:
             setattr(self, name, buf)
         return buf[:numel]
 
+    def _gather_targets(self, li: int, numel: int, persistent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where layer ``li`` gathers its K/V context: its own kept buffers, or the shared scratch buffers."""
+        if not persistent:
+            return self._gather_buf("_kbuf", numel), self._gather_buf("_vbuf", numel)
+        if self._layer_bufs is None:
+            self._layer_bufs = [None] * self.spec.num_layers
+        if self._layer_bufs[li] is None or self._layer_bufs[li][0].numel() < numel:
+            size = int(numel * 1.25) + 1
+            self._layer_bufs[li] = (torch.empty(size, device=self.device, dtype=self.dtype),
+                                    torch.empty(size, device=self.device, dtype=self.dtype))
+        kb, vb = self._layer_bufs[li]
+        return kb[:numel], vb[:numel]
+
     def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: StepInputs) -> torch.Tensor:
         s = self.spec
         KV, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
@@ -279,19 +325,31 @@ class ModelRunner:
         kc.index_copy_(1, x.slots, k.transpose(0, 1))
         vc.index_copy_(1, x.slots, v.transpose(0, 1))
         B, qmax, kmax = x.batch, x.qmax, x.kmax
-        n, nb, bsd = KV * B * kmax * D, x.kv_blocks.shape[0], self.block_size * D
-        kb, vb = kc.view(KV, -1, bsd), vc.view(KV, -1, bsd)  # (KV, blocks, block_size * D)
-        K = torch.index_select(kb, 1, x.kv_blocks, out=self._gather_buf("_kbuf", n).view(KV, nb, bsd)).view(KV, B, kmax, D)
-        V = torch.index_select(vb, 1, x.kv_blocks, out=self._gather_buf("_vbuf", n).view(KV, nb, bsd)).view(KV, B, kmax, D)
+        R = x.num_rows if x.pos is not None else B
+        n, nb, bsd = KV * R * kmax * D, x.kv_blocks.shape[0], self.block_size * D
+        kbuf, vbuf = self._gather_targets(li, n, x.pos is not None and self.keep_gathered)
+        if x.reuse:  # decode over the kept batch: its gathered context only lacks the new token
+            rows = (torch.arange(B, device=k.device) if x.rows is None else x.rows) * kmax + x.pos
+            K = kbuf.view(KV, R * kmax, D).index_copy_(1, rows, k.transpose(0, 1)).view(KV, R, kmax, D)
+            V = vbuf.view(KV, R * kmax, D).index_copy_(1, rows, v.transpose(0, 1)).view(KV, R, kmax, D)
+        else:
+            kb, vb = kc.view(KV, -1, bsd), vc.view(KV, -1, bsd)  # (KV, blocks, block_size * D)
+            K = torch.index_select(kb, 1, x.kv_blocks, out=kbuf.view(KV, nb, bsd)).view(KV, B, kmax, D)
+            V = torch.index_select(vb, 1, x.kv_blocks, out=vbuf.view(KV, nb, bsd)).view(KV, B, kmax, D)
         if x.q_pad_index is None:  # decode: one query per sequence
             Q = q.view(B, KV, G, D).transpose(0, 1)
+            if x.rows is not None:  # scatter into the kept rows
+                Q = torch.zeros(KV, R, G, D, device=q.device, dtype=q.dtype).index_copy_(1, x.rows, Q)
         else:
             Q = q[x.q_pad_index].view(B, qmax, KV, G, D).permute(2, 0, 3, 1, 4).reshape(KV, B, G * qmax, D)
         scores = torch.matmul(Q, K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))
-        scores.view(KV, B, G, qmax, kmax).add_(x.bias.view(1, B, 1, qmax, kmax))
+        Bq = scores.shape[1]
+        scores.view(KV, Bq, G, qmax, kmax).add_(x.bias.view(1, Bq, 1, qmax, kmax))
         probs = torch.softmax(scores, -1, dtype=torch.float32).to(self.dtype)
-        out = torch.matmul(probs, V)  # (KV, B, G*qmax, D)
+        out = torch.matmul(probs, V)  # (KV, B or R, G*qmax, D)
         if x.q_pad_index is None:
+            if x.rows is not None:
+                out = out.index_select(1, x.rows)
             return out.transpose(0, 1).reshape(B, KV * G * D)
         out = out.view(KV, B, G, qmax, D).permute(1, 3, 0, 2, 4).reshape(B * qmax, KV * G * D)
         return out[x.out_index]

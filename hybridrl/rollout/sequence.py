@@ -36,14 +36,17 @@ class Sequence:
     _ids = count()
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: Any, seed: int, *,
-                 sample_index: int = 0, num_forks: int = 0, max_tokens: int | None = None, tag: Any = None):
+                 sample_index: int = 0, num_forks: int = 0, max_tokens: int | None = None, tag: Any = None,
+                 base_seed: int | None = None, stop_ids: frozenset[int] = frozenset()):
         if not prompt_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.sample_index = sample_index
         self.params = params
-        self.seed = seed
+        self.seed = seed  # this sample's seed
+        self.base_seed = seed if base_seed is None else base_seed  # the request's: children derive theirs from it
+        self.stop_ids = stop_ids
         self.tag = tag  # the caller's request object
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
@@ -104,7 +107,7 @@ class Sequence:
     def fork(self, sample_index: int, seed: int) -> "Sequence":
         """A child with the same prompt (and KV state); its outputs are filled by the caller."""
         child = Sequence(self.request_id, self.prompt_ids, self.params, seed, sample_index=sample_index,
-                         max_tokens=self.max_tokens, tag=self.tag)
+                         max_tokens=self.max_tokens, tag=self.tag, base_seed=self.base_seed, stop_ids=self.stop_ids)
         child.num_computed = self.num_computed
         child.num_draft_computed = self.num_draft_computed
         child.num_cached_prompt_tokens = self.num_prompt_tokens

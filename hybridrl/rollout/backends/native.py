@@ -70,7 +70,7 @@ class NativeRollout(RolloutEngine):
 
     def _gone(self, rid: str) -> bool:
         """All sequences of an aborted request have left the engine."""
-        if rid not in self.engine.aborted:
+        if rid not in self._aborted:
             return False
         sch = self.engine.scheduler
         return not any(s.request_id == rid for s in list(sch.waiting) + sch.running)
@@ -90,8 +90,11 @@ class NativeRollout(RolloutEngine):
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         raise NotImplementedError  # update_weights is overridden (it needs the version under the engine lock)
 
+    def _weight_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.engine.runner._targets)  # live views by transformers name (LoRA merge reads them)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        count = self.engine.update_weights(named_tensors, version)
+        count = self.engine.update_weights(self.merge_adapters(named_tensors), version)
         self.version = version
         return count
 

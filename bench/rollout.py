@@ -1,0 +1,292 @@
+"""Rollout benchmark: the native engine against transformers ``generate`` in the same run.
+
+Prints one JSON object (nested; ``fixed.speedup_vs_hf`` is ``out["fixed"]["speedup_vs_hf"]``) and a short
+table. Scenarios (GUIDE.md §4-5, issue 3):
+
+- ``fixed`` / ``fixed_tiny``: W1 small / tiny model, 32 prompts x 8 samples x 128 new tokens, eos ignored, fp32
+  for both (``fixed.bf16_*``: the same in bf16).
+- ``mixed``: 256 requests, prompt lengths uniform in 8..64, output lengths uniform in 16..256 (eos ignored, a
+  max-tokens limit per request); transformers runs them as one padded batch, so only useful tokens count.
+- ``prefix``: prompt tokens requested / prompt tokens computed with G = 8 samples per prompt.
+- ``spec``: the warm-started tiny model drafting for the warm-started small model; W1 rollout shape (temperature 1,
+  eos honoured, at most 16 new tokens), ``b`` requests in flight (continuous batching); tokens/s with and
+  without speculation at b = 1, 8 and 256 (``spec.speedup`` is b = 8, with the engine's automatic on/off;
+  ``forced_speedup`` and ``acceptance`` with speculation forced on every eligible step).
+- ``roofline``: this machine's matmul FLOP/s and copy bandwidth, and the fixed run's fraction of the bound
+  max(FLOPs / peak, bytes / bandwidth).
+
+Usage: ``python bench/rollout.py [--quick] [--threads N] [--out FILE]``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import warnings
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridrl.config import Config, RolloutConfig  # noqa: E402
+from hybridrl.models.factory import build_model  # noqa: E402
+from hybridrl.protocol import pad_2d  # noqa: E402
+from hybridrl.rollout import GenerationRequest, SamplingParams  # noqa: E402
+from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
+from hybridrl.tasks.tokenizer import build_char_tokenizer  # noqa: E402
+
+TOK = build_char_tokenizer()
+
+
+# --- machine limits ---------------------------------------------------------------------------
+def roofline(quick: bool) -> dict:
+    out = {}
+    n = 512 if quick else 1024
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+        torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < (0.5 if quick else 1.5):
+            torch.mm(a, b)
+            reps += 1
+        out[f"matmul_{name}_gflops"] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+    src, dst = torch.randn(32 << 20), torch.empty(32 << 20)  # 128 MB each
+    dst.copy_(src)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < (0.5 if quick else 1.5):
+        dst.copy_(src)
+        reps += 1
+    out["copy_gbps"] = 2 * src.numel() * 4 * reps / (time.perf_counter() - t0) / 1e9  # read + write
+    return out
+
+
+# --- workloads ------------------------------------------------------------------------------------
+def w1_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [TOK(f"{rng.randint(0, 999)}+{rng.randint(0, 999)}=")["input_ids"] for _ in range(count)]
+
+
+def params(n_new: int, n: int = 1, seed: int = 0) -> SamplingParams:
+    p = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=n_new, n=n, seed=seed)
+    p.ignore_eos = True
+    return p
+
+
+def engine(model, kv_gb: float = 2.0, **kw) -> NativeRollout:
+    rc = RolloutConfig(backend="native", kv_cache_bytes=int(kv_gb * (1 << 30)), max_batch_size=512, max_num_batched_tokens=4096)
+    eng = NativeRollout(model, TOK, rc, **kw)
+    eng.generate([GenerationRequest("warm", [1, 3, 4])], params(4, n=2))  # first-call costs out of the timing
+    eng.stats()
+    return eng
+
+
+def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
+    """Seconds for one batched sampling ``generate`` call, eos ignored."""
+    ids = pad_2d(prompts, TOK.pad_token_id, torch.long, left=True)
+    attn = pad_2d([[1] * len(p) for p in prompts], 0, torch.long, left=True)
+    gc = copy.deepcopy(model.generation_config)
+    gc.pad_token_id = TOK.pad_token_id
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=n, generation_config=gc)
+    model.generate(input_ids=ids[:1], attention_mask=attn[:1], max_new_tokens=2, **kw)  # warm up
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():  # min_new_tokens: eos is masked, so every row runs to max_new (eos ignored)
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert out.shape[1] == ids.shape[1] + max_new, "eos was not ignored"
+    return dt, cpu
+
+
+def native_generate(eng: NativeRollout, prompts, p) -> tuple[float, dict, int, float]:
+    reqs = [GenerationRequest(f"r{i}", ids) for i, ids in enumerate(prompts)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = eng.generate(reqs, p)
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return dt, eng.stats(), sum(len(s.response_ids) for s in out), cpu
+
+
+def flops_bytes(model, stats: dict, tokens: int, prompts, n: int, new: int) -> tuple[float, float]:
+    """Matmul + attention FLOPs and the bytes a decode step must read (weights + KV), summed over the run."""
+    c = model.config
+    params_mm = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "embed" not in name)
+    params_mm += c.vocab_size * c.hidden_size  # lm_head (tied)
+    head_dim = c.hidden_size // c.num_attention_heads
+    elt = next(model.parameters()).element_size()
+    flops, kv_bytes, steps = 0.0, 0.0, new
+    for p in prompts:
+        for t in range(new):
+            ctx = len(p) + t
+            flops += n * 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * ctx
+            kv_bytes += n * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * ctx * elt
+    flops += 2 * params_mm * (tokens + stats["rollout/prompt_tokens_computed"])
+    return flops, kv_bytes + steps * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def fixed(size: str, n_prompts: int, g: int, new: int, dtype=torch.float32, rl=None) -> dict:
+    model = build_model(size, TOK, 0).to(dtype).eval()
+    prompts = w1_prompts(n_prompts)
+    eng = engine(model)
+    dt, st, tokens, cpu = native_generate(eng, prompts, params(new, n=g))
+    hf_dt, hf_cpu = hf_generate(model, prompts, g, new)
+    res = {"native_tokens_per_s": tokens / dt, "hf_tokens_per_s": n_prompts * g * new / hf_dt,
+           "native_s": dt, "hf_s": hf_dt, "speedup_vs_hf_cpu_time": hf_cpu / cpu, "kv_usage_peak": st["rollout/kv_usage_peak"], "preemptions": st["rollout/preemptions"],
+           "prompt_tokens": st["rollout/prompt_tokens"], "prompt_tokens_computed": st["rollout/prompt_tokens_computed"]}
+    res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
+    if rl is not None:
+        f, b = flops_bytes(model, st, tokens, prompts, g, new)
+        peak = rl["matmul_fp32_gflops" if dtype == torch.float32 else "matmul_bf16_gflops"] * 1e9
+        bound = max(f / peak, b / (rl["copy_gbps"] * 1e9))
+        res.update(achieved_gflops=f / dt / 1e9, roofline_fraction=bound / dt,
+                   bound="compute" if f / peak >= b / (rl["copy_gbps"] * 1e9) else "memory")
+    return res
+
+
+def mixed(n_req: int, out_hi: int) -> dict:
+    model = build_model("small", TOK, 0).eval()
+    rng = random.Random(1)
+    prompts = [[TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(rng.randint(8, 64) - 1)] for _ in range(n_req)]
+    outs = [rng.randint(16, out_hi) for _ in range(n_req)]
+    eng = engine(model)
+    ps = []
+    for o in outs:
+        p = params(o)
+        ps.append(p)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i, (pr, p) in enumerate(zip(prompts, ps)):
+        eng.engine.add_request(f"m{i}", pr, p, seed=i)
+    while eng.engine.has_unfinished():
+        eng.engine.step()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tokens = sum(len(s.completion_ids) for v in eng.engine.finished.values() for s in v)
+    assert tokens == sum(outs)
+    st = eng.stats()
+    hf_dt, hf_cpu = hf_generate(model, prompts, 1, max(outs))
+    res = {"native_tokens_per_s": tokens / dt, "hf_tokens_per_s": sum(outs) / hf_dt, "native_s": dt, "hf_s": hf_dt,
+           "speedup_vs_hf_cpu_time": hf_cpu / cpu,
+           "requests": n_req, "useful_tokens": sum(outs), "kv_usage_peak": st["rollout/kv_usage_peak"]}
+    res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
+    return res
+
+
+def prefix(fixed_res: dict, n_prompts: int) -> dict:
+    """G = 8 groups (from the fixed run) and repeated long prompts (full blocks served from the hash cache)."""
+    model = build_model("tiny", TOK, 0).eval()
+    eng = engine(model, kv_gb=0.25)
+    rng = random.Random(2)
+    longp = [[TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(63)] for _ in range(n_prompts)]
+    native_generate(eng, longp, params(8, n=8))
+    _, st, _, _ = native_generate(eng, longp, params(8, n=8))  # the same prompts again: served from the cache
+    return {"prefill_reduction": fixed_res["prompt_tokens"] / max(1, fixed_res["prompt_tokens_computed"]),
+            "repeat_hit_rate": st["rollout/prefix_hit_rate"],
+            "repeat_prefill_reduction": st["rollout/prompt_tokens"] / max(1, st["rollout/prompt_tokens_computed"])}
+
+
+def warm(size: str, steps: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.trainers.sft import run_sft
+
+    path = ROOT / "checkpoints" / "bench" / f"arith-{size}-sft{steps}"
+    if size == "tiny" and not (path / "config.json").is_file():  # the default job's warm start, when present
+        found = sorted((ROOT / "checkpoints" / "warmstart").glob("arith-tiny-*/config.json"))
+        path = found[0].parent if found else path
+    if not (path / "config.json").is_file():
+        cfg = Config()
+        cfg.model.name = size
+        cfg.sft.steps, cfg.sft.batch_size = steps, 64
+        run_sft(cfg, path, progress=False)
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+
+
+def spec(batches: list[int], sft_steps: tuple[int, int], quick: bool) -> dict:
+    """W1 rollout shape (eos honoured, at most 16 new tokens, temperature 1) with ``b`` requests in flight."""
+    target, draft = warm("small", sft_steps[0]), warm("tiny", sft_steps[1])
+    plain = engine(target)
+    fast = engine(target, draft_model=draft)
+    forced = engine(target, draft_model=draft)
+    forced.engine.spec.auto = False  # speculate on every eligible step: acceptance and raw speed-up
+    res = {}
+    for b in batches:
+        n_req = max(4 * b, 16 if quick else 32)
+        prompts = w1_prompts(n_req, seed=3)
+        p = SamplingParams(temperature=1.0, max_new_tokens=16, seed=1)
+        for e in (plain, fast, forced):
+            e.engine.scheduler.max_num_seqs = b
+        runs0, runs1, runs2 = [], [], []
+        for _ in range(2):  # best of two, interleaved: this machine is shared
+            runs0.append(native_generate(plain, prompts, p))
+            runs1.append(native_generate(fast, prompts, p))
+            runs2.append(native_generate(forced, prompts, p))
+        dt0, _, tok0, _ = min(runs0, key=lambda r: r[0])
+        dt1, st, tok1, _ = min(runs1, key=lambda r: r[0])
+        dt2, st2, tok2, _ = min(runs2, key=lambda r: r[0])
+        res[f"b{b}"] = {"plain_tokens_per_s": tok0 / dt0, "spec_tokens_per_s": tok1 / dt1, "speedup": (tok1 / dt1) / (tok0 / dt0),
+                        "spec_steps": st.get("rollout/spec_steps", 0.0), "forced_speedup": (tok2 / dt2) / (tok0 / dt0),
+                        "acceptance": st2.get("rollout/spec_acceptance", 0.0), "forced_spec_steps": st2.get("rollout/spec_steps", 0.0),
+                        "requests": n_req, "tokens": tok1}
+    mid = res[f"b{batches[1]}"]
+    res.update(acceptance=mid["acceptance"], speedup=mid["speedup"], k=fast.engine.spec.k,
+               auto_off_batch=fast.engine.spec.max_batch)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (under 3 minutes)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=str, default=None, help="also write the JSON here")
+    ap.add_argument("--only", type=str, default="", help="comma-separated scenarios (default: all)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+    def save() -> None:  # after every scenario, so a long run that dies keeps what it measured
+        if args.out:
+            Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+    q = args.quick
+    only = set(filter(None, args.only.split(",")))
+    want = lambda name: not only or name in only  # noqa: E731
+    P, G, N = (8, 8, 32) if q else (32, 8, 128)
+    t0 = time.perf_counter()
+    out: dict = {"quick": q, "threads": args.threads, "torch": torch.__version__}
+    out["roofline"] = rl = roofline(q)
+    if want("fixed"):
+        out["fixed"] = fixed("small", P, G, N, rl=rl)
+        bf = fixed("small", P, G, N, torch.bfloat16, rl=rl)
+        out["fixed"].update({f"bf16_{k}": v for k, v in bf.items()
+                             if k in ("speedup_vs_hf", "speedup_vs_hf_cpu_time", "native_tokens_per_s", "hf_tokens_per_s", "roofline_fraction")})
+        save()
+    if want("fixed_tiny"):
+        out["fixed_tiny"] = fixed("tiny", P, G, N, rl=rl)
+        save()
+    if want("mixed"):
+        out["mixed"] = mixed(64 if q else 256, 64 if q else 256)
+        save()
+    if want("prefix"):
+        base = out.get("fixed") or fixed("tiny", P, G, 4)
+        out["prefix"] = prefix(base, 8 if q else 32)
+        save()
+    if want("spec"):
+        out["spec"] = spec([1, 8, 64 if q else 256], (40, 100) if q else (120, 300), q)
+        save()
+    out["seconds"] = time.perf_counter() - t0
+    text = json.dumps(out, indent=1, default=float)
+    print(text)
+    for key in ("fixed", "fixed_tiny", "mixed"):
+        if key in out:
+            r = out[key]
+            print(f"# {key:10s} native {r['native_tokens_per_s']:9.0f} tok/s  hf {r['hf_tokens_per_s']:9.0f} tok/s  "
+                  f"x{r['speedup_vs_hf']:.2f} (cpu time x{r['speedup_vs_hf_cpu_time']:.2f})", file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

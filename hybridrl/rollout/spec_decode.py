@@ -1,0 +1,205 @@
+"""Speculative decoding with exact rejection sampling (Leviathan et al.; Chen et al.).
+
+A draft model proposes k tokens x_1..x_k, each sampled from its own sampling
+distribution q_i (same temperature / top-k / top-p / min-p as the request); the
+target scores all k+1 positions in one forward pass, giving p_1..p_{k+1}.
+x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+rejection the token is drawn from norm(max(0, p_i - q_i)) and the rest is
+dropped; when all k are accepted a bonus token is drawn from p_{k+1}. Every
+emitted token is then distributed exactly as plain sampling from the target,
+so its behaviour log-prob is log p_i(token). Only greedy requests (temperature 0)
+use exact match against the target's argmax; accepting a sampled draft token
+because it equals the target's argmax would change the distribution.
+
+The draft model has its own KV pool with the same block layout and shares the
+sequences' block tables; ``Sequence.num_draft_computed`` tracks how far its KV
+is valid. Speculation runs only on decode-only steps with at most
+``max_batch`` sequences, and not while waiting sequences could be admitted. It
+also turns itself off where it does not pay: the engine measures the seconds of
+a plain decode step and of a speculative round, and the acceptance rate a, and
+speculates only while E[tokens per round] / t_round >= 1 / t_plain with
+E = (1 - a^(k+1)) / (1 - a); otherwise it probes one round in 16 to keep the
+estimates fresh (a compute-bound large batch, or a draft that disagrees).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridrl.rollout.sampler import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, SamplingTensors, draw, processed_logprobs, uniform
+
+
+class _View:
+    """What ModelRunner.prepare reads from a sequence, with the proposals appended."""
+
+    __slots__ = ("token_ids", "num_computed", "block_table", "seq_id")
+
+    def __init__(self, token_ids, num_computed, block_table, seq_id=None):
+        self.token_ids, self.num_computed, self.block_table = token_ids, num_computed, block_table
+        self.seq_id = seq_id  # lets the draft runner keep its gathered context across draft steps
+
+
+class SpecDecoder:
+    def __init__(self, engine, draft_runner, k: int, max_batch: int):
+        if draft_runner.spec.vocab_size != engine.runner.spec.vocab_size:
+            raise ValueError("the draft model must share the target's vocabulary")
+        self.engine = engine
+        self.draft = draft_runner
+        self.k = k
+        self.max_batch = max_batch
+        # auto on/off: measured seconds per plain decode step and per speculative round (EMAs) and the acceptance
+        self.alpha, self.t_plain, self.t_spec = 0.8, None, None
+        self.skipped, self.probe_every = 0, 16
+        self.auto = True  # False: speculate on every eligible step (tests)
+        self.paying = True  # last verdict of the cost model; while False the draft does not follow plain steps
+
+    def expected_tokens(self) -> float:
+        """Tokens a round emits per sequence at acceptance rate alpha: (1 - a^(k+1)) / (1 - a)."""
+        a = min(self.alpha, 0.999)
+        return (1 - a ** (self.k + 1)) / (1 - a)
+
+    def wants_step(self, scheduler) -> bool:
+        run = scheduler.running
+        admitting = scheduler.waiting and len(run) < scheduler.max_num_seqs  # a plain step would admit more
+        if not run or admitting or len(run) > self.max_batch or any(len(s) - s.num_computed != 1 for s in run):
+            return False
+        if not self.auto:
+            return True
+        if self.t_plain is None or self.t_spec is None:
+            return self.t_plain is not None  # measure a plain step first, then a round
+        self.paying = self.expected_tokens() / self.t_spec >= 1.0 / self.t_plain
+        if self.paying:
+            return True
+        self.skipped += 1  # speculation does not pay here (low acceptance or compute-bound): probe now and then
+        return self.skipped % self.probe_every == 0
+
+    def note_plain(self, seconds: float) -> None:
+        self.t_plain = seconds if self.t_plain is None else 0.7 * self.t_plain + 0.3 * seconds
+
+    def follow(self, seqs, num_tokens) -> None:
+        """After a plain target step, bring the draft's KV up to the same tokens. Skipped while speculation is
+        off (large batch, or not paying): the first draft forward of the next round catches up instead."""
+        if len(seqs) > self.max_batch or (self.auto and not self.paying):
+            return
+        views, qs = [], []
+        for s, q in zip(seqs, num_tokens):
+            end = s.num_computed + q
+            if s.num_draft_computed < end:
+                views.append(_View(s.token_ids, s.num_draft_computed, s.block_table, s.seq_id))
+                qs.append(end - s.num_draft_computed)
+                s.num_draft_computed = end
+        if views:
+            self.draft.forward(self.draft.prepare(views, qs), None)
+
+    @torch.inference_mode()
+    def step(self, batch) -> int:
+        t0 = time.perf_counter()
+        eng, k, dev = self.engine, self.k, self.engine.device
+        seqs = batch.seqs
+        B = len(seqs)
+        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], [len(s) for s in seqs], dev)
+        base = torch.tensor([len(s) for s in seqs], device=dev)  # position of x_1
+        # 1. draft proposes k tokens (the first forward also catches up on tokens it has not seen)
+        views = [_View(list(s.token_ids), s.num_draft_computed, s.block_table, s.seq_id) for s in seqs]
+        qs = [len(s) - s.num_draft_computed for s in seqs]
+        proposals, q_logps = [], []
+        for i in range(k):
+            logits = self.draft.forward(self.draft.prepare(views, qs), None)
+            st.counters = base + i
+            if st.all_greedy:
+                lq = torch.log_softmax(logits, -1)
+                x = logits.argmax(-1)
+            else:
+                lq = processed_logprobs(logits, st)
+                x = draw(lq.exp(), uniform(st.seeds, st.counters, STREAM_DRAFT))
+                if st.greedy is not None:
+                    x = torch.where(st.greedy, logits.argmax(-1), x)
+            proposals.append(x)
+            q_logps.append(lq)
+            if i + 1 < k:
+                for v, t, q in zip(views, x.tolist(), qs):
+                    v.num_computed += q
+                    v.token_ids.append(t)
+                qs = [1] * B
+        X = torch.stack(proposals, 1)  # (B, k)
+        LQ = torch.stack(q_logps, 1)  # (B, k, V)
+        # 2. target scores the last token and the k proposals in one pass
+        xs = X.tolist()
+        tviews = [_View(s.token_ids + xs[b], s.num_computed, s.block_table) for b, s in enumerate(seqs)]
+        T = B * (k + 1)
+        logits = eng.runner.forward(eng.runner.prepare(tviews, [k + 1] * B), torch.arange(T, device=dev)).view(B, k + 1, -1)
+        # 3. accept / reject
+        rep = torch.full((B,), k + 1, device=dev)
+        stp = st.repeat_rows(rep)
+        stp.counters = (base.unsqueeze(1) + torch.arange(k + 1, device=dev)).flatten()
+        flat = logits.view(T, -1)
+        if st.all_greedy:
+            LP = torch.log_softmax(flat, -1).view(B, k + 1, -1)
+        else:
+            LP = processed_logprobs(flat, stp).view(B, k + 1, -1)
+        tokens, n_acc = accept_tokens(X, LP, LQ, logits, st, base)
+        # 4. emit tokens, update KV bookkeeping
+        lp_all = LP.gather(2, tokens.unsqueeze(2)).squeeze(2)  # (B, k+1) log p of emitted tokens
+        greedy_rows = st.greedy if st.greedy is not None else None
+        if greedy_rows is not None or st.want_raw:
+            raw = torch.log_softmax(logits.float(), -1).gather(2, tokens.unsqueeze(2)).squeeze(2)
+            if greedy_rows is not None and not st.all_greedy:
+                lp_all = torch.where(greedy_rows.unsqueeze(1), raw, lp_all)
+        n_list, tok_list, lp_list = n_acc.tolist(), tokens.tolist(), lp_all.tolist()
+        raw_list = raw.tolist() if st.want_raw else None
+        out_t, out_lp, out_raw = [], [], [] if st.want_raw else None
+        for b, s in enumerate(seqs):
+            a = n_list[b]
+            out_t.append(tok_list[b][: a + 1])
+            out_lp.append(lp_list[b][: a + 1])
+            if out_raw is not None:
+                out_raw.append(raw_list[b][: a + 1])
+            s.num_computed += a + 1  # the pending token and the accepted proposals now have KV
+            s.num_draft_computed = min(views[b].num_computed + qs[b], s.num_computed)
+        eng.append_tokens(seqs, out_t, out_lp, out_raw)
+        for s in seqs:
+            if s.block_table:
+                eng.bm.register_computed(s)
+        acc = eng.stats_acc
+        acc["spec_steps"] += 1
+        acc["spec_proposed"] += B * k
+        acc["spec_accepted"] += sum(n_list)
+        dt = time.perf_counter() - t0
+        self.t_spec = dt if self.t_spec is None else 0.7 * self.t_spec + 0.3 * dt
+        self.alpha = 0.7 * self.alpha + 0.3 * sum(n_list) / (B * k)
+        return sum(len(t) for t in out_t)
+
+
+def accept_tokens(X, LP, LQ, logits, st: SamplingTensors, base):
+    """The rejection step. X (B, k) proposals drawn from exp(LQ) (B, k, V); LP (B, k+1, V) target log-probs;
+    logits (B, k+1, V) raw target logits (greedy rows); ``base`` (B,) position of x_1 (random counters).
+    Returns tokens (B, k+1), of which row b emits its first n_acc[b] + 1, and n_acc (B,)."""
+    B, k = X.shape
+    dev = X.device
+    if st.all_greedy:
+        target_best = logits.argmax(-1)  # (B, k+1)
+        ok = X == target_best[:, :k]
+        n_acc = ok.int().cumprod(1).sum(1)
+        return target_best, n_acc  # the argmax is the proposal where accepted, the correction after
+    lp_x = LP[:, :k].gather(2, X.unsqueeze(2)).squeeze(2)
+    lq_x = LQ.gather(2, X.unsqueeze(2)).squeeze(2)
+    counters = base.unsqueeze(1) + torch.arange(k, device=dev)
+    u = uniform(st.seeds.unsqueeze(1).expand(B, k), counters, STREAM_ACCEPT)
+    ok = torch.log(u) < (lp_x - lq_x).double()  # u < p/q  <=>  accept with prob min(1, p/q)
+    if st.greedy is not None:
+        ok = torch.where(st.greedy.unsqueeze(1), X == logits[:, :k].argmax(-1), ok)
+    n_acc = ok.int().cumprod(1).sum(1)  # (B,) accepted prefix length
+    # the token after the accepted prefix: residual max(0, p - q) on rejection, p itself after k accepts
+    idx = n_acc.clamp(max=k)
+    p_next = LP.gather(1, idx.view(B, 1, 1).expand(B, 1, LP.shape[-1])).squeeze(1).exp()
+    q_next = LQ.gather(1, idx.clamp(max=k - 1).view(B, 1, 1).expand(B, 1, LQ.shape[-1])).squeeze(1).exp()
+    resid = (p_next - q_next).clamp_(min=0)
+    use_resid = (n_acc < k).unsqueeze(1) & (resid.sum(-1, keepdim=True) > 0)
+    dist = torch.where(use_resid, resid, p_next)
+    y = draw(dist, uniform(st.seeds, base + idx, STREAM_SAMPLE))
+    if st.greedy is not None:
+        y = torch.where(st.greedy, logits.gather(1, idx.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1).argmax(-1), y)
+    tokens = torch.cat([X, X[:, :1]], 1)
+    tokens.scatter_(1, idx.unsqueeze(1), y.unsqueeze(1))
+    return tokens, n_acc

@@ -1,0 +1,89 @@
+"""Speculative decoding inside the engine: greedy equality, exact distribution on a real model, auto-off."""
+import itertools
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from hybridrl.config import RolloutConfig
+from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.rollout.backends.native import NativeRollout
+from test_rollout_sampler import chi2_pvalue
+
+torch.set_num_threads(1)
+
+
+class Tok:
+    eos_token_id, pad_token_id = 2, 0
+
+
+def qwen(vocab, hidden, layers, seed, scale=1.0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64)
+    m = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(scale)  # sharper next-token distributions
+    return m
+
+
+def rcfg(**kw):
+    return RolloutConfig(**{"backend": "native", "kv_cache_bytes": 16 << 20, "block_size": 4, "max_batch_size": 8192,
+                            "max_num_batched_tokens": 8192, "num_speculative_tokens": 3, **kw})
+
+
+def test_greedy_speculative_equals_plain_greedy():
+    target, draft = qwen(40, 64, 2, 0, 8.0), qwen(40, 32, 1, 1, 8.0)
+    ps = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
+    req = [GenerationRequest(f"r{i}", p) for i, p in enumerate(ps)]
+    params = SamplingParams(temperature=0, max_new_tokens=25)
+    params.ignore_eos = True
+    plain = NativeRollout(target, Tok(), rcfg()).generate(req, params)
+    spec_eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
+    spec_eng.engine.spec.auto = False  # speculate on every step, whatever it costs
+    spec = spec_eng.generate(req, params)
+    assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
+    assert all(torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5) for a, b in zip(spec, plain))
+    st = spec_eng.stats()
+    assert st["rollout/spec_steps"] > 0 and 0 <= st["rollout/spec_acceptance"] <= 1
+
+
+def test_speculative_sampling_matches_the_target_distribution_on_a_real_model():
+    V, L, N = 6, 3, 6000
+    target, draft = qwen(V, 32, 2, 0, 6.0), qwen(V, 32, 1, 5, 6.0)
+    prompt = [1, 4, 2]
+    eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft, spec_max_batch=10**6)
+    eng.engine.spec.auto = False
+    params = SamplingParams(temperature=1.0, max_new_tokens=L, n=N, seed=11)
+    params.ignore_eos = True
+    out = eng.generate([GenerationRequest("r", prompt)], params)
+    st = eng.stats()
+    assert st["rollout/spec_steps"] > 0 and st["rollout/spec_acceptance"] < 0.95
+    toks = torch.tensor([s.response_ids for s in out])
+    counts = torch.bincount(sum(toks[:, i] * V ** (L - 1 - i) for i in range(L)), minlength=V ** L)
+    # exact target probabilities of every 3-token continuation
+    paths = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    with torch.no_grad():
+        logits = target(torch.cat([torch.tensor(prompt).expand(len(paths), -1), paths], 1)).logits
+    lp = torch.log_softmax(logits[:, len(prompt) - 1: -1], -1).gather(2, paths[:, :, None]).squeeze(2).sum(1)
+    assert chi2_pvalue(counts, lp.double().exp()) > 1e-3
+
+
+def test_speculation_turns_itself_off_at_large_batch():
+    target, draft = qwen(40, 64, 2, 0), qwen(40, 32, 1, 1)
+    eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft, spec_max_batch=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=8, seed=0)
+    params.ignore_eos = True
+    eng.generate([GenerationRequest("r", [3, 4, 5])], params)
+    assert eng.stats()["rollout/spec_steps"] == 0
+
+
+def test_speculation_turns_itself_off_when_it_does_not_pay():
+    target, draft = qwen(40, 64, 2, 0), qwen(40, 32, 1, 1)
+    eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
+    spec = eng.engine.spec
+    spec.alpha, spec.t_plain, spec.t_spec = 0.05, 1.0, 3.0  # a disagreeing draft: ~1 token per 3x-slower round
+    spec.probe_every = 10**9  # no probes: the decision alone
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0)
+    params.ignore_eos = True
+    eng.generate([GenerationRequest("r", [3, 4, 5])], params)
+    assert eng.stats()["rollout/spec_steps"] == 0
