@@ -122,7 +122,7 @@ def flops_bytes(model, stats: dict, tokens: int, prompts, n: int, new: int) -> t
             ctx = len(p) + t
             flops += n * 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * ctx
             kv_bytes += n * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * ctx * elt
-    flops += 2 * params_mm * (tokens + stats["rollout/prompt_tokens_computed"])
+    flops += 2 * params_mm * (tokens + stats["engine/prompt_tokens_computed"])
     return flops, kv_bytes + steps * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -133,8 +133,8 @@ def fixed(size: str, n_prompts: int, g: int, new: int, dtype=torch.float32, rl=N
     dt, st, tokens, cpu = native_generate(eng, prompts, params(new, n=g))
     hf_dt, hf_cpu = hf_generate(model, prompts, g, new)
     res = {"native_tokens_per_s": tokens / dt, "hf_tokens_per_s": n_prompts * g * new / hf_dt,
-           "native_s": dt, "hf_s": hf_dt, "speedup_vs_hf_cpu_time": hf_cpu / cpu, "kv_usage_peak": st["rollout/kv_usage_peak"], "preemptions": st["rollout/preemptions"],
-           "prompt_tokens": st["rollout/prompt_tokens"], "prompt_tokens_computed": st["rollout/prompt_tokens_computed"]}
+           "native_s": dt, "hf_s": hf_dt, "speedup_vs_hf_cpu_time": hf_cpu / cpu, "kv_usage_peak": st["engine/kv_usage_peak"], "preemptions": st["engine/preemptions"],
+           "prompt_tokens": st["engine/prompt_tokens"], "prompt_tokens_computed": st["engine/prompt_tokens_computed"]}
     res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
     if rl is not None:
         f, b = flops_bytes(model, st, tokens, prompts, g, new)
@@ -167,7 +167,7 @@ def mixed(n_req: int, out_hi: int) -> dict:
     hf_dt, hf_cpu = hf_generate(model, prompts, 1, max(outs))
     res = {"native_tokens_per_s": tokens / dt, "hf_tokens_per_s": sum(outs) / hf_dt, "native_s": dt, "hf_s": hf_dt,
            "speedup_vs_hf_cpu_time": hf_cpu / cpu,
-           "requests": n_req, "useful_tokens": sum(outs), "kv_usage_peak": st["rollout/kv_usage_peak"]}
+           "requests": n_req, "useful_tokens": sum(outs), "kv_usage_peak": st["engine/kv_usage_peak"]}
     res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
     return res
 
@@ -181,8 +181,8 @@ def prefix(fixed_res: dict, n_prompts: int) -> dict:
     native_generate(eng, longp, params(8, n=8))
     _, st, _, _ = native_generate(eng, longp, params(8, n=8))  # the same prompts again: served from the cache
     return {"prefill_reduction": fixed_res["prompt_tokens"] / max(1, fixed_res["prompt_tokens_computed"]),
-            "repeat_hit_rate": st["rollout/prefix_hit_rate"],
-            "repeat_prefill_reduction": st["rollout/prompt_tokens"] / max(1, st["rollout/prompt_tokens_computed"])}
+            "repeat_hit_rate": st["engine/prefix_hit_rate"],
+            "repeat_prefill_reduction": st["engine/prompt_tokens"] / max(1, st["engine/prompt_tokens_computed"])}
 
 
 def warm(size: str, steps: int) -> torch.nn.Module:
@@ -225,8 +225,8 @@ def spec(batches: list[int], sft_steps: tuple[int, int], quick: bool) -> dict:
         dt1, st, tok1, _ = min(runs1, key=lambda r: r[0])
         dt2, st2, tok2, _ = min(runs2, key=lambda r: r[0])
         res[f"b{b}"] = {"plain_tokens_per_s": tok0 / dt0, "spec_tokens_per_s": tok1 / dt1, "speedup": (tok1 / dt1) / (tok0 / dt0),
-                        "spec_steps": st.get("rollout/spec_steps", 0.0), "forced_speedup": (tok2 / dt2) / (tok0 / dt0),
-                        "acceptance": st2.get("rollout/spec_acceptance", 0.0), "forced_spec_steps": st2.get("rollout/spec_steps", 0.0),
+                        "spec_steps": st.get("engine/spec_steps", 0.0), "forced_speedup": (tok2 / dt2) / (tok0 / dt0),
+                        "acceptance": st2.get("engine/spec_acceptance", 0.0), "forced_spec_steps": st2.get("engine/spec_steps", 0.0),
                         "requests": n_req, "tokens": tok1}
     mid = res[f"b{batches[1]}"]
     res.update(acceptance=mid["acceptance"], speedup=mid["speedup"], k=fast.engine.spec.k,

@@ -43,7 +43,7 @@ def test_missing_config_file(capsys):
 
 def test_print_config_resolves_overrides(capsys):
     code, out, _ = run(capsys, "train", "examples/arith_grpo.yaml", "trainer.total_steps=7", "--print-config")
-    assert code == 0 and "total_steps: 7" in out and "backend: hf" in out
+    assert code == 0 and "total_steps: 7" in out and "backend: native" in out
 
 
 def test_console_script_exit_code():

@@ -117,7 +117,7 @@ def test_tiny_pool_preempts_and_gives_the_same_tokens():
     big = NativeRollout(m, Tok(), rcfg()).generate(reqs(ps), greedy(24))
     eng = NativeRollout(m, Tok(), rcfg(), num_blocks=14)  # 14 blocks x 4 tokens for 6 x ~33 tokens
     small = eng.generate(reqs(ps), greedy(24))
-    assert eng.stats()["rollout/preemptions"] > 0
+    assert eng.stats()["engine/preemptions"] > 0
     assert [s.response_ids for s in small] == [s.response_ids for s in big]
 
 
@@ -129,8 +129,8 @@ def test_n_samples_share_the_prompt_prefill():
     out = eng.generate(reqs(ps), p)
     st = eng.stats()
     assert len(out) == 24 and [s.uid for s in out] == [f"u{i}" for i in range(3) for _ in range(8)]
-    assert st["rollout/prompt_tokens"] == 8 * sum(map(len, ps))
-    assert st["rollout/prompt_tokens_computed"] == sum(map(len, ps))  # G-fold reduction
+    assert st["engine/prompt_tokens"] == 8 * sum(map(len, ps))
+    assert st["engine/prompt_tokens_computed"] == sum(map(len, ps))  # G-fold reduction
     assert len({tuple(s.response_ids) for s in out[:8]}) > 1  # the samples differ
 
 
@@ -166,7 +166,7 @@ def test_update_weights_changes_logits_and_invalidates_prefix_cache():
     eng.update_weights(iter(new.state_dict().items()), version=3)
     out = eng.generate(reqs(ps), greedy(12))
     st = eng.stats()
-    assert st["rollout/prompt_tokens_computed"] == sum(map(len, ps))  # nothing stale served
+    assert st["engine/prompt_tokens_computed"] == sum(map(len, ps))  # nothing stale served
     for p, s in zip(ps, out):
         assert s.response_ids == hf_greedy(new, p, 12) and s.versions == [3] * 12
     runner = eng.engine.runner

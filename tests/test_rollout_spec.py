@@ -44,7 +44,7 @@ def test_greedy_speculative_equals_plain_greedy():
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
     assert all(torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5) for a, b in zip(spec, plain))
     st = spec_eng.stats()
-    assert st["rollout/spec_steps"] > 0 and 0 <= st["rollout/spec_acceptance"] <= 1
+    assert st["engine/spec_steps"] > 0 and 0 <= st["engine/spec_acceptance"] <= 1
 
 
 def test_speculative_sampling_matches_the_target_distribution_on_a_real_model():
@@ -57,7 +57,7 @@ def test_speculative_sampling_matches_the_target_distribution_on_a_real_model():
     params.ignore_eos = True
     out = eng.generate([GenerationRequest("r", prompt)], params)
     st = eng.stats()
-    assert st["rollout/spec_steps"] > 0 and st["rollout/spec_acceptance"] < 0.95
+    assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] < 0.95
     toks = torch.tensor([s.response_ids for s in out])
     counts = torch.bincount(sum(toks[:, i] * V ** (L - 1 - i) for i in range(L)), minlength=V ** L)
     # exact target probabilities of every 3-token continuation
@@ -74,7 +74,7 @@ def test_speculation_turns_itself_off_at_large_batch():
     params = SamplingParams(temperature=1.0, max_new_tokens=6, n=8, seed=0)
     params.ignore_eos = True
     eng.generate([GenerationRequest("r", [3, 4, 5])], params)
-    assert eng.stats()["rollout/spec_steps"] == 0
+    assert eng.stats()["engine/spec_steps"] == 0
 
 
 def test_speculation_turns_itself_off_when_it_does_not_pay():
@@ -86,4 +86,4 @@ def test_speculation_turns_itself_off_when_it_does_not_pay():
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0)
     params.ignore_eos = True
     eng.generate([GenerationRequest("r", [3, 4, 5])], params)
-    assert eng.stats()["rollout/spec_steps"] == 0
+    assert eng.stats()["engine/spec_steps"] == 0

@@ -238,19 +238,19 @@ class LLMEngine:
     def stats(self, reset: bool = True) -> dict[str, float]:
         a = self.stats_acc
         out = {
-            "rollout/tokens_per_s": a["tokens"] / a["seconds"] if a["seconds"] else 0.0,
-            "rollout/generated_tokens": a["tokens"],
-            "rollout/steps": a["steps"],
-            "rollout/kv_usage_mean": a["kv_usage_sum"] / a["steps"] if a["steps"] else 0.0,
-            "rollout/kv_usage_peak": a["kv_usage_peak"],
-            "rollout/prompt_tokens": a["prompt_tokens"],
-            "rollout/prompt_tokens_computed": a["prompt_tokens_computed"],
-            "rollout/prefix_hit_rate": 1.0 - a["prompt_tokens_computed"] / a["prompt_tokens"] if a["prompt_tokens"] else 0.0,
-            "rollout/preemptions": float(self.scheduler.num_preemptions) - a["preemptions_base"],
+            "engine/tokens_per_s": a["tokens"] / a["seconds"] if a["seconds"] else 0.0,
+            "engine/generated_tokens": a["tokens"],
+            "engine/steps": a["steps"],
+            "engine/kv_usage_mean": a["kv_usage_sum"] / a["steps"] if a["steps"] else 0.0,
+            "engine/kv_usage_peak": a["kv_usage_peak"],
+            "engine/prompt_tokens": a["prompt_tokens"],
+            "engine/prompt_tokens_computed": a["prompt_tokens_computed"],
+            "engine/prefix_hit_rate": 1.0 - a["prompt_tokens_computed"] / a["prompt_tokens"] if a["prompt_tokens"] else 0.0,
+            "engine/preemptions": float(self.scheduler.num_preemptions) - a["preemptions_base"],
         }
         if self.spec is not None:
-            out["rollout/spec_acceptance"] = a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
-            out["rollout/spec_steps"] = a["spec_steps"]
+            out["engine/spec_acceptance"] = a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
+            out["engine/spec_steps"] = a["spec_steps"]
         if reset:
             base = float(self.scheduler.num_preemptions)
             self.stats_acc = defaultdict(float, preemptions_base=base)

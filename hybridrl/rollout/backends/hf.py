@@ -100,4 +100,4 @@ class HFRollout(RolloutEngine):
     def stats(self) -> dict[str, float]:
         tps = self._tokens / self._seconds if self._seconds else 0.0
         self._tokens, self._seconds = 0, 0.0
-        return {"rollout/tokens_per_s": tps}
+        return {"engine/tokens_per_s": tps}
