@@ -95,3 +95,15 @@ def test_export_cli_writes_a_loadable_model(tmp_path):
     b = AutoModelForCausalLM.from_pretrained(ckpt / "model")
     ids = torch.tensor([[1, 4, 5, 13, 6, 15]])
     assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+def flaky_reward(prompt, response):
+    if prompt.text.startswith(("1", "3", "5", "7", "9")):
+        raise RuntimeError("reward backend unavailable")
+    return float(response == prompt.answer)
+
+
+def test_reward_function_that_raises_does_not_stop_the_run(tmp_path):
+    summary = train(make_cfg(tmp_path, f"task.reward_fn={__name__}:flaky_reward", "trainer.name=flaky", "trainer.total_steps=1"))
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "flaky" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 1 and rows[1]["reward/errors"] > 0
