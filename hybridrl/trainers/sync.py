@@ -60,38 +60,40 @@ def train(cfg: Config, resume: bool = False) -> dict:
     timer.pop()
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps, desc=cfg.algorithm.advantage,
                disable=not t.progress, dynamic_ncols=True)
-    for step in bar:
-        batch, cursor, metrics = collect(roles, task, tokenizer, cfg, params, cursor, seed=t.seed + step, timer=timer)
-        with timer.phase("reference"):
-            batch |= roles.reference.compute_ref_log_prob(batch)
-        with timer.phase("old_log_prob"):
-            batch |= roles.actor.compute_log_prob(batch)
-        if roles.critic is not None:
-            with timer.phase("values"):
-                batch |= roles.critic.compute_values(batch)
-        with timer.phase("advantage"):
-            batch, shaping_metrics = shape(batch)
-            batch = compute_advantages(batch, cfg.algorithm)
-        if roles.critic is not None:
-            with timer.phase("critic_update"):
-                metrics |= mean_over_ranks(roles.critic.update_critic(batch))
-        with timer.phase("update"):
-            metrics |= mean_over_ranks(roles.actor.update_policy(batch))
-        with timer.phase("weight_sync"):
-            roles.sync_weights(step + 1)
-        metrics |= shaping_metrics | batch_metrics(batch) | roles.rollout.stats()
-        done = step + 1
-        if (t.eval_every and done % t.eval_every == 0) or done == t.total_steps:
-            with timer.phase("eval"):
-                last = evaluate()
-            metrics |= last
-        logger.log(done, metrics | timer.pop())
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}")
-        if (t.save_every and done % t.save_every == 0) or done == t.total_steps:
-            save_checkpoint(run_dir, done, roles, state | {"step": done, "last": last, "prompt_cursor": cursor,
-                                                           "kl_reward_coef": shape.kl.value}, cfg)
-    logger.close()
-    roles.shutdown()
+    try:
+        for step in bar:
+            batch, cursor, metrics = collect(roles, task, tokenizer, cfg, params, cursor, seed=t.seed + step, timer=timer)
+            with timer.phase("reference"):
+                batch |= roles.reference.compute_ref_log_prob(batch)
+            with timer.phase("old_log_prob"):
+                batch |= roles.actor.compute_log_prob(batch)
+            if roles.critic is not None:
+                with timer.phase("values"):
+                    batch |= roles.critic.compute_values(batch)
+            with timer.phase("advantage"):
+                batch, shaping_metrics = shape(batch)
+                batch = compute_advantages(batch, cfg.algorithm)
+            if roles.critic is not None:
+                with timer.phase("critic_update"):
+                    metrics |= mean_over_ranks(roles.critic.update_critic(batch))
+            with timer.phase("update"):
+                metrics |= mean_over_ranks(roles.actor.update_policy(batch))
+            with timer.phase("weight_sync"):
+                roles.sync_weights(step + 1)
+            metrics |= shaping_metrics | batch_metrics(batch) | roles.rollout.stats()
+            done = step + 1
+            if (t.eval_every and done % t.eval_every == 0) or done == t.total_steps:
+                with timer.phase("eval"):
+                    last = evaluate()
+                metrics |= last
+            logger.log(done, metrics | timer.pop())
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}")
+            if (t.save_every and done % t.save_every == 0) or done == t.total_steps:
+                save_checkpoint(run_dir, done, roles, state | {"step": done, "last": last, "prompt_cursor": cursor,
+                                                               "kl_reward_coef": shape.kl.value}, cfg)
+    finally:  # a failed step still leaves the metrics flushed and the workers stopped
+        logger.close()
+        roles.shutdown()
     summary = {
         "accuracy_before": state["before"]["eval/accuracy"], "accuracy_after": last["eval/accuracy"],
         "greedy_accuracy_before": state["before"]["eval/greedy_accuracy"], "greedy_accuracy_after": last["eval/greedy_accuracy"],
