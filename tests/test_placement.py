@@ -154,3 +154,37 @@ def test_shared_memory_staging_roundtrip():
     assert weight_sync.publish_shared(actor)[0] == path  # reused, not re-created
     weight_sync.release_stage()
     assert not os.path.exists(path)
+
+
+def test_shared_memory_sync_rehomes_a_single_rank_actor(tmp_path):
+    """One-node, separate-process path without Ray: the actor's weights move into the staging file once,
+    later syncs copy nothing on the actor side, training and checkpoints keep working."""
+    import torch
+
+    from hybridrl.config import Config
+    from hybridrl.controller import ResourcePool, WorkerGroup
+    from hybridrl.trainers import weight_sync as ws
+    from hybridrl.workers import ActorWorker, RolloutWorker
+
+    if ws.SHM_DIR is None:
+        pytest.skip("no /dev/shm")
+    cfg = Config()
+    actor = WorkerGroup(ActorWorker, ResourcePool(), role="actor", args=(cfg, None), num_threads=1).workers[0]
+    rollout = WorkerGroup(RolloutWorker, ResourcePool(), role="rollout", args=(cfg, None), num_threads=1).workers[0]
+    try:
+        path, meta = ws.publish_shared(actor)
+        first_ptr = next(actor.model.parameters()).data_ptr()
+        with torch.no_grad():  # an in-place update, as the optimizer does
+            for p in actor.model.parameters():
+                p.add_(0.01)
+        assert ws.publish_shared(actor)[0] == path and next(actor.model.parameters()).data_ptr() == first_ptr
+        assert ws.load_shared(rollout, (path, meta), 3) > 0
+        live = rollout.engine._weight_tensors()
+        for name, p in actor.model.named_parameters():
+            if name in live:
+                assert torch.equal(live[name].reshape(p.shape), p), name
+        actor.model.save_pretrained(tmp_path / "ckpt")  # safetensors must not see one shared storage
+        assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    finally:
+        ws.release_stage(actor)
+    assert not any(p.data_ptr() == first_ptr for p in actor.model.parameters())  # moved back out of the file

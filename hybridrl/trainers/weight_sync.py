@@ -9,7 +9,10 @@ call per tensor. Three paths, chosen by where the roles live (:meth:`Roles.sync_
 * across processes on one node (ray, rollout on its own pool, every rollout worker on actor rank 0's
   node): actor rank 0 copies the buckets into a shared-memory staging file (``/dev/shm``, kept and
   reused across syncs, so its pages are faulted in once) and returns a small descriptor; each rollout
-  worker maps the file once and copies from it into its live weights: two memcpys in all;
+  worker maps the file once and copies from it into its live weights: two memcpys in all. A
+  single-rank actor training all its weights goes further: on the first sync its parameters are
+  re-homed into the staging file (each one a view of it), so the optimizer updates them in place there
+  and later syncs publish without copying: one memcpy in all, on the rollout side;
 * across nodes: actor rank 0 puts every bucket into Ray's object store as numpy arrays and returns
   only the references; each rollout worker fetches the buckets itself (Ray moves them between nodes)
   and loads them one at a time.
@@ -104,10 +107,48 @@ _writer: _Stage | None = None  # actor rank 0's staging file
 _readers: dict[str, _Stage] = {}  # rollout side: mapped staging files by path
 
 
-def publish_shared(actor, bucket_bytes: int = BUCKET_BYTES):
-    """On every actor rank: rank 0 copies the buckets into its staging file and returns
-    ``(path, [(name, dtype, shape, offset, nbytes)])``; other ranks None."""
+_ALIGN = 64  # every tensor starts on a cache line, whatever the dtypes around it
+_rehomed: list | None = None  # the descriptor of a re-homed actor (its weights live in the staging file)
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _rehome(actor) -> list:
+    """Move a single-rank actor's parameters into the staging file, once; their layout as a descriptor."""
     global _writer
+    named = list(dict(actor.model.named_parameters()).items())  # tied weights once
+    total = sum(_aligned(p.numel() * p.element_size()) for _, p in named)
+    release_stage(actor)
+    _writer = _Stage(os.path.join(SHM_DIR, f"hybridrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"), total, create=True)
+    atexit.register(release_stage)
+    meta, offset = [], 0
+    with torch.no_grad():
+        for name, p in named:
+            nbytes = p.numel() * p.element_size()
+            # its own storage object over the shared pages (checkpoints must not see one storage shared by all)
+            home = torch.frombuffer(_writer.map, dtype=p.dtype, count=p.numel(), offset=offset).view(p.shape)
+            home.copy_(p.data)
+            p.data = home
+            meta.append((name, p.dtype, tuple(p.shape), offset, nbytes))
+            offset += _aligned(nbytes)
+    return meta
+
+
+def _can_rehome(actor) -> bool:
+    return (actor.world_size == 1 and getattr(actor, "lora", None) is None and SHM_DIR is not None
+            and all(p.device.type == "cpu" for p in actor.model.parameters()))
+
+
+def publish_shared(actor, bucket_bytes: int = BUCKET_BYTES):
+    """On every actor rank: rank 0 copies the buckets into its staging file (or, re-homed, copies nothing)
+    and returns ``(path, [(name, dtype, shape, offset, nbytes)])``; other ranks None."""
+    global _writer, _rehomed
+    if _can_rehome(actor):
+        if _rehomed is None or _writer is None:
+            _rehomed = _rehome(actor)
+        return _writer.path, _rehomed
     meta, offset = [], 0
     buckets = actor.weight_buckets(bucket_bytes)
     if not buckets:
@@ -148,7 +189,12 @@ def where(worker) -> tuple[str, bool]:
 
 def release_stage(actor=None) -> None:
     """Remove actor rank 0's staging file (at shutdown; a new sync creates another)."""
-    global _writer
+    global _writer, _rehomed
+    if _rehomed is not None and actor is not None:  # the parameters leave the file before it goes
+        with torch.no_grad():
+            for p in actor.model.parameters():
+                p.data = p.data.clone()
+    _rehomed = None
     if _writer is not None:
         _writer.close()
         try:
