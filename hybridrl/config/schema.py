@@ -196,6 +196,11 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
+    @property
+    def loss_norm_len(self) -> int:
+        """The fixed length of ``seq-mean-token-sum-norm`` (default: the longest response)."""
+        return self.algorithm.loss_agg_norm_len or self.rollout.max_new_tokens
+
     def validate(self) -> None:
         if self.controller.backend == "local":
             for role in ("actor", "critic", "reference"):

@@ -57,10 +57,14 @@ def global_totals(mini: Batch, norm_len: float) -> AggTotals:
     return AggTotals(n_tokens=n_tokens, n_seqs=n_seqs, norm_len=t.norm_len)
 
 
-def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, *, minibatch_size: int, epochs: int,
-                micro_batch_tokens: int, grad_clip: float, generator: torch.Generator, norm_len: float,
-                prefix: str) -> dict[str, float]:
-    """Train ``epochs`` passes over ``batch`` (shuffled by ``generator``); metrics averaged over optimizer steps."""
+def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, section, *, generator: torch.Generator,
+                norm_len: float, prefix: str) -> dict[str, float]:
+    """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in mini-batches of
+    ``section.ppo_minibatch_size``, micro-batches under ``section.micro_batch_tokens``, gradients clipped at
+    ``section.grad_clip`` (``section``: the role's config, ActorConfig or CriticConfig); metrics averaged
+    over optimizer steps."""
+    minibatch_size, epochs = section.ppo_minibatch_size, section.ppo_epochs
+    micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
     model.train()
     device = model_device(model)
     sums: dict[str, float] = defaultdict(float)

@@ -69,11 +69,8 @@ class ActorWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def update_policy(self, batch: Batch) -> dict[str, float]:
-        a = self.cfg.actor
-        return run_updates(self.model, self.optimizer, batch, self._loss, minibatch_size=a.ppo_minibatch_size,
-                           epochs=a.ppo_epochs, micro_batch_tokens=a.micro_batch_tokens, grad_clip=a.grad_clip,
-                           generator=self.shuffle, norm_len=self.cfg.algorithm.loss_agg_norm_len or self.cfg.rollout.max_new_tokens,
-                           prefix="actor")
+        return run_updates(self.model, self.optimizer, batch, self._loss, self.cfg.actor, generator=self.shuffle,
+                           norm_len=self.cfg.loss_norm_len, prefix="actor")
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_buckets(self, bucket_bytes: int = 64 << 20, mode: str = "auto") -> list[list[tuple[str, torch.Tensor]]]:

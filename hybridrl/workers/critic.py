@@ -70,11 +70,8 @@ class CriticWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        c = self.cfg.critic
-        return run_updates(self.model, self.optimizer, batch, self._loss, minibatch_size=c.ppo_minibatch_size,
-                           epochs=c.ppo_epochs, micro_batch_tokens=c.micro_batch_tokens, grad_clip=c.grad_clip,
-                           generator=self.shuffle, norm_len=self.cfg.algorithm.loss_agg_norm_len or self.cfg.rollout.max_new_tokens,
-                           prefix="critic")
+        return run_updates(self.model, self.optimizer, batch, self._loss, self.cfg.critic, generator=self.shuffle,
+                           norm_len=self.cfg.loss_norm_len, prefix="critic")
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
