@@ -117,9 +117,17 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Load new weights in place between steps and invalidate the prefix cache."""
+        """Load new weights in place between steps and invalidate the prefix cache. In-flight sequences
+        (interrupted generation, asynchronous training) drop their KV, now stale, and continue from their
+        tokens so far: their prompt and the tokens already generated are recomputed under the new weights,
+        and each token keeps the version that produced it."""
         with self.lock:
             count = self.runner.load_weights(named_tensors)
+            sch = self.scheduler
+            self.stats_acc["interrupted"] += len(sch.running)
+            n = sch.num_preemptions
+            sch.preempt_all()
+            sch.num_preemptions = n  # a weight change, not memory pressure: do not count
             self.bm.invalidate()
             self.version = version
             return count
@@ -247,6 +255,7 @@ class LLMEngine:
             "engine/prompt_tokens_computed": a["prompt_tokens_computed"],
             "engine/prefix_hit_rate": 1.0 - a["prompt_tokens_computed"] / a["prompt_tokens"] if a["prompt_tokens"] else 0.0,
             "engine/preemptions": float(self.scheduler.num_preemptions) - a["preemptions_base"],
+            "engine/interrupted": a["interrupted"],
         }
         if self.spec is not None:
             out["engine/spec_acceptance"] = a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
