@@ -83,11 +83,15 @@ class RolloutConfig:
     kv_cache_bytes: int = _f(256 << 20, "native: bytes of the paged KV-cache pool", ge=1)
     block_size: int = _f(16, "native: tokens per KV-cache block", ge=1)
     max_num_batched_tokens: int = _f(4096, "native: token budget of one engine step (prefill + decode)", ge=1)
-    enable_prefix_caching: bool = _f(True, "native: share KV blocks of identical prompt prefixes")
+    enable_prefix_caching: bool = _f(True, "native, vllm, sglang: share KV blocks of identical prompt prefixes")
     draft_model_path: str | None = _f(None, "native: draft model checkpoint for speculative decoding (null: off)")
     num_speculative_tokens: int = _f(4, "native: tokens the draft proposes per step", ge=1)
     spec_max_batch: int = _f(32, "native: speculate only while at most this many sequences decode", ge=1)
     kv_cache_memory_fraction: float | None = _f(None, "native, CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)", gt=0, le=1)
+    engine_model_path: str | None = _f(None, "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and tokenizer are saved to a temporary directory)")
+    gpu_memory_utilization: float = _f(0.5, "vllm, sglang: share of GPU memory the engine takes for weights and KV cache (sglang: mem_fraction_static)", gt=0, le=1)
+    tensor_parallel_size: int = _f(1, "vllm, sglang: GPUs the engine shards the model over", ge=1)
+    engine_kwargs: dict = _f({}, "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine (e.g. {dtype: bfloat16})")
 
 
 @dataclass
