@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(evaluate_checkpoint(cfg), indent=1))
         return 0
-    from hybridrl.trainers.sync import train
+    from hybridrl.trainers import async_, sync
 
-    summary = train(cfg, resume=args.resume)
+    trainers = {"sync": sync.train, "async": async_.train}  # trainer.mode
+    summary = trainers[cfg.trainer.mode](cfg, resume=args.resume)
     print(json.dumps(summary, indent=1))
     print(f"report: {Path(summary['run_dir']) / 'report.png'}")
     return 0

@@ -2,6 +2,7 @@
 from hybridrl.config.loader import ConfigError, apply_overrides, dump_yaml, from_dict, load_config, to_dict
 from hybridrl.config.schema import (
     ActorConfig,
+    AsyncConfig,
     AlgorithmConfig,
     Config,
     ControllerConfig,
@@ -16,7 +17,7 @@ from hybridrl.config.schema import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "ControllerConfig", "CriticConfig", "FSDPConfig", "ModelConfig", "PoolConfig",
+    "ActorConfig", "AlgorithmConfig", "AsyncConfig", "Config", "ConfigError", "ControllerConfig", "CriticConfig", "FSDPConfig", "ModelConfig", "PoolConfig",
     "RolloutConfig", "SFTConfig", "TaskConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict",
     "load_config", "to_dict",
 ]

@@ -115,7 +115,8 @@ LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 @dataclass
 class AlgorithmConfig:
     advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae (registry name or dotted path)")
-    policy_loss: str = _f("ppo_clip", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo (registry name or dotted path)")
+    policy_loss: str = _f("auto", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo (registry name or dotted path); "
+                              "auto: decoupled_ppo when trainer.mode is async, else ppo_clip")
     norm_adv_by_std: bool = _f(True, "grpo: divide by the group's std (false: Dr.GRPO)")
     gamma: float = _f(1.0, "discount (gae, reinforce_pp)", ge=0, le=1)
     lam: float = _f(1.0, "GAE lambda", ge=0, le=1)
@@ -169,8 +170,18 @@ class SFTConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """Fully asynchronous training (``trainer.mode: async``, ``trainers/async_.py``)."""
+
+    max_staleness: int = _f(1, "a trained sample is at most this many weight versions old (0: on-policy)", ge=0)
+    max_concurrent_prompts: int = _f(64, "prompt groups generating at once on a rollout rank", ge=1)
+    batch_timeout_s: float = _f(600.0, "the learner fails when no batch is ready for this long (a dead rollout)", gt=0)
+
+
+@dataclass
 class TrainerConfig:
     name: str = _f("arith_grpo", "run name: outputs go to <runs_dir>/<name>")
+    mode: Literal["sync", "async"] = _f("sync", "sync: generate then train, in turn; async: at once (see asynchronous.*)")
     runs_dir: str = _f("runs", "parent directory of run outputs")
     total_steps: int = _f(200, "RL steps", ge=0)
     prompts_per_step: int = _f(32, "prompts per RL step", ge=1)
@@ -199,6 +210,11 @@ class Config:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+
+    def __post_init__(self):
+        if self.algorithm.policy_loss == "auto":
+            self.algorithm.policy_loss = "decoupled_ppo" if self.trainer.mode == "async" else "ppo_clip"
 
     @property
     def loss_norm_len(self) -> int:
@@ -212,9 +228,24 @@ class Config:
                 if pool.nodes * pool.workers_per_node > 1:
                     raise ValueError(f"the {role} pool has {pool.nodes * pool.workers_per_node} workers: more than one rank of a "
                                      "trained role needs one process per rank, i.e. controller.backend=ray")
+        if self.trainer.mode == "async":
+            self._validate_async()
         samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
         if samples % self.actor.ppo_minibatch_size:
             raise ValueError(
                 f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} must be a multiple of "
                 f"actor.ppo_minibatch_size = {self.actor.ppo_minibatch_size}"
             )
+
+    def _validate_async(self) -> None:
+        place = self.controller.placement
+        apart = [r for r in ("reference", "critic") if place[r] != place["actor"]]
+        if apart:
+            raise ValueError(f"trainer.mode=async fuses the trained roles into one learner: placement of {apart} must be "
+                             f"the actor's pool {place['actor']!r}")
+        if self.controller.backend == "ray" and place["rollout"] == place["actor"]:
+            raise ValueError("trainer.mode=async with controller.backend=ray: the rollout needs its own pool (rollout and "
+                             "training run at the same time); map placement.rollout to a pool other than the actor's")
+        if self.rollout.backend != "native":
+            raise ValueError(f"trainer.mode=async streams requests through the native engine; rollout.backend is "
+                             f"{self.rollout.backend!r}")

@@ -19,7 +19,8 @@ from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
 from hybridrl.controller.colocated import RoleView
 from hybridrl.trainers import weight_sync
 from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, RolloutWorker
-from hybridrl.workers.colocated import ColocatedWorker
+from hybridrl.workers.colocated import TRAINED, ColocatedWorker
+from hybridrl.workers.learner import LearnerWorker
 
 ROLE_CLASSES = {"actor": ActorWorker, "reference": ReferenceWorker, "rollout": RolloutWorker, "reward": RewardWorker,
                 "critic": CriticWorker}
@@ -32,6 +33,7 @@ class Roles:
     rollout: WorkerGroup | RoleView
     reward: WorkerGroup | RoleView
     critic: WorkerGroup | RoleView | None = None  # only for estimators that need values (gae)
+    learner: WorkerGroup | None = None  # asynchronous training: the trained roles fused (workers/learner.py)
     groups: list[WorkerGroup] = field(default_factory=list)  # the processes behind the roles, each once
     transport: str = "memory"  # weight sync: memory (one process), fused, shm (one node) or store (object store)
     bucket_bytes: int = weight_sync.BUCKET_BYTES
@@ -72,8 +74,11 @@ def needs_critic(cfg: Config) -> bool:
     return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_values", False)
 
 
-def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None, critic_path: str | None = None) -> Roles:
-    """Worker groups for every role; roles mapped to the same pool share its devices (colocation)."""
+def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None, critic_path: str | None = None,
+                learner: bool = False) -> Roles:
+    """Worker groups for every role; roles mapped to the same pool share its devices (colocation).
+    ``learner``: the trained roles (actor, reference, critic) become one LearnerWorker group on their pool
+    (asynchronous training), under either backend."""
     c = cfg.controller
     if c.backend == "ray":
         init_ray(c.ray_address)
@@ -88,6 +93,14 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
     handles, groups = {}, []
     for pool, roles in by_pool.items():
         common = dict(backend=c.backend, num_threads=c.num_threads, seed=cfg.trainer.seed)
+        if learner and "actor" in roles:
+            trained = {r: (ROLE_CLASSES[r], (cfg, paths[r])) for r in roles if r in TRAINED}
+            fused = WorkerGroup(LearnerWorker, pools[pool], role="learner", args=(trained, cfg), **common)
+            groups.append(fused)
+            handles |= {r: RoleView(fused, r, ROLE_CLASSES[r]) for r in trained} | {"learner": fused}
+            roles = [r for r in roles if r not in TRAINED]
+        if not roles:
+            continue
         if c.backend == "local" or len(roles) == 1:
             for role in roles:
                 handles[role] = WorkerGroup(ROLE_CLASSES[role], pools[pool], role=role, args=(cfg, paths[role]), **common)

@@ -18,16 +18,17 @@ from hybridrl.workers.common import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-class RewardWorker(Worker):
-    def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
-        super().__init__(ctx)
-        self.tokenizer = load_tokenizer(cfg, model_path)
+class Scorer:
+    """Decodes each response and scores it with the reward function (used by the reward role, and by a
+    rollout rank scoring its own groups in asynchronous training)."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        self.tokenizer = tokenizer
         self.fn = REWARDS.get(cfg.task.reward_fn)
         self.fn_name = cfg.task.reward_fn
         self._logged = 0
 
-    @register(Dispatch.DP_COMPUTE)
-    def score(self, batch: Batch) -> Batch:
+    def __call__(self, batch: Batch) -> Batch:
         eos = self.tokenizer.eos_token_id
         scores, errors = [], []
         for row, prompt in enumerate(batch["prompt"]):
@@ -47,3 +48,13 @@ class RewardWorker(Worker):
                     self._logged += 1
             scores.append(score)
         return Batch({"rewards": torch.tensor(scores), "reward_errors": torch.tensor(errors)})
+
+
+class RewardWorker(Worker):
+    def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
+        super().__init__(ctx)
+        self.scorer = Scorer(cfg, load_tokenizer(cfg, model_path))
+
+    @register(Dispatch.DP_COMPUTE)
+    def score(self, batch: Batch) -> Batch:
+        return self.scorer(batch)

@@ -5,14 +5,19 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch, Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
-from hybridrl.workers.common import load_model
+from hybridrl.rollout.sequence import derive_seed
+from hybridrl.workers.common import load_model, make_task
+from hybridrl.workers.reward import Scorer
+from hybridrl.workers.rollout_stream import RolloutStream
 
 
 class RolloutWorker(Worker):
     def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
         super().__init__(ctx)
-        model, tokenizer = load_model(cfg, model_path)
-        self.engine = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, tokenizer, cfg.rollout)
+        self.cfg = cfg
+        model, self.tokenizer = load_model(cfg, model_path)
+        self.engine = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, self.tokenizer, cfg.rollout)
+        self.stream: RolloutStream | None = None
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: Batch, params: SamplingParams) -> list[Sample]:
@@ -35,6 +40,25 @@ class RolloutWorker(Worker):
     def resume(self) -> None:
         self.engine.resume()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:
+        """Asynchronous training: generate continuously, taking prompts from and putting scored groups
+        into ``buffer`` (a :class:`~hybridrl.trainers.buffer.BufferHandle`) until :meth:`stop_stream`."""
+        if self.stream is not None:
+            raise RuntimeError("the rollout stream is already running")
+        self.stream = RolloutStream(self.engine, buffer, make_task(self.cfg), self.tokenizer, Scorer(self.cfg, self.tokenizer),
+                                    params, derive_seed(seed, self.rank), self.cfg.asynchronous.max_concurrent_prompts)
+        self.stream.start()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stop_stream(self) -> None:
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.stop()
+
     @register(Dispatch.RANK_ZERO)
     def stats(self) -> dict:
-        return self.engine.stats()
+        if self.stream is None:
+            return self.engine.stats()
+        self.stream.check()
+        return self.engine.stats() | self.stream.stats()

@@ -43,30 +43,42 @@ class NativeRollout(RolloutEngine):
         self._unpaused = threading.Event()
         self._unpaused.set()
 
-    # --- generation ----------------------------------------------------------------------
+    # --- generation ---------------------------------------------------------------------
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
-        eng = self.engine
         n = max(1, params.n)
-        ids = []
+        pending = self.add(requests, params)
+        while pending:
+            self.step()
+            pending = [r for r in pending if not self.done(r, n)]
+        return [s for r in requests for s in self.take(r, n)]
+
+    # the same, one piece at a time (asynchronous training streams requests through these)
+    def add(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationRequest]:
+        """Queue the requests (not those aborted already); request ``i`` is seeded from ``params.seed`` and ``i``."""
+        added = []
         for i, r in enumerate(requests):
             if r.request_id in self._aborted:
                 continue
             seed = None if params.seed is None else derive_seed(params.seed, i)
-            eng.add_request(r.request_id, r.prompt_ids, params, seed=seed, tag=r)
-            ids.append(r.request_id)
+            self.engine.add_request(r.request_id, r.prompt_ids, params, seed=seed, tag=r)
+            added.append(r)
+        return added
+
+    def step(self) -> int:
+        """One engine step (waits while paused); returns the number of tokens generated."""
+        self._unpaused.wait()
         t0 = time.perf_counter()
-        pending = set(ids)
-        while pending:
-            self._unpaused.wait()
-            eng.step()
-            pending = {rid for rid in pending if len(eng.finished.get(rid, ())) < n and not self._gone(rid)}
-        eng.stats_acc["seconds"] += time.perf_counter() - t0
-        out: list[Sample] = []
-        for r in requests:
-            seqs = sorted(eng.finished.pop(r.request_id, []), key=lambda s: s.sample_index)
-            out.extend(self._to_sample(r, s) for s in seqs)
-            out.extend(self._aborted_sample(r) for _ in range(n - len(seqs)))
-        return out
+        tokens = self.engine.step()
+        self.engine.stats_acc["seconds"] += time.perf_counter() - t0
+        return tokens
+
+    def done(self, r: GenerationRequest, n: int) -> bool:
+        return len(self.engine.finished.get(r.request_id, ())) >= n or self._gone(r.request_id)
+
+    def take(self, r: GenerationRequest, n: int) -> list[Sample]:
+        """The ``n`` samples of a request that is :meth:`done` (aborted ones padded as empty ``aborted`` samples)."""
+        seqs = sorted(self.engine.finished.pop(r.request_id, []), key=lambda s: s.sample_index)
+        return [self._to_sample(r, s) for s in seqs] + [self._aborted_sample(r) for _ in range(n - len(seqs))]
 
     def _gone(self, rid: str) -> bool:
         """All sequences of an aborted request have left the engine."""

@@ -1,0 +1,157 @@
+"""The trajectory buffer of asynchronous training, with AReaL's staleness control at admission.
+
+Rollout ranks ask it for prompts (:meth:`TrajectoryBuffer.admit`) and put finished, scored groups
+into it (:meth:`put`); the learner takes training batches from it (:meth:`get_batch`). Under the
+``ray`` backend it is a threaded Ray actor, so trajectories go rollout -> buffer -> learner and
+never through the driver; under ``local`` it is a plain object shared by threads.
+
+Units: one *group* = the ``G`` samples of one prompt; a step trains ``B`` groups. With ``v`` the
+rollout's weight version and ``k`` = ``max_staleness``, a new prompt is admitted only while
+
+    (k + v + 1) * B - (accepted + running) > 0
+
+(accepted: groups finished since the run began, trained or waiting; running: groups generating),
+so at most ``(k + v + 1) * B`` groups were ever started by the time version ``v`` exists. A group
+admitted at version ``a`` must then be trained by version ``a + k`` (its deadline; its oldest token
+is at least ``a``). The admission rule alone does not ensure that: when the learner fills a batch
+with younger groups while older ones are still generating, too many old ones can fall due at once.
+So the learner training version ``s`` takes the ``B`` ready groups with the earliest deadlines, but
+only if every group left (ready or generating) can still be trained by its deadline in the steps
+after ``s`` (for every ``t``: groups due by ``t`` <= ``(t - s) * B``); otherwise it waits for more to
+finish. With both rules no sample is trained more than ``k`` versions after its first token and none
+is thrown away for being stale; ``k = 0`` gives on-policy batches.
+
+Resume: :meth:`state` holds the prompt cursor and the prompts admitted but not yet trained
+(generating or waiting); a resumed buffer hands those out again first, so no prompt is skipped
+and no trajectory is trained twice.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridrl.protocol import Sample
+
+
+@dataclass
+class Group:
+    """The scored samples of one prompt."""
+
+    index: int  # position of the prompt in the task's stream
+    admitted: int  # rollout weight version when the prompt was admitted
+    samples: list[Sample]
+    rewards: list[float]
+    errors: list[float]
+    finished_at: float = field(default_factory=time.monotonic)
+
+
+class TrajectoryBuffer:
+    def __init__(self, batch_groups: int, max_staleness: int, cursor: int = 0, pending: list[int] | tuple = (),
+                 trained_groups: int = 0):
+        self.B, self.k = batch_groups, max_staleness
+        self.cursor = cursor  # next fresh prompt index
+        self.retry = deque(pending)  # prompts admitted before a restart but never trained
+        self.consumed = trained_groups
+        self.running: dict[int, int] = {}  # prompt index -> admission version
+        self.ready: list[Group] = []
+        self.cond = threading.Condition()
+        self.closed = False
+
+    # --- rollout side ---------------------------------------------------------------------------
+    def capacity(self, version: int) -> int:
+        return (self.k + version + 1) * self.B - (self.consumed + len(self.ready) + len(self.running))
+
+    def admit(self, want: int, version: int) -> list[int]:
+        """Up to ``want`` prompt indices the caller may start generating with weights ``version``."""
+        with self.cond:
+            n = max(0, min(want, self.capacity(version))) if not self.closed else 0
+            out = [self.retry.popleft() for _ in range(min(n, len(self.retry)))]
+            fresh = n - len(out)
+            out += range(self.cursor, self.cursor + fresh)
+            self.cursor += fresh
+            self.running.update((i, version) for i in out)
+            return out
+
+    def put(self, group: Group) -> None:
+        with self.cond:
+            if self.running.pop(group.index, None) is None:
+                raise KeyError(f"group for prompt {group.index} was never admitted (or was put twice)")
+            self.ready.append(group)
+            self.cond.notify_all()
+
+    # --- learner side ---------------------------------------------------------------------------
+    def _pick(self, version: int) -> list[Group] | None:
+        """The batch for ``version``, or None while training now could force a later sample past its deadline."""
+        if len(self.ready) < self.B:
+            return None
+        self.ready.sort(key=lambda g: (g.admitted, g.finished_at))  # earliest deadline (admitted + k) first
+        left = sorted([g.admitted for g in self.ready[self.B:]] + list(self.running.values()))
+        # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due by t?
+        if any(i + 1 > (adm + self.k - version) * self.B for i, adm in enumerate(left)):
+            return None
+        return self.ready[: self.B]
+
+    def get_batch(self, version: int, timeout: float) -> list[Group]:
+        """The ``B`` groups to train weights ``version`` on (blocks until they are ready)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.closed or self._pick(version) is not None, timeout):
+                raise TimeoutError(
+                    f"no training batch for version {version} within {timeout:.0f} s ({len(self.ready)} groups ready, "
+                    f"{len(self.running)} generating, B = {self.B}): is the rollout alive? (asynchronous.batch_timeout_s)")
+            if self.closed:
+                raise RuntimeError("the trajectory buffer was closed")
+            batch, self.ready = self.ready[: self.B], self.ready[self.B:]
+            self.consumed += self.B
+            return batch
+
+    # --- control ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        with self.cond:
+            return {"async/buffer_groups": float(len(self.ready)), "async/running_groups": float(len(self.running)),
+                    "async/trained_groups": float(self.consumed)}
+
+    def state(self) -> dict:
+        """What a checkpoint needs: the cursor and the admitted-but-untrained prompts, oldest first."""
+        with self.cond:
+            pending = sorted(set(self.retry) | set(self.running) | {g.index for g in self.ready})
+            return {"prompt_cursor": self.cursor, "pending_prompts": pending, "trained_groups": self.consumed}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+class BufferHandle:
+    """Calls a :class:`TrajectoryBuffer` the same way whether it is a local object or a Ray actor
+    (blocking calls); picklable when it wraps an actor, so workers can be handed one."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name: str):
+        if name == "target":  # not set yet (unpickling)
+            raise AttributeError(name)
+        method = getattr(self.target, name)
+        if not hasattr(method, "remote"):
+            return method
+        import ray
+
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+    def kill(self) -> None:
+        if hasattr(getattr(self.target, "close", None), "remote"):
+            import ray
+
+            ray.kill(self.target, no_restart=True)
+
+
+def make_buffer(backend: str, **kwargs) -> BufferHandle:
+    """A trajectory buffer in this process (``local``) or as a threaded Ray actor holding no CPU (``ray``)."""
+    if backend != "ray":
+        return BufferHandle(TrajectoryBuffer(**kwargs))
+    import ray
+
+    return BufferHandle(ray.remote(TrajectoryBuffer).options(max_concurrency=16, num_cpus=0).remote(**kwargs))

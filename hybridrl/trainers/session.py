@@ -1,0 +1,92 @@
+"""What the synchronous and the asynchronous drivers share: start a run (warm start, resume, roles,
+evaluator, logger, the held-out evaluation before training) and end it (summary and report)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridrl.config import Config
+from hybridrl.rollout import SamplingParams
+from hybridrl.telemetry import MetricsLogger, PhaseTimer, write_report
+from hybridrl.trainers.checkpoint import latest_checkpoint
+from hybridrl.trainers.evaluate import Evaluator
+from hybridrl.trainers.roles import Roles, build_roles
+from hybridrl.trainers.run_dir import open_run_dir, run_path, write_summary
+from hybridrl.trainers.sft import ensure_warm_start
+from hybridrl.workers.common import load_tokenizer, make_task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    cfg: Config
+    roles: Roles
+    task: object
+    tokenizer: object
+    params: SamplingParams  # the rollout's sampling (n = G)
+    evaluate: Evaluator
+    logger: MetricsLogger
+    timer: PhaseTimer
+    run_dir: Path
+    state: dict  # trainer.json of the checkpoint resumed from, or a fresh one
+    resumed: bool
+    warm: str | None
+    t_start: float = field(default_factory=time.perf_counter)
+
+    def due(self, every: int, done: int) -> bool:
+        return bool(every and done % every == 0) or done == self.cfg.trainer.total_steps
+
+    def close(self, last: dict) -> dict:
+        """Write ``summary.json`` and ``report.png``; returns the summary."""
+        t, before = self.cfg.trainer, self.state["before"]
+        summary = {
+            "accuracy_before": before["eval/accuracy"], "accuracy_after": last["eval/accuracy"],
+            "greedy_accuracy_before": before["eval/greedy_accuracy"], "greedy_accuracy_after": last["eval/greedy_accuracy"],
+            "steps": t.total_steps, "wall_seconds": time.perf_counter() - self.t_start, "run_dir": str(self.run_dir),
+            "warm_start": self.warm, "resumed_from_step": self.state["step"] if self.resumed else None, "mode": t.mode,
+        }
+        write_summary(self.run_dir, summary)
+        a = self.cfg.algorithm
+        write_report(self.run_dir, title=f"{t.name}: {a.advantage} / {a.policy_loss} on {self.cfg.task.name} ({t.mode})")
+        return summary
+
+
+def open_session(cfg: Config, resume: bool, learner: bool = False) -> Session:
+    """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the rollout,
+    and the held-out evaluation before training (once per run)."""
+    t_start, t = time.perf_counter(), cfg.trainer
+    warm = ensure_warm_start(cfg, t.progress)
+    found = latest_checkpoint(run_path(cfg)) if resume else None
+    if resume and not found:
+        log.warning("--resume: no complete checkpoint under %s, starting a fresh run", run_path(cfg))
+    run_dir = open_run_dir(cfg, resume=found is not None)
+    state = found[1] if found else {"step": 0, "prompt_cursor": 0, "reference_path": warm}
+    ckpt = found[0] if found else None
+    roles = build_roles(cfg, str(ckpt / "model") if ckpt else warm, state["reference_path"],
+                        str(ckpt / "critic") if ckpt and (ckpt / "critic").is_dir() else None, learner=learner)
+    try:
+        if ckpt:
+            roles.actor.load_state(str(ckpt / "model"))
+            if roles.critic is not None:
+                roles.critic.load_state(str(ckpt / "critic"))
+            roles.sync_weights(state["step"])
+        task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
+        r = cfg.rollout
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                                n=t.samples_per_prompt)
+        evaluate = Evaluator(roles, task.heldout()[: cfg.task.eval_size], tokenizer, params, seed=t.seed + 10_000)
+        logger = MetricsLogger(run_dir, t.tensorboard, resume_step=state["step"] if found else None)
+        s = Session(cfg, roles, task, tokenizer, params, evaluate, logger, PhaseTimer(), run_dir, state, found is not None, warm,
+                    t_start)
+        if "before" not in state:
+            with s.timer.phase("eval"):
+                state["before"] = evaluate()
+            logger.log(0, state["before"])
+        s.timer.pop()
+    except BaseException:
+        roles.shutdown()
+        raise
+    return s

@@ -1,0 +1,102 @@
+"""Continuous generation on a rollout rank for asynchronous training (``trainer.mode: async``).
+
+A :class:`RolloutStream` thread keeps the engine busy: whenever fewer than ``max_groups`` prompts
+are generating it asks the trajectory buffer for more (the buffer applies the staleness rule,
+``trainers/buffer.py``), runs engine steps, and as soon as all ``G`` samples of a prompt are done it
+scores them and puts the group into the buffer: the data goes rollout -> buffer, not through the
+driver. Weight updates arrive on another thread between engine steps (``update_weights`` takes the
+engine lock); the engine then drops its stale KV and continues every in-flight sequence, and each
+token keeps the version that produced it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+
+from hybridrl.protocol import samples_to_batch
+from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.rollout.sequence import derive_seed
+from hybridrl.trainers.buffer import Group
+
+log = logging.getLogger(__name__)
+IDLE_SLEEP_S = 0.002
+
+
+class RolloutStream:
+    def __init__(self, engine, buffer, task, tokenizer, scorer, params: SamplingParams, seed: int, max_groups: int):
+        for name in ("add", "step", "done", "take"):
+            if not hasattr(engine, name):
+                raise ValueError(f"asynchronous training needs a rollout backend that streams requests (native); "
+                                 f"{type(engine).__name__} has no {name}()")
+        self.engine, self.buffer, self.task, self.tokenizer, self.scorer = engine, buffer, task, tokenizer, scorer
+        self.params, self.seed, self.max_groups = params, seed, max_groups
+        self.pending: list[tuple[GenerationRequest, int, int]] = []  # (request, prompt index, admission version)
+        self.stopping = threading.Event()
+        self.error: BaseException | None = None
+        self.idle_s = self.busy_s = 0.0
+        self.groups = 0
+        self.thread = threading.Thread(target=self._run, name="rollout-stream", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        self.check()
+
+    def check(self) -> None:
+        """Re-raise an error of the stream thread in the caller."""
+        if self.error is not None:
+            raise RuntimeError(f"the rollout stream failed: {self.error!r}") from self.error
+
+    def _admit(self) -> None:
+        free = self.max_groups - len(self.pending)
+        if free <= 0:
+            return
+        version = self.engine.version
+        for index in self.buffer.admit(free, version):
+            p = self.task.prompt(index)
+            req = GenerationRequest(request_id=p.uid, prompt_ids=self.tokenizer(p.text)["input_ids"], uid=p.uid,
+                                    task_id=p.task_id, extra={"prompt": p})
+            self.engine.add([req], replace(self.params, seed=derive_seed(self.seed, index)))
+            self.pending.append((req, index, version))
+
+    def _deliver(self) -> None:
+        n, keep = self.params.n, []
+        for req, index, version in self.pending:
+            if not self.engine.done(req, n):
+                keep.append((req, index, version))
+                continue
+            samples = self.engine.take(req, n)
+            scored = self.scorer(samples_to_batch(samples, self.tokenizer.pad_token_id))
+            self.buffer.put(Group(index, version, samples, scored["rewards"].tolist(), scored["reward_errors"].tolist()))
+            self.groups += 1
+        self.pending = keep
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                t0 = time.perf_counter()
+                self._admit()
+                if not self.pending:  # the staleness bound holds us back: wait for the learner
+                    time.sleep(IDLE_SLEEP_S)
+                    self.idle_s += time.perf_counter() - t0
+                    continue
+                self.engine.step()
+                self._deliver()
+                self.busy_s += time.perf_counter() - t0
+        except BaseException as e:  # noqa: BLE001 -- reported to the driver through check()/stats()
+            log.exception("rollout stream failed")
+            self.error = e
+
+    def stats(self) -> dict[str, float]:
+        """Since the last call: the idle fraction (no prompt admitted) and the groups generated."""
+        total = self.idle_s + self.busy_s
+        out = {"async/rollout_idle_frac": self.idle_s / total if total else 0.0, "async/generated_groups": float(self.groups),
+               "async/inflight_groups": float(len(self.pending))}
+        self.idle_s = self.busy_s = 0.0
+        self.groups = 0
+        return out
