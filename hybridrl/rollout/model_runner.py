@@ -74,7 +74,7 @@ class StepInputs:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor
     slots: torch.Tensor  # (T,) cache slot of each new token
-    kv_blocks: torch.Tensor  # (B * nb,) block table of each sequence, padded with block 0 (masked)
+    kv_blocks: torch.Tensor | None  # (B * nb,) block table of each sequence, padded with block 0 (masked); None: reuse
     bias: torch.Tensor  # (B, qmax, kmax) additive attention mask
     batch: int
     qmax: int
@@ -193,7 +193,8 @@ class ModelRunner:
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], -1)
         self.cos_table = (emb.cos() * scaling).to(self.device, self.dtype)
-        self.sin_table = (emb.sin() * scaling).to(self.device, self.dtype)
+        half = inv_freq.shape[0]  # sin_table holds (-sin, sin) over the halves: the sign of rotate_half
+        self.sin_table = (emb.sin() * scaling * torch.cat([-torch.ones(half), torch.ones(half)])).to(self.device, self.dtype)
 
     # --- KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -227,53 +228,66 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
         """Flat step inputs for ``num_tokens[i]`` new tokens of each sequence, starting at its ``num_computed``."""
         B, bs, dev = len(seqs), self.block_size, self.device
-        decode = all(q == 1 for q in num_tokens)
+        if all(q == 1 for q in num_tokens):
+            return self._prepare_decode(seqs)
         starts = [s.num_computed for s in seqs]
-        if decode:
-            ids = [s.token_ids[st] for s, st in zip(seqs, starts)]
-        else:
-            ids = [t for s, st, q in zip(seqs, starts, num_tokens) for t in s.token_ids[st:st + q]]
-        ctx = [st + q for st, q in zip(starts, num_tokens)]
+        ids = [t for s, st, q in zip(seqs, starts, num_tokens) for t in s.token_ids[st:st + q]]
         qmax = max(num_tokens)
-        nb = (max(ctx) + bs - 1) // bs
+        nb = (max(st + q for st, q in zip(starts, num_tokens)) + bs - 1) // bs
         kmax = nb * bs  # contexts are gathered whole blocks at a time
-        bt = torch.tensor([(s.block_table + [0] * nb)[:nb] for s in seqs], dtype=torch.long)
+        bt = self._block_table(seqs, nb)
         starts_t = torch.tensor(starts, dtype=torch.long)
         q_t = torch.tensor(num_tokens, dtype=torch.long)
         T = len(ids)
-        keys = torch.arange(kmax)
-        if decode:
-            seq_idx, pos = torch.arange(B), starts_t
-            qpos = starts_t.unsqueeze(1)  # (B, 1)
-            q_pad_index = out_index = None
-            last_index = torch.arange(B)
-        else:
-            seq_idx = torch.repeat_interleave(torch.arange(B), q_t)
-            cu = torch.cumsum(q_t, 0) - q_t
-            local = torch.arange(T) - cu[seq_idx]
-            pos = starts_t[seq_idx] + local
-            i = torch.minimum(torch.arange(qmax).unsqueeze(0), (q_t - 1).unsqueeze(1))  # (B, qmax)
-            qpos = starts_t.unsqueeze(1) + i
-            q_pad_index = (cu.unsqueeze(1) + i).flatten()
-            out_index = seq_idx * qmax + local
-            last_index = cu + q_t - 1
-        slots = bt[seq_idx, pos // bs] * bs + pos % bs
-        reuse, rows, num_rows = False, None, B
-        if decode and self.keep_gathered:
-            reuse, rows, num_rows = self._kept_rows(seqs, nb)
-        else:  # this step writes the pool without updating the kept context
-            self._last_batch = None
-        if rows is not None:  # rows of sequences that left keep a harmless mask (key 0 only)
-            qpos = torch.zeros(num_rows, 1, dtype=torch.long).index_copy_(0, rows, qpos)
-        bias = torch.zeros(num_rows, qmax, kmax, dtype=self.dtype).masked_fill_(keys.view(1, 1, -1) > qpos.unsqueeze(-1), float("-inf"))
-        to = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
+        seq_idx = torch.repeat_interleave(torch.arange(B), q_t)
+        cu = torch.cumsum(q_t, 0) - q_t
+        local = torch.arange(T) - cu[seq_idx]
+        pos = starts_t[seq_idx] + local
+        i = torch.minimum(torch.arange(qmax).unsqueeze(0), (q_t - 1).unsqueeze(1))  # (B, qmax)
+        self._last_batch = None  # this step writes the pool without updating the kept context
+        to = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
         pos_d = to(pos)
         return StepInputs(
             input_ids=to(torch.tensor(ids, dtype=torch.long)), cos=self.cos_table[pos_d].unsqueeze(1),
-            sin=self.sin_table[pos_d].unsqueeze(1), slots=to(slots), kv_blocks=to(bt.flatten()), bias=to(bias),
-            batch=B, qmax=qmax, kmax=kmax, q_pad_index=to(q_pad_index), out_index=to(out_index), last_index=to(last_index),
-            reuse=reuse, pos=pos_d if decode else None, rows=to(rows), num_rows=num_rows,
+            sin=self.sin_table[pos_d].unsqueeze(1), slots=to(bt[seq_idx, pos // bs] * bs + pos % bs),
+            kv_blocks=to(bt.flatten()), bias=to(self._causal_bias(starts_t.unsqueeze(1) + i, kmax)), batch=B, qmax=qmax,
+            kmax=kmax, q_pad_index=to((cu.unsqueeze(1) + i).flatten()), out_index=to(seq_idx * qmax + local),
+            last_index=to(cu + q_t - 1), num_rows=B,
         )
+
+    def _prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
+        """One new token per sequence: per-sequence work is three list comprehensions and one tensor."""
+        B, bs, dev = len(seqs), self.block_size, self.device
+        pos = [s.num_computed for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, pos)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+        nb = max(pos) // bs + 1
+        ipt = torch.tensor([ids, pos, slots], dtype=torch.long)
+        reuse, rows, num_rows = False, None, B
+        if self.keep_gathered:
+            reuse, rows, num_rows = self._kept_rows(seqs, nb)
+        qpos = ipt[1]
+        if rows is not None:  # rows of sequences that left keep a harmless mask (key 0 only)
+            qpos = torch.zeros(num_rows, dtype=torch.long).index_copy_(0, rows, qpos)
+        ipt = ipt.to(dev, non_blocking=True)
+        pos_d = ipt[1]
+        return StepInputs(
+            input_ids=ipt[0], cos=self.cos_table[pos_d].unsqueeze(1), sin=self.sin_table[pos_d].unsqueeze(1),
+            slots=ipt[2], kv_blocks=None if reuse else self._block_table(seqs, nb).flatten().to(dev),
+            bias=self._causal_bias(qpos.unsqueeze(1), nb * bs).to(dev), batch=B, qmax=1, kmax=nb * bs,
+            q_pad_index=None, out_index=None, last_index=torch.arange(B, device=dev), reuse=reuse, pos=pos_d,
+            rows=None if rows is None else rows.to(dev), num_rows=num_rows,
+        )
+
+    @staticmethod
+    def _block_table(seqs: list[Sequence], nb: int) -> torch.Tensor:
+        """(B, nb) block ids, padded with block 0 (its keys are masked)."""
+        return torch.tensor([(s.block_table + [0] * nb)[:nb] for s in seqs], dtype=torch.long)
+
+    def _causal_bias(self, qpos: torch.Tensor, kmax: int) -> torch.Tensor:
+        """(rows, qmax, kmax) additive mask: 0 where key <= query position, -inf after."""
+        future = torch.arange(kmax).view(1, 1, -1) > qpos.unsqueeze(-1)
+        return torch.zeros(future.shape, dtype=self.dtype).masked_fill_(future, float("-inf"))
 
     def _kept_rows(self, seqs, nb: int) -> tuple[bool, torch.Tensor | None, int]:
         """Whether this decode step can reuse the kept context (same block count, every sequence already has a
@@ -326,7 +340,7 @@ class ModelRunner:
         vc.index_copy_(1, x.slots, v.transpose(0, 1))
         B, qmax, kmax = x.batch, x.qmax, x.kmax
         R = x.num_rows if x.pos is not None else B
-        n, nb, bsd = KV * R * kmax * D, x.kv_blocks.shape[0], self.block_size * D
+        n, nb, bsd = KV * R * kmax * D, B * kmax // self.block_size, self.block_size * D
         kbuf, vbuf = self._gather_targets(li, n, x.pos is not None and self.keep_gathered)
         if x.reuse:  # decode over the kept batch: its gathered context only lacks the new token
             rows = (torch.arange(B, device=k.device) if x.rows is None else x.rows) * kmax + x.pos
@@ -362,22 +376,24 @@ class ModelRunner:
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         h = F.embedding(x.input_ids, self.embed)
         for li, L in enumerate(self.layers):
-            a = self._rms(h, L["ln1"])
-            qkv = F.linear(a, L["wqkv"], L["bqkv"])
+            qkv = F.linear(self._rms(h, L["ln1"]), L["wqkv"], L["bqkv"])
             qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
             v = qkv[:, (H + KV) * D:].view(T, KV, D)
             if s.qk_norm:
                 qk = torch.cat([self._rms(qk[:, :H], L["qn"]), self._rms(qk[:, H:], L["kn"])], 1)
-            q1, q2 = qk.chunk(2, -1)
-            qk = qk * x.cos + torch.cat([-q2, q1], -1) * x.sin
-            o = self._attention(li, qk[:, :H], qk[:, H:], v, x)
-            h = h + F.linear(o, L["wo"], L["bo"])
-            a = self._rms(h, L["ln2"])
-            gu = F.linear(a, L["wgu"], L["bgu"])
-            g, u = gu.chunk(2, -1)
-            h = h + F.linear(F.silu(g) * u, L["wd"], L["bd"])
+            # RoPE: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = flip of the halves times (-1, 1)
+            qk = torch.addcmul(qk * x.cos, qk.view(T, H + KV, 2, D // 2).flip(2).view(T, H + KV, D), x.sin)
+            h = self._add_linear(h, self._attention(li, qk[:, :H], qk[:, H:], v, x), L["wo"], L["bo"])
+            g, u = F.linear(self._rms(h, L["ln2"]), L["wgu"], L["bgu"]).chunk(2, -1)
+            h = self._add_linear(h, F.silu(g).mul_(u), L["wd"], L["bd"])
         h = h[x.last_index if logits_index is None else logits_index]
         return F.linear(self._rms(h, self.norm), self.lm_head).float()
+
+    @staticmethod
+    def _add_linear(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The residual update h + a @ w^T (+ b), the addition fused into the matmul."""
+        out = torch.addmm(h, a, w.t())
+        return out if b is None else out.add_(b)
 
     def execute(self, seqs: list[Sequence], num_tokens: list[int], all_logits: bool = False) -> torch.Tensor:
         x = self.prepare(seqs, num_tokens)

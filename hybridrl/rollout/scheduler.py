@@ -62,8 +62,10 @@ class Scheduler:
         batch = ScheduledBatch(lookahead=lookahead)
         budget = self.max_num_batched_tokens
         preempted = False
-        decoding = [s for s in self.running if len(s) - s.num_computed == 1]
-        prefilling = [s for s in self.running if len(s) - s.num_computed > 1]
+        decoding, prefilling = [], []
+        for s in self.running:
+            (decoding if len(s) - s.num_computed == 1 else prefilling).append(s)
+        bs = self.bm.block_size
         for seq in decoding + prefilling:
             if budget == 0:
                 break
@@ -71,19 +73,20 @@ class Scheduler:
                 continue
             q = min(len(seq) - seq.num_computed, budget)
             need = seq.num_computed + q + (lookahead if q == 1 else 0)
-            while not self.bm.can_append(seq, need):
-                victim = self.running[-1]
-                self.preempt(victim)
-                preempted = True
-                if victim in batch.seqs:  # scheduled earlier in this loop: take it back out
-                    i = batch.seqs.index(victim)
-                    budget += batch.num_tokens.pop(i)
-                    batch.seqs.pop(i)
-                if victim is seq:
-                    break
-            if seq.status is not Status.RUNNING:
-                continue
-            self.bm.append_slots(seq, need)
+            if need > len(seq.block_table) * bs:  # needs a new block (a decode step usually does not)
+                while not self.bm.can_append(seq, need):
+                    victim = self.running[-1]
+                    self.preempt(victim)
+                    preempted = True
+                    if victim in batch.seqs:  # scheduled earlier in this loop: take it back out
+                        i = batch.seqs.index(victim)
+                        budget += batch.num_tokens.pop(i)
+                        batch.seqs.pop(i)
+                    if victim is seq:
+                        break
+                if seq.status is not Status.RUNNING:
+                    continue
+                self.bm.append_slots(seq, need)
             batch.seqs.append(seq)
             batch.num_tokens.append(q)
             budget -= q
