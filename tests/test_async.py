@@ -174,3 +174,27 @@ def test_resume_trains_no_trajectory_twice_and_continues_the_stream(tmp_path):
     final = json.loads((tmp_path / "runs" / "arith_grpo" / "checkpoints" / "step_000004" / "trainer.json").read_text())
     # every prompt of the stream up to the cursor was trained exactly once or is still pending: none skipped
     assert sorted(trained + final["pending_prompts"]) == list(range(final["prompt_cursor"]))
+
+
+def test_two_learner_ranks_on_ray(tmp_path):
+    """Rollout and learner on their own pools, the buffer a Ray actor (the data path never touches the
+    driver), and the learner as 2 FSDP2 ranks: rank 0 fetches each batch, the ranks split the work."""
+    import ray
+
+    pools = ["controller.backend=ray",
+             "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
+             "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}"]
+    try:
+        summary = train(make_cfg(tmp_path, "trainer.total_steps=3", "asynchronous.max_staleness=1", *pools))
+    finally:
+        ray.shutdown()
+    assert summary["mode"] == "async"
+    rows = trace(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and max(x for r in rows for x in r["staleness"]) <= 1
+
+
+def test_async_config_errors():
+    with pytest.raises(Exception, match="rollout needs its own pool"):
+        load_config(Config, None, ["trainer.mode=async", "controller.backend=ray"])
+    with pytest.raises(Exception, match="streams requests through the native engine"):
+        load_config(Config, None, ["trainer.mode=async", "rollout.backend=hf"])

@@ -265,23 +265,44 @@ def record_grads(wg) -> list[dict[str, torch.Tensor]]:
 def test_micro_batching_is_exact_gradient_accumulation(train_batch):
     width = train_batch["input_ids"].shape[1]
     one = group(ActorWorker, make_cfg(micro_batch_tokens=1 << 20), "actor")
-    many = group(ActorWorker, make_cfg(micro_batch_tokens=width), "actor")  # one row per micro-batch
-    assert len(micro_batches(train_batch[:4], width)) == 4
-    assert len(micro_batches(train_batch[:4], 1 << 20)) == 1
+    many = group(ActorWorker, make_cfg(micro_batch_tokens=1), "actor")  # one row per micro-batch
+    assert len(micro_batches(train_batch[:4], 1)[0]) == 4
+    assert len(micro_batches(train_batch[:4], 1 << 20)[0]) == 1
     g_one, g_many = record_grads(one), record_grads(many)
     m_one = one.update_policy(train_batch)[0]
     m_many = many.update_policy(train_batch)[0]
     # the gradient of every optimizer step is the same token-mean, up to float32 rounding
     assert len(g_one) == len(g_many) == 2
     for step, (a, b) in enumerate(zip(g_one, g_many)):
+        tol = 1e-5 if step == 0 else 1e-4  # later steps start from weights that AdamW's rounding moved (see below)
         for n in a:
             scale = a[n].abs().max().item()
-            assert (a[n] - b[n]).abs().max().item() <= 1e-5 * scale + 1e-12, (step, n)
+            assert (a[n] - b[n]).abs().max().item() <= tol * scale + 1e-12, (step, n)
     # weights: AdamW's update lr * m/(sqrt(v)+eps) normalises each entry, so float32 rounding on entries with
     # |grad| ~ eps (1e-8) shows up as differences of up to ~1% of lr (seen: 1.6e-6 at lr 2e-4) although the
-    # gradients agree to ~1e-7 relative. Weights are therefore compared at 5% of lr, gradients strictly above.
+    # gradients agree to ~1e-7 relative (seen: 5.7e-6 at lr 1e-4 once micro-batches are trimmed to their own
+    # width, which changes the summation order). Weights are therefore compared at 10% of lr, gradients above.
     p_one, p_many = params_of(one), params_of(many)
     worst = max((p_one[n] - p_many[n]).abs().max().item() for n in p_one)
-    assert worst <= 0.05 * one.workers[0].cfg.actor.lr, f"max weight difference {worst:.3g}"
+    assert worst <= 0.1 * one.workers[0].cfg.actor.lr, f"max weight difference {worst:.3g}"
     for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy", "actor/grad_norm", "actor/clip_frac"):
         assert m_one[k] == pytest.approx(m_many[k], rel=1e-4, abs=1e-6), k
+
+
+def test_length_buckets_and_trimming_leave_log_probs_unchanged(cfg):
+    """Long-tailed rows are grouped by length and their common padding is cut (W3's 1..96-token answers):
+    the log-probs, in the batch's row order, equal one untrimmed forward over the whole batch."""
+    from hybridrl.models import load_model_and_tokenizer
+    from hybridrl.training.logprob import batch_log_probs, response_log_probs
+
+    model, _ = load_model_and_tokenizer(None, "tiny", 0, make_task(cfg).tokenizer())
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample([1] + torch.randint(3, 17, (p,), generator=g).tolist(), torch.randint(3, 17, (r,), generator=g).tolist(),
+                      [0.0] * r, [0] * r) for p, r in [(3, 40), (9, 2), (5, 1), (2, 17), (7, 3), (4, 40)]]
+    batch = samples_to_batch(samples, pad_id=0)
+    with torch.no_grad():
+        whole = response_log_probs(model.eval(), batch)[0]
+    for budget in (1, 60, 1 << 20):
+        assert torch.allclose(batch_log_probs(model, batch, budget), whole, atol=1e-5), budget
+    mbs, order = micro_batches(batch, 60)
+    assert sorted(order.tolist()) == list(range(6)) and len(mbs) == 4 and mbs[0]["input_ids"].shape[1] < 20  # 3 short rows

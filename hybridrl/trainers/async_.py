@@ -35,14 +35,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
         roles.rollout.start_stream(buffer, s.params, t.seed)
         tick = time.perf_counter()
         for step in bar:
-            out = roles.learner.train_step(buffer, step)
+            out = roles.learner.train_step(buffer, step)[0]
             with timer.phase("weight_sync"):
                 roles.sync_weights(step + 1)
             done, now = step + 1, time.perf_counter()
             samples = len(out["staleness"])
             metrics = out["metrics"] | roles.rollout.stats() | buffer.stats() | {
                 "async/samples_per_s": samples / (now - tick), "async/trainer_idle_frac": 1 - out["busy_s"] / (now - tick)}
-            tick = now
             trace.write(json.dumps({"step": done, "uids": out["uids"], "staleness": out["staleness"]}) + "\n")
             if s.due(t.eval_every, done):
                 with timer.phase("eval"):
@@ -55,7 +54,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 trace.flush()
                 save_checkpoint(s.run_dir, done, roles, state | buffer.state() | {
                     "step": done, "last": last, "kl_reward_coef": roles.learner.kl_reward_coef()}, cfg)
-                tick = time.perf_counter()  # the checkpoint's time is not the learner's idleness
+            tick = time.perf_counter()  # evaluation and checkpoints do not count as the learner's idleness
     finally:  # stop generating first, so nothing writes into a closing buffer
         try:
             roles.rollout.stop_stream()

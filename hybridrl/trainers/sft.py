@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from hybridrl.config import Config, to_dict
 from hybridrl.protocol import pad_2d
+from hybridrl.training.logprob import length_buckets
 from hybridrl.workers.common import load_model, make_task
 
 
@@ -65,14 +66,19 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
     bar = tqdm(range(cfg.sft.steps), desc="warm start (SFT)", disable=not progress, dynamic_ncols=True)
     for step in bar:
         ids, attn, labels = sft_batch(task, tokenizer, step * cfg.sft.batch_size, cfg.sft.batch_size)
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        n_labels, lengths, loss = (labels[:, 1:] != -100).sum(), attn.sum(-1), 0.0
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for rows in length_buckets(lengths, cfg.actor.micro_batch_tokens):  # similar lengths together, cut to the longest
+            w = int(lengths[rows].max())
+            logits = model(input_ids=ids[rows, :w], attention_mask=attn[rows, :w], use_cache=False).logits[:, :-1]
+            part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[rows, 1:w].reshape(-1), ignore_index=-100,
+                                   reduction="sum") / n_labels
+            part.backward()
+            loss += part.item()
         opt.step()
         sched.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

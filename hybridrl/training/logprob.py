@@ -19,11 +19,46 @@ from hybridrl.protocol import Batch
 from hybridrl.training import distributed as D
 
 
-def micro_batches(batch: Batch, token_budget: int) -> list[Batch]:
-    """Consecutive slices whose padded size (rows x width) stays within ``token_budget`` (at least one row)."""
-    width = batch["input_ids"].shape[1]
-    rows = max(1, token_budget // max(width, 1))
-    return batch.split(rows)
+def length_buckets(lengths: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
+    """Row indices in groups of similar length (shortest first) whose padded size, rows x longest, stays
+    within ``token_budget`` (at least one row each): long-tailed lengths are not all padded to the longest."""
+    order = torch.argsort(lengths, stable=True)
+    groups, start = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or (end + 1 - start) * int(lengths[order[end]]) > token_budget:
+            groups.append(order[start:end])
+            start = end
+    return groups
+
+
+def trim(mb: Batch) -> Batch:
+    """``mb`` without the columns that are padding in every row (the prompts' common left padding, the
+    responses' common right padding). Positions come from the attention mask: the outputs are unchanged."""
+    P, R = mb["prompts"].shape[1], mb["responses"].shape[1]
+    p = int(mb["attention_mask"][:, :P].sum(-1).max())
+    r = max(1, int(mb["response_mask"].sum(-1).max()))
+    if (p, r) == (P, R):
+        return mb
+    out = {}
+    for key, t in mb.tensors.items():
+        if key in ("input_ids", "attention_mask"):
+            out[key] = t[:, P - p: P + r]
+        elif key == "prompts":
+            out[key] = t[:, P - p:]
+        elif t.dim() >= 2 and t.shape[1] == R:  # response-shaped: log-probs, masks, advantages, versions ...
+            out[key] = t[:, :r]
+        else:
+            out[key] = t
+    return Batch(out, mb.meta)
+
+
+def micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.Tensor]:
+    """``(micro-batches, order)``: rows grouped by length (:func:`length_buckets`) and trimmed
+    (:func:`trim`); ``order`` lists the rows in the order the micro-batches hold them."""
+    P = batch["prompts"].shape[1]
+    lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(-1)  # padded width bound
+    groups = length_buckets(lengths, token_budget)
+    return [trim(batch.index(idx)) for idx in groups], torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long)
 
 
 def dummy_micro_batch(batch: Batch) -> Batch:
@@ -39,16 +74,16 @@ def dummy_micro_batch(batch: Batch) -> Batch:
     return Batch(tensors)
 
 
-def dp_micro_batches(batch: Batch, token_budget: int, pad_from: Batch | None = None) -> tuple[list[Batch], int]:
-    """``(micro-batches, n_real)``: :func:`micro_batches` of this rank's rows, padded with dummies (made from
-    ``pad_from``, default ``batch``) to the largest count over the ranks (a collective when the world size is
-    > 1; world size 1: no padding)."""
-    mbs = micro_batches(batch, token_budget) if len(batch) else []
+def dp_micro_batches(batch: Batch, token_budget: int, pad_from: Batch | None = None) -> tuple[list[Batch], int, torch.Tensor]:
+    """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with dummies (made
+    from ``pad_from``, default ``batch``) to the largest count over the ranks (a collective when the world size
+    is > 1; world size 1: no padding)."""
+    mbs, order = micro_batches(batch, token_budget) if len(batch) else ([], None)
     n = len(mbs)
     if D.world_size() > 1:
         most = int(D.all_reduce([n], op="max")[0].item())
         mbs = mbs + [dummy_micro_batch(batch if pad_from is None else pad_from) for _ in range(most - n)]
-    return mbs, n
+    return mbs, n, order
 
 
 def response_log_probs(model, mb: Batch, temperature: float = 1.0, with_entropy: bool = False):
@@ -82,15 +117,15 @@ def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
     the ranks of a sharded model run in lockstep (dummy micro-batches pad the shorter ranks)."""
     model.eval()
     device = model_device(model)
-    mbs, n_real = dp_micro_batches(batch, token_budget)
-    parts = []
+    mbs, n_real, order = dp_micro_batches(batch, token_budget)
+    out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
+    row = 0
     for i, mb in enumerate(mbs):
-        out = fn(model, mb.to(device) if device.type != "cpu" else mb)
-        if i < n_real:
-            parts.append(out.cpu())
-    if not parts:
-        return torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
-    return torch.cat(parts, 0)
+        part = fn(model, mb.to(device) if device.type != "cpu" else mb)
+        if i < n_real:  # back to the batch's rows and full response width
+            out[order[row: row + part.shape[0]], : part.shape[1]] = part.float().cpu()
+            row += part.shape[0]
+    return out
 
 
 def batch_log_probs(model, batch: Batch, token_budget: int, temperature: float = 1.0) -> torch.Tensor:

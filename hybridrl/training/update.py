@@ -74,7 +74,7 @@ def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, section, *, gen
             optimizer.zero_grad(set_to_none=True)
             totals = global_totals(mini, norm_len)
             n_tokens = max(totals.n_tokens, 1.0)
-            mbs, n_real = dp_micro_batches(mini, micro_batch_tokens, pad_from=batch)
+            mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, pad_from=batch)
             for i, mb in enumerate(mbs):
                 if device.type != "cpu":
                     mb = mb.to(device)

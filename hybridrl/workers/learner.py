@@ -16,11 +16,13 @@ import torch
 
 from hybridrl.controller import Dispatch, register
 from hybridrl.controller.colocated import FusedWorker
+from hybridrl.controller.dispatch import collect, plan, registered_methods
 from hybridrl.protocol import Batch, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
 from hybridrl.trainers.learn import learn
 from hybridrl.trainers.metrics import batch_metrics
 from hybridrl.trainers.shaping import RewardShaper
+from hybridrl.training import distributed as D
 
 
 def staleness_metrics(batch: Batch, version: int, max_staleness: int) -> tuple[dict[str, float], list[int]]:
@@ -40,24 +42,44 @@ def staleness_metrics(batch: Batch, version: int, max_staleness: int) -> tuple[d
     return out, lag
 
 
+class RankView:
+    """A role worker as every learner rank calls it in-process: a DP_COMPUTE method runs on this rank's
+    chunk of the batch and the ranks' results are gathered, as the driver's dispatch does across ranks."""
+
+    def __init__(self, worker):
+        self.worker, self.modes = worker, registered_methods(type(worker))
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.worker, name)
+        if self.modes.get(name) is not Dispatch.DP_COMPUTE or D.world_size() == 1:
+            return fn
+
+        def call(batch, *args, **kwargs):
+            ((_, mine, kw),) = [c for c in plan(Dispatch.DP_COMPUTE, D.world_size(), (batch, *args), kwargs) if c[0] == D.rank()]
+            return collect(Dispatch.DP_COMPUTE, D.all_gather_object(fn(*mine, **kw)))
+
+        return call
+
+
 class LearnerWorker(FusedWorker):
     def __init__(self, ctx, parts, cfg):
         super().__init__(ctx, parts)
-        if ctx.world_size > 1:
-            raise ValueError("asynchronous training runs the learner on one rank for now: give the actor's pool one worker")
         self.cfg = cfg
-        self.actor, self.reference, self.critic = (self.parts.get(r) for r in ("actor", "reference", "critic"))
+        self.actor, self.reference, self.critic = (RankView(self.parts[r]) if r in self.parts else None
+                                                   for r in ("actor", "reference", "critic"))
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.timer = PhaseTimer()
-        self.pad_id = self.actor.tokenizer.pad_token_id
+        self.pad_id = self.parts["actor"].tokenizer.pad_token_id
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL)
     def train_step(self, buffer, version: int) -> dict:
-        """Train weights ``version`` on the next batch of ``buffer``; returns ``metrics``, the trained
-        prompts' ``uids`` and each sample's ``staleness``, and ``busy_s`` (time not spent waiting)."""
+        """Train weights ``version`` on the next batch of ``buffer`` (fetched by rank 0, shared with the other
+        ranks); returns ``metrics``, the trained prompts' ``uids``, each sample's ``staleness``, and ``busy_s``
+        (time not spent waiting), the same on every rank."""
         t0 = time.perf_counter()
         with self.timer.phase("wait_batch"):
-            groups = buffer.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
+            groups = buffer.get_batch(version, self.cfg.asynchronous.batch_timeout_s) if self.rank == 0 else None
+            groups = D.all_gather_object(groups)[0] if D.world_size() > 1 else groups
         waited = time.perf_counter() - t0
         samples = [s for g in groups for s in g.samples]
         batch = samples_to_batch(samples, self.pad_id) | Batch({
