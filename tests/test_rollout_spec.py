@@ -47,6 +47,28 @@ def test_greedy_speculative_equals_plain_greedy():
     assert st["engine/spec_steps"] > 0 and 0 <= st["engine/spec_acceptance"] <= 1
 
 
+def test_greedy_speculation_with_admissions_in_the_same_step_equals_plain_greedy():
+    """Three seats, six requests of different lengths: rounds share their forward passes with admitted prompts."""
+    target, draft = qwen(40, 64, 2, 0, 8.0), qwen(40, 32, 1, 1, 8.0)
+    ps = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3], [8, 8, 8, 8, 8, 8, 8, 8, 8], [4, 5], [7, 7]]
+
+    def run(**kw):
+        eng = NativeRollout(target, Tok(), rcfg(max_batch_size=3), **kw).engine
+        if eng.spec is not None:
+            eng.spec.auto = False
+        for i, p in enumerate(ps):
+            params = SamplingParams(temperature=0, max_new_tokens=5 + 4 * i)
+            params.ignore_eos = True
+            eng.add_request(f"r{i}", p, params)
+        while eng.has_unfinished():
+            eng.step()
+        return [eng.finished[f"r{i}"][0].completion_ids for i in range(len(ps))], eng.stats()
+
+    plain, _ = run()
+    spec, st = run(draft_model=draft)
+    assert spec == plain and st["engine/spec_steps"] > 0
+
+
 def test_speculative_sampling_matches_the_target_distribution_on_a_real_model():
     V, L, N = 6, 3, 6000
     target, draft = qwen(V, 32, 2, 0, 6.0), qwen(V, 32, 1, 5, 6.0)

@@ -152,25 +152,32 @@ class LLMEngine:
             acc["steps"] += 1
             acc["kv_usage_sum"] += self.bm.usage()
             acc["kv_usage_peak"] = max(acc["kv_usage_peak"], self.bm.usage())
-            if spec and batch.is_decode_only:
-                return self.spec.step(batch)
-            return self._plain_step(batch)
+            decode = batch.is_decode_only
+            t0 = time.perf_counter()
+            n = self.spec.step(batch) if spec else self._plain_step(batch)
+            if decode:  # decode speed, apart from prefill: tokens per second of decode-only steps
+                dt = time.perf_counter() - t0
+                acc["decode_seconds"] += dt
+                acc["decode_tokens"] += n
+                if self.spec is not None and not spec:
+                    self.spec.note_plain(dt)
+            return n
 
     def _plain_step(self, batch) -> int:
-        t0 = time.perf_counter()
-        n = self._plain_step_inner(batch)
-        if self.spec is not None and batch.is_decode_only:
-            self.spec.note_plain(time.perf_counter() - t0)
-        return n
-
-    def _plain_step_inner(self, batch) -> int:
         seqs, qs = batch.seqs, batch.num_tokens
-        for seq, q in zip(seqs, qs):
-            st = seq.num_computed
-            self.stats_acc["prompt_tokens_computed"] += max(0, min(st + q, seq.num_prompt_tokens) - st)
+        self.count_prompt_tokens(seqs, qs)
         logits = self.runner.execute(seqs, qs)
         if self.spec is not None:
             self.spec.follow(seqs, qs)
+        return self.complete(seqs, qs, logits)
+
+    def count_prompt_tokens(self, seqs: list[Sequence], qs: list[int]) -> None:
+        self.stats_acc["prompt_tokens_computed"] += sum(
+            max(0, min(s.num_computed + q, s.num_prompt_tokens) - s.num_computed) for s, q in zip(seqs, qs))
+
+    def complete(self, seqs: list[Sequence], qs: list[int], logits: torch.Tensor) -> int:
+        """After a forward over ``qs[i]`` new tokens of each sequence (``logits``: each one's last token): advance
+        their KV, sample one token for each whose KV is now complete, fork the samples of a fresh prompt."""
         rows, row_seqs = [], []
         for i, (seq, q) in enumerate(zip(seqs, qs)):
             seq.num_computed += q
@@ -249,6 +256,7 @@ class LLMEngine:
             "engine/tokens_per_s": a["tokens"] / a["seconds"] if a["seconds"] else 0.0,
             "engine/generated_tokens": a["tokens"],
             "engine/steps": a["steps"],
+            "engine/decode_tokens_per_s": a["decode_tokens"] / a["decode_seconds"] if a["decode_seconds"] else 0.0,
             "engine/kv_usage_mean": a["kv_usage_sum"] / a["steps"] if a["steps"] else 0.0,
             "engine/kv_usage_peak": a["kv_usage_peak"],
             "engine/prompt_tokens": a["prompt_tokens"],

@@ -61,8 +61,7 @@ class SpecDecoder:
 
     def wants_step(self, scheduler) -> bool:
         run = scheduler.running
-        admitting = scheduler.waiting and len(run) < scheduler.max_num_seqs  # a plain step would admit more
-        if not run or admitting or len(run) > self.max_batch or any(len(s) - s.num_computed != 1 for s in run):
+        if not run or len(run) > self.max_batch or not any(len(s) - s.num_computed == 1 for s in run):
             return False
         if not self.auto:
             return True
@@ -94,18 +93,35 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def step(self, batch) -> int:
+        """One round for the decoding sequences of ``batch``; its prefilling sequences (admitted in the same step)
+        share the draft's first forward and the target's verification forward."""
         t0 = time.perf_counter()
         eng, k, dev = self.engine, self.k, self.engine.device
-        seqs = batch.seqs
+        seqs, rest, rest_q = [], [], []
+        for s, q in zip(batch.seqs, batch.num_tokens):
+            if q == 1 and not s.num_forks:
+                seqs.append(s)
+            else:
+                rest.append(s)
+                rest_q.append(q)
+        if not seqs:
+            return eng._plain_step(batch)
+        eng.count_prompt_tokens(rest, rest_q)
         B = len(seqs)
         st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], [len(s) for s in seqs], dev)
         base = torch.tensor([len(s) for s in seqs], device=dev)  # position of x_1
-        # 1. draft proposes k tokens (the first forward also catches up on tokens it has not seen)
+        # 1. draft proposes k tokens (the first forward also catches up on tokens it has not seen, and prefills `rest`)
         views = [_View(list(s.token_ids), s.num_draft_computed, s.block_table, s.seq_id) for s in seqs]
         qs = [len(s) - s.num_draft_computed for s in seqs]
+        catch_up = [(_View(s.token_ids, s.num_draft_computed, s.block_table), s.num_computed + q - s.num_draft_computed)
+                    for s, q in zip(rest, rest_q)]
+        for s, q in zip(rest, rest_q):
+            s.num_draft_computed = s.num_computed + q
         proposals, q_logps = [], []
         for i in range(k):
-            logits = self.draft.forward(self.draft.prepare(views, qs), None)
+            extra = catch_up if i == 0 else []
+            inp = self.draft.prepare(views + [v for v, _ in extra], qs + [q for _, q in extra])
+            logits = self.draft.forward(inp, inp.last_index[:B])
             st.counters = base + i
             if st.all_greedy:
                 lq = torch.log_softmax(logits, -1)
@@ -124,11 +140,13 @@ class SpecDecoder:
                 qs = [1] * B
         X = torch.stack(proposals, 1)  # (B, k)
         LQ = torch.stack(q_logps, 1)  # (B, k, V)
-        # 2. target scores the last token and the k proposals in one pass
+        # 2. target scores the last token and the k proposals in one pass (with the prefill chunks of `rest`)
         xs = X.tolist()
         tviews = [_View(s.token_ids + xs[b], s.num_computed, s.block_table) for b, s in enumerate(seqs)]
         T = B * (k + 1)
-        logits = eng.runner.forward(eng.runner.prepare(tviews, [k + 1] * B), torch.arange(T, device=dev)).view(B, k + 1, -1)
+        inp = eng.runner.prepare(tviews + [_View(s.token_ids, s.num_computed, s.block_table) for s in rest], [k + 1] * B + rest_q)
+        all_logits = eng.runner.forward(inp, torch.cat([torch.arange(T, device=dev), inp.last_index[B:]]))
+        logits = all_logits[:T].view(B, k + 1, -1)
         # 3. accept / reject
         rep = torch.full((B,), k + 1, device=dev)
         stp = st.repeat_rows(rep)
@@ -161,14 +179,16 @@ class SpecDecoder:
         for s in seqs:
             if s.block_table:
                 eng.bm.register_computed(s)
+        n_rest = eng.complete(rest, rest_q, all_logits[T:]) if rest else 0
         acc = eng.stats_acc
         acc["spec_steps"] += 1
         acc["spec_proposed"] += B * k
         acc["spec_accepted"] += sum(n_list)
-        dt = time.perf_counter() - t0
-        self.t_spec = dt if self.t_spec is None else 0.7 * self.t_spec + 0.3 * dt
         self.alpha = 0.7 * self.alpha + 0.3 * sum(n_list) / (B * k)
-        return sum(len(t) for t in out_t)
+        if not rest:  # the cost model compares decode-only rounds with decode-only plain steps
+            dt = time.perf_counter() - t0
+            self.t_spec = dt if self.t_spec is None else 0.7 * self.t_spec + 0.3 * dt
+        return sum(len(t) for t in out_t) + n_rest
 
 
 def accept_tokens(X, LP, LQ, logits, st: SamplingTensors, base):
