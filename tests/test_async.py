@@ -12,6 +12,7 @@ from hybridrl.config import Config, RolloutConfig, load_config
 from hybridrl.protocol import Sample
 from hybridrl.rollout import GenerationRequest, SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
+from hybridrl.tasks.reverse import ReverseTask
 from hybridrl.trainers.async_ import train
 from hybridrl.trainers.buffer import Group, TrajectoryBuffer
 
@@ -198,3 +199,19 @@ def test_async_config_errors():
         load_config(Config, None, ["trainer.mode=async", "controller.backend=ray"])
     with pytest.raises(Exception, match="streams requests through the native engine"):
         load_config(Config, None, ["trainer.mode=async", "rollout.backend=hf"])
+
+
+class FailingTask(ReverseTask):
+    """W3 whose prompt stream breaks at prompt 6 (a bug in a user's task)."""
+
+    def prompt(self, index):
+        if index >= 6:
+            raise ValueError("prompt source went away")
+        return super().prompt(index)
+
+
+def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
+    with pytest.raises(Exception, match="prompt source went away"):
+        train(make_cfg(tmp_path, f"task.name={__name__}:FailingTask", "trainer.total_steps=5"))
+    metrics = (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[0])["step"] == 0  # what was written before is kept

@@ -57,7 +57,7 @@ class TrajectoryBuffer:
         self.running: dict[int, int] = {}  # prompt index -> admission version
         self.ready: list[Group] = []
         self.cond = threading.Condition()
-        self.closed = False
+        self.closed = ""  # why, once closed
 
     # --- rollout side ---------------------------------------------------------------------------
     def capacity(self, version: int) -> int:
@@ -101,7 +101,7 @@ class TrajectoryBuffer:
                     f"no training batch for version {version} within {timeout:.0f} s ({len(self.ready)} groups ready, "
                     f"{len(self.running)} generating, B = {self.B}): is the rollout alive? (asynchronous.batch_timeout_s)")
             if self.closed:
-                raise RuntimeError("the trajectory buffer was closed")
+                raise RuntimeError(f"the trajectory buffer was closed: {self.closed}")
             batch, self.ready = self.ready[: self.B], self.ready[self.B:]
             self.consumed += self.B
             return batch
@@ -118,9 +118,10 @@ class TrajectoryBuffer:
             pending = sorted(set(self.retry) | set(self.running) | {g.index for g in self.ready})
             return {"prompt_cursor": self.cursor, "pending_prompts": pending, "trained_groups": self.consumed}
 
-    def close(self) -> None:
+    def close(self, reason: str = "the run ended") -> None:
+        """Wake a waiting learner with an error, and admit nothing more."""
         with self.cond:
-            self.closed = True
+            self.closed = reason
             self.cond.notify_all()
 
 

@@ -91,6 +91,7 @@ class RolloutStream:
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through check()/stats()
             log.exception("rollout stream failed")
             self.error = e
+            self.buffer.close(f"the rollout stream failed: {e!r}")  # the learner stops waiting for data
 
     def stats(self) -> dict[str, float]:
         """Since the last call: the idle fraction (no prompt admitted) and the groups generated."""
