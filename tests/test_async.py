@@ -2,6 +2,7 @@
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,3 +216,12 @@ def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
         train(make_cfg(tmp_path, f"task.name={__name__}:FailingTask", "trainer.total_steps=5"))
     metrics = (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[0])["step"] == 0  # what was written before is kept
+
+
+def test_cli_runs_the_async_trainer(tmp_path, capsys):
+    from hybridrl.cli import main
+
+    args = [*RUN, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}", "trainer.total_steps=1"]
+    example = str(Path(__file__).parents[1] / "examples" / "reverse_async.yaml")
+    assert main(["train", example, *args, "controller.backend=local"]) == 0
+    assert json.loads(capsys.readouterr().out.split("\nreport:")[0])["mode"] == "async"
