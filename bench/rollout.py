@@ -8,12 +8,14 @@ table. Scenarios (GUIDE.md §4-5, issue 3):
 - ``mixed``: 256 requests, prompt lengths uniform in 8..64, output lengths uniform in 16..256 (eos ignored, a
   max-tokens limit per request); transformers runs them as one padded batch, so only useful tokens count.
 - ``prefix``: prompt tokens requested / prompt tokens computed with G = 8 samples per prompt.
-- ``spec``: the warm-started tiny model drafting for the warm-started small model; W1 rollout shape (temperature 1,
-  eos honoured, at most 16 new tokens), ``b`` requests in flight (continuous batching); tokens/s with and
-  without speculation at b = 1, 8 and 256 (``spec.speedup`` is b = 8, with the engine's automatic on/off;
-  ``forced_speedup`` and ``acceptance`` with speculation forced on every eligible step).
+- ``spec``: the warm-started tiny model drafting for the warm-started small model (``WARM_STARTS``); W1 rollout
+  shape (temperature 1, eos honoured, at most 16 new tokens), ``b`` requests in flight (continuous batching);
+  tokens/s with and without speculation at b = 1, 8 and 256 (``spec.speedup`` is b = 8, with the engine's
+  automatic on/off; ``forced_speedup`` and ``acceptance`` with speculation forced on every eligible step;
+  ``decode_speedup``: the same for the tokens/s of decode-only steps, i.e. without the prefill both share).
 - ``roofline``: this machine's matmul FLOP/s and copy bandwidth, and the fixed run's fraction of the bound
-  max(FLOPs / peak, bytes / bandwidth).
+  max(FLOPs / peak, bytes / bandwidth); ``speedup_at_roofline``: transformers' time over that bound, the
+  speed-up an engine running exactly at the bound would show.
 
 Usage: ``python bench/rollout.py [--quick] [--threads N] [--out FILE]``.
 """
@@ -140,7 +142,7 @@ def fixed(size: str, n_prompts: int, g: int, new: int, dtype=torch.float32, rl=N
         f, b = flops_bytes(model, st, tokens, prompts, g, new)
         peak = rl["matmul_fp32_gflops" if dtype == torch.float32 else "matmul_bf16_gflops"] * 1e9
         bound = max(f / peak, b / (rl["copy_gbps"] * 1e9))
-        res.update(achieved_gflops=f / dt / 1e9, roofline_fraction=bound / dt,
+        res.update(achieved_gflops=f / dt / 1e9, roofline_fraction=bound / dt, speedup_at_roofline=hf_dt / bound,
                    bound="compute" if f / peak >= b / (rl["copy_gbps"] * 1e9) else "memory")
     return res
 
@@ -185,9 +187,11 @@ def prefix(fixed_res: dict, n_prompts: int) -> dict:
             "repeat_prefill_reduction": st["engine/prompt_tokens"] / max(1, st["engine/prompt_tokens_computed"])}
 
 
-# Warm starts of the speculative pair (supervised on correct sums, hybridrl.trainers.sft.run_sft), trained once and
-# cached under checkpoints/bench/: about 40 minutes for the small model on one core, then seconds to load.
-WARM_STARTS = {"small": dict(steps=200, batch_size=256, lr=1.5e-3), "tiny": dict(steps=400, batch_size=256, lr=3e-3)}
+# Warm starts of the speculative pair: supervised training on correct sums (hybridrl.trainers.sft.run_sft), in stages
+# (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. The
+# first run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
+WARM_STARTS = {"small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
+               "tiny": [dict(steps=400, batch_size=256, lr=3e-3)]}
 
 
 def warm(size: str) -> torch.nn.Module:
@@ -195,13 +199,15 @@ def warm(size: str) -> torch.nn.Module:
 
     from hybridrl.trainers.sft import run_sft
 
-    s = WARM_STARTS[size]
-    path = ROOT / "checkpoints" / "bench" / f"arith-{size}-sft{s['steps']}x{s['batch_size']}-lr{s['lr']:g}"
-    if not (path / "config.json").is_file():
-        cfg = Config()
-        cfg.model.name = size
-        cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr = s["steps"], s["batch_size"], s["lr"]
-        run_sft(cfg, path, progress=sys.stderr.isatty())
+    path, name = None, f"arith-{size}"
+    for s in WARM_STARTS[size]:
+        name += f"-sft{s['steps']}x{s['batch_size']}-lr{s['lr']:g}"
+        prev, path = path, ROOT / "checkpoints" / "bench" / name
+        if not (path / "config.json").is_file():
+            cfg = Config()
+            cfg.model.name, cfg.model.path = size, None if prev is None else str(prev)
+            cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr = s["steps"], s["batch_size"], s["lr"]
+            run_sft(cfg, path, progress=sys.stderr.isatty())
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
 
 

@@ -103,7 +103,8 @@ def test_speculation_turns_itself_off_when_it_does_not_pay():
     target, draft = qwen(40, 64, 2, 0), qwen(40, 32, 1, 1)
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
     spec = eng.engine.spec
-    spec.alpha, spec.t_plain, spec.t_spec = 0.05, 1.0, 3.0  # a disagreeing draft: ~1 token per 3x-slower round
+    # a disagreeing draft, and a compute-bound target (a step's seconds grow with its tokens)
+    spec.alpha, spec.plain, spec.verify, spec.t_draft = 0.05, (1, 1.0), (4, 3.0), 0.1
     spec.probe_every = 10**9  # no probes: the decision alone
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0)
     params.ignore_eos = True

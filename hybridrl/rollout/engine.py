@@ -160,7 +160,7 @@ class LLMEngine:
                 acc["decode_seconds"] += dt
                 acc["decode_tokens"] += n
                 if self.spec is not None and not spec:
-                    self.spec.note_plain(dt)
+                    self.spec.note_plain(len(batch.seqs), dt)
             return n
 
     def _plain_step(self, batch) -> int:

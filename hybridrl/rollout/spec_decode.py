@@ -13,13 +13,19 @@ because it equals the target's argmax would change the distribution.
 
 The draft model has its own KV pool with the same block layout and shares the
 sequences' block tables; ``Sequence.num_draft_computed`` tracks how far its KV
-is valid. Speculation runs only on decode-only steps with at most
-``max_batch`` sequences, and not while waiting sequences could be admitted. It
-also turns itself off where it does not pay: the engine measures the seconds of
-a plain decode step and of a speculative round, and the acceptance rate a, and
-speculates only while E[tokens per round] / t_round >= 1 / t_plain with
-E = (1 - a^(k+1)) / (1 - a); otherwise it probes one round in 16 to keep the
-estimates fresh (a compute-bound large batch, or a draft that disagrees).
+is valid. A round speculates for the decoding sequences of a step; sequences
+admitted in the same step are prefilled in the same draft and target passes.
+Speculation runs only while at most ``max_batch`` sequences are running, and
+turns itself off where it does not pay: the engine fits the seconds of a
+forward over T query tokens as t0 + c T to its plain decode steps and its
+verification passes, measures a draft step's seconds and the acceptance rate a,
+and speculates with the k (up to ``rollout.num_speculative_tokens``) that
+maximises B E(k) / (t(B (k + 1)) + k t_draft), E(k) = (1 - a^(k+1)) / (1 - a),
+when that beats plain decoding's B / t(B); otherwise it probes one round in 16
+to keep the estimates fresh. Where a step is memory-bound (batch 1) c is small
+and long proposals pay; where it is compute-bound (larger batches on a CPU),
+verifying k + 1 tokens per sequence costs almost k + 1 plain steps, so k shrinks
+or speculation stops.
 """
 from __future__ import annotations
 
@@ -46,35 +52,56 @@ class SpecDecoder:
             raise ValueError("the draft model must share the target's vocabulary")
         self.engine = engine
         self.draft = draft_runner
-        self.k = k
+        self.max_k = k  # rollout.num_speculative_tokens: the longest proposal
+        self.k = k  # this round's proposal length (the cost model's choice)
         self.max_batch = max_batch
-        # auto on/off: measured seconds per plain decode step and per speculative round (EMAs) and the acceptance
-        self.alpha, self.t_plain, self.t_spec = 0.8, None, None
+        # cost model: a forward over T query tokens takes about t0 + c * T seconds, fitted to two running averages of
+        # (tokens, seconds): decode-only plain steps and verification passes (a round minus its drafting); a draft
+        # step takes t_draft; alpha is the acceptance rate
+        self.alpha, self.plain, self.verify, self.t_draft = 0.8, None, None, None
         self.skipped, self.probe_every = 0, 16
-        self.auto = True  # False: speculate on every eligible step (tests)
+        self.auto = True  # False: speculate on every eligible step with k = max_k (tests)
         self.paying = True  # last verdict of the cost model; while False the draft does not follow plain steps
 
-    def expected_tokens(self) -> float:
-        """Tokens a round emits per sequence at acceptance rate alpha: (1 - a^(k+1)) / (1 - a)."""
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round of k proposals emits per sequence at acceptance rate alpha: (1 - a^(k+1)) / (1 - a)."""
         a = min(self.alpha, 0.999)
-        return (1 - a ** (self.k + 1)) / (1 - a)
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def step_seconds(self, tokens: float) -> float:
+        (tp, sp), (tv, sv) = self.plain, self.verify
+        c = max(0.0, (sv - sp) / (tv - tp)) if tv > tp else 0.0
+        return max(0.0, sp - c * tp) + c * tokens
 
     def wants_step(self, scheduler) -> bool:
+        """Whether the next step speculates, and with how many proposals (sets ``k``): the k that maximises
+        tokens per second, B * E(k) / (t(B (k + 1)) + k t_draft), if that beats plain decoding's B / t(B)."""
         run = scheduler.running
-        if not run or len(run) > self.max_batch or not any(len(s) - s.num_computed == 1 for s in run):
+        B = sum(1 for s in run if len(s) - s.num_computed == 1)
+        if not B or len(run) > self.max_batch:
             return False
+        self.k = self.max_k
         if not self.auto:
             return True
-        if self.t_plain is None or self.t_spec is None:
-            return self.t_plain is not None  # measure a plain step first, then a round
-        self.paying = self.expected_tokens() / self.t_spec >= 1.0 / self.t_plain
+        if self.plain is None or self.verify is None:
+            return self.plain is not None  # measure a plain step first, then a round
+        rate, self.k = max((B * self.expected_tokens(k) / (self.step_seconds(B * (k + 1)) + k * self.t_draft), k)
+                           for k in range(1, self.max_k + 1))
+        self.paying = rate >= B / max(self.step_seconds(B), 1e-9)
         if self.paying:
             return True
         self.skipped += 1  # speculation does not pay here (low acceptance or compute-bound): probe now and then
         return self.skipped % self.probe_every == 0
 
-    def note_plain(self, seconds: float) -> None:
-        self.t_plain = seconds if self.t_plain is None else 0.7 * self.t_plain + 0.3 * seconds
+    @staticmethod
+    def _average(old, new):
+        """Running average (weight 0.3 on the new value) of a number or a tuple of numbers."""
+        if old is None:
+            return new
+        return tuple(0.7 * o + 0.3 * n for o, n in zip(old, new)) if isinstance(new, tuple) else 0.7 * old + 0.3 * new
+
+    def note_plain(self, tokens: int, seconds: float) -> None:
+        self.plain = self._average(self.plain, (tokens, seconds))
 
     def follow(self, seqs, num_tokens) -> None:
         """After a plain target step, bring the draft's KV up to the same tokens. Skipped while speculation is
@@ -118,6 +145,7 @@ class SpecDecoder:
         for s, q in zip(rest, rest_q):
             s.num_draft_computed = s.num_computed + q
         proposals, q_logps = [], []
+        t_draft = time.perf_counter()
         for i in range(k):
             extra = catch_up if i == 0 else []
             inp = self.draft.prepare(views + [v for v, _ in extra], qs + [q for _, q in extra])
@@ -138,6 +166,7 @@ class SpecDecoder:
                     v.num_computed += q
                     v.token_ids.append(t)
                 qs = [1] * B
+        t_draft = time.perf_counter() - t_draft
         X = torch.stack(proposals, 1)  # (B, k)
         LQ = torch.stack(q_logps, 1)  # (B, k, V)
         # 2. target scores the last token and the k proposals in one pass (with the prefill chunks of `rest`)
@@ -184,10 +213,9 @@ class SpecDecoder:
         acc["spec_steps"] += 1
         acc["spec_proposed"] += B * k
         acc["spec_accepted"] += sum(n_list)
-        self.alpha = 0.7 * self.alpha + 0.3 * sum(n_list) / (B * k)
-        if not rest:  # the cost model compares decode-only rounds with decode-only plain steps
-            dt = time.perf_counter() - t0
-            self.t_spec = dt if self.t_spec is None else 0.7 * self.t_spec + 0.3 * dt
+        self.alpha = self._average(self.alpha, sum(n_list) / (B * k))
+        self.t_draft = self._average(self.t_draft, t_draft / k)
+        self.verify = self._average(self.verify, (T + sum(rest_q), time.perf_counter() - t0 - t_draft))
         return sum(len(t) for t in out_t) + n_rest
 
 
