@@ -191,7 +191,7 @@ def prefix(fixed_res: dict, n_prompts: int) -> dict:
 # (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. The
 # first run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
 WARM_STARTS = {"small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
-               "tiny": [dict(steps=400, batch_size=256, lr=3e-3)]}
+               "tiny": [dict(steps=150, batch_size=256, lr=3e-3)]}
 
 
 def warm(size: str) -> torch.nn.Module:
