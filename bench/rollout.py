@@ -237,7 +237,7 @@ def spec(batches: list[int], quick: bool) -> dict:
                         "acceptance": st2.get("engine/spec_acceptance", 0.0), "forced_spec_steps": st2.get("engine/spec_steps", 0.0),
                         "requests": n_req, "tokens": tok1}
     mid = res[f"b{batches[1]}"]
-    res.update(acceptance=mid["acceptance"], speedup=mid["speedup"], decode_speedup=mid["decode_speedup"], k=fast.engine.spec.k,
+    res.update(acceptance=mid["acceptance"], speedup=mid["speedup"], decode_speedup=mid["decode_speedup"], k=fast.engine.spec.max_k,
                auto_off_batch=fast.engine.spec.max_batch)
     return res
 
