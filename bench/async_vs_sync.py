@@ -7,8 +7,9 @@ cached), with the same model, batch shape and number of trained samples:
 
 * sync:  ``trainer.mode=sync``, local backend, the whole machine for each phase in turn, with 1 and
   with 2 torch threads (``--sync-threads``); the faster of the two is the baseline;
-* async: ``trainer.mode=async``, Ray, the rollout on one core and the learner on the other
-  (``examples/reverse_async.yaml``), decoupled PPO, ``asynchronous.max_staleness`` 1.
+* async: ``trainer.mode=async``, Ray, the rollout on one core (1 thread), the learner with 1 thread
+  (the other core) and with 2 (it also takes the rollout core's idle time; ``--async-learner-threads``);
+  the faster of the two counts; decoupled PPO, ``asynchronous.max_staleness`` 1.
 
 samples/s = trained samples / the steps' wall time (evaluation excluded); accuracy = sampled (T = 1)
 held-out accuracy after training. ``--ablation`` adds W3 runs with max_staleness 0, 1, 4, 8 under
@@ -25,9 +26,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {"w3": ROOT / "examples" / "reverse_async.yaml", "w1": ROOT / "examples" / "arith_grpo.yaml"}
-ASYNC = ["trainer.mode=async", "controller.backend=ray", "controller.num_threads=1",
-         "controller.pools={train: {cpus_per_worker: 1}, gen: {cpus_per_worker: 1}}",
-         "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}"]
+
+
+def async_layout(learner_threads: int = 1) -> list[str]:
+    """Ray: rollout + reward on one core (1 thread), the learner with ``learner_threads`` threads (2: it also
+    uses the time the rollout core idles, at the price of sharing a core while the rollout runs)."""
+    return ["trainer.mode=async", "controller.backend=ray", "controller.num_threads=1",
+            f"controller.pools={{train: {{cpus_per_worker: 1, num_threads: {learner_threads}}}, gen: {{cpus_per_worker: 1}}}}",
+            "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}"]
+
+
+ASYNC = async_layout()
 SYNC = ["trainer.mode=sync", "controller.backend=local"]
 
 
@@ -70,6 +79,10 @@ def main(argv=None) -> dict:
     p.add_argument("--tasks", default="w3,w1")
     p.add_argument("--ablation", action="store_true", help="W3: max_staleness 0/1/4/8 x decoupled PPO / plain PPO")
     p.add_argument("--sync-threads", default="1,2", help="sync baselines to run (torch threads); the faster one counts")
+    p.add_argument("--async-learner-threads", default="1,2", help="async layouts to run (the learner's torch threads); "
+                   "the faster one counts")
+    p.add_argument("--sync-disaggregated", action="store_true",
+                   help="also run sync on async's placement (rollout and learner on one core each, taking turns)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,16 +93,23 @@ def main(argv=None) -> dict:
     result: dict = {"steps": steps, "eval_size": eval_size}
     t0 = time.perf_counter()
     threads = [int(x) for x in args.sync_threads.split(",")]
+    learner_threads = [int(x) for x in args.async_learner_threads.split(",")]
     tasks = [t for t in args.tasks.split(",") if t]  # --tasks "": the ablation only
     for task in tasks:
         syncs = {n: run(task, [*SYNC, f"controller.num_threads={n}"], steps, eval_size, runs_dir, f"{task}_sync{n}")
                  for n in threads}
         best = max(threads, key=lambda n: syncs[n]["samples_per_s"])  # the baseline: the faster sync layout
         s = syncs[best]
-        a = run(task, ASYNC, steps, eval_size, runs_dir, f"{task}_async")
+        asyncs = {n: run(task, async_layout(n), steps, eval_size, runs_dir, f"{task}_async{n}") for n in learner_threads}
+        best_a = max(learner_threads, key=lambda n: asyncs[n]["samples_per_s"])  # each mode in its faster layout
+        a = asyncs[best_a]
         result[task] = {"speedup": a["samples_per_s"] / s["samples_per_s"], "accuracy_sync": s["accuracy"],
-                        "accuracy_async": a["accuracy"], "sync_threads": best, "sync": s, "async": a,
-                        "sync_by_threads": {str(n): syncs[n]["samples_per_s"] for n in threads}}
+                        "accuracy_async": a["accuracy"], "sync_threads": best, "async_learner_threads": best_a,
+                        "sync": s, "async": a, "sync_by_threads": {str(n): syncs[n]["samples_per_s"] for n in threads},
+                        "async_by_learner_threads": {str(n): asyncs[n]["samples_per_s"] for n in learner_threads}}
+        if args.sync_disaggregated:  # async's placement, taking turns: what overlapping alone gains
+            d = run(task, [*ASYNC, "trainer.mode=sync"], steps, eval_size, runs_dir, f"{task}_sync_disagg")
+            result[task] |= {"sync_disaggregated": d, "speedup_vs_sync_disaggregated": a["samples_per_s"] / d["samples_per_s"]}
     if args.ablation:
         result["ablation"] = {}
         for loss in ("decoupled_ppo", "ppo_clip"):

@@ -47,6 +47,7 @@ class PoolConfig:
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker (ray backend)", gt=0)
     gpus_per_worker: float = _f(0.0, "GPUs reserved per worker (ray backend)", ge=0)
     resources: dict[str, float] = _f({}, "custom Ray resources reserved per worker, e.g. {node1: 0.01}: pins the pool to nodes offering them (ray backend)")
+    num_threads: int | None = _f(None, "torch threads of this pool's workers (null: controller.num_threads)", ge=1)
 
 
 ROLES = ("actor", "reference", "rollout", "reward", "critic")

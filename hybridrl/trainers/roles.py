@@ -82,7 +82,8 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
     c = cfg.controller
     if c.backend == "ray":
         init_ray(c.ray_address)
-    pools = {name: ResourcePool(name=name, **vars(p)) for name, p in c.pools.items()}
+    pools = {name: ResourcePool(name=name, **{k: v for k, v in vars(p).items() if k != "num_threads"})
+             for name, p in c.pools.items()}
     paths = {"actor": policy_path, "reference": reference_path, "rollout": policy_path, "reward": policy_path,
              "critic": critic_path or reference_path}
     wanted = [r for r in ROLE_CLASSES if r != "critic" or needs_critic(cfg)]
@@ -92,7 +93,7 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
 
     handles, groups = {}, []
     for pool, roles in by_pool.items():
-        common = dict(backend=c.backend, num_threads=c.num_threads, seed=cfg.trainer.seed)
+        common = dict(backend=c.backend, num_threads=c.pools[pool].num_threads or c.num_threads, seed=cfg.trainer.seed)
         if learner and "actor" in roles:
             trained = {r: (ROLE_CLASSES[r], (cfg, paths[r])) for r in roles if r in TRAINED}
             fused = WorkerGroup(LearnerWorker, pools[pool], role="learner", args=(trained, cfg), **common)
