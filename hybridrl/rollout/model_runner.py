@@ -8,8 +8,7 @@ attention pads, to the step's longest query and context. The KV pool is one
 tensor per K and V of shape (layers, kv_heads, slots, head_dim), slot =
 block * block_size + offset; attention writes the new K/V at the sequences'
 slots and gathers each sequence's context through its block table into a
-reused buffer, then computes grouped-query attention without repeating K/V.
-Everything is plain device-agnostic torch (CPU here, CUDA unchanged).
+reused buffer, then computes grouped-query attention without repeating K/V. Plain torch: CPU here, CUDA unchanged.
 """
 from __future__ import annotations
 
