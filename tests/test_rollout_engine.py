@@ -1,6 +1,7 @@
 """Native engine against transformers: logits, greedy tokens, preemption, prefix sharing, RL controls."""
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -179,15 +180,33 @@ def test_update_weights_changes_logits_and_invalidates_prefix_cache():
     eng.engine.bm.deallocate(s)
 
 
+def step_gate(eng, after_tokens):
+    """Hold the generating thread once the engine has produced ``after_tokens`` tokens, until ``go`` is set, so
+    the test's control call lands mid-generation however the OS schedules the two threads."""
+    gate = SimpleNamespace(reached=threading.Event(), go=threading.Event())
+    inner = eng.engine.step
+
+    def step():
+        n = inner()
+        if eng.engine.stats_acc["tokens"] >= after_tokens and not gate.reached.is_set():
+            gate.reached.set()
+            assert gate.go.wait(30)
+        return n
+
+    eng.engine.step = step
+    return gate
+
+
 def test_pause_update_resume_stamps_versions():
     m, new = model(seed=0), model(seed=1)
     eng = NativeRollout(m, Tok(), rcfg())
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 6])), greedy(100))))
+    gate = step_gate(eng, after_tokens=10)
     t.start()
-    while eng.engine.stats_acc["tokens"] < 10:
-        time.sleep(0.001)
+    gate.reached.wait(30)
     eng.pause()
+    gate.go.set()
     frozen = eng.engine.stats_acc["tokens"]
     time.sleep(0.05)
     assert eng.engine.stats_acc["tokens"] == frozen  # a paused engine does not step
@@ -205,10 +224,11 @@ def test_abort_from_another_thread_and_before_start():
     eng.abort(["r1"])
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 5, 6])), greedy(110))))
+    gate = step_gate(eng, after_tokens=10)
     t.start()
-    while eng.engine.stats_acc["tokens"] < 10:
-        time.sleep(0.001)
+    gate.reached.wait(30)
     eng.abort(["r2"])
+    gate.go.set()
     t.join(30)
     out = result["out"]
     assert [s.status for s in out] == ["truncated", "aborted", "aborted"]
