@@ -189,19 +189,36 @@ def prefix(fixed_res: dict, n_prompts: int) -> dict:
 
 # Warm starts of the speculative pair: supervised training on correct sums (hybridrl.trainers.sft.run_sft), in stages
 # (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. The
-# first run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
+# first full run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
+# --quick uses them when they are cached and otherwise trains the short QUICK_WARM_STARTS (about 30 s together).
 WARM_STARTS = {"small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
                "tiny": [dict(steps=150, batch_size=256, lr=3e-3)]}
+QUICK_WARM_STARTS = {"small": [dict(steps=25, batch_size=32, lr=3e-3)], "tiny": [dict(steps=25, batch_size=32, lr=3e-3)]}
 
 
-def warm(size: str) -> torch.nn.Module:
+def warm_stages(size: str, quick: bool) -> tuple[list[dict], bool]:
+    """The stages to load or train, and whether they are the full ones (always unless --quick finds no cache)."""
+    full = WARM_STARTS[size]
+    if not quick or (ROOT / "checkpoints" / "bench" / stage_names(size, full)[-1] / "config.json").is_file():
+        return full, True
+    return QUICK_WARM_STARTS[size], False
+
+
+def stage_names(size: str, stages: list[dict]) -> list[str]:
+    names, name = [], f"arith-{size}"
+    for s in stages:
+        name += f"-sft{s['steps']}x{s['batch_size']}-lr{s['lr']:g}"
+        names.append(name)
+    return names
+
+
+def warm(size: str, stages: list[dict]) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from hybridrl.trainers.sft import run_sft
 
-    path, name = None, f"arith-{size}"
-    for s in WARM_STARTS[size]:
-        name += f"-sft{s['steps']}x{s['batch_size']}-lr{s['lr']:g}"
+    path = None
+    for s, name in zip(stages, stage_names(size, stages)):
         prev, path = path, ROOT / "checkpoints" / "bench" / name
         if not (path / "config.json").is_file():
             cfg = Config()
@@ -213,7 +230,8 @@ def warm(size: str) -> torch.nn.Module:
 
 def spec(batches: list[int], quick: bool) -> dict:
     """W1 rollout shape (eos honoured, at most 16 new tokens, temperature 1) with ``b`` requests in flight."""
-    target, draft = warm("small"), warm("tiny")
+    (small, full_s), (tiny, full_t) = warm_stages("small", quick), warm_stages("tiny", quick)
+    target, draft = warm("small", small), warm("tiny", tiny)
     plain = engine(target)
     fast = engine(target, draft_model=draft)
     forced = engine(target, draft_model=draft)
@@ -237,7 +255,7 @@ def spec(batches: list[int], quick: bool) -> dict:
                         "acceptance": st2.get("engine/spec_acceptance", 0.0), "forced_spec_steps": st2.get("engine/spec_steps", 0.0),
                         "requests": n_req, "tokens": tok1}
     mid = res[f"b{batches[1]}"]
-    res.update(acceptance=mid["acceptance"], speedup=mid["speedup"], decode_speedup=mid["decode_speedup"], k=fast.engine.spec.max_k,
+    res.update(full_warm_starts=full_s and full_t, acceptance=mid["acceptance"], speedup=mid["speedup"], decode_speedup=mid["decode_speedup"], k=fast.engine.spec.max_k,
                auto_off_batch=fast.engine.spec.max_batch)
     return res
 
