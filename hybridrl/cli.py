@@ -1,7 +1,8 @@
-"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``.
+"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``, ``distill-draft``.
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
     hybridrl export runs/arith_grpo/checkpoints/step_000200 exported_model
+    hybridrl distill-draft TARGET_DIR DRAFT_DIR_OR_SIZE OUT_DIR --task arith --steps 300
     hybridrl memory small --world-size 2 --sharding full
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
@@ -24,7 +25,8 @@ EXIT_CONFIG = 2
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of LLMs with a single controller. "
-                                "Also: `hybridrl export CKPT OUT` and `hybridrl memory MODEL [layout flags]`.")
+                                "Also: `hybridrl export CKPT OUT`, `hybridrl memory MODEL [layout flags]` and "
+                                "`hybridrl distill-draft TARGET DRAFT OUT`.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in [("train", "RL training (runs or reuses the warm start first)"),
                        ("sft", "supervised warm start only"), ("eval", "held-out accuracy of the start checkpoint")]:
@@ -75,6 +77,41 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def distill_draft(argv: list[str]) -> int:
+    """``hybridrl distill-draft TARGET DRAFT OUT``: fit a speculative-decoding draft to its target (forward KL on
+    the target's samples of the task's prompts) and save it as a transformers checkpoint."""
+    p = argparse.ArgumentParser(prog="hybridrl distill-draft", description=distill_draft.__doc__)
+    p.add_argument("target", help="the target model's checkpoint directory")
+    p.add_argument("draft", help="the draft's checkpoint directory, or a built-in size (tiny, small)")
+    p.add_argument("out_dir")
+    p.add_argument("--task", default="arith", help="task whose training prompts are used (default: arith)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--temperature", type=float, default=1.0, help="the rollout temperature the draft will serve")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    args = p.parse_args(argv)
+    from hybridrl.models.factory import SIZES, load_model_and_tokenizer
+    from hybridrl.tasks import TASKS
+    from hybridrl.trainers.distill import distill_draft as run
+
+    try:
+        task = TASKS.get(args.task)(seed=0)
+        target, tok = load_model_and_tokenizer(args.target, "", 0, task.tokenizer())
+        draft_path = None if args.draft in SIZES else args.draft  # a built-in size is built on the task's tokenizer
+        draft, _ = load_model_and_tokenizer(draft_path, args.draft, 0, task.tokenizer())
+        prompts = [tok(task.prompt(i).text)["input_ids"] for i in range(args.steps * args.batch_size)]
+        res = run(target, draft, tok, prompts, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                  temperature=args.temperature, max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        print(f"hybridrl: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return EXIT_CONFIG
+    draft.save_pretrained(args.out_dir)
+    tok.save_pretrained(args.out_dir)
+    print(json.dumps({**res, "out_dir": args.out_dir}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "memory":
@@ -83,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return memory_main(argv[1:])
     if argv and argv[0] == "export":
         return export(argv[1:])
+    if argv and argv[0] == "distill-draft":
+        return distill_draft(argv[1:])
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
