@@ -49,8 +49,7 @@ class NativeRollout(RolloutEngine):
         pending = self.add(requests, params)
         while pending:
             self.step()
-            if not self.engine.has_unfinished():  # checking every request every step is quadratic in their number
-                pending = [r for r in pending if not self.done(r, n)]
+            pending = [r for r in pending if not self.done(r, n)]
         return [s for r in requests for s in self.take(r, n)]
 
     # the same, one piece at a time (asynchronous training streams requests through these)
