@@ -10,6 +10,7 @@ memory release from other threads land between steps.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -21,6 +22,8 @@ from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.sampler import SamplingTensors, sample
 from hybridrl.rollout.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 
 
@@ -48,6 +51,9 @@ class LLMEngine:
         fraction = getattr(cfg, "kv_cache_memory_fraction", None)  # GPU: a share of the free device memory
         if fraction and self.device.type == "cuda":
             budget = int(fraction * torch.cuda.mem_get_info(self.device)[0])
+        elif fraction:
+            log.warning("rollout.kv_cache_memory_fraction applies on CUDA only; on %s the KV pool takes "
+                        "rollout.kv_cache_bytes = %d", self.device.type, budget)
         self.num_blocks = num_blocks or max(2, budget // per_block)
         self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, cfg.max_batch_size, cfg.max_num_batched_tokens)
