@@ -78,6 +78,17 @@ def test_save_and_autotokenizer_roundtrip(tmp_path):
     assert loaded.decode(ids + [2], skip_special_tokens=True) == text
 
 
+def test_tokenizer_saved_next_to_a_model_reloads_with_the_same_vocabulary(tmp_path):
+    from hybridrl.models.factory import build_model, load_model_and_tokenizer
+
+    tok = build_char_tokenizer()
+    build_model("tiny", tok, 0).save_pretrained(tmp_path)  # config.json of a Qwen2 model beside the tokenizer
+    tok.save_pretrained(tmp_path)
+    model, loaded = load_model_and_tokenizer(str(tmp_path), "tiny", 0, None)
+    assert len(loaded) == len(tok) == model.config.vocab_size and loaded.unk_token is None
+    assert loaded("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
+
+
 def test_extra_chars():
     tok = build_char_tokenizer(extra_chars="r:")
     assert len(tok) == 19
