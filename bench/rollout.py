@@ -234,13 +234,17 @@ def warm(size: str, stages: list[dict]) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval(), path.name
 
 
+def distill_path(target_name: str, draft_name: str, stage: dict) -> Path:
+    return ROOT / "checkpoints" / "bench" / f"{draft_name}-distil{stage['steps']}x{stage['batch_size']}-lr{stage['lr']:g}-of-{target_name}"
+
+
 def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> torch.nn.Module:
     """``draft`` distilled towards ``target`` (cached like the warm starts)."""
     from transformers import AutoModelForCausalLM
 
     from hybridrl.trainers.distill import distill_draft
 
-    path = ROOT / "checkpoints" / "bench" / f"{draft_name}-distil{stage['steps']}x{stage['batch_size']}-lr{stage['lr']:g}-of-{target_name}"
+    path = distill_path(target_name, draft_name, stage)
     if not (path / "config.json").is_file():
         draft = copy.deepcopy(draft)
         res = distill_draft(target, draft, TOK, w1_prompts(stage["steps"] * stage["batch_size"], seed=1000), max_new_tokens=16,
@@ -257,7 +261,10 @@ def spec(batches: list[int], quick: bool) -> dict:
     """W1 rollout shape (eos honoured, at most 16 new tokens, temperature 1) with ``b`` requests in flight."""
     (small, full_s), (tiny, full_t) = warm_stages("small", quick), warm_stages("tiny", quick)
     (target, t_name), (sft_draft, d_name) = warm("small", small), warm("tiny", tiny)
-    draft = distilled(target, t_name, sft_draft, d_name, DRAFT_DISTILL if full_s and full_t else QUICK_DRAFT_DISTILL)
+    stage = DRAFT_DISTILL  # --quick: only when cached (the first full distillation takes about 5 minutes)
+    if quick and not (full_s and full_t and (distill_path(t_name, d_name, stage) / "config.json").is_file()):
+        stage = QUICK_DRAFT_DISTILL
+    draft = distilled(target, t_name, sft_draft, d_name, stage)
     plain = engine(target)
     fast = engine(target, draft_model=draft)
     forced = engine(target, draft_model=draft)
@@ -284,7 +291,8 @@ def spec(batches: list[int], quick: bool) -> dict:
     ref = engine(target, draft_model=sft_draft)  # the draft before distillation, for comparison
     ref.engine.spec.auto, ref.engine.scheduler.max_num_seqs = False, batches[1]
     mid["acceptance_sft_draft"] = native_generate(ref, w1_prompts(mid["requests"], seed=3), p)[1]["engine/spec_acceptance"]
-    res.update(full_warm_starts=full_s and full_t, acceptance_sft_draft=mid["acceptance_sft_draft"], acceptance=mid["acceptance"], speedup=mid["decode_speedup"], generation_speedup=mid["generation_speedup"], k=fast.engine.spec.max_k,
+    ref.release_memory()
+    res.update(full_warm_starts=full_s and full_t, full_distillation=stage is DRAFT_DISTILL, acceptance_sft_draft=mid["acceptance_sft_draft"], acceptance=mid["acceptance"], speedup=mid["decode_speedup"], generation_speedup=mid["generation_speedup"], k=fast.engine.spec.max_k,
                auto_off_batch=fast.engine.spec.max_batch)
     return res
 

@@ -91,6 +91,10 @@ def distill_draft(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=1.0, help="the rollout temperature the draft will serve")
     p.add_argument("--max-new-tokens", type=int, default=16)
     args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    if out.exists() and any(out.iterdir()):
+        print(f"hybridrl: error: {args.out_dir!r} exists and is not empty (choose a new directory)", file=sys.stderr)
+        return EXIT_CONFIG
     from hybridrl.models.factory import SIZES, load_model_and_tokenizer
     from hybridrl.tasks import TASKS
     from hybridrl.trainers.distill import distill_draft as run
@@ -98,7 +102,10 @@ def distill_draft(argv: list[str]) -> int:
     try:
         task = TASKS.get(args.task)(seed=0)
         target, tok = load_model_and_tokenizer(args.target, "", 0, task.tokenizer())
-        draft_path = None if args.draft in SIZES else args.draft  # a built-in size is built on the task's tokenizer
+        if not Path(args.draft).exists() and args.draft not in SIZES:
+            raise FileNotFoundError(f"draft {args.draft!r} is neither a checkpoint directory nor a built-in size "
+                                    f"({', '.join(SIZES)})")
+        draft_path = args.draft if Path(args.draft).exists() else None  # a built-in size: built on the task's tokenizer
         draft, _ = load_model_and_tokenizer(draft_path, args.draft, 0, task.tokenizer())
         prompts = [tok(task.prompt(i).text)["input_ids"] for i in range(args.steps * args.batch_size)]
         res = run(target, draft, tok, prompts, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

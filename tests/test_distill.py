@@ -51,6 +51,8 @@ def test_distill_draft_rejects_bad_input():
         distill_draft(target, draft, Tok(), [[3, 4]] * 4, steps=2, batch_size=2, lr=1e-3)
     with pytest.raises(ValueError, match="need 4 prompts"):
         distill_draft(target, qwen(40, 32, 1, 1), Tok(), [[3, 4]], steps=2, batch_size=2, lr=1e-3)
+    with pytest.raises(ValueError, match="steps and batch_size"):
+        distill_draft(target, qwen(40, 32, 1, 1), Tok(), [[3, 4]] * 4, steps=0, batch_size=2, lr=1e-3)
     with pytest.raises(ValueError, match="temperature"):
         distill_draft(target, qwen(40, 32, 1, 1), Tok(), [[3, 4]] * 4, steps=2, batch_size=2, lr=1e-3, temperature=0)
 
@@ -65,5 +67,9 @@ def test_cli_distills_a_draft_into_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "draft"
     assert main(["distill-draft", str(tmp_path / "target"), "tiny", str(out), "--steps", "2", "--batch-size", "4"]) == 0
     assert (out / "config.json").is_file() and '"agreement_last"' in capsys.readouterr().out
-    assert main(["distill-draft", str(tmp_path / "nowhere"), "tiny", str(out)]) == 2
+    assert main(["distill-draft", str(tmp_path / "target"), "tiny", str(out)]) == 2  # never overwrites
+    assert "not empty" in capsys.readouterr().err
+    assert main(["distill-draft", str(tmp_path / "nowhere"), "tiny", str(tmp_path / "d2")]) == 2
     assert "config.json missing" in capsys.readouterr().err
+    assert main(["distill-draft", str(tmp_path / "target"), "huge", str(tmp_path / "d3")]) == 2
+    assert "neither a checkpoint directory nor a built-in size (tiny, small)" in capsys.readouterr().err

@@ -204,7 +204,7 @@ def test_pause_update_resume_stamps_versions():
     t = threading.Thread(target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 6])), greedy(100))))
     gate = step_gate(eng, after_tokens=10)
     t.start()
-    gate.reached.wait(30)
+    assert gate.reached.wait(30)
     eng.pause()
     gate.go.set()
     frozen = eng.engine.stats_acc["tokens"]
@@ -226,7 +226,7 @@ def test_abort_from_another_thread_and_before_start():
     t = threading.Thread(target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 5, 6])), greedy(110))))
     gate = step_gate(eng, after_tokens=10)
     t.start()
-    gate.reached.wait(30)
+    assert gate.reached.wait(30)
     eng.abort(["r2"])
     gate.go.set()
     t.join(30)

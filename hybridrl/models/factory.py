@@ -6,11 +6,14 @@ causal-LM checkpoint together with its tokenizer.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from transformers.utils import logging as hf_logging
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+log = logging.getLogger(__name__)
 
 SIZES = {
     "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
@@ -59,4 +62,8 @@ def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokeni
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none; padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
+    if len(tokenizer) > model.config.vocab_size:  # e.g. a default unk token added on reload: its id has no embedding
+        log.warning("%s: the tokenizer has %d tokens, the model's vocabulary %d rows; ids from %d on would fail "
+                    "(added tokens: %s)", p, len(tokenizer), model.config.vocab_size, model.config.vocab_size,
+                    sorted(t for t, i in tokenizer.get_vocab().items() if i >= model.config.vocab_size))
     return model, tokenizer

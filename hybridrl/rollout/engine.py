@@ -22,9 +22,9 @@ from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.sampler import SamplingTensors, sample
 from hybridrl.rollout.scheduler import Scheduler
+from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 
 log = logging.getLogger(__name__)
-from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 
 
 class LLMEngine:

@@ -58,10 +58,14 @@ def _log_probs(model, ids, attn, temperature: float) -> torch.Tensor:
 def distill_draft(target, draft, tokenizer, prompts: list[list[int]], *, steps: int, batch_size: int, lr: float,
                   temperature: float = 1.0, max_new_tokens: int = 16, seed: int = 0, progress: bool = False) -> dict:
     """Train ``draft`` in place towards ``target`` for ``steps`` optimizer steps of ``batch_size`` sampled
-    sequences each (``steps * batch_size`` prompts are needed). Returns the loss and agreement (mean
-    per-token acceptance probability) of the first and the last step, and the seconds spent."""
-    if temperature <= 0:
-        raise ValueError(f"distill_draft: temperature must be > 0 (the draft proposes by sampling), got {temperature}")
+    sequences each (``steps * batch_size`` prompts are needed). Returns the loss and the agreement (mean
+    per-token acceptance probability) on the first and on the last batch, each measured before the update on
+    that batch, and the seconds spent. Temperature is modelled; top-k / top-p truncation is not."""
+    if not temperature > 0:
+        raise ValueError(f"distill_draft: temperature must be > 0, got {temperature} (a draft for greedy rollouts "
+                         "is checked by exact argmax match; distil it at temperature 1)")
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"distill_draft: steps and batch_size must be >= 1, got {steps} and {batch_size}")
     if len(prompts) < steps * batch_size:
         raise ValueError(f"distill_draft: {steps} steps x {batch_size} sequences need {steps * batch_size} prompts, "
                          f"got {len(prompts)}")
@@ -81,7 +85,8 @@ def distill_draft(target, draft, tokenizer, prompts: list[list[int]], *, steps: 
             lp = _log_probs(target, ids, attn, temperature)
         lq = _log_probs(draft, ids, attn, temperature)
         n = mask.sum().clamp(min=1)
-        loss = ((lp.exp() * (lp - lq)).sum(-1) * mask).sum() / n
+        kl = torch.where(lp.isfinite(), lp.exp() * (lp - lq), 0.0).sum(-1)  # 0 where the target gives p = 0
+        loss = (kl * mask).sum() / n
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
