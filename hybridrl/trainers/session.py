@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridrl.config import Config
@@ -34,7 +34,7 @@ class Session:
     state: dict  # trainer.json of the checkpoint resumed from, or a fresh one
     resumed: bool
     warm: str | None
-    t_start: float = field(default_factory=time.perf_counter)
+    t_start: float  # perf_counter() when the run began (before the warm start)
 
     def due(self, every: int, done: int) -> bool:
         return bool(every and done % every == 0) or done == self.cfg.trainer.total_steps
