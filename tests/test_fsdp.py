@@ -307,5 +307,10 @@ def test_ray_worker_group_of_two_fsdp_ranks(runs, tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
         rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        # FSDP2's hooks leave Python/C++ reference cycles that gc cannot break, so the gloo group outlives
+        # destroy_process_group() and its threads can abort the interpreter's exit ("terminate called without an
+        # active exception", about 1 run in 7 here). The results are written by now: leave without that exit.
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
     elif sys.argv[1] == "crash":
         crash_main(sys.argv[2])

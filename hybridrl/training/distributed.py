@@ -80,7 +80,13 @@ def init_distributed(ctx, timeout_s: float = 600.0) -> DistEnv:
 
 
 def teardown_distributed() -> None:
-    """Leave the group; the last user of this process destroys it (after a barrier)."""
+    """Leave the group; the last user of this process destroys it (after a barrier).
+
+    In a process that ran FSDP2 the group's C++ object outlives this call: FSDP2's autograd hooks form
+    Python/C++ reference cycles that gc cannot break, and they hold the mesh and so the group. Its gloo
+    threads then run into interpreter shutdown, which aborts about one exit in seven ("terminate called
+    without an active exception"). Ray workers are killed, never exited; a process launched per rank
+    should leave with ``os._exit`` once its results are written (as the tests' rank processes do)."""
     global _users
     if not dist.is_initialized():
         return
