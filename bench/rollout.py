@@ -22,7 +22,10 @@ table. Scenarios (GUIDE.md §4-5, issue 3):
   max(FLOPs / peak, bytes / bandwidth); ``speedup_at_roofline``: transformers' time over that bound, the
   speed-up an engine running exactly at the bound would show.
 
-Usage: ``python bench/rollout.py [--quick] [--threads N] [--out FILE]``.
+``--device cuda`` runs every scenario on the GPU (warm starts and distillation still train on the CPU, then
+move); ``bench/gpu_check.sh`` is the prepared script for a lent GPU machine.
+
+Usage: ``python bench/rollout.py [--quick] [--threads N] [--device cpu|cuda] [--out FILE]``.
 """
 from __future__ import annotations
 
@@ -51,24 +54,33 @@ TOK = build_char_tokenizer()
 
 
 # --- machine limits ---------------------------------------------------------------------------
-def roofline(quick: bool) -> dict:
-    out = {}
-    n = 512 if quick else 1024
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
-        torch.mm(a, b)
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < (0.5 if quick else 1.5):
-            torch.mm(a, b)
-            reps += 1
-        out[f"matmul_{name}_gflops"] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
-    src, dst = torch.randn(32 << 20), torch.empty(32 << 20)  # 128 MB each
-    dst.copy_(src)
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on a GPU end here)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rate(fn, device: torch.device, seconds: float) -> float:
+    """Calls of ``fn`` per second over about ``seconds`` (after one warm-up call)."""
+    fn()
+    sync(device)
     reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < (0.5 if quick else 1.5):
-        dst.copy_(src)
+    while time.perf_counter() - t0 < seconds:
+        fn()
         reps += 1
-    out["copy_gbps"] = 2 * src.numel() * 4 * reps / (time.perf_counter() - t0) / 1e9  # read + write
+        sync(device)
+    return reps / (time.perf_counter() - t0)
+
+
+def roofline(quick: bool, device: torch.device) -> dict:
+    out, secs = {}, 0.5 if quick else 1.5
+    n = (512 if quick else 1024) if device.type == "cpu" else 8192
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
+        out[f"matmul_{name}_gflops"] = 2 * n**3 * rate(lambda: torch.mm(a, b), device, secs) / 1e9
+    numel = (32 << 20) if device.type == "cpu" else (256 << 20)  # 128 MB / 1 GB each
+    src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    out["copy_gbps"] = 2 * numel * 4 * rate(lambda: dst.copy_(src), device, secs) / 1e9  # read + write
     return out
 
 
@@ -94,8 +106,9 @@ def engine(model, kv_gb: float = 2.0, **kw) -> NativeRollout:
 
 def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
     """Seconds for one batched sampling ``generate`` call, eos ignored."""
-    ids = pad_2d(prompts, TOK.pad_token_id, torch.long, left=True)
-    attn = pad_2d([[1] * len(p) for p in prompts], 0, torch.long, left=True)
+    dev = next(model.parameters()).device
+    ids = pad_2d(prompts, TOK.pad_token_id, torch.long, left=True).to(dev)
+    attn = pad_2d([[1] * len(p) for p in prompts], 0, torch.long, left=True).to(dev)
     gc = copy.deepcopy(model.generation_config)
     gc.pad_token_id = TOK.pad_token_id
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=n, generation_config=gc)
@@ -103,6 +116,7 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad():  # min_new_tokens: eos is masked, so every row runs to max_new (eos ignored)
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
+    sync(dev)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert out.shape[1] == ids.shape[1] + max_new, "eos was not ignored"
     return dt, cpu
@@ -133,8 +147,8 @@ def flops_bytes(model, stats: dict, tokens: int, prompts, n: int, new: int) -> t
     return flops, kv_bytes + steps * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def fixed(size: str, n_prompts: int, g: int, new: int, dtype=torch.float32, rl=None) -> dict:
-    model = build_model(size, TOK, 0).to(dtype).eval()
+def fixed(size: str, n_prompts: int, g: int, new: int, device: torch.device, dtype=torch.float32, rl=None) -> dict:
+    model = build_model(size, TOK, 0).to(device, dtype).eval()
     prompts = w1_prompts(n_prompts)
     eng = engine(model)
     native_runs, hf_runs = [], []
@@ -158,8 +172,8 @@ def fixed(size: str, n_prompts: int, g: int, new: int, dtype=torch.float32, rl=N
     return res
 
 
-def mixed(n_req: int, out_hi: int) -> dict:
-    model = build_model("small", TOK, 0).eval()
+def mixed(n_req: int, out_hi: int, device: torch.device) -> dict:
+    model = build_model("small", TOK, 0).to(device).eval()
     rng = random.Random(1)
     prompts = [[TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(rng.randint(8, 64) - 1)] for _ in range(n_req)]
     outs = [rng.randint(16, out_hi) for _ in range(n_req)]
@@ -185,9 +199,9 @@ def mixed(n_req: int, out_hi: int) -> dict:
     return res
 
 
-def prefix(fixed_res: dict, n_prompts: int) -> dict:
+def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
     """G = 8 groups (from the fixed run) and repeated long prompts (full blocks served from the hash cache)."""
-    model = build_model("tiny", TOK, 0).eval()
+    model = build_model("tiny", TOK, 0).to(device).eval()
     eng = engine(model, kv_gb=0.25)
     rng = random.Random(2)
     longp = [[TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(63)] for _ in range(n_prompts)]
@@ -265,14 +279,15 @@ def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> 
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
 
 
-def spec(batches: list[int], quick: bool) -> dict:
+def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
     """W1 rollout shape (eos honoured, at most 16 new tokens, temperature 1) with ``b`` requests in flight."""
     (small, full_s), (tiny, full_t) = warm_stages("small", quick), warm_stages("tiny", quick)
     (target, t_name), (sft_draft, d_name) = warm("small", small), warm("tiny", tiny)
     stage = DRAFT_DISTILL  # --quick: only when cached (the first full distillation takes about 5 minutes)
     if quick and not (full_s and full_t and (distill_path(t_name, d_name, stage) / "config.json").is_file()):
         stage = QUICK_DRAFT_DISTILL
-    draft = distilled(target, t_name, sft_draft, d_name, stage)
+    draft = distilled(target, t_name, sft_draft, d_name, stage).to(device)
+    target, sft_draft = target.to(device), sft_draft.to(device)  # trained on the CPU, measured on the device
     plain = engine(target)
     fast = engine(target, draft_model=draft)
     forced = engine(target, draft_model=draft)
@@ -311,7 +326,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=str, default=None, help="also write the JSON here")
     ap.add_argument("--only", type=str, default="", help="comma-separated scenarios (default: all)")
+    ap.add_argument("--device", type=str, default="cpu", help="cpu (default) or cuda[:N]")
     args = ap.parse_args()
+    dev = torch.device(args.device)
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device {args.device!r}: use cpu, or cuda where a GPU is visible (cuda available: {torch.cuda.is_available()})")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
@@ -326,26 +345,28 @@ def main() -> None:
     want = lambda name: not only or name in only  # noqa: E731
     P, G, N = (8, 8, 32) if q else (32, 8, 128)
     t0 = time.perf_counter()
-    out: dict = {"quick": q, "threads": args.threads, "torch": torch.__version__}
-    out["roofline"] = rl = roofline(q)
+    out: dict = {"quick": q, "threads": args.threads, "torch": torch.__version__, "device": str(dev)}
+    if dev.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(dev)
+    out["roofline"] = rl = roofline(q, dev)
     if want("fixed"):
-        out["fixed"] = fixed("small", P, G, N, rl=rl)
-        bf = fixed("small", P, G, N, torch.bfloat16, rl=rl)
+        out["fixed"] = fixed("small", P, G, N, dev, rl=rl)
+        bf = fixed("small", P, G, N, dev, torch.bfloat16, rl=rl)
         out["fixed"].update({f"bf16_{k}": v for k, v in bf.items()
                              if k in ("speedup_vs_hf", "speedup_vs_hf_cpu_time", "native_tokens_per_s", "hf_tokens_per_s", "roofline_fraction")})
         save()
     if want("fixed_tiny"):
-        out["fixed_tiny"] = fixed("tiny", P, G, N, rl=rl)
+        out["fixed_tiny"] = fixed("tiny", P, G, N, dev, rl=rl)
         save()
     if want("mixed"):
-        out["mixed"] = mixed(64 if q else 256, 64 if q else 256)
+        out["mixed"] = mixed(64 if q else 256, 64 if q else 256, dev)
         save()
     if want("prefix"):
-        base = out.get("fixed") or fixed("tiny", P, G, 4)
-        out["prefix"] = prefix(base, 8 if q else 32)
+        base = out.get("fixed") or fixed("tiny", P, G, 4, dev)
+        out["prefix"] = prefix(base, 8 if q else 32, dev)
         save()
     if want("spec"):
-        out["spec"] = spec([1, 8, 64 if q else 256], q)
+        out["spec"] = spec([1, 8, 64 if q else 256], q, dev)
         save()
     out["seconds"] = time.perf_counter() - t0
     text = json.dumps(out, indent=1, default=float)

@@ -1,0 +1,169 @@
+"""The native engine and the actor on a CUDA GPU; skipped where there is none (``bench/gpu_check.sh`` runs them
+on a lent GPU machine). The CPU tests' checks, on the device: logits against transformers' forward on the same
+GPU (fp32 without TF32), greedy tokens, seeded samples equal to the CPU's (the sampler's draws hash
+(seed, position), never the device's RNG), exact speculative sampling, weight updates, memory release, the
+KV pool sized from free device memory, and an actor step whose weights the engine then serves."""
+import itertools
+
+import pytest
+import torch
+
+from hybridrl.config import Config
+from hybridrl.controller import WorkerContext
+from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.rollout.backends.native import NativeRollout
+from hybridrl.rollout.block_manager import BlockManager
+from hybridrl.rollout.model_runner import ModelRunner
+from hybridrl.rollout.sequence import Sequence
+from test_rollout_engine import ARCHS, Tok, greedy, model, prompts, rcfg, reqs
+from test_rollout_sampler import chi2_pvalue
+from test_rollout_spec import qwen, rcfg as spec_rcfg
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_prefill_and_decode_logits_match_transformers_on_the_gpu(arch):
+    m = model(arch).to(DEV)
+    runner = ModelRunner(m.config, device=DEV, block_size=4, hf_model=m)
+    runner.allocate_kv(64)
+    bm = BlockManager(64, 4)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(), 0) for i, p in enumerate(prompts([7, 12, 1, 5]))]
+    for s in seqs:
+        bm.allocate(s)
+    worst = 0.0
+    with torch.no_grad():
+        out = runner.execute(seqs, [len(s) for s in seqs], all_logits=True)
+        assert out.device.type == "cuda"
+        off = 0
+        for s in seqs:
+            ref = m(torch.tensor([s.token_ids], device=DEV)).logits[0]
+            worst = max(worst, (out[off:off + len(s)] - ref).abs().max().item())
+            off, s.num_computed = off + len(s), len(s)
+        for step in range(5):  # decode steps
+            for s in seqs:
+                s.token_ids.append(3 + (7 * step + len(s)) % 30)
+                bm.append_slots(s, len(s))
+            last = runner.execute(seqs, [1] * len(seqs))
+            for i, s in enumerate(seqs):
+                ref = m(torch.tensor([s.token_ids], device=DEV)).logits[0, -1]
+                worst = max(worst, (last[i] - ref).abs().max().item())
+                s.num_computed = len(s)
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_generation_matches_transformers_on_the_gpu(arch):
+    m = model(arch).to(DEV)
+    ps = prompts([3, 9, 14, 6])
+    samples = NativeRollout(m, Tok(), rcfg()).generate(reqs(ps), greedy(20))
+    for p, s in zip(ps, samples):
+        want = m.generate(torch.tensor([p], device=DEV), max_new_tokens=20, do_sample=False, pad_token_id=0)
+        assert s.response_ids == want[0, len(p):].tolist()
+
+
+def test_seeded_samples_on_the_gpu_equal_the_cpu_samples():
+    m = model()
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, n=4, seed=5)
+    cpu = NativeRollout(m, Tok(), rcfg()).generate(reqs(prompts([4, 9, 6])), p)
+    gpu = NativeRollout(model().to(DEV), Tok(), rcfg()).generate(reqs(prompts([4, 9, 6])), p)
+    assert [s.response_ids for s in gpu] == [s.response_ids for s in cpu]
+    for a, b in zip(gpu, cpu):
+        assert torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-4)
+
+
+def test_bf16_engine_is_as_close_to_fp32_as_transformers_bf16():
+    m32 = model().to(DEV)
+    m16 = model().to(DEV, torch.bfloat16)
+    ps = prompts([5, 11])
+    runner = ModelRunner(m16.config, device=DEV, dtype=torch.bfloat16, block_size=4, hf_model=m16)
+    runner.allocate_kv(16)
+    bm = BlockManager(16, 4)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(), 0) for i, p in enumerate(ps)]
+    for s in seqs:
+        bm.allocate(s)
+    with torch.no_grad():
+        ours = runner.execute(seqs, [len(p) for p in ps], all_logits=True)
+        ref = torch.cat([m32(torch.tensor([p], device=DEV)).logits[0] for p in ps])
+        hf16 = torch.cat([m16(torch.tensor([p], device=DEV)).logits[0].float() for p in ps])
+    assert (ours - ref).abs().max() <= 2 * (hf16 - ref).abs().max() + 1e-3
+
+
+def test_speculative_sampling_keeps_the_target_distribution_on_the_gpu():
+    V, L, N = 6, 3, 6000
+    target, draft = qwen(V, 32, 2, 0, 6.0).to(DEV), qwen(V, 32, 1, 5, 6.0).to(DEV)
+    prompt = [1, 4, 2]
+    eng = NativeRollout(target, Tok(), spec_rcfg(), draft_model=draft, spec_max_batch=10**6)
+    eng.engine.spec.auto = False
+    params = SamplingParams(temperature=1.0, max_new_tokens=L, n=N, seed=11)
+    params.ignore_eos = True
+    out = eng.generate([GenerationRequest("r", prompt)], params)
+    assert eng.stats()["engine/spec_steps"] > 0
+    toks = torch.tensor([s.response_ids for s in out])
+    counts = torch.bincount(sum(toks[:, i] * V ** (L - 1 - i) for i in range(L)), minlength=V ** L)
+    paths = torch.tensor(list(itertools.product(range(V), repeat=L)), device=DEV)
+    with torch.no_grad():
+        logits = target(torch.cat([torch.tensor(prompt, device=DEV).expand(len(paths), -1), paths], 1)).logits
+    lp = torch.log_softmax(logits[:, len(prompt) - 1: -1], -1).gather(2, paths[:, :, None]).squeeze(2).sum(1)
+    assert chi2_pvalue(counts, lp.double().exp().cpu()) > 1e-3
+
+
+def test_update_weights_release_and_wake_up_on_the_gpu():
+    m, new = model(seed=0).to(DEV), model(seed=1).to(DEV)
+    eng = NativeRollout(m, Tok(), rcfg(kv_cache_bytes=256 << 20))
+    ps = prompts([5, 9])
+    before = eng.generate(reqs(ps), greedy(8))
+    eng.update_weights(iter(new.state_dict().items()), version=1)
+    after = eng.generate(reqs(ps), greedy(8))
+    for p, s in zip(ps, after):
+        want = new.generate(torch.tensor([p], device=DEV), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert s.response_ids == want[0, len(p):].tolist() and s.versions == [1] * 8
+    assert [s.response_ids for s in after] != [s.response_ids for s in before]
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    eng.release_memory()
+    assert held - torch.cuda.memory_allocated() >= 250 << 20  # the KV pool went back to the device
+    eng.wake_up()
+    assert [s.response_ids for s in eng.generate(reqs(ps), greedy(8))] == [s.response_ids for s in after]
+
+
+def test_kv_pool_sized_from_free_device_memory():
+    m = model().to(DEV)
+    free = torch.cuda.mem_get_info(DEV)[0]
+    eng = NativeRollout(m, Tok(), rcfg(kv_cache_memory_fraction=0.05))
+    pool = eng.engine.num_blocks * eng.engine.runner.bytes_per_block()
+    assert 0.8 * 0.05 * free <= pool <= 0.05 * free
+    assert len(eng.generate(reqs(prompts([4])), greedy(4))[0].response_ids) == 4
+
+
+def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
+    from hybridrl.workers import ActorWorker
+    from test_lora import make_cfg, rl_batch
+
+    cfg: Config = make_cfg(rank=0, lr=1e-3)
+    actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), cfg, None)
+    assert next(actor.model.parameters()).device.type == "cuda"
+    batch = rl_batch(actor)
+    metrics = actor.update_policy(batch)
+    assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
+    eng = NativeRollout(actor.model, actor.tokenizer, rcfg())
+    assert eng.update_weights(((n, t) for bucket in actor.weight_buckets() for n, t in bucket), version=1) > 0
+    ids = [3, 4, 5, 6, 7, 8]  # inside the char tokenizer's vocabulary
+    with torch.no_grad():
+        ref = actor.model(torch.tensor([ids], device=DEV)).logits[0, -1].float()
+    runner, bm = eng.engine.runner, eng.engine.bm
+    s = Sequence("x", ids, SamplingParams(), 0)
+    bm.allocate(s)
+    with torch.no_grad():
+        got = runner.execute([s], [len(ids)])[0]
+    bm.deallocate(s)
+    assert (got - ref).abs().max() <= 1e-4
