@@ -102,10 +102,10 @@ def distill_draft(argv: list[str]) -> int:
     try:
         task = TASKS.get(args.task)(seed=0)
         target, tok = load_model_and_tokenizer(args.target, "", 0, task.tokenizer())
-        if not Path(args.draft).exists() and args.draft not in SIZES:
+        draft_path = args.draft if Path(args.draft).exists() else None  # a built-in size: built on the task's tokenizer
+        if draft_path is None and args.draft not in SIZES:
             raise FileNotFoundError(f"draft {args.draft!r} is neither a checkpoint directory nor a built-in size "
                                     f"({', '.join(SIZES)})")
-        draft_path = args.draft if Path(args.draft).exists() else None  # a built-in size: built on the task's tokenizer
         draft, _ = load_model_and_tokenizer(draft_path, args.draft, 0, task.tokenizer())
         prompts = [tok(task.prompt(i).text)["input_ids"] for i in range(args.steps * args.batch_size)]
         res = run(target, draft, tok, prompts, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

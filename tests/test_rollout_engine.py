@@ -24,6 +24,10 @@ ARCHS = {
 }
 
 
+# the checks that matter on a GPU also run there (bench/gpu_check.sh selects them with -k cuda)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
 class Tok:
     eos_token_id, pad_token_id = 2, 0
 
@@ -60,9 +64,10 @@ def greedy(n, **kw):
 
 @pytest.mark.parametrize("keep", [True, False], ids=["kept-context", "gather-every-step"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_prefill_and_decode_logits_match_transformers(arch, keep):
-    m = model(arch)
-    runner = ModelRunner(m.config, block_size=4, hf_model=m, keep_gathered=keep)
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_and_decode_logits_match_transformers(arch, keep, device):
+    m = model(arch).to(device)
+    runner = ModelRunner(m.config, device=device, block_size=4, hf_model=m, keep_gathered=keep)
     runner.allocate_kv(64)
     bm = BlockManager(64, 4)
     seqs = [Sequence(f"s{i}", p, SamplingParams(), 0) for i, p in enumerate(prompts([7, 12, 1, 5]))]
@@ -75,7 +80,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, keep):
         out = runner.execute(seqs[:3], qs, all_logits=True)
         off = 0
         for s, q in zip(seqs[:3], qs):
-            ref = m(torch.tensor([s.token_ids[:q]])).logits[0]
+            ref = m(torch.tensor([s.token_ids[:q]], device=device)).logits[0]
             worst = max(worst, (out[off:off + q] - ref).abs().max().item())
             s.num_computed = q
             off += q
@@ -91,20 +96,21 @@ def test_prefill_and_decode_logits_match_transformers(arch, keep):
                 qs.append(len(s) - s.num_computed)
             last = runner.execute(batch, qs)
             for i, s in enumerate(batch):
-                ref = m(torch.tensor([s.token_ids])).logits[0, -1]
+                ref = m(torch.tensor([s.token_ids], device=device)).logits[0, -1]
                 worst = max(worst, (last[i] - ref).abs().max().item())
                 s.num_computed = len(s)
     assert worst <= 1e-4
 
 
 def hf_greedy(m, prompt, n):
-    out = m.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = m.generate(torch.tensor([prompt], device=m.device), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_greedy_generation_matches_transformers(arch):
-    m = model(arch)
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_generation_matches_transformers(arch, device):
+    m = model(arch).to(device)
     ps = prompts([3, 9, 14, 6])
     samples = NativeRollout(m, Tok(), rcfg()).generate(reqs(ps), greedy(20))
     for p, s in zip(ps, samples):

@@ -1,12 +1,14 @@
 """Speculative decoding inside the engine: greedy equality, exact distribution on a real model, auto-off."""
 import itertools
 
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
 from hybridrl.rollout import GenerationRequest, SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
+from test_rollout_engine import DEVICES
 from test_rollout_sampler import chi2_pvalue
 
 torch.set_num_threads(1)
@@ -69,9 +71,10 @@ def test_greedy_speculation_with_admissions_in_the_same_step_equals_plain_greedy
     assert spec == plain and st["engine/spec_steps"] > 0
 
 
-def test_speculative_sampling_matches_the_target_distribution_on_a_real_model():
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculative_sampling_matches_the_target_distribution_on_a_real_model(device):
     V, L, N = 6, 3, 6000
-    target, draft = qwen(V, 32, 2, 0, 6.0), qwen(V, 32, 1, 5, 6.0)
+    target, draft = qwen(V, 32, 2, 0, 6.0).to(device), qwen(V, 32, 1, 5, 6.0).to(device)
     prompt = [1, 4, 2]
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft, spec_max_batch=10**6)
     eng.engine.spec.auto = False
@@ -83,11 +86,11 @@ def test_speculative_sampling_matches_the_target_distribution_on_a_real_model():
     toks = torch.tensor([s.response_ids for s in out])
     counts = torch.bincount(sum(toks[:, i] * V ** (L - 1 - i) for i in range(L)), minlength=V ** L)
     # exact target probabilities of every 3-token continuation
-    paths = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    paths = torch.tensor(list(itertools.product(range(V), repeat=L)), device=device)
     with torch.no_grad():
-        logits = target(torch.cat([torch.tensor(prompt).expand(len(paths), -1), paths], 1)).logits
+        logits = target(torch.cat([torch.tensor(prompt, device=device).expand(len(paths), -1), paths], 1)).logits
     lp = torch.log_softmax(logits[:, len(prompt) - 1: -1], -1).gather(2, paths[:, :, None]).squeeze(2).sum(1)
-    assert chi2_pvalue(counts, lp.double().exp()) > 1e-3
+    assert chi2_pvalue(counts, lp.double().exp().cpu()) > 1e-3
 
 
 def test_speculation_turns_itself_off_at_large_batch():
