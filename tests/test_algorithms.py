@@ -45,6 +45,34 @@ def test_token_level_scores_at_last_valid_token():
     assert out.tolist() == [[0, 0, 1, 0], [2, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 4], [0, 0, 5, 0]]
 
 
+def test_masked_whiten_shift_mean_false_adds_the_mean_back():
+    # valid [1, 2, 6]: mean 3, deviations -2 -1 3, unbiased var (4 + 1 + 9)/2 = 7, std 2.645751
+    # shift_mean=False (veRL/TRL): (x - 3)/2.645751 + 3 = [2.244071, 2.622036, 4.133893]; padding stays 0
+    x, m = torch.tensor([[1.0, 2.0, 6.0, 50.0]]), torch.tensor([[1, 1, 1, 0]])
+    s = math.sqrt(7.0)
+    assert masked_whiten(x, m, shift_mean=False)[0].tolist() == pytest.approx([3 - 2 / s, 3 - 1 / s, 3 + 3 / s, 0.0], abs=1e-6)
+    assert masked_whiten(x, m)[0].tolist() == pytest.approx([-2 / s, -1 / s, 3 / s, 0.0], abs=1e-6)
+    # one valid token: the variance is taken as 0, so the output is the mean, i.e. the value itself
+    assert masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]]), shift_mean=False).tolist() == [[5.0, 0.0]]
+
+
+def test_whiten_shift_mean_reaches_the_estimators():
+    # reinforce_pp_baseline on scores [1, 0, 0, 0] (one group): centred [.75, -.25, -.25, -.25] on 1 token each,
+    # mean 0, unbiased var (.5625 + 3*.0625)/3 = .25, std .5 -> [1.5, -.5, -.5, -.5]; the mean is 0, so
+    # shift_mean=False changes nothing here. reinforce_pp on the same batch: G = scores, mean .25, var .25
+    # -> (G - .25)/.5 = [1.5, -.5, -.5, -.5], and + .25 with shift_mean=False.
+    b = adv_batch([1, 0, 0, 0], ["g"] * 4, resp_len=1)
+    assert adv("reinforce_pp", b)[:, 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-6)
+    got = adv("reinforce_pp", b, cfg(whiten_shift_mean=False))[:, 0].tolist()
+    assert got == pytest.approx([1.75, -0.25, -0.25, -0.25], abs=1e-6)
+    assert adv("reinforce_pp_baseline", b, cfg(whiten_shift_mean=False))[:, 0].tolist() == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5], abs=1e-6)
+    # gae with V = 0, gamma = lam = 1: A = G, so it whitens like reinforce_pp
+    g = Batch(b.tensors | {"values": torch.zeros(4, 1)}, b.meta)
+    assert adv("gae", g, cfg(whiten_shift_mean=False))[:, 0].tolist() == pytest.approx([1.75, -0.25, -0.25, -0.25], abs=1e-6)
+    assert AlgorithmConfig().whiten_shift_mean is True
+
+
 def test_masked_whiten_by_hand():
     # valid [1, 2, 3] (the 100 is padding): mean 2, unbiased var ((1)+(0)+(1))/2 = 1 -> [-1, 0, 1, 0]
     out = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1, 1, 1, 0]]))
@@ -160,11 +188,21 @@ def test_reinforce_pp_by_hand():
     assert torch.allclose(out["advantages"], torch.tensor(expected), atol=1e-5)
 
 
-def test_reinforce_pp_return_restarts_after_padding():
-    # gamma 1, mask [1, 0, 1], rewards [0, (pad) 5, 1]: G_2 = 1, G_1 = 0 (padding), G_0 = 0 + G_1 = 0
-    b = Batch({"token_level_rewards": torch.tensor([[0.0, 5.0, 1.0]]), "response_mask": torch.tensor([[1, 0, 1]])},
+def test_reinforce_pp_return_passes_through_masked_positions():
+    # multi-turn: mask [1, 1, 0, 0, 1, 1, (pad) 0], the two 0s at t=2,3 are tool tokens holding junk rewards 5 and 7.
+    # gamma .5, rewards [.1, 0, (5), (7), 0, 1, (9)]; a masked position adds nothing, does not discount, does not reset:
+    # G_5 = 1, G_4 = 0 + .5*1 = .5, G_3 = G_2 = 0 (masked, the running .5 passes through),
+    # G_1 = 0 + .5*.5 = .25, G_0 = .1 + .5*.25 = .225. (Resetting at the masked positions gave G_1 = 0, G_0 = .1.)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
+    b = Batch({"token_level_rewards": torch.tensor([[0.1, 0.0, 5.0, 7.0, 0.0, 1.0, 9.0]]), "response_mask": mask},
               {"uid": ["a"]})
-    assert ADVANTAGES.get("reinforce_pp")(b, cfg())["returns"].tolist() == [[0.0, 0.0, 1.0]]
+    out = ADVANTAGES.get("reinforce_pp")(b, cfg(gamma=0.5))
+    assert out["returns"][0].tolist() == pytest.approx([0.225, 0.25, 0.0, 0.0, 0.5, 1.0, 0.0])
+    # whitening the valid [.225, .25, .5, 1]: mean 1.975/4 = .49375; deviations -.26875 -.24375 .00625 .50625
+    # squares .0722266 .0594141 .0000391 .2562891 = .3879688 -> unbiased var .1293229, std .3596149
+    std = math.sqrt(0.3879688 / 3)
+    expected = [-0.26875 / std, -0.24375 / std, 0.0, 0.0, 0.00625 / std, 0.50625 / std, 0.0]
+    assert out["advantages"][0].tolist() == pytest.approx(expected, abs=1e-5)
 
 
 def test_reinforce_pp_baseline_by_hand():
@@ -210,3 +248,71 @@ def test_compute_advantages_adds_gae_returns():
     out = compute_advantages(b, cfg(advantage="gae"))
     assert out["returns"].tolist() == [[1.0, 1.0], [0.0, 0.0]]
     assert "advantages" in out and "values" in out
+
+
+# --- ReMax --------------------------------------------------------------------------------------------------------
+def test_remax_by_hand():
+    # A_t = G_t - b(prompt), G_t = reward-to-go over valid tokens (gamma ignored), b from 'baseline_rewards'.
+    # row 0 (a): token rewards [-.1, .2, 1] (KL in the reward) -> G = [1.1, 1.2, 1.0]; b .5 -> [.6, .7, .5]
+    # row 1 (a): [0, 0, (pad) 9], mask [1, 1, 0] -> G = [0, 0, 0]; b .5 -> [-.5, -.5, 0 (pad)]
+    # row 2 (a): [0, (tool token) 7, 1], mask [1, 0, 1] -> G = [1, 0, 1] (passes the hole); b .5 -> [.5, 0, .5]
+    # row 3 (b): outcome 2 at the end, b = 2 (greedy scored as well) -> 0 everywhere
+    tlr = torch.tensor([[-0.1, 0.2, 1.0], [0.0, 0.0, 9.0], [0.0, 7.0, 1.0], [0.0, 0.0, 2.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1], [1, 1, 1]])
+    b = Batch({"token_level_rewards": tlr, "response_mask": mask, "baseline_rewards": torch.tensor([0.5, 0.5, 0.5, 2.0])},
+              {"uid": ["a", "a", "a", "b"]})
+    out = ADVANTAGES.get("remax")(b, cfg(gamma=0.5))
+    assert close(out["advantages"], [[0.6, 0.7, 0.5], [-0.5, -0.5, 0.0], [0.5, 0.0, 0.5], [0.0, 0.0, 0.0]])
+    assert close(out["returns"], [[1.1, 1.2, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0], [2.0, 2.0, 2.0]])
+    assert getattr(ADVANTAGES.get("remax"), "needs_greedy_baseline", False)
+    assert not any(getattr(ADVANTAGES.get(n), "needs_greedy_baseline", False) for n in ADVANTAGES.names() if n != "remax")
+
+
+def test_remax_without_baseline_column_names_it():
+    with pytest.raises(KeyError, match="baseline_rewards"):
+        adv("remax", adv_batch([1, 0], ["a", "a"]))
+
+
+# --- GRPO pass@k ------------------------------------------------------------------------------------------------
+def test_grpo_passk_by_hand():
+    # group h [.2, .9, .5]: only the best (row 1) gets .9 - .5 = .4
+    #   std: mean 1.6/3 = .533333, deviations -.333333 .366667 -.033333, squares .111111 .134444 .001111 = .246667,
+    #   unbiased var .123333, std .351188 -> .4 / (.351188 + 1e-6) = 1.138986
+    # group g [0, 1, .5, 1]: two best tie -> max - second = 0 for everyone
+    b = adv_batch([0.2, 0, 0.9, 1, 0.5, 0.5, 1], ["h", "g", "h", "g", "h", "g", "g"])
+    a = adv("grpo_passk", b)
+    assert a[:, 0].tolist() == pytest.approx([0.0, 0.0, 0.4 / (math.sqrt(0.246667 / 2) + 1e-6), 0.0, 0.0, 0.0, 0.0], abs=1e-5)
+    assert torch.equal(a[:, 0:1].expand_as(a), a)
+    a = adv("grpo_passk", b, cfg(norm_adv_by_std=False))
+    assert a[:, 0].tolist() == pytest.approx([0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0], abs=1e-6)
+
+
+def test_grpo_passk_rejects_a_group_of_one():
+    with pytest.raises(ValueError, match="at least 2 samples per group; group 's' has 1"):
+        adv("grpo_passk", adv_batch([1, 0, 1], ["g", "g", "s"]))
+
+
+# --- OPO -----------------------------------------------------------------------------------------------------------
+def test_opo_by_hand():
+    # group g: lengths [1, 2, 3], scores [1, 0, 1] -> b = (1*1 + 2*0 + 3*1) / 6 = 2/3 -> A = [1/3, -2/3, 1/3]
+    # (here the plain group mean is 2/3 too; group h tells the two baselines apart)
+    # group h: lengths [3, 1], scores [0, 1] -> b = (0 + 1) / 4 = .25 -> A = [-.25, .75] (mean baseline: .5)
+    # singleton s: baseline 0 -> A = 2; group e: two empty rows -> nothing to train, 0 (no NaN)
+    mask = [[1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
+    b = adv_batch([1, 0, 1, 0, 1, 2, 5, 5], ["g", "g", "g", "h", "h", "s", "e", "e"], mask=mask)
+    a = adv("opo", b)
+    assert close(a, [[1 / 3, 0, 0], [-2 / 3, -2 / 3, 0], [1 / 3, 1 / 3, 1 / 3], [-0.25] * 3, [0.75, 0, 0],
+                     [2.0, 2.0, 0.0], [0, 0, 0], [0, 0, 0]])
+
+
+# --- estimator requirements checked when the config loads ---------------------------------------------------------
+def test_config_rejects_what_an_estimator_cannot_get():
+    from hybridrl.config import Config, ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="remax needs a greedy baseline .* trainer.mode=async"):
+        load_config(Config, None, ["algorithm.advantage=remax", "trainer.mode=async"])
+    with pytest.raises(ConfigError, match=r"grpo_passk needs trainer.samples_per_prompt >= 2, got 1"):
+        load_config(Config, None, ["algorithm.advantage=grpo_passk", "trainer.samples_per_prompt=1",
+                                   "actor.ppo_minibatch_size=32"])
+    for name in ("remax", "grpo_passk", "opo"):
+        assert load_config(Config, None, [f"algorithm.advantage={name}"]).algorithm.advantage == name

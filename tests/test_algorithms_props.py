@@ -20,7 +20,7 @@ from hybridrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOS
 from hybridrl.protocol import Batch
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "remax", "grpo_passk", "opo"]
 LOSSES = ["ppo_clip", "gspo", "gspo_token", "decoupled_ppo"]
 GARBAGE = [1e6, -1e6, float("inf"), float("-inf"), float("nan"), 123.0]
 
@@ -55,7 +55,9 @@ def adv_batches(draw, uid_alphabet="abc"):
     if draw(st.booleans()):  # a per-token KL penalty in the reward
         tlr = tlr - 0.1 * torch.rand(b, r, generator=g) * mask
     values = torch.randn(b, r, generator=g)
-    return Batch({"token_level_rewards": tlr, "values": values, "response_mask": mask}, {"uid": uids})
+    greedy = {u: draw(st.sampled_from([0.0, 1.0, -0.5])) for u in uid_alphabet}  # one greedy reward per prompt
+    return Batch({"token_level_rewards": tlr, "values": values, "response_mask": mask,
+                  "baseline_rewards": torch.tensor([greedy[u] for u in uids])}, {"uid": uids})
 
 
 def with_garbage(t: torch.Tensor, mask: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -69,6 +71,22 @@ def est(name, batch, **kw):
     return ADVANTAGES.get(name)(batch, cfg(**kw))
 
 
+def has_singleton(uids: list) -> bool:
+    return any(uids.count(u) == 1 for u in uids)
+
+
+def estimators_for(batch):
+    """ESTIMATORS that accept ``batch``; an estimator with ``min_group_size`` must reject smaller groups (and does)."""
+    out = []
+    for name in ESTIMATORS:
+        if getattr(ADVANTAGES.get(name), "min_group_size", 1) > 1 and has_singleton(batch["uid"]):
+            with pytest.raises(ValueError, match="samples per group"):
+                est(name, batch)
+        else:
+            out.append(name)
+    return out
+
+
 # --- advantages ----------------------------------------------------------------------------------------------
 @SETTINGS
 @given(adv_batches(), st.integers(0, 1000))
@@ -76,8 +94,9 @@ def test_advantages_zero_on_padding_and_blind_to_it(batch, seed):
     g = torch.Generator().manual_seed(seed)
     mask = batch["response_mask"]
     dirty = Batch({"token_level_rewards": with_garbage(batch["token_level_rewards"], mask, g),
-                   "values": with_garbage(batch["values"], mask, g), "response_mask": mask}, batch.meta)
-    for name in ESTIMATORS:
+                   "values": with_garbage(batch["values"], mask, g), "response_mask": mask,
+                   "baseline_rewards": batch["baseline_rewards"]}, batch.meta)
+    for name in estimators_for(batch):
         clean, noisy = est(name, batch), est(name, dirty)
         assert "advantages" in clean and (name != "gae" or "returns" in clean)
         for key, t in clean.items():
@@ -91,7 +110,7 @@ def test_advantages_zero_on_padding_and_blind_to_it(batch, seed):
 def test_advantages_follow_uids_not_positions(batch, rnd):
     perm = list(range(len(batch)))
     rnd.shuffle(perm)
-    for name in ESTIMATORS:
+    for name in estimators_for(batch):
         a, p = est(name, batch), est(name, batch[perm])
         for key in a:
             assert torch.allclose(p[key], a[key][perm], atol=1e-5), (name, key)
@@ -109,6 +128,7 @@ def test_groups_of_size_one(batch):
     assert torch.allclose(est("dr_grpo", b)["advantages"], r, atol=1e-6)
     assert torch.allclose(est("grpo", b, norm_adv_by_std=False)["advantages"], r, atol=1e-6)
     assert torch.allclose(est("rloo", b)["advantages"], r, atol=1e-6)
+    assert torch.allclose(est("opo", b)["advantages"], r, atol=1e-6)  # baseline 0, as the other group estimators
 
 
 @SETTINGS
@@ -122,7 +142,7 @@ def test_groups_with_equal_rewards_get_zero(mask, group_scores, data):
     b = Batch(b.tensors, {"uid": [u if ne else f"empty{i}" for i, (u, ne) in enumerate(zip(uids, nonempty.tolist()))]})
     sizes = {u: b["uid"].count(u) for u in b["uid"]}
     multi = torch.tensor([sizes[u] > 1 for u in b["uid"]]).unsqueeze(-1)
-    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo") + (("grpo_passk",) if bool(multi.all()) else ()):
         a = est(name, b)["advantages"]
         if name == "reinforce_pp_baseline":
             if all(sizes[u] > 1 or not ne for u, ne in zip(b["uid"], nonempty.tolist())):
@@ -137,8 +157,8 @@ def test_all_masked_batch_is_zero_not_nan(mask, seed):
     g = torch.Generator().manual_seed(seed)
     zero = torch.zeros_like(mask)
     b = Batch({"token_level_rewards": torch.randn(mask.shape, generator=g), "values": torch.randn(mask.shape, generator=g),
-               "response_mask": zero}, {"uid": ["a"] * len(mask)})
-    for name in ESTIMATORS:
+               "response_mask": zero, "baseline_rewards": torch.randn(len(mask), generator=g)}, {"uid": ["a"] * len(mask)})
+    for name in estimators_for(b):
         for t in est(name, b).values():
             assert torch.equal(t, torch.zeros_like(t)), name
 
@@ -154,9 +174,13 @@ def test_gae_lambda_gamma_one_is_reward_to_go_minus_value(batch):
     rtg = r.flip(-1).cumsum(-1).flip(-1) * m
     assert torch.allclose(out["returns"], rtg, atol=1e-5)
     assert torch.allclose(out["advantages"], masked_whiten(rtg - v, m), atol=1e-4)
-    # and REINFORCE++ with gamma 1 on right-padded rows: the same reward-to-go as its returns
-    if all(row == sorted(row, reverse=True) for row in m.int().tolist()):
-        assert torch.allclose(est("reinforce_pp", batch, gamma=1.0)["returns"], rtg, atol=1e-5)
+    # REINFORCE++ with gamma 1 gives the same reward-to-go, for any mask: a masked position inside a row passes the
+    # running return through (rewards there are not counted), so holes change nothing
+    assert torch.allclose(est("reinforce_pp", batch, gamma=1.0)["returns"], rtg, atol=1e-5)
+    # and ReMax is that reward-to-go minus the prompt's greedy reward, on valid tokens only
+    remax = est("remax", batch, gamma=0.3)  # gamma is not used by ReMax
+    assert torch.allclose(remax["returns"], rtg, atol=1e-5)
+    assert torch.allclose(remax["advantages"], (rtg - batch["baseline_rewards"].unsqueeze(-1)) * m, atol=1e-5)
 
 
 @SETTINGS

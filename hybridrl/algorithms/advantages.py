@@ -11,6 +11,11 @@ Conventions follow veRL's ``core_algos``: the group std is the unbiased one
 with eps added to the std, a group of size one has mean 0 and std 1, and
 whitening uses the masked mean and the unbiased masked variance over the
 valid tokens of the whole batch.
+
+An estimator declares what the driver must provide with attributes, never by
+its name: ``needs_values`` (the critic role and a ``values`` column),
+``needs_greedy_baseline`` (one greedy sample per prompt, scored, as a per-row
+``baseline_rewards`` column) and ``min_group_size`` (checked at config time).
 """
 from __future__ import annotations
 
@@ -52,12 +57,15 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     return out
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) with the mean and the unbiased variance over valid tokens; 0 on padding.
 
-    As veRL's ``masked_whiten`` (shift_mean=True, Bessel-corrected variance, eps inside the sqrt).
-    With a single valid token the variance is taken as 0 (veRL would divide by zero), so the
-    output is 0; with none the output is all zero.
+    As veRL's ``masked_whiten`` (Bessel-corrected variance, eps inside the sqrt). ``shift_mean=False``
+    adds the mean back after scaling, (x - mean) / sqrt(var + eps) + mean, exactly as veRL and TRL define
+    it (the unscaled mean, not mean / std): the spread becomes 1 but the batch keeps its mean, so a batch
+    of mostly good samples keeps mostly positive advantages. With a single valid token the variance is
+    taken as 0 (veRL would divide by zero), so the output is 0 (the mean with ``shift_mean=False``); with
+    none the output is all zero.
     """
     m = _bool(mask)
     xd = _masked(x, m).double()
@@ -68,7 +76,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     sq = _masked((xd - mean).square(), m).sum()
     var = sq / (n - 1) if n > 1 else torch.zeros((), dtype=xd.dtype, device=xd.device)
     out = (xd - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
     return _masked(out, m).to(x.dtype)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
+    """``masked_whiten`` with the estimator config's ``whiten_shift_mean`` (default True)."""
+    return masked_whiten(x, mask, shift_mean=getattr(cfg, "whiten_shift_mean", True))
 
 
 def _groups(uids: list) -> dict:
@@ -159,15 +174,20 @@ def rloo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma G_{t+1} over valid tokens; the sum restarts after a padded position (veRL); 0 on padding."""
+    """G_t = r_t + gamma G_{t'} where t' is the next *valid* token; 0 on padding.
+
+    A masked position inside a response (a tool or environment token of a multi-turn trajectory) adds no
+    reward, applies no discount and does not reset the running return: it is passed through unchanged, so
+    the tokens before a tool call still see the outcome after it. This is veRL's REINFORCE++ since 0.9.0
+    (older veRL reset the return to 0 there, which gave every token before a tool call a return of 0).
+    """
     m = _bool(mask)
     r = _masked(rewards, m)
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0]) if r.shape[1] else None
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
-        running = torch.where(m[:, t], running, torch.zeros_like(running))
-        out[:, t] = running
+        running = torch.where(m[:, t], r[:, t] + gamma * running, running)
+        out[:, t] = torch.where(m[:, t], running, torch.zeros_like(running))
     return out
 
 
@@ -175,11 +195,12 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 def reinforce_pp_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     """REINFORCE++ (Hu 2501.03262): discounted returns G_t, whitened over the batch's valid tokens.
 
+    G passes through masked positions inside a response (see ``discounted_returns``), as veRL since 0.9.0.
     Also returns ``returns`` (the unwhitened G).
     """
     mask = batch["response_mask"]
     returns = discounted_returns(batch["token_level_rewards"], mask, getattr(cfg, "gamma", 1.0))
-    return {"advantages": masked_whiten(returns, mask), "returns": returns}
+    return {"advantages": _whiten(returns, mask, cfg), "returns": returns}
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
@@ -187,7 +208,7 @@ def reinforce_pp_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor
     """REINFORCE++-baseline (Hu 2501.03262): (r - group mean) broadcast to tokens, whitened over the batch."""
     mask = batch["response_mask"]
     centred = group_mean_baseline(_sequence_scores(batch), batch["uid"])
-    return {"advantages": masked_whiten(_broadcast(centred, mask), mask)}
+    return {"advantages": _whiten(_broadcast(centred, mask), mask, cfg)}
 
 
 @ADVANTAGES.register("gae")
@@ -213,10 +234,84 @@ def gae_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
         next_a = torch.where(valid, a, next_a)
         adv[:, t] = torch.where(valid, a, torch.zeros_like(a))
     returns = _masked(adv + v, m)
-    return {"advantages": masked_whiten(adv, m), "returns": returns}
+    return {"advantages": _whiten(adv, m, cfg), "returns": returns}
 
 
 gae_advantage.needs_values = True  # the driver creates the critic role for estimators that say so
+
+
+@ADVANTAGES.register("remax")
+def remax_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """ReMax (Li et al. 2310.10505): A_t = G_t - b(x), b(x) = the reward of one greedy response to the prompt.
+
+    G_t is the reward-to-go sum_{k >= t} r_k over valid tokens (gamma is not used, as veRL's ``remax``); with
+    an outcome-only reward it is r_i on every token, the paper's r(x, y_i) - r(x, y_greedy). The baseline
+    comes from the per-row ``baseline_rewards`` column, which the driver fills because of
+    ``needs_greedy_baseline``; it depends only on the prompt, so the gradient stays unbiased.
+    Also returns ``returns`` (G).
+    """
+    if "baseline_rewards" not in batch:
+        raise KeyError("remax needs a (B,) 'baseline_rewards' column (the greedy response's reward per row); "
+                       "the trainer adds it for estimators with needs_greedy_baseline = True")
+    m = _bool(batch["response_mask"])
+    returns = discounted_returns(batch["token_level_rewards"], m, 1.0)
+    base = batch["baseline_rewards"].to(returns.dtype)
+    return {"advantages": _masked(returns - base.unsqueeze(-1), m), "returns": returns}
+
+
+remax_advantage.needs_greedy_baseline = True  # the trainer generates and scores one greedy response per prompt
+
+
+@ADVANTAGES.register("grpo_passk")
+def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """GRPO for pass@k (Tang et al. 2503.19595, as veRL's ``grpo_passk``): per group only the best sample gets
+    an advantage, r_max - r_second, on every token; all others get 0.
+
+    This is the leave-one-out baseline of max_j r_j: for sample i it is max_j r_j - max_{j != i} r_j, which is
+    0 unless i is the unique best. Ties for the best therefore give the whole group 0. With
+    ``cfg.norm_adv_by_std`` (veRL's default, not in the paper) it is divided by (std_g + 1e-6), std unbiased.
+    A group needs at least two samples (``min_group_size``).
+    """
+    scores = _sequence_scores(batch)
+    sd = scores.double()
+    out = torch.zeros_like(sd)
+    for uid, rows in _groups(batch["uid"]).items():
+        if len(rows) < 2:
+            raise ValueError(f"grpo_passk needs at least 2 samples per group; group {uid!r} has {len(rows)} "
+                             "(set trainer.samples_per_prompt >= 2)")
+        idx = torch.tensor(rows, device=sd.device)
+        s = sd[idx]
+        top = torch.topk(s, 2)
+        adv = top.values[0] - top.values[1]
+        if getattr(cfg, "norm_adv_by_std", True):
+            adv = adv / (s.std() + 1e-6)
+        out[idx[top.indices[0]]] = adv
+    return {"advantages": _broadcast(out.to(scores.dtype), batch["response_mask"])}
+
+
+grpo_passk_advantage.min_group_size = 2  # checked against trainer.samples_per_prompt when the config loads
+
+
+@ADVANTAGES.register("opo")
+def opo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """OPO (Hao et al. 2505.23585): A_i = r_i - b_g, b_g = sum_i |y_i| r_i / sum_i |y_i| over the group.
+
+    The length-weighted mean is the paper's optimal baseline E[|grad log pi|^2 r] / E[|grad log pi|^2] with
+    the squared gradient norm taken as proportional to the response length. A group of size one gets
+    baseline 0 (A = r), as veRL's ``opo`` and our other group estimators; a group whose responses are all
+    empty has nothing to train and gets 0 (where veRL would divide by zero).
+    """
+    mask = _bool(batch["response_mask"])
+    scores = _sequence_scores(batch)
+    sd, lengths = scores.double(), mask.sum(-1).double()
+    out = sd.clone()
+    for rows in _groups(batch["uid"]).values():
+        if len(rows) > 1:
+            idx = torch.tensor(rows, device=sd.device)
+            total = lengths[idx].sum()
+            base = (lengths[idx] * sd[idx]).sum() / total if total > 0 else torch.zeros((), dtype=sd.dtype)
+            out[idx] = sd[idx] - base
+    return {"advantages": _broadcast(out.to(scores.dtype), mask)}
 
 
 def compute_advantages(batch: Batch, cfg) -> Batch:

@@ -115,10 +115,13 @@ LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae (registry name or dotted path)")
+    advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, remax, grpo_passk, "
+                             "opo (registry name or dotted path)")
     policy_loss: str = _f("auto", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo (registry name or dotted path); "
                               "auto: decoupled_ppo when trainer.mode is async, else ppo_clip")
-    norm_adv_by_std: bool = _f(True, "grpo: divide by the group's std (false: Dr.GRPO)")
+    norm_adv_by_std: bool = _f(True, "grpo, grpo_passk: divide by the group's std (false: Dr.GRPO)")
+    whiten_shift_mean: bool = _f(True, "reinforce_pp, reinforce_pp_baseline, gae: whitened advantages have mean 0 "
+                                       "(false: the batch mean is added back after scaling, as veRL's shift_mean=False)")
     gamma: float = _f(1.0, "discount (gae, reinforce_pp)", ge=0, le=1)
     lam: float = _f(1.0, "GAE lambda", ge=0, le=1)
     clip_ratio_low: float = _f(0.2, "clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
@@ -231,12 +234,30 @@ class Config:
                                      "trained role needs one process per rank, i.e. controller.backend=ray")
         if self.trainer.mode == "async":
             self._validate_async()
+        self._validate_estimator()
         samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
         if samples % self.actor.ppo_minibatch_size:
             raise ValueError(
                 f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} must be a multiple of "
                 f"actor.ppo_minibatch_size = {self.actor.ppo_minibatch_size}"
             )
+
+    def _validate_estimator(self) -> None:
+        """What the advantage estimator declares it needs (attributes, not names) against the rest of the config."""
+        from hybridrl.algorithms.advantages import ADVANTAGES  # lazy: only the estimator's attributes are read
+
+        try:
+            est = ADVANTAGES.get(self.algorithm.advantage)
+        except KeyError:
+            return  # an unknown name is reported by the plug-in check, with the registered names
+        name = self.algorithm.advantage
+        if self.trainer.mode == "async" and getattr(est, "needs_greedy_baseline", False):
+            raise ValueError(f"algorithm.advantage={name} needs a greedy baseline response per prompt, which "
+                             "trainer.mode=async does not generate; use trainer.mode=sync")
+        least = getattr(est, "min_group_size", 1)
+        if self.trainer.samples_per_prompt < least:
+            raise ValueError(f"algorithm.advantage={name} needs trainer.samples_per_prompt >= {least}, "
+                             f"got {self.trainer.samples_per_prompt}")
 
     def _validate_async(self) -> None:
         place = self.controller.placement
