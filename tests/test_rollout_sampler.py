@@ -167,3 +167,20 @@ def test_speculative_greedy_is_exact_match():
     tokens, n_acc = accept_tokens(X, LP, LP[:, :K], LP, st, torch.zeros(2, dtype=torch.long))
     assert n_acc.tolist() == [K, 1]
     assert torch.equal(tokens, LP.argmax(-1))
+
+
+def test_top_p_one_row_keeps_its_tail_beside_top_p_rows():
+    """A row's distribution must not depend on its neighbours: with a large vocabulary and a peaked
+    distribution the float32 cumulative sum reaches 1.0 before the tail, and a top_p = 1.0 row that
+    shares the step with a top_p < 1 row used to lose its tail tokens."""
+    V = 151_936
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, V, generator=g) * 3.0
+    logits[:, :8] += 30.0  # a few tokens hold nearly all the mass
+    full, nucleus = SamplingParams(top_p=1.0), SamplingParams(top_p=0.9)
+    st = SamplingTensors.build([full, nucleus], [0, 1], [0, 0], torch.device("cpu"))
+    mixed = processed_logprobs(logits, st)
+    alone = processed_logprobs(logits[:1], tensors(1, full))
+    assert torch.isfinite(mixed[0]).all()  # top_p = 1: every token stays
+    assert torch.equal(mixed[0], alone[0])
+    assert torch.isinf(mixed[1]).any()  # the other row is filtered

@@ -6,6 +6,11 @@ returned for a token is taken under exactly that distribution (the behaviour
 policy the trainer needs), and optionally under the raw, untempered softmax.
 Greedy rows (temperature 0) take the argmax and report the raw log-prob.
 
+The trainer recomputes log-probs under the same distribution with
+:func:`filtered_log_softmax`, which runs the very same filter code
+(:func:`processed_logprobs`): the behaviour log-probs the engine reports and the
+ones the trainer computes agree at equal weights, whatever the filters.
+
 Randomness: a row's uniform number is a hash of (sequence seed, position,
 stream), computed with integer tensor ops on the logits' device. A sequence's
 tokens thus depend only on its own seed, not on which other sequences share
@@ -55,6 +60,12 @@ class SamplingTensors:
     want_raw: bool = False
 
     @staticmethod
+    def for_params(params: Any, rows: int, device: torch.device) -> "SamplingTensors":
+        """``rows`` rows that all use ``params``, for filtering only (seeds and counters are zero)."""
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        return SamplingTensors.build([params] * rows, zeros, zeros, device)
+
+    @staticmethod
     def build(params: Seq[Any], seeds: Seq[int], counters: Seq[int], device: torch.device) -> "SamplingTensors":
         """``params[i]`` is row i's SamplingParams (the same object repeated is the fast path)."""
         rows = len(params)
@@ -79,8 +90,8 @@ class SamplingTensors:
         want_raw = any(getattr(p, "return_raw_log_probs", False) for p in plist)
         return SamplingTensors(
             temperature=temperature, greedy=greedy, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
-            seeds=torch.tensor(list(seeds), dtype=torch.long, device=device),
-            counters=torch.tensor(list(counters), dtype=torch.long, device=device), want_raw=want_raw,
+            seeds=torch.as_tensor(seeds, dtype=torch.long, device=device),
+            counters=torch.as_tensor(counters, dtype=torch.long, device=device), want_raw=want_raw,
         )
 
     def repeat_rows(self, counts: torch.Tensor) -> "SamplingTensors":
@@ -91,9 +102,16 @@ class SamplingTensors:
                                rep(self.min_p), rep(self.seeds), rep(self.counters), self.want_raw)
 
 
-def processed_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf)."""
-    x = logits.float() / st.temperature
+def processed_logprobs(logits: torch.Tensor, st: SamplingTensors, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf).
+
+    ``keep`` (R,) token ids, optional: each row's token stays in the support even if a filter drops it.
+    The trainer passes the sampled tokens: its logits differ from the engine's by rounding, which can
+    move a token that sat on a filter's edge (a top-k tie, the top-p or min-p boundary) just outside,
+    and its log-prob would be -inf. Only such near-ties are affected.
+    """
+    scaled = logits.float() / st.temperature
+    x = scaled
     neg_inf = torch.tensor(float("-inf"), device=x.device)
     if st.top_k is not None:
         kmax = int(st.top_k.max())
@@ -106,14 +124,32 @@ def processed_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tenso
         probs = torch.softmax(x, -1)
         sorted_p, order = probs.sort(-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly higher-ranked tokens
-        drop_sorted = mass_before >= st.top_p
+        # rows with top_p >= 1 keep everything: their float32 cumsum can reach 1.0 before the tail and
+        # would drop tokens only because a neighbouring row asked for top-p
+        drop_sorted = (mass_before >= st.top_p) & (st.top_p < 1.0)
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     if st.min_p is not None:
         probs = torch.softmax(x, -1)
         x = torch.where(probs < st.min_p * probs.max(-1, keepdim=True).values, neg_inf, x)
+    if keep is not None and x is not scaled:
+        idx = keep.unsqueeze(1)
+        x = x.scatter(1, idx, scaled.gather(1, idx))
     return torch.log_softmax(x, -1)
+
+
+def filtered_log_softmax(logits: torch.Tensor, params: Any, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., V) log-probs of the distribution a request with SamplingParams-like ``params`` samples from:
+    what :func:`sample` reports as the behaviour log-prob. Greedy (temperature 0): the raw log-softmax.
+    ``tokens`` (...) optional: kept in the support (see :func:`processed_logprobs`)."""
+    if params.temperature == 0:
+        return torch.log_softmax(logits.float(), -1)
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1])
+    st = SamplingTensors.for_params(params, flat.shape[0], flat.device)
+    keep = None if tokens is None else tokens.reshape(-1)
+    return processed_logprobs(flat, st, keep).view(shape)
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,32 @@ Data parallel (world size > 1, FSDP2): every rank must run the same number of
 forwards (each one all-gathers the sharded layers), so :func:`dp_micro_batches`
 pads a rank's list with *dummy* micro-batches (one row, ``response_mask`` all
 zero) up to the largest count over the ranks; their outputs are dropped.
+
+Distribution: log-probs are taken under the distribution the rollout samples from, the logits
+filtered by the rollout's temperature, top-k, top-p and min-p (:func:`sampling_of`), with the
+sampler's own filter code (``rollout/sampler.py``). The engine's behaviour log-probs and these are
+then the same quantity, and at equal weights an importance ratio between them is 1. The entropy is
+that distribution's too (see docs/algorithms.md, "Filtered log-probs").
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hybridrl.protocol import Batch
+from hybridrl.rollout.base import SamplingParams
+from hybridrl.rollout.sampler import filtered_log_softmax
 from hybridrl.training import distributed as D
+
+
+def sampling_of(rollout_cfg) -> SamplingParams:
+    """The filters of the rollout's sampling distribution (``rollout.*``), as the trainer applies them."""
+    return SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                          min_p=getattr(rollout_cfg, "min_p", 0.0) or 0.0)
+
+
+def _as_sampling(sampling) -> SamplingParams:
+    """A number is a temperature without filters (0: the raw softmax, as for greedy rollouts)."""
+    return SamplingParams(temperature=float(sampling)) if isinstance(sampling, (int, float)) else sampling
 
 
 def length_buckets(lengths: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
@@ -86,21 +104,25 @@ def dp_micro_batches(batch: Batch, token_budget: int, pad_from: Batch | None = N
     return mbs, n, order
 
 
-def response_log_probs(model, mb: Batch, temperature: float = 1.0, with_entropy: bool = False):
-    """(log_probs, entropy or None), each (B, R), zero where ``response_mask`` is 0."""
+def response_log_probs(model, mb: Batch, sampling: SamplingParams | float = 1.0, with_entropy: bool = False):
+    """(log_probs, entropy or None), each (B, R), zero where ``response_mask`` is 0, under the distribution
+    ``sampling`` describes (a SamplingParams, or a bare temperature)."""
     input_ids, attn = mb["input_ids"], mb["attention_mask"]
-    resp_len = mb["responses"].shape[1]
+    responses = mb["responses"]
+    resp_len = responses.shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
-    logits = logits[:, -resp_len - 1 : -1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp_all = F.log_softmax(logits, dim=-1)
-    mask = mb["response_mask"].to(logp_all.dtype)
-    logp = logp_all.gather(-1, mb["responses"].unsqueeze(-1)).squeeze(-1) * mask
+    logits = logits[:, -resp_len - 1 : -1]
+    logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
+    mask = mb["response_mask"].bool()
+    zero = torch.zeros((), dtype=logp_all.dtype, device=logp_all.device)
+    # where, not a product: a padding position's token may be filtered out (-inf * 0 is NaN)
+    logp = torch.where(mask, logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1), zero)
     entropy = None
     if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+        # filtered tokens have p = 0 and log p = -inf; their term is 0 (and so is its gradient)
+        ent = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+        entropy = torch.where(mask, ent, zero)
     return logp, entropy
 
 
@@ -128,5 +150,5 @@ def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
     return out
 
 
-def batch_log_probs(model, batch: Batch, token_budget: int, temperature: float = 1.0) -> torch.Tensor:
-    return batch_map(model, batch, token_budget, lambda m, mb: response_log_probs(m, mb, temperature)[0])
+def batch_log_probs(model, batch: Batch, token_budget: int, sampling: SamplingParams | float = 1.0) -> torch.Tensor:
+    return batch_map(model, batch, token_budget, lambda m, mb: response_log_probs(m, mb, sampling)[0])

@@ -26,7 +26,7 @@ from hybridrl.protocol import Batch
 from hybridrl.training.distributed import init_distributed, teardown_distributed
 from hybridrl.training import lora as L
 from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
-from hybridrl.training.logprob import batch_log_probs, response_log_probs
+from hybridrl.training.logprob import batch_log_probs, response_log_probs, sampling_of
 from hybridrl.training.state import load_trainable, save_trainable
 from hybridrl.training.update import run_updates
 from hybridrl.workers.common import load_model
@@ -49,15 +49,15 @@ class ActorWorker(Worker):
         self.policy_loss = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
-        self.temperature = cfg.rollout.temperature or 1.0
+        self.sampling = sampling_of(cfg.rollout)  # log-probs under the rollout's filtered distribution
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return Batch({"old_log_probs": batch_log_probs(self.model, batch, self.cfg.actor.micro_batch_tokens, self.temperature)})
+        return Batch({"old_log_probs": batch_log_probs(self.model, batch, self.cfg.actor.micro_batch_tokens, self.sampling)})
 
     def _loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         alg, mask = self.cfg.algorithm, mb["response_mask"]
-        logp, entropy = response_log_probs(self.model, mb, self.temperature, with_entropy=True)
+        logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
         pg, metrics = self.policy_loss(logp, mb, alg)
         kl = kl_penalty(alg.kl_estimator, logp, mb["ref_log_probs"]) * mask
         loss = self.aggregate(pg, mask, totals) + alg.kl_coef * self.aggregate(kl, mask, totals)

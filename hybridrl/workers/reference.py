@@ -7,7 +7,7 @@ from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
 from hybridrl.training.distributed import init_distributed, teardown_distributed
 from hybridrl.training.fsdp import fsdp_config_of, prepare_model
-from hybridrl.training.logprob import batch_log_probs
+from hybridrl.training.logprob import batch_log_probs, sampling_of
 from hybridrl.workers.common import load_model
 
 
@@ -22,8 +22,9 @@ class ReferenceWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        temperature = self.cfg.rollout.temperature or 1.0
-        return Batch({"ref_log_probs": batch_log_probs(self.model, batch, self.cfg.actor.micro_batch_tokens, temperature)})
+        # the same filtered distribution as the actor's: the KL to the reference is 0 at equal weights
+        sampling = sampling_of(self.cfg.rollout)
+        return Batch({"ref_log_probs": batch_log_probs(self.model, batch, self.cfg.actor.micro_batch_tokens, sampling)})
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
