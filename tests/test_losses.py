@@ -241,6 +241,7 @@ def test_aggregation_modes_by_hand():
     assert t == AggTotals(n_tokens=4.0, n_seqs=2.0, norm_len=4.0)
     expected = {
         "token-mean": (6 + 4) / 4,  # 2.5
+        "token-sum": 6 + 4,  # 10, no division
         "seq-mean-token-sum": (6 + 4) / 2,  # 5
         "seq-mean-token-mean": (6 / 3 + 4 / 1) / 2,  # 3
         "seq-mean-token-sum-norm": (6 + 4) / (2 * 4),  # 1.25
@@ -338,8 +339,8 @@ def test_kl_controllers_by_hand():
 # --- registries / helpers ------------------------------------------------------------------------------
 def test_registry_lookups():
     assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"} <= set(ADVANTAGES.names())
-    assert {"ppo_clip", "gspo", "gspo_token", "decoupled_ppo"} <= set(POLICY_LOSSES.names())
-    assert {"k1", "k2", "k3"} <= set(KL_ESTIMATORS.names())
+    assert {"ppo_clip", "gspo", "gspo_token", "decoupled_ppo", "cispo", "gmpo", "clip_cov", "kl_cov", "sapo"} <= set(POLICY_LOSSES.names())
+    assert {"k1", "k2", "k3", "abs", "k1+", "k2+", "k3+"} <= set(KL_ESTIMATORS.names())
     assert POLICY_LOSSES.get("hybridrl.algorithms.losses:ppo_clip_loss") is POLICY_LOSSES.get("ppo_clip")
 
 

@@ -1,4 +1,5 @@
-"""Algorithm registries: advantage estimators, policy losses, loss aggregation, KL estimators.
+"""Algorithm registries: advantage estimators, policy losses (``losses.py``, ``losses_more.py``), loss aggregation,
+KL estimators.
 
 Adding an algorithm is a decorated function; the driver never branches on names.
 """
@@ -6,6 +7,7 @@ from hybridrl.algorithms.advantages import ADVANTAGES, compute_advantages, group
 from hybridrl.algorithms.aggregation import LOSS_AGG, AggTotals, agg_totals, aggregate
 from hybridrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
 from hybridrl.algorithms.losses import POLICY_LOSSES, masked_mean, value_loss
+from hybridrl.algorithms import losses_more  # noqa: F401  (registers cispo, gmpo, clip_cov, kl_cov, sapo)
 
 __all__ = [
     "ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG", "POLICY_LOSSES",

@@ -71,5 +71,13 @@ def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, totals: AggT
     return _div(_row_sums(loss, mask)[0].sum(), totals.n_seqs * totals.norm_len)
 
 
+@LOSS_AGG.register("token-sum")
+def token_sum(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+    """sum over valid tokens, no division. Needs no totals: micro-batches and data-parallel ranks (whose
+    gradients are summed) add up to the mini-batch's sum by themselves. Its scale grows with the number of
+    tokens per optimizer step, so the learning rate has to be scaled to match."""
+    return _row_sums(loss, mask)[0].sum()
+
+
 def aggregate(name: str, loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
     return LOSS_AGG.get(name)(loss, mask, totals)

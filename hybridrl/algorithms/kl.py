@@ -2,7 +2,8 @@
 
 With ``log_ratio = logp - ref_logp`` (samples drawn from the policy):
 k1 = log_ratio, k2 = log_ratio^2 / 2, k3 = exp(-log_ratio) - 1 + log_ratio (>= 0, low variance; clamped
-as veRL's low_var_kl). As a reward penalty: ``apply_kl_penalty`` with a fixed or adaptive coefficient
+as veRL's low_var_kl), abs = |log_ratio|; k1+, k2+, k3+: the value of k1 / k2 / k3 with the gradient of k2
+(straight-through, veRL's "+" modes). As a reward penalty: ``apply_kl_penalty`` with a fixed or adaptive coefficient
 (Ziegler et al. 1909.08593); as a loss term: the actor aggregates ``kl_penalty(...)`` itself.
 """
 from __future__ import annotations
@@ -30,6 +31,34 @@ def k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     neg = (ref_logp - logp).clamp(-_CLAMP, _CLAMP)
     return (neg.exp() - 1 - neg).clamp(max=10.0)
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return (logp - ref_logp).abs()
+
+
+# Straight-through ("+") estimators, as veRL's k1+ / k2+ / k3+: the value of the named estimator with the
+# gradient of k2. As a loss term, E[grad k2] = grad KL(pi || ref) for samples from pi (the on-policy
+# case), while the gradients of k1 and k3 are biased; the value keeps the chosen estimator's reading.
+def _straight_through(value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    grad_path = k2(logp, ref_logp)
+    return value.detach() + (grad_path - grad_path.detach())  # (g - g) is exactly 0: the value is unchanged
+
+
+@KL_ESTIMATORS.register("k1+")
+def k1_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return _straight_through(k1(logp, ref_logp), logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("k2+")
+def k2_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return _straight_through(k2(logp, ref_logp), logp, ref_logp)  # the same as k2, value and gradient
+
+
+@KL_ESTIMATORS.register("k3+")
+def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    return _straight_through(k3(logp, ref_logp), logp, ref_logp)
 
 
 def kl_penalty(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from hybridrl.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 LOG_RATIO_CLAMP = 20.0  # a stale or broken sample cannot produce inf/NaN
+GSPO_TOKEN_LOG_RATIO_MAX = 10.0  # gspo_token: veRL's upper bound on the token-level combined log-ratio
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -185,6 +186,8 @@ def gspo_token_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, d
     """GSPO-token (2507.18071 eq. 13): s_{i,t} = sg[s_i] exp(logp_t - sg[logp_t]) (value s_i, gradient of a
     token-level ratio), loss_t = max(-A_t s_{i,t}, -A_t clip(s_{i,t}, 1 - eps_low, 1 + eps_high)) with the
     per-token advantages. With advantages constant over a sequence its gradient equals GSPO's. No dual clip.
+    As veRL's "gspo", log s_{i,t} is clamped from above at GSPO_TOKEN_LOG_RATIO_MAX (10) before exp: s_{i,t} <= e^10,
+    and a token beyond the bound gets no gradient (its sequence is far off-policy).
     """
     mask = mb["response_mask"]
     m = _bool(mask)
@@ -192,8 +195,8 @@ def gspo_token_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, d
     old = mb["old_log_probs"].to(logp.dtype)
     seq_lr = _seq_log_ratio(logp, old, m).detach()
     lp = _zero_pad(logp, m)
-    tok_lr = seq_lr.unsqueeze(-1) + lp - lp.detach()
-    s_tok = torch.exp(tok_lr)  # value exp(seq_lr) <= e^20: finite
+    tok_lr = (seq_lr.unsqueeze(-1) + lp - lp.detach()).clamp(max=GSPO_TOKEN_LOG_RATIO_MAX)
+    s_tok = torch.exp(tok_lr)  # value min(s_i, e^10)
     adv = _zero_pad(mb["advantages"].to(logp.dtype), m)
     loss, cl_t, ch_t, _ = _clipped_surrogate(s_tok, adv, low, high, None)
     loss = _zero_pad(loss, m)

@@ -110,14 +110,15 @@ class ActorConfig:
                                         "module names that get adapters")
 
 
-LOSS_AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 @dataclass
 class AlgorithmConfig:
     advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, remax, grpo_passk, "
                              "opo (registry name or dotted path)")
-    policy_loss: str = _f("auto", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo (registry name or dotted path); "
+    policy_loss: str = _f("auto", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo, cispo, gmpo, clip_cov, kl_cov, sapo "
+                              "(registry name or dotted path); "
                               "auto: decoupled_ppo when trainer.mode is async, else ppo_clip")
     norm_adv_by_std: bool = _f(True, "grpo, grpo_passk: divide by the group's std (false: Dr.GRPO)")
     whiten_shift_mean: bool = _f(True, "reinforce_pp, reinforce_pp_baseline, gae: whitened advantages have mean 0 "
@@ -128,10 +129,25 @@ class AlgorithmConfig:
     clip_ratio_high: float = _f(0.2, "clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher: larger than low)", ge=0)
     clip_ratio_c: float | None = _f(3.0, "dual clip bound for negative advantages (null: off)", gt=1)
     behav_imp_weight_cap: float | None = _f(None, "decoupled_ppo: cap of the behaviour importance weight (null: none)", gt=0)
+    cispo_clip_low: float | None = _f(None, "cispo: the detached IS weight is >= 1 - cispo_clip_low (null: no lower bound, "
+                                            "as the CISPO paper)", ge=0, le=1)
+    cispo_clip_high: float = _f(0.28, "cispo: the detached IS weight is <= 1 + cispo_clip_high", ge=0)
+    gmpo_log_clip_low: float = _f(0.4, "gmpo: token log-ratios are clipped at -gmpo_log_clip_low (log space; the paper's 0.4)", gt=0)
+    gmpo_log_clip_high: float = _f(0.4, "gmpo: token log-ratios are clipped at +gmpo_log_clip_high (log space)", gt=0)
+    clip_cov_ratio: float = _f(2e-4, "clip_cov: share of a micro-batch's valid tokens whose gradient is cut (at least one)", gt=0, le=1)
+    clip_cov_lb: float = _f(1.0, "clip_cov: only tokens with covariance above this are candidates")
+    clip_cov_ub: float = _f(5.0, "clip_cov: only tokens with covariance below this are candidates (must be > clip_cov_lb)")
+    clip_cov_seed: int = _f(0, "clip_cov: seed of the random choice among candidates (mixed with a hash of the micro-batch)")
+    kl_cov_ratio: float = _f(2e-3, "kl_cov: share of a micro-batch's valid tokens, those of highest covariance, that get "
+                                   "the KL penalty (at least one)", gt=0, le=1)
+    kl_cov_coef: float = _f(1.0, "kl_cov: weight of |log pi - log pi_old| on the selected tokens", ge=0)
+    sapo_tau_pos: float = _f(1.0, "sapo: temperature of the soft gate for positive advantages", gt=0)
+    sapo_tau_neg: float = _f(1.05, "sapo: temperature of the soft gate for negative and zero advantages", gt=0)
     loss_agg: str = _f("token-mean", "loss aggregation", choices=LOSS_AGG_MODES)
     loss_agg_norm_len: int | None = _f(None, "seq-mean-token-sum-norm: the fixed length (null: rollout.max_new_tokens)", ge=1)
     kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (the KL is always measured)", ge=0)
-    kl_estimator: str = _f("k3", "KL estimator of the loss term and the reward penalty: k1, k2, k3")
+    kl_estimator: str = _f("k3", "KL estimator of the loss term and the reward penalty: k1, k2, k3, abs; k1+, k2+, k3+ "
+                                 "(the value of k1/k2/k3 with the gradient of k2)")
     kl_reward_coef: float = _f(0.0, "initial weight of the per-token KL penalty in the reward (0: off)", ge=0)
     kl_ctrl: Literal["fixed", "adaptive"] = _f("fixed", "reward KL controller (adaptive: Ziegler et al. 2019)")
     kl_target: float = _f(0.01, "adaptive KL controller: target KL per sequence", gt=0)
@@ -141,6 +157,11 @@ class AlgorithmConfig:
     max_sampling_rounds: int = _f(4, "dynamic sampling: generate rounds per step at most", ge=1)
     overlong_buffer: int = _f(0, "DAPO soft overlong punishment: length of the buffer before max_new_tokens (0: off)", ge=0)
     overlong_penalty: float = _f(1.0, "soft overlong punishment at max_new_tokens", ge=0)
+
+    def validate(self) -> None:
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub}): "
+                             "the candidates of clip_cov have a covariance between the two")
 
 
 @dataclass

@@ -1,0 +1,248 @@
+"""More policy losses in the ``POLICY_LOSSES`` registry: CISPO, GMPO, Clip-Cov, KL-Cov and SAPO.
+
+Same contract as ``losses.py``: ``fn(logp, mb, cfg) -> (per_token_loss (B, R), metrics)``, zero on padding
+(and blind to what padded positions hold), every log-ratio clamped to +-20 before ``exp``, aggregation left
+to ``algorithm.loss_agg``. Hyper-parameters are read from ``cfg`` (``AlgorithmConfig``) with getattr and
+the defaults of the schema.
+
+Clip-Cov and KL-Cov pick tokens by a statistic of the batch they see (the covariance between log-prob and
+advantage, centred by the batch's means, and a share of its tokens). Here, as in veRL, that batch is the
+micro-batch, so those two losses, unlike the others, depend on ``actor.micro_batch_tokens``.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from hybridrl.algorithms.losses import (POLICY_LOSSES, _bool, _clipped_surrogate, _log_ratio, _masked_max, _masked_min,
+                                        _ratio_metrics, _zero_pad, masked_mean)
+from hybridrl.protocol import Batch
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+def _positive(cfg, name: str, default: float) -> float:
+    value = getattr(cfg, name, default)
+    if value is None or value <= 0:
+        raise ValueError(f"algorithm.{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _share(cfg, name: str, default: float) -> float:
+    value = getattr(cfg, name, default)
+    if value is None or not 0 < value <= 1:
+        raise ValueError(f"algorithm.{name} must be in (0, 1] (a share of the valid tokens), got {value!r}")
+    return float(value)
+
+
+def _inputs(logp: torch.Tensor, mb: Batch):
+    """Valid-token mask, clamped log-ratio logp - old (0 on padding), ratio and advantages (0 on padding)."""
+    m = _bool(mb["response_mask"])
+    log_ratio = _log_ratio(logp, mb["old_log_probs"].to(logp.dtype), m)
+    adv = _zero_pad(mb["advantages"].to(logp.dtype), m)
+    return m, log_ratio, torch.exp(log_ratio), adv
+
+
+def _kl_and_ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
+    return {
+        "actor/approx_kl_old": masked_mean(-log_ratio, m).item(),
+        "actor/approx_kl_old_k3": masked_mean(torch.expm1(log_ratio) - log_ratio, m).item(),
+        "actor/ratio_mean": masked_mean(ratio, m).item(),
+        "actor/ratio_max": _masked_max(ratio, m),
+        "actor/ratio_min": _masked_min(ratio, m),
+    }
+
+
+def _clip_metrics(low: torch.Tensor, high: torch.Tensor, m: torch.Tensor, dtype) -> dict[str, float]:
+    return {
+        "actor/clip_frac_low": masked_mean(low.to(dtype), m).item(),
+        "actor/clip_frac_high": masked_mean(high.to(dtype), m).item(),
+        "actor/clip_frac": masked_mean((low | high).to(dtype), m).item(),
+    }
+
+
+# --- CISPO ---------------------------------------------------------------------------------------------------
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2506.13585): loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t.
+
+    A REINFORCE update weighted by a truncated, detached IS weight: unlike PPO no token loses its gradient;
+    clipping only bounds the weight. ``cispo_clip_low`` None: no lower bound (the paper tunes only the upper
+    one). The loss value is not on the ratio scale (it has log-probs in it); its gradient is -w A grad logp.
+    Metrics: clip_frac_high / clip_frac_low = share of valid tokens whose weight was truncated from above /
+    below (whatever the sign of A: the weight is truncated, not the objective).
+    """
+    low = getattr(cfg, "cispo_clip_low", None)
+    high = getattr(cfg, "cispo_clip_high", 0.28)
+    if low is not None and not 0 <= low <= 1:
+        raise ValueError(f"algorithm.cispo_clip_low must be in [0, 1] or null (no lower bound), got {low!r}")
+    if high is None or high < 0:
+        raise ValueError(f"algorithm.cispo_clip_high must be >= 0, got {high!r}")
+    m, log_ratio, ratio, adv = _inputs(logp, mb)
+    lo = None if low is None else 1.0 - low
+    weight = ratio.clamp(min=lo, max=1.0 + high).detach()
+    loss = _zero_pad(-weight * adv * _zero_pad(logp, m), m)
+    with torch.no_grad():
+        below = (ratio < lo) if lo is not None else torch.zeros_like(m)
+        metrics = _clip_metrics(below & m, (ratio > 1.0 + high) & m, m, logp.dtype)
+        metrics |= _kl_and_ratio_metrics(log_ratio, ratio, m)
+        metrics["actor/is_weight_mean"] = masked_mean(weight, m).item()
+    return loss, metrics
+
+
+# --- GMPO ----------------------------------------------------------------------------------------------------
+@POLICY_LOSSES.register("gmpo")
+def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2507.20673): the geometric mean of the token terms instead of their arithmetic mean.
+
+    With A_i = mean_t A_{i,t} and sgn = sign(A_i), each token's log-ratio l_t is clipped in log space,
+    pessimistically for the sign of A_i: c_t = sgn min(sgn l_t, sgn clip(l_t, -eps_low, eps_high)) (for A > 0
+    min(l, clip(l)), for A < 0 max(l, clip(l))). The paper's (prod_t |min(r_t A, clip(r_t) A)|)^(1/|y|) sgn(A)
+    is then A_i exp(mean_t c_t), so loss_i = -A_i exp(mean_t c_t), put on every valid token of row i.
+    eps: ``gmpo_log_clip_low`` / ``gmpo_log_clip_high`` (0.4, i.e. r in [e^-0.4, e^0.4], the paper's wide range).
+    The paper's 1/G sum_i is ``loss_agg: seq-mean-token-mean``.
+    Metrics: clip_frac_high = valid tokens with A_i > 0 and l_t > eps_high, clip_frac_low = A_i < 0 and
+    l_t < -eps_low (their gradient is 0); seq_ratio_* = exp(mean_t c_t) over non-empty rows.
+    """
+    lo = _positive(cfg, "gmpo_log_clip_low", 0.4)
+    hi = _positive(cfg, "gmpo_log_clip_high", 0.4)
+    m, log_ratio, ratio, _ = _inputs(logp, mb)
+    adv_seq = masked_mean(mb["advantages"].to(logp.dtype), m, dim=-1)
+    sgn = torch.sign(adv_seq).unsqueeze(-1)
+    clipped = sgn * torch.minimum(sgn * log_ratio, sgn * log_ratio.clamp(-lo, hi))
+    lengths = m.sum(-1).clamp(min=1).to(logp.dtype)
+    seq_ratio = torch.exp(_zero_pad(clipped, m).sum(-1) / lengths)  # |c_t| <= 20: finite
+    loss = _zero_pad((-adv_seq * seq_ratio).unsqueeze(-1).expand(m.shape), m)
+    with torch.no_grad():
+        f = logp.dtype
+        metrics = _clip_metrics((sgn < 0) & (log_ratio < -lo) & m, (sgn > 0) & (log_ratio > hi) & m, m, f)
+        metrics |= _kl_and_ratio_metrics(log_ratio, ratio, m)
+        rows = m.any(-1)
+        sr = seq_ratio[rows]
+        metrics |= {"actor/seq_ratio_mean": sr.mean().item() if rows.any() else 0.0,
+                    "actor/seq_ratio_max": sr.max().item() if rows.any() else 0.0,
+                    "actor/seq_ratio_min": sr.min().item() if rows.any() else 0.0}
+    return loss, metrics
+
+
+# --- Clip-Cov and KL-Cov --------------------------------------------------------------------------------------
+def _token_cov(logp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(A_t - mean A)(logp_t - mean logp) per valid token, means over the valid tokens; 0 on padding. No gradient."""
+    lp = _zero_pad(logp.detach(), m)
+    return _zero_pad((adv - masked_mean(adv, m)) * (lp - masked_mean(lp, m)), m)
+
+
+def _n_selected(share: float, m: torch.Tensor) -> int:
+    """int(share * valid tokens), at least 1 when there is a valid token (veRL's rule)."""
+    n = int(m.sum().item())
+    return max(int(share * n), 1) if n else 0
+
+
+def _derived_generator(mb: Batch, cfg) -> torch.Generator:
+    """A generator seeded by ``clip_cov_seed`` and a hash of the micro-batch's valid old log-probs and advantages:
+    a re-run or a resumed run cuts the same tokens, different micro-batches get different draws, and the
+    global RNG is left alone."""
+    m = _bool(mb["response_mask"])
+    data = torch.stack([_zero_pad(mb["old_log_probs"], m).double(), _zero_pad(mb["advantages"], m).double()])
+    seed = zlib.crc32(data.cpu().numpy().tobytes(), int(getattr(cfg, "clip_cov_seed", 0)) & 0xFFFFFFFF)
+    return torch.Generator().manual_seed(seed)
+
+
+def _random_subset(candidates: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """A boolean mask of min(k, #candidates) candidates drawn uniformly without replacement."""
+    flat = candidates.flatten()
+    idx = flat.nonzero().squeeze(-1)
+    out = torch.zeros_like(flat)
+    if k and idx.numel():
+        perm = torch.randperm(idx.numel(), generator=generator)[:k].to(idx.device)
+        out[idx[perm]] = True
+    return out.view_as(candidates)
+
+
+@POLICY_LOSSES.register("clip_cov")
+def clip_cov_loss(logp: torch.Tensor, mb: Batch, cfg, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2505.22617, "The Entropy Mechanism of RL for Reasoning LMs").
+
+    Per valid token, cov_t = (A_t - mean A)(logp_t - mean logp) over the micro-batch's valid tokens. Among
+    the tokens with clip_cov_lb < cov_t < clip_cov_ub that the PPO clip has not already cut, n =
+    max(int(clip_cov_ratio * N), 1) are drawn at random and their loss is set to 0 (no gradient): high-
+    covariance tokens are the ones that drive entropy down. The others get the PPO loss with clip_ratio_low /
+    clip_ratio_high (no dual clip), as veRL. The draw uses ``generator`` when given, else one derived from
+    ``clip_cov_seed`` and the micro-batch (never the global RNG).
+    Metrics: the PPO clip fractions, cov_clip_frac (share of valid tokens cut), cov_mean (mean of cov_t).
+    """
+    share = _share(cfg, "clip_cov_ratio", 2e-4)
+    lb, ub = getattr(cfg, "clip_cov_lb", 1.0), getattr(cfg, "clip_cov_ub", 5.0)
+    if not lb < ub:
+        raise ValueError(f"algorithm.clip_cov_lb ({lb}) must be below algorithm.clip_cov_ub ({ub})")
+    low, high = getattr(cfg, "clip_ratio_low", 0.2), getattr(cfg, "clip_ratio_high", 0.2)
+    m, log_ratio, ratio, adv = _inputs(logp, mb)
+    loss, cl, ch, dual = _clipped_surrogate(ratio, adv, low, high, None)
+    with torch.no_grad():
+        cov = _token_cov(logp, adv, m)
+        candidates = m & ~(cl | ch) & (cov > lb) & (cov < ub)
+        if generator is None:
+            generator = _derived_generator(mb, cfg)
+        cut = _random_subset(candidates, _n_selected(share, m), generator)
+    loss = _zero_pad(torch.where(cut, torch.zeros((), dtype=loss.dtype, device=loss.device), loss), m)
+    with torch.no_grad():
+        metrics = _ratio_metrics(log_ratio, ratio, m, cl & m, ch & m, dual)
+        metrics |= {"actor/cov_clip_frac": masked_mean(cut.to(logp.dtype), m).item(),
+                    "actor/cov_mean": masked_mean(cov, m).item()}
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("kl_cov")
+def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2505.22617): loss_t = -A_t r_t, plus kl_cov_coef |logp_t - old_t| on the
+    max(int(kl_cov_ratio * N), 1) valid tokens of largest cov_t (as in clip_cov), N the micro-batch's valid
+    tokens. No ratio clip: the KL term on the high-covariance tokens is the trust region, as in the paper.
+    Metrics: kl_cov_frac (share of valid tokens penalised), cov_mean, kl_cov_abs (mean |logp - old| over the
+    penalised tokens), and the ratio / approx_kl metrics.
+    """
+    share = _share(cfg, "kl_cov_ratio", 2e-3)
+    coef = getattr(cfg, "kl_cov_coef", 1.0)
+    if coef is None or coef < 0:
+        raise ValueError(f"algorithm.kl_cov_coef must be >= 0, got {coef!r}")
+    m, log_ratio, ratio, adv = _inputs(logp, mb)
+    with torch.no_grad():
+        cov = _token_cov(logp, adv, m)
+        k = _n_selected(share, m)
+        picked = torch.zeros_like(m)
+        if k:
+            top = cov.masked_fill(~m, float("-inf")).flatten().topk(k).indices
+            picked.view(-1)[top] = True
+    penalty = torch.where(picked, coef * log_ratio.abs(), torch.zeros((), dtype=logp.dtype, device=logp.device))
+    loss = _zero_pad(-adv * ratio + penalty, m)
+    with torch.no_grad():
+        metrics = _kl_and_ratio_metrics(log_ratio, ratio, m)
+        metrics |= {"actor/kl_cov_frac": masked_mean(picked.to(logp.dtype), m).item(),
+                    "actor/kl_cov_abs": masked_mean(log_ratio.abs(), picked).item(),
+                    "actor/cov_mean": masked_mean(cov, m).item()}
+    return loss, metrics
+
+
+# --- SAPO ----------------------------------------------------------------------------------------------------
+@POLICY_LOSSES.register("sapo")
+def sapo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al. 2511.20347): a soft gate instead of the hard clip,
+    f(r) = sigmoid(tau (r - 1)) 4 / tau, loss_t = -f(r_t) A_t, with tau = sapo_tau_pos where A_t > 0 and
+    sapo_tau_neg elsewhere (1.0 / 1.05 as the paper: negative updates are damped faster).
+
+    Its gradient is -A_t w_t r_t grad logp_t with w_t = 4 s (1 - s), s = sigmoid(tau (r_t - 1)): w = 1 at r = 1
+    (the plain policy gradient on-policy), decaying smoothly as r leaves 1. The paper averages per sequence,
+    then over sequences: ``loss_agg: seq-mean-token-mean``.
+    Metrics: gate_weight_mean / gate_weight_min (w_t over valid tokens) and the ratio / approx_kl metrics.
+    """
+    tau_pos = _positive(cfg, "sapo_tau_pos", 1.0)
+    tau_neg = _positive(cfg, "sapo_tau_neg", 1.05)
+    m, log_ratio, ratio, adv = _inputs(logp, mb)
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    s = torch.sigmoid(tau * (ratio - 1.0))
+    loss = _zero_pad(-s * (4.0 / tau) * adv, m)
+    with torch.no_grad():
+        w = 4.0 * s * (1.0 - s)
+        metrics = _kl_and_ratio_metrics(log_ratio, ratio, m)
+        metrics |= {"actor/gate_weight_mean": masked_mean(w, m).item(), "actor/gate_weight_min": _masked_min(w, m)}
+    return loss, metrics
