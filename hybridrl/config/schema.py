@@ -157,6 +157,13 @@ class AlgorithmConfig:
     max_sampling_rounds: int = _f(4, "dynamic sampling: generate rounds per step at most", ge=1)
     overlong_buffer: int = _f(0, "DAPO soft overlong punishment: length of the buffer before max_new_tokens (0: off)", ge=0)
     overlong_penalty: float = _f(1.0, "soft overlong punishment at max_new_tokens", ge=0)
+    rollout_is: Literal["token", "sequence"] | None = _f(None, "rollout correction: importance weight pi_old/pi_rollout per "
+                                                              "token or per sequence (null: off; see algorithms.md)")
+    rollout_is_mode: Literal["truncate", "mask"] = _f("truncate", "rollout correction: truncate (TIS: min(w, threshold)) or "
+                                                                  "mask (MIS: drop tokens/sequences with w outside [lower, threshold])")
+    rollout_is_threshold: float = _f(2.0, "rollout correction: upper bound of the importance weight", gt=0)
+    rollout_is_threshold_lower: float | None = _f(None, "rollout correction, mask mode: lower bound (null: 1/rollout_is_threshold)", ge=0)
+    rollout_bypass: bool = _f(False, "use the rollout's log-probs as the old policy: no old-log-prob forward")
 
     def validate(self) -> None:
         if self.clip_cov_lb >= self.clip_cov_ub:
@@ -187,7 +194,13 @@ class FSDPConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = _f(300, "supervised warm-start optimizer steps", ge=0)
+    steps: int | None = _f(None, "fixed number of warm-start optimizer steps, no accuracy check (null: train until "
+                                 "target_accuracy is reached, at most max_steps)", ge=0)
+    target_accuracy: float = _f(0.4, "stop the warm start at the first check whose sampled (T = 1) accuracy on held-out "
+                                     "prompts reaches this; below 1 so that RL has room to gain", gt=0, le=1)
+    max_steps: int = _f(2000, "cap on warm-start steps when steps is null (a warning says the target was not reached)", ge=1)
+    eval_every: int = _f(10, "accuracy check every N warm-start steps (when steps is null)", ge=1)
+    eval_size: int = _f(256, "held-out prompts per accuracy check (those that no SFT batch so far contained)", ge=1)
     batch_size: int = _f(256, "examples per SFT step", ge=1)
     lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
     checkpoint: str | None = _f(None, "warm-start checkpoint directory (null: a cache path derived from the model/task/sft config)")
@@ -256,6 +269,9 @@ class Config:
         if self.trainer.mode == "async":
             self._validate_async()
         self._validate_estimator()
+        from hybridrl.algorithms import rollout_correction  # lazy: schema stays import-light
+
+        rollout_correction.validate(self)
         samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
         if samples % self.actor.ppo_minibatch_size:
             raise ValueError(

@@ -38,6 +38,27 @@ class Evaluator:
         return {"eval/accuracy": self.accuracy(greedy=False), "eval/greedy_accuracy": self.accuracy(greedy=True)}
 
 
+def model_accuracy(model, tokenizer, prompts: list[Prompt], scorer, params: SamplingParams) -> float:
+    """Mean reward of one sample per prompt from ``model`` as it is now (the warm start's accuracy check).
+
+    Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept between
+    calls) and seeds each call from ``params.seed`` without touching the caller's RNG stream; scored by the
+    reward role's :class:`~hybridrl.workers.reward.Scorer`, as the RL evaluation is. Restores train mode.
+    """
+    from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest
+
+    was_training = model.training
+    try:
+        engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
+        batch = prompt_batch(prompts, tokenizer)
+        requests = [GenerationRequest(request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p})
+                    for p, ids in zip(batch["prompt"], batch["prompt_ids"])]
+        samples = engine.generate(requests, replace(params, n=1))
+        return scorer(collate([samples], tokenizer.pad_token_id))["rewards"].mean().item()
+    finally:
+        model.train(was_training)
+
+
 def evaluate_checkpoint(cfg) -> dict[str, float]:
     """``hybridrl eval``: accuracy of the checkpoint RL would start from (warm start or ``model.path``)."""
     from hybridrl.trainers.roles import build_roles

@@ -1,0 +1,92 @@
+"""The supervised warm start stops on a held-out accuracy target (sft.target_accuracy), at the cap
+sft.max_steps with a warning, or after a fixed sft.steps; sft.json records which; the cache key covers it."""
+import json
+import logging
+
+import pytest
+
+from hybridrl.config import Config, load_config
+from hybridrl.tasks import TASKS, Prompt
+from hybridrl.tasks.arithmetic import ArithmeticTask
+from hybridrl.trainers.sft import HeldoutCheck, ensure_warm_start, lr_factor, run_sft, warm_start_path
+from hybridrl.workers.common import load_model, make_task
+
+
+@TASKS.register("test_sft_seven")
+class SevenTask(ArithmeticTask):
+    """W1's prompts with the answer always "7": the tiny model learns it in a few dozen steps."""
+
+    name = "test_sft_seven"
+
+    def _make(self, uid: str, a: int, b: int) -> Prompt:
+        return Prompt(uid=uid, text=f"{a}+{b}=", answer="7", task_id=self.name)
+
+
+def cfg_for(tmp_path, *overrides: str) -> Config:
+    return load_config(Config, None, ["sft.batch_size=16", "sft.lr=3e-3", "sft.eval_size=32", "task.heldout_size=64",
+                                      "controller.num_threads=1", f"sft.checkpoint={tmp_path / 'ws'}", *overrides])
+
+
+def test_stops_at_the_target(tmp_path):
+    cfg = cfg_for(tmp_path, "task.name=test_sft_seven", "sft.target_accuracy=0.5", "sft.max_steps=200", "sft.eval_every=5")
+    rec = json.loads((run_sft(cfg, tmp_path / "ws", progress=False) / "sft.json").read_text())
+    assert rec["target_met"] is True and rec["accuracy"] >= 0.5, rec
+    assert rec["steps"] < 200 and rec["steps"] % 5 == 0, rec  # stopped at the first check that reached it
+    assert rec["checks"][-1]["step"] == rec["steps"] and all(c["accuracy"] < 0.5 for c in rec["checks"][:-1]), rec
+    assert rec["check_prompts"] == 32 and rec["max_steps"] == 200 and rec["target_accuracy"] == 0.5
+
+
+def test_cap_stops_with_a_warning(tmp_path, caplog):
+    cfg = cfg_for(tmp_path, "sft.target_accuracy=1.0", "sft.max_steps=6", "sft.eval_every=4")
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainers.sft"):
+        path = ensure_warm_start(cfg, progress=False)
+    rec = json.loads((tmp_path / "ws" / "sft.json").read_text())
+    assert path == str(tmp_path / "ws")
+    assert rec["steps"] == 6 and rec["target_met"] is False, rec
+    assert [c["step"] for c in rec["checks"]] == [4, 6], rec  # every eval_every steps, and at the cap
+    assert "reached the cap sft.max_steps=6 before sft.target_accuracy=1" in caplog.text
+    assert "Raise sft.max_steps" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hybridrl.trainers.sft"):
+        ensure_warm_start(cfg, progress=False)  # cached: not retrained, but the miss is reported again
+    assert "reached the cap" in caplog.text
+
+
+def test_fixed_steps_skip_the_check(tmp_path):
+    cfg = cfg_for(tmp_path, "sft.steps=3")
+    rec = json.loads((run_sft(cfg, tmp_path / "ws", progress=False) / "sft.json").read_text())
+    assert rec["steps"] == 3 and "target_met" not in rec and "checks" not in rec, rec
+
+
+def test_check_is_held_out_and_deterministic(tmp_path):
+    cfg = cfg_for(tmp_path, "task.name=test_sft_seven", "sft.eval_size=8", "task.heldout_size=12")
+    task = make_task(cfg)
+    model, tok = load_model(cfg, None)
+    check = HeldoutCheck(cfg, task, tok)
+    held = task.heldout()
+    check.trained_on([held[0].text, held[3].text, "not-held-out"])  # as if an SFT batch held these
+    assert check.seen == {held[0].text, held[3].text}
+    assert check(model)[1] == 8  # the first 8 of the 10 not seen
+    model.train()
+    first = check(model)
+    assert model.training  # the check restores train mode
+    assert check(model) == first  # same seed, same weights: same accuracy
+    check.trained_on([p.text for p in held])
+    with pytest.raises(RuntimeError, match="held-out prompts appeared in an SFT batch"):
+        check(model)
+
+
+def test_cache_key_covers_the_stop_rule(tmp_path):
+    base = load_config(Config, None, [])
+    paths = {str(warm_start_path(load_config(Config, None, o))) for o in (
+        [], ["sft.target_accuracy=0.5"], ["sft.max_steps=999"], ["sft.eval_every=7"], ["sft.eval_size=64"],
+        ["trainer.seed=1"], ["rollout.max_new_tokens=20"], ["sft.steps=300"])}
+    assert len(paths) == 8 and str(warm_start_path(base)) in paths
+    fixed = [load_config(Config, None, ["sft.steps=300", o]) for o in ("rollout.max_new_tokens=20", "rollout.max_new_tokens=16")]
+    assert warm_start_path(fixed[0]) == warm_start_path(fixed[1])  # no check: the rollout settings do not matter
+
+
+def test_lr_schedule_is_constant_until_the_cap_decays():
+    assert lr_factor(0, 2000) == pytest.approx(1 / 20)
+    assert lr_factor(19, 2000) == 1.0 and lr_factor(1599, 2000) == 1.0  # a stop on the target lands here
+    assert lr_factor(1999, 2000) == pytest.approx(0.1, abs=0.01)
