@@ -151,3 +151,70 @@ def test_usage_and_reset():
     assert bm.usage() == pytest.approx(0.3)
     bm.reset()
     assert bm.num_free == 10 and bm.epoch == 1
+
+
+def test_same_last_block_after_different_prefixes_is_never_shared():
+    bm = BlockManager(16, 4)
+    a = seq([1, 2, 3, 4, 9, 9, 9, 9, 0])
+    bm.allocate(a)
+    computed(bm, a)
+    b = seq([5, 6, 7, 8, 9, 9, 9, 9, 0])  # the same second block behind another first block
+    bm.allocate(b)
+    assert b.num_computed == 0 and not set(b.block_table) & set(a.block_table)
+
+
+_M64 = (1 << 64) - 1
+_P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261  # CPython's tuple hash (xxHash)
+
+
+def _tuple_lanes(items):
+    acc = _P5
+    for item in items:
+        acc = (acc + (hash(item) & _M64) * _P2) & _M64
+        acc = (((acc << 31) | (acc >> 33)) & _M64) * _P1 & _M64
+    return acc
+
+
+def _colliding_block(block):
+    """Another 4-token block with the same Python tuple hash as ``block``: CPython's tuple hash is unkeyed and
+    invertible, so the last token that completes a collision can be solved for."""
+    want = (_tuple_lanes(block) * pow(_P1, -1, 1 << 64)) & _M64
+    want = ((want >> 31) | (want << 33)) & _M64  # undo the rotation
+    for third in range(1000):
+        last = ((want - _tuple_lanes((5, 6, third))) * pow(_P2, -1, 1 << 64)) & _M64
+        if last < (1 << 61) - 1:  # a non-negative int hashes to itself below the Mersenne modulus
+            return [5, 6, third, last]
+    raise AssertionError("no collision found")
+
+
+def test_a_collision_of_python_tuple_hashes_cannot_serve_another_prefix():
+    a0 = [1, 2, 3, 4]
+    b0 = _colliding_block(a0)
+    assert b0 != a0 and hash((-1, tuple(b0))) == hash((-1, tuple(a0)))  # the former chain key collides
+    bm = BlockManager(16, 4)
+    c = seq(b0 + [0])  # registers b0 first, under the first-block key
+    bm.allocate(c)
+    computed(bm, c)
+    a = seq(a0 + [7, 7, 7, 7, 0])  # a0's block is not the one found under that key; its second block is registered
+    bm.allocate(a)
+    computed(bm, a)
+    b = seq(b0 + [7, 7, 7, 7, 0])  # b0 hits c's block; its second block must not come from a (KV of prefix a0)
+    bm.allocate(b)
+    assert b.block_table[0] == c.block_table[0] and b.num_computed == 4
+    assert b.block_table[1] != a.block_table[1]
+
+
+def test_prefix_hits_count_as_draft_computed_only_where_the_draft_wrote_kv():
+    bm = BlockManager(16, 4)
+    a = seq(range(13))
+    bm.allocate(a)
+    a.num_draft_computed = 4  # the draft followed the first block only
+    computed(bm, a)
+    b = seq(list(range(12)) + [99])
+    bm.allocate(b)
+    assert b.num_computed == 12 and b.num_draft_computed == 4
+    b.num_computed = b.num_draft_computed = 12  # now the draft caught up on b: its blocks are marked
+    bm.register_computed(b)
+    c = seq(list(range(12)) + [98])
+    bm.allocate(c)
+    assert c.num_computed == c.num_draft_computed == 12

@@ -1,4 +1,5 @@
 """Speculative decoding inside the engine: greedy equality, exact distribution on a real model, auto-off."""
+import copy
 import itertools
 
 import pytest
@@ -113,3 +114,27 @@ def test_speculation_turns_itself_off_when_it_does_not_pay():
     params.ignore_eos = True
     eng.generate([GenerationRequest("r", [3, 4, 5])], params)
     assert eng.stats()["engine/spec_steps"] == 0
+
+
+def test_a_draft_that_did_not_follow_a_cached_prefix_prefills_it_itself():
+    """Draft = a copy of the target, greedy: every proposal must be accepted, also after a prefix-cache hit on
+    blocks the target computed while the draft was not following (speculation off). Reading the draft KV it
+    never wrote accepted 0.29 of the proposals here."""
+    target = qwen(40, 64, 2, 0)  # unscaled: the context matters to every next token
+    eng = NativeRollout(target, Tok(), rcfg(), draft_model=copy.deepcopy(target))
+    spec = eng.engine.spec
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    params.ignore_eos = True
+    shared = list(range(5, 25))  # five full blocks
+    spec.max_batch = 0  # speculation off: the draft neither speculates nor follows the plain steps
+    eng.generate([GenerationRequest("a", shared + [3])], params)
+    eng.stats()
+    spec.max_batch, spec.auto = 32, False
+    out = eng.generate([GenerationRequest("b", shared + [4, 4])], params)[0]
+    st = eng.stats()
+    assert st["engine/prompt_tokens_computed"] == 2  # the shared blocks came from the prefix cache
+    assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] == 1.0
+    with torch.no_grad():  # the greedy choices are not near-ties, so kernel rounding cannot flip an argmax
+        logits = target(torch.tensor([out.prompt_ids + out.response_ids])).logits[0, len(out.prompt_ids) - 1: -1]
+    top2 = logits.topk(2, -1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3

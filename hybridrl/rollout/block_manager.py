@@ -4,35 +4,53 @@ Pure Python (no tensors): the model runner owns the KV pool, this class only
 decides which block holds which tokens.
 
 Prefix caching: a *full* block whose KV has been written is registered under a
-chained hash ``hash((hash of the previous block, its tokens))``, so one hash
-names the whole prefix up to the block's end. A lookup checks the block's
-stored tokens too, so a hash collision can never serve wrong KV. A block whose
+chained digest ``blake2b(digest of the previous block + its token ids as
+bytes)``, so one digest names the whole prefix up to the block's end. The
+digest is cryptographic (256 bits) because a lookup can only compare the
+block's own tokens: a collision of the chain (the same digest for two prefixes
+that differ in an earlier block) would serve another prefix's KV, and an
+unkeyed 64-bit hash such as Python's tuple hash makes such collisions
+constructible. Serving wrong KV thus needs a blake2b collision. A block whose
 reference count drops to zero goes to the back of the free list but keeps its
 hash: it can be revived by a later hit until it is handed out again (LRU
 eviction from the front). A block is registered only after its KV is written
 (:meth:`register_computed`), so a hit never reads KV that is still pending.
 Any weight change calls :meth:`invalidate`: all hashes are dropped, and
 sequences whose KV was computed under older weights stop registering blocks.
+
+Speculative decoding keeps a second KV pool (the draft model's) in the same
+blocks. The draft skips steps where speculation does not pay, so a block whose
+target KV is cached may hold no draft KV: each block records whether its draft
+KV is written too (``draft``), and a prefix hit counts as draft-computed only
+up to the first block without it; the draft prefills the rest itself.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from hybridrl.rollout.sequence import Sequence
 
+NO_HASH = b""  # the parent digest of a sequence's first block, and the digest of an unregistered block
 
-def block_hash(prev_hash: int, tokens: list[int]) -> int:
-    return hash((prev_hash, tuple(tokens)))
+
+def block_hash(prev_hash: bytes, tokens: list[int]) -> bytes:
+    """Digest of a block given its parent's digest: names the whole prefix up to the block's end."""
+    h = hashlib.blake2b(prev_hash, digest_size=32)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "draft")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = -1
+        self.hash = NO_HASH
         self.token_ids: tuple[int, ...] = ()
+        self.draft = False  # the draft model's KV of this (registered) block is written too
 
 
 class BlockManager:
@@ -66,10 +84,11 @@ class BlockManager:
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
         block = self.blocks[bid]
-        if block.hash != -1:  # evict: its KV is about to be overwritten
+        if block.hash != NO_HASH:  # evict: its KV is about to be overwritten
             if self.hash_to_block.get(block.hash) == bid:
                 del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = -1, ()
+            block.hash, block.token_ids = NO_HASH, ()
+        block.draft = False
         block.ref_count = 1
         return bid
 
@@ -79,10 +98,10 @@ class BlockManager:
             del self.free[bid]
         block.ref_count += 1
 
-    def match_prefix(self, seq: Sequence) -> tuple[list[int], int]:
-        """Cached leading blocks of ``seq`` (at least its last token stays uncached) and the last hash."""
+    def match_prefix(self, seq: Sequence) -> tuple[list[int], bytes]:
+        """Cached leading blocks of ``seq`` (at least its last token stays uncached) and the last digest."""
         hits: list[int] = []
-        h = -1
+        h = NO_HASH
         if not self.enable_prefix_caching:
             return hits, h
         bs = self.block_size
@@ -93,11 +112,7 @@ class BlockManager:
             if bid is None or self.blocks[bid].token_ids != tuple(tokens):
                 break
             hits.append(bid)
-        if hits:
-            h = self.blocks[hits[-1]].hash
-        else:
-            h = -1
-        return hits, h
+        return hits, (self.blocks[hits[-1]].hash if hits else NO_HASH)
 
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks that allocating ``seq`` would consume."""
@@ -117,8 +132,11 @@ class BlockManager:
         for bid in hits:
             self._ref(bid)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
-        seq.num_computed = seq.num_draft_computed = len(hits) * self.block_size
+        seq.num_computed = len(hits) * self.block_size
+        draft = next((i for i, bid in enumerate(hits) if not self.blocks[bid].draft), len(hits))
+        seq.num_draft_computed = draft * self.block_size  # the draft prefills the hits it has no KV for
         seq.num_hashed_blocks = len(hits)
+        seq.num_draft_blocks = draft
         seq.last_hash = h
         seq.hash_epoch = self.epoch
 
@@ -132,7 +150,8 @@ class BlockManager:
         seq.num_computed = 0
         seq.num_draft_computed = 0
         seq.num_hashed_blocks = 0
-        seq.last_hash = -1
+        seq.num_draft_blocks = 0
+        seq.last_hash = NO_HASH
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether ``seq`` can grow to hold ``num_tokens`` tokens in total."""
@@ -166,7 +185,8 @@ class BlockManager:
 
     # --- prefix cache -----------------------------------------------------------
     def register_computed(self, seq: Sequence) -> None:
-        """Register the full blocks of ``seq`` whose KV has now been written."""
+        """Register the full blocks of ``seq`` whose KV has now been written, and mark those whose draft KV is
+        written too (``seq.num_draft_computed``; without a draft model it never passes the prefix hits)."""
         if not self.enable_prefix_caching or seq.hash_epoch != self.epoch:
             return
         bs = self.block_size
@@ -176,16 +196,20 @@ class BlockManager:
             block = self.blocks[bid]
             tokens = seq.token_ids[i * bs: (i + 1) * bs]
             h = block_hash(seq.last_hash, tokens)
-            if block.hash == -1:
+            if block.hash == NO_HASH:
                 block.hash, block.token_ids = h, tuple(tokens)
                 self.hash_to_block.setdefault(h, bid)
             seq.last_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, done)
+        drafted = min(seq.num_draft_computed // bs, seq.num_hashed_blocks)
+        for i in range(seq.num_draft_blocks, drafted):
+            self.blocks[seq.block_table[i]].draft = True
+        seq.num_draft_blocks = max(seq.num_draft_blocks, drafted)
 
     def invalidate(self) -> None:
         """Forget every cached prefix (the weights changed)."""
         for block in self.blocks:
-            block.hash, block.token_ids = -1, ()
+            block.hash, block.token_ids, block.draft = NO_HASH, (), False
         self.hash_to_block.clear()
         self.epoch += 1
 

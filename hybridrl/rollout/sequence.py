@@ -57,9 +57,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0  # tokens whose KV is in the cache
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
-        self.last_hash = -1  # hash of block num_hashed_blocks - 1
+        self.last_hash = b""  # digest of block num_hashed_blocks - 1 (b"": none)
         self.hash_epoch = -1  # block-manager epoch its KV was computed in (stale after a weight change)
         self.num_draft_computed = 0  # tokens whose KV is in the draft model's cache (speculative decoding)
+        self.num_draft_blocks = 0  # leading registered blocks marked as holding the draft's KV too
         # outputs
         self.log_probs: list[float] = []
         self.raw_log_probs: list[float] = []
@@ -113,6 +114,7 @@ class Sequence:
         child.num_cached_prompt_tokens = self.num_prompt_tokens
         child.hash_epoch = self.hash_epoch
         child.num_hashed_blocks = self.num_hashed_blocks
+        child.num_draft_blocks = self.num_draft_blocks
         child.last_hash = self.last_hash
         return child
 
