@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, AggTotals, kl_penalty, masked_mean
+from hybridrl.algorithms.rollout_correction import weighted_policy_loss
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
@@ -59,6 +60,7 @@ class ActorWorker(Worker):
         alg, mask = self.cfg.algorithm, mb["response_mask"]
         logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
         pg, metrics = self.policy_loss(logp, mb, alg)
+        pg = weighted_policy_loss(pg, mb)  # rollout correction (algorithm.rollout_is), when on
         kl = kl_penalty(alg.kl_estimator, logp, mb["ref_log_probs"]) * mask
         loss = self.aggregate(pg, mask, totals) + alg.kl_coef * self.aggregate(kl, mask, totals)
         if alg.entropy_coef:
