@@ -64,7 +64,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_
     adds the mean back after scaling, (x - mean) / sqrt(var + eps) + mean, exactly as veRL and TRL define
     it (the unscaled mean, not mean / std): the spread becomes 1 but the batch keeps its mean, so a batch
     of mostly good samples keeps mostly positive advantages. With a single valid token the variance is
-    taken as 0 (veRL would divide by zero), so the output is 0 (the mean with ``shift_mean=False``); with
+    taken as 0 (veRL raises ValueError), so the output is 0 (the mean with ``shift_mean=False``); with
     none the output is all zero.
     """
     m = _bool(mask)
