@@ -108,3 +108,18 @@ def test_a_sampled_token_outside_the_recomputed_filter_keeps_a_finite_log_prob()
     assert torch.allclose(lp[0, :3], want)
     lp[0, 2].backward()
     assert torch.isfinite(logits.grad).all()
+
+
+def test_chunked_filtering_equals_the_sampler_rows(monkeypatch):
+    """The trainer filters its (many) rows in chunks; each chunk gives what the sampler gives for those rows."""
+    from hybridrl.rollout import sampler
+    from hybridrl.rollout.sampler import SamplingTensors, filtered_log_softmax, processed_logprobs
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 50) * 3
+    params = SamplingParams(temperature=0.9, top_k=10, top_p=0.8, min_p=0.05)
+    want = processed_logprobs(logits.reshape(21, 50), SamplingTensors.for_params(params, 21, torch.device("cpu")))
+    monkeypatch.setattr(sampler, "FILTER_CHUNK_ELEMENTS", 50 * 4)  # chunks of 4 rows, the last one shorter
+    got = filtered_log_softmax(logits, params)
+    assert torch.equal(got.reshape(21, 50), want)
+    assert torch.isinf(want).any() and torch.isfinite(want).any()

@@ -101,16 +101,21 @@ class SamplingTensors:
         return SamplingTensors(rep(self.temperature), rep(self.greedy), self.all_greedy, rep(self.top_k), rep(self.top_p),
                                rep(self.min_p), rep(self.seeds), rep(self.counters), self.want_raw)
 
+    def slice_rows(self, start: int, end: int) -> "SamplingTensors":
+        """Rows ``start:end``."""
+        def sl(t):
+            return None if t is None else t[start:end]
+        return SamplingTensors(sl(self.temperature), sl(self.greedy), self.all_greedy, sl(self.top_k), sl(self.top_p),
+                               sl(self.min_p), sl(self.seeds), sl(self.counters), self.want_raw)
 
-def processed_logprobs(logits: torch.Tensor, st: SamplingTensors, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf).
 
-    ``keep`` (R,) token ids, optional: each row's token stays in the support even if a filter drops it.
-    The trainer passes the sampled tokens: its logits differ from the engine's by rounding, which can
-    move a token that sat on a filter's edge (a top-k tie, the top-p or min-p boundary) just outside,
-    and its log-prob would be -inf. Only such near-ties are affected.
-    """
-    scaled = logits.float() / st.temperature
+@torch.no_grad()
+def filter_mask(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None:
+    """(R, V) bool, the tokens that top-k, then top-p, then min-p remove from the rows of ``scaled`` (the
+    logits divided by the temperature); None when no filter is on. No autograd: the support is a step
+    function of the logits, and the sort / cumsum buffers are freed at once."""
+    if st.top_k is None and st.top_p is None and st.min_p is None:
+        return None
     x = scaled
     neg_inf = torch.tensor(float("-inf"), device=x.device)
     if st.top_k is not None:
@@ -133,23 +138,49 @@ def processed_logprobs(logits: torch.Tensor, st: SamplingTensors, keep: torch.Te
     if st.min_p is not None:
         probs = torch.softmax(x, -1)
         x = torch.where(probs < st.min_p * probs.max(-1, keepdim=True).values, neg_inf, x)
-    if keep is not None and x is not scaled:
-        idx = keep.unsqueeze(1)
-        x = x.scatter(1, idx, scaled.gather(1, idx))
-    return torch.log_softmax(x, -1)
+    return torch.isneginf(x)
+
+
+def _masked_log_softmax(scaled: torch.Tensor, drop: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
+    if drop is None:
+        return torch.log_softmax(scaled, -1)
+    if keep is not None:
+        drop = drop.scatter(1, keep.unsqueeze(1), False)
+    return torch.log_softmax(scaled.masked_fill(drop, float("-inf")), -1)
+
+
+def processed_logprobs(logits: torch.Tensor, st: SamplingTensors, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf).
+
+    ``keep`` (R,) token ids, optional: each row's token stays in the support even if a filter drops it.
+    The trainer passes the sampled tokens: its logits differ from the engine's by rounding, which can
+    move a token that sat on a filter's edge (a top-k tie, the top-p or min-p boundary) just outside,
+    and its log-prob would be -inf. Only such near-ties are affected.
+    """
+    scaled = logits.float() / st.temperature
+    return _masked_log_softmax(scaled, filter_mask(scaled, st), keep)
+
+
+FILTER_CHUNK_ELEMENTS = 1 << 26  # the trainer filters this many logits at a time (bounds the sort's buffers)
 
 
 def filtered_log_softmax(logits: torch.Tensor, params: Any, tokens: torch.Tensor | None = None) -> torch.Tensor:
     """(..., V) log-probs of the distribution a request with SamplingParams-like ``params`` samples from:
     what :func:`sample` reports as the behaviour log-prob. Greedy (temperature 0): the raw log-softmax.
-    ``tokens`` (...) optional: kept in the support (see :func:`processed_logprobs`)."""
+    ``tokens`` (...) optional: kept in the support (see :func:`processed_logprobs`). Differentiable; the
+    filter masks are computed in chunks of rows, so a long micro-batch's sort never holds all its logits."""
     if params.temperature == 0:
         return torch.log_softmax(logits.float(), -1)
     shape = logits.shape
     flat = logits.reshape(-1, shape[-1])
-    st = SamplingTensors.for_params(params, flat.shape[0], flat.device)
+    rows = flat.shape[0]
+    st = SamplingTensors.for_params(params, rows, flat.device)
+    scaled = flat.float() / st.temperature
+    chunk = max(1, FILTER_CHUNK_ELEMENTS // shape[-1])
+    masks = [filter_mask(scaled[i: i + chunk], st.slice_rows(i, i + chunk)) for i in range(0, rows, chunk)]
+    drop = None if not masks or masks[0] is None else torch.cat(masks)
     keep = None if tokens is None else tokens.reshape(-1)
-    return processed_logprobs(flat, st, keep).view(shape)
+    return _masked_log_softmax(scaled, drop, keep).view(shape)
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
