@@ -67,14 +67,38 @@ def save_trainable(path: str | Path, model, optimizer, generator: torch.Generato
     save_sharded(path / "dcp", model, optimizer, extra={"shuffle_rng": generator.get_state()})
 
 
+def _load_hf_weights(path: Path, model) -> None:
+    """Copy the transformers-format weights at ``path`` into ``model``, every parameter and persistent buffer
+    (a tied copy, which the format stores once, excepted); raises when the names do not match."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    saved = {}
+    for name in files:
+        saved |= load_file(path / name)
+    own = model.state_dict()
+    stored = {own[k].data_ptr() for k in saved if k in own}
+    unexpected = sorted(set(saved) - set(own))
+    missing = sorted(k for k in set(own) - set(saved) if own[k].data_ptr() not in stored)
+    if unexpected or missing:
+        raise ValueError(f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    with torch.no_grad():
+        for k, t in saved.items():
+            own[k].copy_(t)
+
+
 def load_trainable(path: str | Path, model, optimizer, generator: torch.Generator) -> None:
-    """Weights, optimizer and RNG state (sharded layout); the older layout restores optimizer and RNG (its
-    weights were loaded when the model was built from ``path``)."""
+    """Weights, optimizer and RNG state, from either layout: the role equals the one that saved, however its
+    model was built (e.g. a critic's head initialised for a fresh run)."""
     path = Path(path)
     if is_complete(path / "dcp"):
         extra = load_sharded(path / "dcp", model, optimizer)
         generator.set_state(extra["shuffle_rng"])
         return
+    if is_sharded(model):
+        raise ValueError(f"{path} holds the single-process layout; a sharded model loads only {path / 'dcp'}")
     state = torch.load(path / "train_state.pt", weights_only=True)
+    _load_hf_weights(path, model)
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["shuffle_rng"])

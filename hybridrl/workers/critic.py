@@ -1,7 +1,9 @@
 """The critic role (PPO with GAE): a value head on the causal-LM trunk, with its own optimizer.
 
 The trunk starts from the same checkpoint as the policy; the head (one
-linear output per position) starts at zero, so the first values are 0.
+linear output per position) starts at zero, so the first values are 0. A
+checkpoint that holds a head (a saved critic) keeps it: a resumed critic is
+the saved one.
 The value of response token t is read at position P + t - 1, the state
 before the token is generated (the same alignment as the log-probs).
 """
@@ -24,19 +26,24 @@ from hybridrl.workers.common import load_tokenizer
 
 
 def build_value_model(cfg: Config, model_path: str | None):
+    """The value model: trunk from ``model_path`` (or the built-in size); the head from ``model_path`` when
+    it holds one (a critic checkpoint), else zero (a policy checkpoint has no head to load)."""
     if model_path is None:
         config = model_size_config(cfg.model.name, load_tokenizer(cfg, None))
         config.num_labels, config.classifier_dropout = 1, 0.0
         torch.manual_seed(cfg.model.seed)
-        model = AutoModelForTokenClassification.from_config(config)
+        model, missing = AutoModelForTokenClassification.from_config(config), {"score.weight", "score.bias"}
     else:
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         config.num_labels, config.classifier_dropout = 1, 0.0
-        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, local_files_only=True, dtype=torch.float32)
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            model_path, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+        missing = set(info["missing_keys"])
     with torch.no_grad():
-        model.score.weight.zero_()
-        if model.score.bias is not None:
-            model.score.bias.zero_()
+        for name in ("weight", "bias"):
+            param = getattr(model.score, name)
+            if param is not None and f"score.{name}" in missing:
+                param.zero_()
     return model
 
 
