@@ -93,3 +93,64 @@ class BrokenWorker(Worker):
         super().__init__(ctx)
         if ctx.rank == 1:
             raise RuntimeError("cannot build rank 1")
+
+
+class GlooWorker(Worker):
+    """A rank of a real torch.distributed (gloo) group, for the worker-failure tests."""
+
+    def __init__(self, ctx: WorkerContext):
+        super().__init__(ctx)
+        from hybridrl.training.distributed import init_distributed
+
+        self.dist = init_distributed(ctx)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def timeout_s(self) -> float:
+        """The process-group timeout this rank's group was built with."""
+        from hybridrl.training.distributed import pg_timeout_s
+
+        return pg_timeout_s()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def total(self, value: float, late_rank: int = -1, delay_s: float = 0.0, skip_rank: int = -1) -> float:
+        """All-reduce ``value`` over the group; ``late_rank`` sleeps ``delay_s`` first, ``skip_rank`` never joins."""
+        import time
+
+        from hybridrl.training.distributed import all_reduce
+
+        if self.rank == late_rank:
+            time.sleep(delay_s)
+        if self.rank == skip_rank:
+            return value
+        return float(all_reduce([value])[0])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        from hybridrl.training.distributed import teardown_distributed
+
+        teardown_distributed()
+
+
+class CloseFailsWorker(Worker):
+    """A role whose ``close`` raises on rank 0 (the shutdown test)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        if self.rank == 0:
+            raise RuntimeError("close failed on purpose")
+
+
+class CloseCountWorker(Worker):
+    """A role that counts its ``close`` calls (local backend: the test reads the worker objects)."""
+
+    def __init__(self, ctx: WorkerContext):
+        super().__init__(ctx)
+        self.closed = 0
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        self.closed += 1

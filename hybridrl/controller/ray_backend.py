@@ -14,14 +14,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import time
 from typing import Any
 
 from hybridrl.controller.dispatch import RankCall
 from hybridrl.controller.resource_pool import ResourcePool
-from hybridrl.controller.worker import WorkerContext, WorkerError, describe_exception, find_free_port
+from hybridrl.controller.worker import WorkerContext, WorkerDiedError, WorkerError, describe_exception, find_free_port
 
 # seconds to wait for a group's actors to start (process spawn + imports)
 START_TIMEOUT_S = 300.0
+# seconds to keep waiting for the other ranks once one rank raised: when a rank is killed, its peers'
+# connection errors often reach the driver before Ray reports the death, and the death is what to report
+DEATH_GRACE_S = 10.0
+# driver environment variables every rank inherits (a cluster joined by address does not share the
+# driver's environment): the torch.distributed timeout read by training/distributed.py
+FORWARDED_ENV = ("HYBRIDRL_PG_TIMEOUT_S",)
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
@@ -52,11 +60,11 @@ class _WorkerHost:
         torch.set_num_threads(num_threads)
         self.worker = None
 
-    def locate(self) -> tuple[str, str, int]:
-        """``(node id, node ip, a free port on that node)``."""
+    def locate(self) -> tuple[str, str, int, int]:
+        """``(node id, node ip, a free port on that node, pid)``."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), find_free_port()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), find_free_port(), os.getpid()
 
     def build(self, cls: type, ctx: WorkerContext, args: tuple, kwargs: dict, env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -84,8 +92,11 @@ class RayBackend:
         init_ray()
         self._ray = ray
         self.contexts = contexts
+        self.where: list[tuple[str, str, int, int]] = []  # per rank, from locate()
+        self.dead: WorkerDiedError | None = None  # the first rank found dead: the group is broken
         threads = str(contexts[0].num_threads)
-        actor_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **{k: str(v) for k, v in env.items()}}
+        forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+        actor_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **forwarded, **{k: str(v) for k, v in env.items()}}
         host = ray.remote(_WorkerHost)
         self.actors = []
         for ctx in contexts:
@@ -113,7 +124,8 @@ class RayBackend:
                 f"actors of role {ctx.role!r} did not start within {START_TIMEOUT_S:.0f} s on pool {ctx.pool!r} "
                 "(more groups on the pool than its max_colocate, or a cluster too small?)"
             ) from None
-        one_node = len({node for node, _, _ in where}) == 1
+        self.where = where
+        one_node = len({node for node, _, _, _ in where}) == 1
         addr, port = "127.0.0.1" if one_node else where[0][1], where[0][2]
         self.contexts = [dataclasses.replace(c, master_addr=addr, master_port=port) for c in self.contexts]
         pending = []
@@ -124,25 +136,60 @@ class RayBackend:
 
     def submit(self, method: str, calls: list[RankCall]) -> list[tuple[int, Any]]:
         """Issue all calls without waiting; an argument object passed to
-        several ranks is put into the object store once."""
+        several ranks is put into the object store once. A group with a dead
+        rank takes no more calls: its torch.distributed group is broken."""
+        if self.dead is not None:
+            d = self.dead
+            raise WorkerDiedError(d.role, d.rank, d.method, d.detail, d.where,
+                                  f"  the group takes no more calls (this one: {method}()); shut it down") from d
         calls = self._share(calls)
         return [(rank, self.actors[rank].call.remote(method, *args, **kwargs)) for rank, args, kwargs in calls]
 
     def gather(self, method: str, pending: list[tuple[int, Any]]) -> list[Any]:
+        """The results in the order of ``pending``. A rank whose actor died is reported as soon as Ray
+        knows, without awaiting the others (a survivor may sit in a collective with the dead peer);
+        otherwise the first failing rank in rank order among those done within DEATH_GRACE_S of the
+        first failure."""
         ray = self._ray
-        try:
-            return ray.get([ref for _, ref in pending])
-        except ray.exceptions.RayError:
-            pass
-        for rank, ref in pending:  # find the first failing rank, in rank order
+        rank_of = {ref: rank for rank, ref in pending}
+        results: dict[Any, Any] = {}
+        failed: dict[int, BaseException] = {}
+        waiting, deadline = [ref for _, ref in pending], None
+        while waiting:
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
+            if not ready:  # the grace after a failure ran out
+                break
+            ref = ready[0]
             try:
-                ray.get(ref)
-            except ray.exceptions.RayTaskError as err:
-                cause = err.cause if isinstance(err.cause, BaseException) else err
-                raise WorkerError(self.contexts[rank].role, rank, method, describe_exception(cause)) from err
+                results[ref] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                self.dead = self._died(rank_of[ref], method, err, failed, waiting, rank_of)
+                raise self.dead from err
             except ray.exceptions.RayError as err:
-                raise WorkerError(self.contexts[rank].role, rank, method, describe_exception(err)) from err
-        raise AssertionError("ray.get failed but no single call did")  # pragma: no cover
+                failed[rank_of[ref]] = err
+                deadline = deadline or time.monotonic() + DEATH_GRACE_S
+        if not failed:
+            return [results[ref] for _, ref in pending]
+        rank = min(failed)
+        err = failed[rank]
+        cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, BaseException) else err
+        raise WorkerError(self.contexts[rank].role, rank, method, describe_exception(cause)) from err
+
+    def _died(self, rank: int, method: str, err: BaseException, failed: dict, waiting: list, rank_of: dict) -> WorkerDiedError:
+        """The error naming dead ``rank``: where it ran, why it died, what its peers did meanwhile."""
+        report = str(getattr(err, "error_msg", "") or err)
+        if rank < len(self.where):
+            node_id, ip, _, pid = self.where[rank]
+        else:  # died before it could say where it runs: Ray's report names pid and ip
+            node_id, found = "?", dict(re.findall(r"^\t(pid|ip): (\S+)$", report, re.M))
+            pid, ip = found.get("pid", "?"), found.get("ip", "?")
+        lines = [f"  rank {r} failed too, most likely because its peer died: {_first_line(describe_exception(_cause(e)))}"
+                 for r, e in sorted(failed.items())]
+        lines += [f"  rank {rank_of[ref]}: not awaited (it may be blocked in a collective with the dead rank)" for ref in waiting]
+        lines += [f"  node id {node_id}; Ray's report:", *("    " + line.strip() for line in report.splitlines() if line.strip())]
+        return WorkerDiedError(self.contexts[rank].role, rank, method, exit_cause(report),
+                               f"pid {pid} on node {ip}, node id {node_id[:12]}", "\n".join(lines))
 
     def _share(self, calls: list[RankCall]) -> list[RankCall]:
         if len(calls) < 2:
@@ -163,6 +210,45 @@ class RayBackend:
         return [(r, tuple(share(a) for a in args), {k: share(v) for k, v in kwargs.items()}) for r, args, kwargs in calls]
 
     def shutdown(self) -> None:
-        for actor in self.actors:
-            self._ray.kill(actor, no_restart=True)
-        self.actors = []
+        """Kill every actor, dead or alive; a kill that fails does not spare the others (the first
+        failure is raised once all were tried)."""
+        actors, self.actors, first = self.actors, [], None
+        for actor in actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - the remaining actors must still go
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+def _cause(err: BaseException) -> BaseException:
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, BaseException) else err
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def exit_cause(report: str) -> str:
+    """A short cause of an actor's death from Ray's report (``ActorDiedError`` text), in plain words
+    first. Ray cannot name a signal: a process that vanished shows as a dropped connection."""
+    text = " ".join(line.strip() for line in report.splitlines() if line.strip() and not line.startswith("\t"))
+    text = re.split(r" (?:Some common causes|There are some potential root causes)", text)[0]
+    text = text.replace("The actor died unexpectedly before finishing this task. ", "")
+    found = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*)", text)
+    ray_says = f"{found.group(1)}: {found.group(2)}" if found else text
+    low = text.lower()
+    if "memory" in low:
+        plain = "out of memory"
+    elif "ray.kill" in low:
+        plain = "killed by ray.kill"
+    elif "node" in low and ("has died" in low or "node died" in low or "is dead because its node" in low):
+        plain = "its node was lost"
+    elif "connection error" in low or "end of file" in low:
+        plain = "its process vanished (killed by a signal such as SIGKILL or the OOM killer, or crashed)"
+    else:
+        plain = "its process exited"
+    return f"{plain} [Ray: {ray_says}]"

@@ -88,6 +88,24 @@ class WorkerError(RuntimeError):
         return type(self), (self.role, self.rank, self.method, self.detail)
 
 
+class WorkerDiedError(WorkerError):
+    """A rank's process died (killed by a signal, out of memory, its node lost) rather than raising.
+
+    The first line names the role, the dead rank, where it ran (``where``: pid and node) and the exit
+    cause; ``detail`` (the following lines) carries what the other ranks did and Ray's own report. The
+    group's torch.distributed group is broken from then on: every later call into the group raises this.
+    """
+
+    def __init__(self, role: str, rank: int, method: str, cause: str, where: str = "", detail: str = ""):
+        self.role, self.rank, self.method, self.detail = role, rank, method, cause
+        self.where, self.report = where, detail
+        head = f"worker role {role!r} rank {rank} died in {method}()" + (f" ({where})" if where else "") + f": {cause}"
+        RuntimeError.__init__(self, head + (f"\n{detail}" if detail else ""))
+
+    def __reduce__(self):
+        return type(self), (self.role, self.rank, self.method, self.detail, self.where, self.report)
+
+
 def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 

@@ -35,6 +35,7 @@ class Roles:
     critic: WorkerGroup | RoleView | None = None  # only for estimators that need values (gae)
     learner: WorkerGroup | None = None  # asynchronous training: the trained roles fused (workers/learner.py)
     groups: list[WorkerGroup] = field(default_factory=list)  # the processes behind the roles, each once
+    pools: list[ResourcePool] = field(default_factory=list)  # their placement groups, released at shutdown
     transport: str = "memory"  # weight sync: memory (one process), fused, shm (one node) or store (object store)
     bucket_bytes: int = weight_sync.BUCKET_BYTES
 
@@ -61,13 +62,40 @@ class Roles:
             rollout.apply_all(load, handle, version)
 
     def shutdown(self) -> None:
+        """Close every role, stop every group and release every pool, even past failures (a dead rank,
+        a close that raises); then raise the first failure, the later ones attached as notes. A group
+        whose call failed gets no further close: its other roles would fail or wait the same way."""
+        errors: list[Exception] = []
+        failed: set[int] = set()
+
+        def attempt(owner, fn, *args) -> None:
+            if id(owner) in failed:
+                return
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 - everything else must still be cleaned up
+                errors.append(exc)
+                if owner is not None:
+                    failed.add(id(owner))
+
         if self.transport == "shm":
-            self.actor.apply_all(weight_sync.release_stage)
+            attempt(None, self.actor.apply_all, weight_sync.release_stage)
         for role in (self.actor, self.reference, self.rollout, self.reward, self.critic):
             if role is not None and role.world_size > 1 and "close" in role.methods:  # leave torch.distributed cleanly
-                role.close()
+                attempt(_group_of(role), role.close)
+        failed.clear()  # every group is killed and every pool released, whatever failed before
         for group in self.groups:
-            group.shutdown()
+            attempt(group, group.shutdown)
+        for pool in self.pools:
+            attempt(pool, pool.release)
+        if errors:
+            for later in errors[1:]:
+                errors[0].add_note(f"also failed during shutdown: {type(later).__name__}: {later}")
+            raise errors[0]
+
+
+def _group_of(role: WorkerGroup | RoleView) -> WorkerGroup:
+    return role.group if isinstance(role, RoleView) else role
 
 
 def needs_critic(cfg: Config) -> bool:
@@ -111,4 +139,4 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
         fused = WorkerGroup(ColocatedWorker, pools[pool], role="+".join(roles), args=(parts,), **common)
         groups.append(fused)
         handles |= {role: RoleView(fused, role, ROLE_CLASSES[role]) for role in roles}
-    return Roles(**handles, groups=groups)
+    return Roles(**handles, groups=groups, pools=list(pools.values()))

@@ -8,7 +8,7 @@ is then a no-op, so the single-process path costs nothing.
 
 Several roles living in the same process with the same rank layout share the
 group (reference counted); :func:`teardown_distributed` calls ``barrier()``
-before ``destroy_process_group()`` (GUIDE.md §6: without it, exit crashes
+before ``destroy_process_group()`` (without it, exit crashes
 about one run in five).
 """
 from __future__ import annotations
@@ -21,6 +21,11 @@ import torch
 import torch.distributed as dist
 
 _users = 0  # workers of this process sharing the default group
+
+# seconds a collective (or the rendezvous) waits for a missing peer before it raises, instead of
+# torch's 30 minutes; HYBRIDRL_PG_TIMEOUT_S overrides it (the ray backend forwards it to every rank)
+PG_TIMEOUT_ENV = "HYBRIDRL_PG_TIMEOUT_S"
+DEFAULT_PG_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,24 @@ def compute_device() -> torch.device:
     return torch.device("cuda", local)
 
 
-def init_distributed(ctx, timeout_s: float = 600.0) -> DistEnv:
-    """Join (or create) the group of ``ctx``'s worker group; world size 1: no group.
+def pg_timeout_s() -> float:
+    """The process-group timeout: ``HYBRIDRL_PG_TIMEOUT_S`` if set, else DEFAULT_PG_TIMEOUT_S."""
+    raw = os.environ.get(PG_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PG_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{PG_TIMEOUT_ENV}={raw!r}: expected a number of seconds > 0")
+    return value
+
+
+def init_distributed(ctx, timeout_s: float | None = None) -> DistEnv:
+    """Join (or create) the group of ``ctx``'s worker group; world size 1: no group. Every collective
+    of the group raises after ``timeout_s`` (default :func:`pg_timeout_s`) without its peers, so a
+    dead or stuck peer cannot hold a barrier for torch's default 30 minutes.
 
     Raises when ranks of a group of world size > 1 share one process (the ``local`` backend builds
     every rank in the driver, one after another, so the first rendezvous would wait forever).
@@ -73,7 +94,7 @@ def init_distributed(ctx, timeout_s: float = 600.0) -> DistEnv:
     addr = ctx.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = ctx.master_port or int(os.environ["MASTER_PORT"])
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=ctx.rank, world_size=ctx.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s),
+                            timeout=datetime.timedelta(seconds=timeout_s or pg_timeout_s()),
                             device_id=device if backend == "nccl" else None)
     _users += 1
     return DistEnv(ctx.rank, ctx.world_size, device, backend)
