@@ -29,7 +29,7 @@ from hybridrl.training import distributed as D
 def sampling_of(rollout_cfg) -> SamplingParams:
     """The filters of the rollout's sampling distribution (``rollout.*``), as the trainer applies them."""
     return SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-                          min_p=getattr(rollout_cfg, "min_p", 0.0) or 0.0)
+                          min_p=getattr(rollout_cfg, "min_p", 0.0) or 0.0)  # a SamplingParams filter with no rollout.* key yet
 
 
 def _as_sampling(sampling) -> SamplingParams:
