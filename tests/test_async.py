@@ -72,29 +72,51 @@ def test_resumed_buffer_hands_out_untrained_prompts_first():
 @given(k=st.integers(0, 4), B=st.integers(1, 4), seed=st.integers(0, 10**6), slow=st.sampled_from(["rollout", "trainer"]))
 def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
     """A simulated rollout (groups of random lengths, a weight version that lags the trainer's) and a
-    trainer, one slow and one fast: every trained group's oldest token is at most k versions old."""
+    trainer, one slow and one fast: every trained group's oldest token is at most k versions old, and
+    training goes on (a buffer that never hands out a batch breaks no staleness bound)."""
     rng = random.Random(seed)
     buf = TrajectoryBuffer(batch_groups=B, max_staleness=k)
-    rollout_version, trainer_version, running = 0, 0, {}  # index -> [first token version or None, tokens left]
+    running = {}  # index -> [first token version or None, tokens left]
+    trained, version = [], {"rollout": 0, "trainer": 0}
+
+    def rollout_tick():
+        for i in buf.admit(rng.randint(1, 3), version["rollout"]):
+            running[i] = [None, rng.choice([1, 1, 2, 8])]
+        for i, r in list(running.items()):
+            r[0] = version["rollout"] if r[0] is None else r[0]
+            r[1] -= 1
+            if r[1] == 0:
+                del running[i]
+                buf.put(group(i, buf.running[i], stamps=[r[0]]))
+
+    def train_step():
+        v = version["trainer"]
+        batch = buf.get_batch(v, timeout=0)
+        assert len(batch) == B
+        assert all(v - g.samples[0].versions[0] <= k for g in batch)
+        if k == 0:
+            assert all(g.samples[0].versions[0] == v for g in batch)
+        trained.extend(g.index for g in batch)
+        version["trainer"] = v + 1
+
     for _ in range(400):
         if rng.random() < (0.8 if slow == "trainer" else 0.2):  # one rollout tick
-            for i in buf.admit(rng.randint(1, 3), rollout_version):
-                running[i] = [None, rng.choice([1, 1, 2, 8])]
-            for i, r in list(running.items()):
-                r[0] = rollout_version if r[0] is None else r[0]
-                r[1] -= 1
-                if r[1] == 0:
-                    del running[i]
-                    buf.put(group(i, buf.running[i], stamps=[r[0]]))
-        elif buf._pick(trainer_version) is not None:
-            batch = buf.get_batch(trainer_version, timeout=0)
-            assert len(batch) == B
-            assert all(trainer_version - g.samples[0].versions[0] <= k for g in batch)
-            if k == 0:
-                assert all(g.samples[0].versions[0] == trainer_version for g in batch)
-            trainer_version += 1
+            rollout_tick()
+        elif buf._pick(version["trainer"]) is not None:
+            train_step()
         if rng.random() < 0.5:
-            rollout_version = trainer_version  # the weight sync lands (sometimes late)
+            version["rollout"] = version["trainer"]  # the weight sync lands (sometimes late)
+    assert version["trainer"] >= 3  # 400 ticks hold dozens of batches in every setting
+    # then the weight sync lands at once: the learner is never stuck, whatever state the random phase left
+    goal = version["trainer"] + 3
+    for _ in range(200):
+        version["rollout"] = version["trainer"]
+        if version["trainer"] == goal:
+            break
+        train_step() if buf._pick(version["trainer"]) is not None else rollout_tick()
+    assert version["trainer"] == goal
+    # each trained group is a distinct prompt, B per version, and the buffer counts them all
+    assert len(trained) == len(set(trained)) == goal * B == buf.state()["trained_groups"]
 
 
 # --- interruptible generation ----------------------------------------------------------------------------
