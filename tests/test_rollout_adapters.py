@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
 from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.rollout.base import WeightSyncError
+from hybridrl.rollout.sequence import request_seed
 
 torch.set_num_threads(1)
 EOS = 2
@@ -246,8 +248,42 @@ def test_lora_sync_merges_into_the_engine_without_accumulating(make, name):
         eng.update_weights(iter([(mod + ".lora_A", a), (mod + ".lora_B", b), (mod + ".lora_scaling", torch.tensor(0.5))]), v)
         torch.testing.assert_close(core.model.get_parameter(w), base + 0.5 * b @ a)
     new_base = torch.randn_like(base)  # a full weight in the same sync becomes the new base
-    eng.update_weights(iter([(w, new_base), (mod + ".lora_A", a), (mod + ".lora_B", b), (mod + ".lora_scaling", torch.tensor(0.5))]), 3)
+    full = [(n, new_base if n == w else t) for n, t in tiny().named_parameters()]  # the base sync carries every weight
+    eng.update_weights(iter(full + [(mod + ".lora_A", a), (mod + ".lora_B", b), (mod + ".lora_scaling", torch.tensor(0.5))]), 3)
     torch.testing.assert_close(core.model.get_parameter(w), new_base + 0.5 * b @ a)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_requests_are_seeded_by_their_id_not_their_position(make, name):
+    eng, _ = make(name, tiny())
+    rs = reqs(4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=5, ignore_eos=True)
+    seeds, inner = [], eng._generate
+
+    def record(requests, request_seeds, p):
+        seeds.append({r.request_id: s for r, s in zip(requests, request_seeds)})
+        return inner(requests, request_seeds, p)
+
+    eng._generate = record
+    whole = eng.generate(rs, params)
+    split = eng.generate(rs[:2], params) + eng.generate(rs[2:], params)  # two data-parallel ranks
+    assert [s.response_ids for s in split] == [s.response_ids for s in whole]
+    assert seeds[0] == {**seeds[1], **seeds[2]} == {r.request_id: request_seed(5, r.request_id) for r in rs}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_an_incomplete_or_unknown_weight_sync_is_refused(make, name):
+    m = tiny()
+    eng, _ = make(name, m)
+    state = list(tiny(1).state_dict().items())
+    with pytest.raises(WeightSyncError, match=r"1 of its \d+ weights missing: \['model.norm.weight'\]"):
+        eng.update_weights(iter([(n, t) for n, t in state if n != "model.norm.weight"]), version=1)
+    with pytest.raises(RuntimeError, match="last weight sync failed"):
+        eng.generate(reqs(1), SamplingParams(max_new_tokens=2))
+    with pytest.raises(WeightSyncError, match=r"does not have: \['model.extra.weight'\]"):
+        eng.update_weights(iter(state + [("model.extra.weight", torch.zeros(2))]), version=1)
+    assert eng.update_weights(iter(state), version=2) == len(state) and eng.version == 2
+    assert len(eng.generate(reqs(1), SamplingParams(max_new_tokens=2))) == 1
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -16,13 +16,21 @@ full weight for such a module received in a sync becomes its new base (the
 actor's first sync sends the base weights, then adapters only). Backends that
 override ``update_weights`` pass their stream through ``merge_adapters`` and,
 when they have no ``self.model``, implement ``_weight_tensors``.
+
+Every ``update_weights`` call is one complete sync of a version (its buckets
+arrive as one stream). It is checked when the stream ends: it must carry every
+weight of the model by its transformers name (tied aliases count once), or
+LoRA adapter entries only; an unknown name or a missing weight raises
+:class:`WeightSyncError` naming a few of them. Tensors loaded before the error
+stay loaded, so the engine then refuses to generate until a sync succeeds
+instead of serving a half-updated model.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -33,6 +41,58 @@ ROLLOUT_BACKENDS = Registry("rollout backend")  # name -> cls(model, tokenizer, 
 
 LORA_A, LORA_B, LORA_SCALING = ".lora_A", ".lora_B", ".lora_scaling"  # adapter entries of a weight sync
 _LORA_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING)
+_IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; computed from the config, never synced
+_SHOWN = 5  # names quoted in a sync error
+
+
+class WeightSyncError(ValueError):
+    """A weight sync that does not match the rollout model (unknown names, missing weights)."""
+
+
+class SyncCheck:
+    """Follows one sync's stream: drops (and records) unknown names, and when the stream ends raises
+    :class:`WeightSyncError` unless it carried every weight (or adapters only). ``live`` (name -> tensor) is
+    None when the backend cannot name its weights; names that share storage (a tied head) count once."""
+
+    def __init__(self, live: dict[str, torch.Tensor] | None, aliases: Iterable[str] = ()):
+        self.known = None if live is None else set(live) | set(aliases)
+        groups: dict[tuple, list[str]] = defaultdict(list)
+        for name, t in (live or {}).items():
+            groups[(t.data_ptr(), tuple(t.shape), t.stride())].append(name)
+        self.groups = [sorted(g) for g in groups.values()]
+
+    def stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        full: set[str] = set()
+        unknown: list[str] = []
+        adapters = False
+        for name, tensor in named_tensors:
+            if name.endswith(_LORA_SUFFIXES):
+                adapters = True
+            elif name.endswith(_IGNORED):
+                continue
+            elif self.known is not None and name not in self.known:
+                unknown.append(name)
+                continue
+            else:
+                full.add(name)
+            yield name, tensor
+        self._verify(full, unknown, adapters)
+
+    def _verify(self, full: set[str], unknown: list[str], adapters: bool) -> None:
+        problems = []
+        if unknown:
+            problems.append(f"{len(unknown)} name(s) the rollout model does not have: {unknown[:_SHOWN]}")
+        if not full and not adapters:
+            problems.append("no tensors at all")
+        elif full and self.groups:
+            missing = sorted(g[0] for g in self.groups if full.isdisjoint(g))
+            if missing:
+                problems.append(f"{len(missing)} of its {len(self.groups)} weights missing: {missing[:_SHOWN]}")
+        if problems:
+            example = sorted(self.known)[:3] if self.known else []
+            raise WeightSyncError("update_weights: " + "; ".join(problems) + ". A sync must carry every weight of the "
+                                  f"model by its transformers name (e.g. {example}), or LoRA adapter entries "
+                                  f"(<module>{LORA_A}, {LORA_B}, {LORA_SCALING}) only")
 
 
 @dataclass
@@ -71,6 +131,7 @@ class RolloutEngine(ABC):
         self.paused = False
         self._aborted: set[str] = set()
         self._lora_base: dict[str, torch.Tensor] = {}  # "<module>.weight" -> its base value (adapted modules)
+        self._sync_failure: str | None = None  # why the last weight sync failed (the weights may be half-updated)
 
     @abstractmethod
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]: ...
@@ -80,9 +141,37 @@ class RolloutEngine(ABC):
         """Copy tensors into the live weights in place; return the number of tensors loaded."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        count = self._load_weights(self.merge_adapters(named_tensors))
+        count = self.checked_sync(named_tensors, self._load_weights)
         self.version = version
         return count
+
+    # --- sync checks --------------------------------------------------------------------------------------
+    def _sync_aliases(self) -> set[str]:
+        """Names a sync may carry that are not live weights of their own: a head tied to the embedding."""
+        config = getattr(getattr(self, "model", None), "config", None)
+        return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+    def checked_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                     load: Callable[[Iterator[tuple[str, torch.Tensor]]], int]) -> int:
+        """``load`` the sync's stream (LoRA merged) after :class:`SyncCheck`; a failure is remembered, so
+        :meth:`check_servable` refuses generation until a later sync succeeds."""
+        try:
+            live = self._weight_tensors()
+        except NotImplementedError:  # the backend cannot name its weights: unknown and missing names go unchecked
+            live = None
+        check = SyncCheck(live, self._sync_aliases())
+        try:
+            count = load(self.merge_adapters(check.stream(named_tensors)))
+        except BaseException as e:
+            self._sync_failure = f"{type(e).__name__}: {e}"
+            raise
+        self._sync_failure = None
+        return count
+
+    def check_servable(self) -> None:
+        if self._sync_failure is not None:
+            raise RuntimeError(f"{type(self).__name__}: the last weight sync failed, so the model may be half-updated; "
+                               f"complete a sync before generating ({self._sync_failure})")
 
     # --- LoRA -------------------------------------------------------------------------------------------
     def _weight_tensors(self) -> dict[str, torch.Tensor]:

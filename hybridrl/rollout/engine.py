@@ -23,6 +23,7 @@ from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.sampler import SamplingTensors, sample
 from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.sequence import Sequence, Status, derive_seed
+from hybridrl.rollout.stop import as_tuple, stop_hit
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +96,21 @@ class LLMEngine:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         n = max(1, int(getattr(params, "n", 1)))
         stops = (frozenset() if getattr(params, "ignore_eos", False) else self.eos_token_ids) | frozenset(params.stop_token_ids)
-        seq = Sequence(request_id, prompt_ids, params, derive_seed(seed, 0), num_forks=n - 1, tag=tag, base_seed=seed,
-                       stop_ids=stops)
         limit = self.runner.spec.max_positions
-        if len(prompt_ids) + seq.max_tokens > limit:
-            seq.max_tokens = max(0, limit - len(prompt_ids))
-        if seq.max_tokens <= 0:
+        max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
+        if max_tokens <= 0:
             raise ValueError(f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room below {limit} positions")
+        # a group enters as one sequence that forks its samples after the prompt; a group larger than the seats
+        # (rollout.max_batch_size) enters in parts of at most that many samples, each part forking its own (the
+        # later parts find the prompt's full blocks in the prefix cache), so sample i's seed stays derive_seed(seed, i)
+        cap = self.scheduler.max_num_seqs
+        parts = [Sequence(request_id, prompt_ids, params, derive_seed(seed, start), sample_index=start,
+                          num_forks=min(cap, n - start) - 1, max_tokens=max_tokens, tag=tag, base_seed=seed, stop_ids=stops)
+                 for start in range(0, n, cap)]
         self.stats_acc["prompt_tokens"] += n * len(prompt_ids)
         with self.lock:
-            self.scheduler.add(seq)
+            for seq in parts:
+                self.scheduler.add(seq)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self.lock:
@@ -126,15 +132,18 @@ class LLMEngine:
         """Load new weights in place between steps and invalidate the prefix cache. In-flight sequences
         (interrupted generation, asynchronous training) drop their KV, now stale, and continue from their
         tokens so far: their prompt and the tokens already generated are recomputed under the new weights,
-        and each token keeps the version that produced it."""
+        and each token keeps the version that produced it. If the stream raises, the tensors loaded so far stay
+        loaded: the KV is dropped all the same and the version is not bumped."""
         with self.lock:
-            count = self.runner.load_weights(named_tensors)
-            sch = self.scheduler
-            self.stats_acc["interrupted"] += len(sch.running)
-            n = sch.num_preemptions
-            sch.preempt_all()
-            sch.num_preemptions = n  # a weight change, not memory pressure: do not count
-            self.bm.invalidate()
+            try:
+                count = self.runner.load_weights(named_tensors)
+            finally:
+                sch = self.scheduler
+                self.stats_acc["interrupted"] += len(sch.running)
+                n = sch.num_preemptions
+                sch.preempt_all()
+                sch.num_preemptions = n  # a weight change, not memory pressure: do not count
+                self.bm.invalidate()
             self.version = version
             return count
 
@@ -192,7 +201,7 @@ class LLMEngine:
                 rows.append(i)
                 row_seqs.append(seq)
                 if seq.num_forks:
-                    for j in range(1, seq.num_forks + 1):
+                    for j in range(seq.sample_index + 1, seq.sample_index + seq.num_forks + 1):
                         rows.append(i)
                         row_seqs.append(self._fork(seq, j))
                     seq.num_forks = 0
@@ -250,10 +259,8 @@ class LLMEngine:
                 self.finished[s.request_id].append(s)
 
     def _hit_stop_string(self, seq: Sequence, stop) -> bool:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop)
-        width = max(len(s) for s in stops) + 4
-        text = self.tokenizer.decode(seq.completion_ids[-width:], skip_special_tokens=False)
-        return any(text.endswith(s) or (len(seq.completion_ids) <= width and s in text) for s in stops)
+        """A stop string ends inside the newest token (``rollout/stop.py``: that token is kept, the response ends)."""
+        return stop_hit(self.tokenizer, seq.token_ids, seq.num_prompt_tokens, as_tuple(stop))
 
     # --- statistics ----------------------------------------------------------------------
     def stats(self, reset: bool = True) -> dict[str, float]:

@@ -8,6 +8,7 @@ stream does not depend on which other sequences share a step.
 """
 from __future__ import annotations
 
+import hashlib
 from enum import Enum
 from itertools import count
 from typing import Any
@@ -30,6 +31,14 @@ def derive_seed(seed: int, index: int) -> int:
     x = (x * 0xD6E8FEB86659FD93) & ((1 << 64) - 1)
     x ^= x >> 32
     return x & _MASK63
+
+
+def request_seed(seed: int, request_id: str) -> int:
+    """The seed of request ``request_id`` in a call seeded with ``seed``; its sample ``i`` uses
+    ``derive_seed(request_seed(...), i)``. It depends on the request's identity, not on its position in the
+    call, so a prompt draws the same numbers however the prompts are split among data-parallel ranks."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()  # stable across processes, unlike hash()
+    return derive_seed(seed, int.from_bytes(digest, "little"))
 
 
 class Sequence:

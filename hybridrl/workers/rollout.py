@@ -5,7 +5,6 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch, Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
-from hybridrl.rollout.sequence import derive_seed
 from hybridrl.workers.common import load_model, make_task
 from hybridrl.workers.reward import Scorer
 from hybridrl.workers.rollout_stream import RolloutStream
@@ -43,11 +42,13 @@ class RolloutWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:
         """Asynchronous training: generate continuously, taking prompts from and putting scored groups
-        into ``buffer`` (a :class:`~hybridrl.trainers.buffer.BufferHandle`) until :meth:`stop_stream`."""
+        into ``buffer`` (a :class:`~hybridrl.trainers.buffer.BufferHandle`) until :meth:`stop_stream`. Every rank
+        gets the same ``seed``: a prompt's samples are seeded from it, the prompt's index and its uid, so they
+        do not depend on which rank admitted the prompt."""
         if self.stream is not None:
             raise RuntimeError("the rollout stream is already running")
         self.stream = RolloutStream(self.engine, buffer, make_task(self.cfg), self.tokenizer, Scorer(self.cfg, self.tokenizer),
-                                    params, derive_seed(seed, self.rank), self.cfg.asynchronous.max_concurrent_prompts)
+                                    params, seed, self.cfg.asynchronous.max_concurrent_prompts)
         self.stream.start()
 
     @register(Dispatch.ONE_TO_ALL)

@@ -36,7 +36,7 @@ import torch
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
-from hybridrl.rollout.sequence import derive_seed
+from hybridrl.rollout.sequence import request_seed
 
 # engine finish reason -> Sample.status (None: the engine gave none, i.e. the request did not finish)
 STATUS = {"stop": "finished", "length": "truncated", "abort": "aborted", None: "aborted"}
@@ -126,10 +126,11 @@ class ExternalRollout(RolloutEngine):
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
         if self.paused:
             raise RuntimeError("generate() called on a paused engine; call resume() first")
+        self.check_servable()
         if params.return_raw_log_probs:
             raise NotImplementedError(f"{self.package} backend: return_raw_log_probs is not supported (use rollout.backend=native)")
         live = [(i, r) for i, r in enumerate(requests) if r.request_id not in self._aborted]
-        seeds = [None if params.seed is None else derive_seed(params.seed, i) for i, _ in live]
+        seeds = [None if params.seed is None else request_seed(params.seed, r.request_id) for _, r in live]
         version, t0 = self.version, time.perf_counter()
         outputs = self._generate([r for _, r in live], seeds, params) if live else []
         self._seconds += time.perf_counter() - t0
@@ -167,10 +168,12 @@ class ExternalRollout(RolloutEngine):
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         t0, count = time.perf_counter(), 0
-        for bucket in buckets(self._mirror(named_tensors), self.bucket_bytes):
-            self._load_bucket(bucket)
-            count += len(bucket)
-        self._reset_prefix_cache()  # KV computed under the old weights must not be served
+        try:
+            for bucket in buckets(self._mirror(named_tensors), self.bucket_bytes):
+                self._load_bucket(bucket)
+                count += len(bucket)
+        finally:  # KV computed under the old weights must not be served (also after a sync that failed half-way)
+            self._reset_prefix_cache()
         self._sync_seconds += time.perf_counter() - t0
         return count
 

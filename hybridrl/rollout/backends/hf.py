@@ -1,9 +1,12 @@
 """The ``hf`` rollout backend: transformers ``generate`` behind the rollout interface.
 
-Simple and always available; the behaviour log-probs are read from the
-processed scores (after temperature / top-k / top-p), i.e. the distribution
-each token was actually sampled from. Generation is batch-synchronous, so
-``pause`` only takes effect between ``generate`` calls.
+Simple and always available. Sampled tokens: transformers' warpers (temperature, top-k, top-p) shape each row's
+distribution, then the row's token is drawn from it with the native engine's counter-based randomness (a hash of
+the sample's seed and the token's position, ``rollout/sampler.py``) instead of the batch's shared RNG stream, so a
+sample's tokens do not depend on the other prompts of the call. Seeds follow the native engine: sample ``j`` of a
+request uses ``derive_seed(request_seed(params.seed, request_id), j)``. The behaviour log-prob of each token is
+taken under the distribution it was drawn from. Stop strings end a sample at the token that completes one
+(``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect between ``generate`` calls.
 """
 from __future__ import annotations
 
@@ -11,10 +14,47 @@ import time
 from typing import Iterable
 
 import torch
+from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
+from hybridrl.rollout.sampler import STREAM_SAMPLE, draw, uniform
+from hybridrl.rollout.sequence import derive_seed, request_seed
+from hybridrl.rollout.stop import as_tuple, stop_hit
+
+
+class _SeededDraw(LogitsProcessor):
+    """Last processor: draws each row's token from the warped scores with the row's own random stream, records
+    its log-prob, and leaves only that token for greedy decoding to take."""
+
+    def __init__(self, seeds: list[int], prompt_lens: list[int], width: int, device: torch.device):
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
+        self.positions = torch.tensor(prompt_lens, dtype=torch.long, device=device) - width  # + width of input_ids
+        self.log_probs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float(), -1)
+        tokens = draw(logp.exp(), uniform(self.seeds, self.positions + input_ids.shape[1], STREAM_SAMPLE))
+        self.log_probs.append(logp.gather(1, tokens[:, None]).squeeze(1))
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+class _StopStrings(StoppingCriteria):
+    """Ends a row at the token that completes a stop string and records its response length."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], width: int):
+        self.tokenizer, self.stops, self.width = tokenizer, stops, width
+        self.ends: dict[int, int] = {}
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for row in range(input_ids.shape[0]):
+            if row not in self.ends and stop_hit(self.tokenizer, input_ids[row].tolist(), self.width, self.stops):
+                self.ends[row] = input_ids.shape[1] - self.width
+            done[row] = row in self.ends
+        return done
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -43,52 +83,67 @@ class HFRollout(RolloutEngine):
     def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
         if self.paused:
             raise RuntimeError("generate() called on a paused engine; call resume() first")
+        self.check_servable()
+        n = max(1, params.n)
+        out: list[Sample] = [self._aborted_sample(r) for r in requests if r.request_id in self._aborted for _ in range(n)]
         live = [r for r in requests if r.request_id not in self._aborted]
-        out: list[Sample] = [self._aborted_sample(r) for r in requests if r.request_id in self._aborted for _ in range(params.n)]
-        per_call = max(1, self.max_batch_size // params.n)
+        per_call = max(1, self.max_batch_size // n)
         for start in range(0, len(live), per_call):
-            out.extend(self._generate_chunk(live[start : start + per_call], params, start))
+            out.extend(self._generate_chunk(live[start : start + per_call], params))
         return out
 
-    def _generate_chunk(self, reqs: list[GenerationRequest], params: SamplingParams, offset: int) -> list[Sample]:
+    def _generate_chunk(self, reqs: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
         t0 = time.perf_counter()
-        tok = self.tokenizer
-        ids = pad_2d([r.prompt_ids for r in reqs], tok.pad_token_id, torch.long, left=True)
-        attn = pad_2d([[1] * len(r.prompt_ids) for r in reqs], 0, torch.long, left=True)
-        with torch.random.fork_rng(devices=[]):  # a seeded call leaves the caller's RNG stream alone
-            if params.seed is not None:
-                torch.manual_seed(params.seed + offset)
-            res = self._hf_generate(ids, attn, params)
-        return self._to_samples(reqs, ids.shape[1], res, params, t0)
-
-    def _hf_generate(self, ids: torch.Tensor, attn: torch.Tensor, params: SamplingParams):
-        tok = self.tokenizer
-        gen_kwargs = dict(do_sample=not params.greedy, num_return_sequences=params.n)
+        tok, n = self.tokenizer, max(1, params.n)
+        rows = [r for r in reqs for _ in range(n)]  # sample j of request i is row i * n + j
+        ids = pad_2d([r.prompt_ids for r in rows], tok.pad_token_id, torch.long, left=True).to(self.model.device)
+        attn = pad_2d([[1] * len(r.prompt_ids) for r in rows], 0, torch.long, left=True).to(self.model.device)
+        width = ids.shape[1]
+        processors = LogitsProcessorList()
+        sampler = None
         if not params.greedy:
-            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)  # top_k=0: off
-        return self.model.generate(
+            seeds = []
+            for r in reqs:
+                base = int(torch.randint(0, 2**62, (1,)).item()) if params.seed is None else request_seed(params.seed, r.request_id)
+                seeds += [derive_seed(base, j) for j in range(n)]
+            processors.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k:
+                processors.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                processors.append(TopPLogitsWarper(params.top_p))
+            sampler = _SeededDraw(seeds, [len(r.prompt_ids) for r in rows], width, ids.device)
+            processors.append(sampler)
+        stops = as_tuple(params.stop)
+        criteria = StoppingCriteriaList([_StopStrings(tok, stops, width)] if stops else [])
+        res = self.model.generate(
             input_ids=ids, attention_mask=attn, max_new_tokens=params.max_new_tokens, eos_token_id=self._eos(params),
-            pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True, **gen_kwargs,
+            pad_token_id=tok.pad_token_id, do_sample=False, logits_processor=processors, stopping_criteria=criteria,
+            output_scores=sampler is None, return_dict_in_generate=True,
         )
+        responses = res.sequences[:, width:]
+        if sampler is None:  # greedy: the raw log-prob of the argmax
+            scores = torch.stack(res.scores, 1).float()
+            logps = torch.log_softmax(scores, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        else:
+            logps = torch.stack(sampler.log_probs, 1)
+        stop_ends = criteria[0].ends if stops else {}
+        return self._to_samples(rows, responses, logps, stop_ends, params, t0)
 
     def _eos(self, params: SamplingParams) -> list[int]:
         return [self.tokenizer.eos_token_id, *params.stop_token_ids]
 
-    def _to_samples(self, reqs: list[GenerationRequest], prompt_width: int, res, params: SamplingParams, t0: float) -> list[Sample]:
+    def _to_samples(self, rows: list[GenerationRequest], responses: torch.Tensor, logps: torch.Tensor, stop_ends: dict[int, int],
+                    params: SamplingParams, t0: float) -> list[Sample]:
         eos = self._eos(params)
-        responses = res.sequences[:, prompt_width:]
-        scores = torch.stack(res.scores, 1).float()  # (B*n, R, V) processed logits
-        logps = torch.log_softmax(scores, -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         samples = []
-        for row in range(responses.shape[0]):
-            req = reqs[row // params.n]
+        for row, req in enumerate(rows):
             resp = responses[row].tolist()
-            end = next((i + 1 for i, t in enumerate(resp) if t in eos), None)
-            status = "finished" if end is not None else "truncated"
-            end = end or len(resp)
+            ends = [e for e in (next((i + 1 for i, t in enumerate(resp) if t in eos), None), stop_ends.get(row)) if e]
+            end = min(ends) if ends else len(resp)
             samples.append(Sample(
                 prompt_ids=list(req.prompt_ids), response_ids=resp[:end], log_probs=logps[row, :end].tolist(),
-                versions=[self.version] * end, status=status, uid=req.uid, task_id=req.task_id, extra=dict(req.extra),
+                versions=[self.version] * end, status="finished" if ends else "truncated", uid=req.uid,
+                task_id=req.task_id, extra=dict(req.extra),
             ))
             self._tokens += end
         self._seconds += time.perf_counter() - t0

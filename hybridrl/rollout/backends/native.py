@@ -20,7 +20,7 @@ from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
 from hybridrl.rollout.engine import LLMEngine
-from hybridrl.rollout.sequence import Sequence, derive_seed
+from hybridrl.rollout.sequence import Sequence, request_seed
 
 
 def _load_draft(path: str, like):
@@ -54,12 +54,14 @@ class NativeRollout(RolloutEngine):
 
     # the same, one piece at a time (asynchronous training streams requests through these)
     def add(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationRequest]:
-        """Queue the requests (not those aborted already); request ``i`` is seeded from ``params.seed`` and ``i``."""
+        """Queue the requests (not those aborted already); each is seeded from ``params.seed`` and its request id
+        (:func:`request_seed`), so its tokens do not depend on the other requests of the call."""
+        self.check_servable()
         added = []
-        for i, r in enumerate(requests):
+        for r in requests:
             if r.request_id in self._aborted:
                 continue
-            seed = None if params.seed is None else derive_seed(params.seed, i)
+            seed = None if params.seed is None else request_seed(params.seed, r.request_id)
             self.engine.add_request(r.request_id, r.prompt_ids, params, seed=seed, tag=r)
             added.append(r)
         return added
@@ -106,7 +108,7 @@ class NativeRollout(RolloutEngine):
         return dict(self.engine.runner._targets)  # live views by transformers name (LoRA merge reads them)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        count = self.engine.update_weights(self.merge_adapters(named_tensors), version)
+        count = self.checked_sync(named_tensors, lambda stream: self.engine.update_weights(stream, version))
         self.version = version
         return count
 

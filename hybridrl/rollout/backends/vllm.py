@@ -13,7 +13,8 @@ top-k / top-p); ``rollout.engine_kwargs`` overrides any of them.
 Mapping: our ``SamplingParams`` -> ``vllm.SamplingParams(n, temperature,
 top_p, top_k (0 -> -1), min_p, max_tokens, seed, stop, stop_token_ids,
 ignore_eos, logprobs=0)``, one per request (its seed derived from
-``params.seed`` and the request's index); ``RequestOutput.outputs[i]``
+``params.seed`` and the request's id, vLLM seeds sample i with seed + i);
+``RequestOutput.outputs[i]``
 ``token_ids`` / ``logprobs[t][token].logprob`` / ``finish_reason`` ("stop",
 "length", "abort") -> ``Sample``. Weight sync: each bucket goes to every
 worker's ``model.load_weights`` through ``LLM.apply_model`` (older vLLM
