@@ -183,8 +183,11 @@ def test_staleness_bound_holds_on_the_stamps(tmp_path, k, slow):
 def test_max_staleness_zero_is_on_policy(tmp_path):
     train(make_cfg(tmp_path, "asynchronous.max_staleness=0", "trainer.total_steps=3"))
     metrics = [json.loads(line) for line in (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()]
-    assert all(x == 0 for r in trace(tmp_path) for x in r["staleness"])
-    assert all(m["async/staleness_0"] == 1.0 and m["async/partial_frac"] == 0.0 for m in metrics if m["step"] > 0)
+    rows = trace(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [m["step"] for m in metrics] == [0, 1, 2, 3]
+    lags = [x for r in rows for x in r["staleness"]]
+    assert len(lags) == 3 * 8 and set(lags) == {0}
+    assert all(m["async/staleness_0"] == 1.0 and m["async/partial_frac"] == 0.0 for m in metrics[1:])
 
 
 def test_resume_trains_no_trajectory_twice_and_continues_the_stream(tmp_path):
