@@ -60,13 +60,13 @@ def kill_later(pid: int, after_s: float) -> threading.Thread:
     return thread
 
 
-def make_roles(train: ResourcePool, gen: ResourcePool, actor_cls=GlooWorker, backend: str = "ray") -> Roles:
-    """actor and reference: two 2-rank groups on ``train`` (gloo groups for GlooWorker); rollout and
-    reward: one 1-rank group on ``gen``."""
+def make_roles(train: ResourcePool, gen: ResourcePool, actor_cls=GlooWorker, reference_cls=GlooWorker,
+               backend: str = "ray") -> Roles:
+    """actor and reference: two 2-rank groups on ``train`` (each its own gloo group for GlooWorker);
+    rollout and reward: one 1-rank group on ``gen``."""
     groups = []
     try:
-        for cls, pool, role in ((actor_cls, train, "actor"), (GlooWorker if backend == "ray" else CloseCountWorker, train, "reference"),
-                                (EchoWorker, gen, "rollout")):
+        for cls, pool, role in ((actor_cls, train, "actor"), (reference_cls, train, "reference"), (EchoWorker, gen, "rollout")):
             groups.append(WorkerGroup(cls, pool, role=role, backend=backend))
     except BaseException:
         for group in groups:
@@ -106,8 +106,9 @@ def test_dead_rank_is_named_and_every_group_is_shut_down(ray_cluster):
     assert "rank 0 failed too, most likely because its peer died" in detail or "rank 0: not awaited" in detail
     with pytest.raises(WorkerDiedError, match=r"rank 1 died in total\(\)[^\n]*\n.*this one: pid\(\)"):
         roles.actor.pid()  # the broken group takes no more calls
-    with pytest.raises(WorkerDiedError, match="rank 1 died"):
+    with pytest.raises(WorkerDiedError, match="rank 1 died") as shut:
         roles.shutdown()
+    assert "reference" not in " ".join(getattr(shut.value, "__notes__", []))  # its close (a barrier) went through
     assert all(actor_dead(a) for a in others)
     assert all(process_gone(pid) for pid in other_pids + [pids[0]])
     assert {placement_group_table(pg)["state"] for pg in pgs} == {"REMOVED"}
@@ -140,7 +141,7 @@ def test_busy_survivor_is_not_awaited(ray_cluster, monkeypatch):
 
 def test_shutdown_closes_every_role_past_a_failing_close_local():
     """Local backend: the roles after the failing one are still closed and their groups stopped."""
-    roles = make_roles(ResourcePool("t", workers_per_node=2), ResourcePool("g"), actor_cls=CloseFailsWorker, backend="local")
+    roles = make_roles(ResourcePool("t", workers_per_node=2), ResourcePool("g"), CloseFailsWorker, CloseCountWorker, "local")
     reference = roles.reference.workers
     with pytest.raises(WorkerError, match="close failed on purpose"):
         roles.shutdown()
