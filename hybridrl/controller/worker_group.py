@@ -144,7 +144,8 @@ class WorkerGroup:
 
     # --- lifetime ------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the group's workers (the pool stays reserved for others)."""
+        """Stop the group's workers (the pool stays reserved for others). Under ray every rank's actor
+        is killed, busy or dead; a kill that fails is raised only after the others were tried."""
         self._backend.shutdown()
 
     def __enter__(self) -> "WorkerGroup":
