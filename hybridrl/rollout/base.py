@@ -1,4 +1,4 @@
-"""The rollout interface every backend implements (GUIDE.md §1).
+"""The rollout interface every backend implements.
 
 ``generate(requests, params) -> list[Sample]`` returns ``params.n`` samples
 per request, each with the behaviour log-prob of every token and the weight
@@ -105,7 +105,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     min_p: float = 0.0
-    stop: tuple[str, ...] = ()  # stop strings (native backend)
+    stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one (rollout/stop.py)
     ignore_eos: bool = False
     return_raw_log_probs: bool = False
 
