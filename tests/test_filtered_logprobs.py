@@ -66,10 +66,7 @@ def check_agreement(backend, kw):
     return gap.max().item(), (logp, batch)
 
 
-HF_NO_MIN_P = pytest.mark.xfail(strict=True, reason="the hf backend does not pass min_p to transformers' generate: "
-                                "it samples, and reports log-probs, without that filter")
-CASES = [pytest.param(b, s, marks=HF_NO_MIN_P if (b, s) == ("hf", "min_p") else (), id=f"{b}-{s}")
-         for b in BACKENDS for s in SETTINGS]
+CASES = [pytest.param(b, s, id=f"{b}-{s}") for b in BACKENDS for s in SETTINGS]
 
 
 @pytest.mark.parametrize("backend,setting", CASES)

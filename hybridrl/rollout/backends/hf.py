@@ -1,9 +1,10 @@
 """The ``hf`` rollout backend: transformers ``generate`` behind the rollout interface.
 
-Simple and always available. Sampled tokens: transformers' warpers (temperature, top-k, top-p) shape each row's
-distribution, then the row's token is drawn from it with the native engine's counter-based randomness (a hash of
-the sample's seed and the token's position, ``rollout/sampler.py``) instead of the batch's shared RNG stream, so a
-sample's tokens do not depend on the other prompts of the call. Seeds follow the native engine: sample ``j`` of a
+Simple and always available. Sampled tokens: the native sampler's own filters (temperature, top-k, top-p, min-p:
+``rollout/sampler.py``, the code the trainer also recomputes log-probs with) shape each row's distribution, then the
+row's token is drawn from it with the native engine's counter-based randomness (a hash of the sample's seed and the
+token's position) instead of the batch's shared RNG stream, so a sample's tokens do not depend on the other prompts
+of the call. Seeds follow the native engine: sample ``j`` of a
 request uses ``derive_seed(request_seed(params.seed, request_id), j)``. The behaviour log-prob of each token is
 taken under the distribution it was drawn from. Stop strings end a sample at the token that completes one
 (``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect between ``generate`` calls.
@@ -14,28 +15,28 @@ import time
 from typing import Iterable
 
 import torch
-from transformers import (LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
-from hybridrl.rollout.sampler import STREAM_SAMPLE, draw, uniform
+from hybridrl.rollout.sampler import STREAM_SAMPLE, draw, filtered_log_softmax, uniform
 from hybridrl.rollout.sequence import derive_seed, request_seed
 from hybridrl.rollout.stop import as_tuple, stop_hit
 
 
 class _SeededDraw(LogitsProcessor):
-    """Last processor: draws each row's token from the warped scores with the row's own random stream, records
-    its log-prob, and leaves only that token for greedy decoding to take."""
+    """The only processor: filters the raw scores as the native sampler does, draws each row's token with the
+    row's own random stream, records its log-prob, and leaves only that token for greedy decoding to take."""
 
-    def __init__(self, seeds: list[int], prompt_lens: list[int], width: int, device: torch.device):
+    def __init__(self, params: SamplingParams, seeds: list[int], prompt_lens: list[int], width: int, device: torch.device):
+        self.params = params
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
         self.positions = torch.tensor(prompt_lens, dtype=torch.long, device=device) - width  # + width of input_ids
         self.log_probs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logp = torch.log_softmax(scores.float(), -1)
+        logp = filtered_log_softmax(scores, self.params)
         tokens = draw(logp.exp(), uniform(self.seeds, self.positions + input_ids.shape[1], STREAM_SAMPLE))
         self.log_probs.append(logp.gather(1, tokens[:, None]).squeeze(1))
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
@@ -106,12 +107,7 @@ class HFRollout(RolloutEngine):
             for r in reqs:
                 base = int(torch.randint(0, 2**62, (1,)).item()) if params.seed is None else request_seed(params.seed, r.request_id)
                 seeds += [derive_seed(base, j) for j in range(n)]
-            processors.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k:
-                processors.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                processors.append(TopPLogitsWarper(params.top_p))
-            sampler = _SeededDraw(seeds, [len(r.prompt_ids) for r in rows], width, ids.device)
+            sampler = _SeededDraw(params, seeds, [len(r.prompt_ids) for r in rows], width, ids.device)
             processors.append(sampler)
         stops = as_tuple(params.stop)
         criteria = StoppingCriteriaList([_StopStrings(tok, stops, width)] if stops else [])
