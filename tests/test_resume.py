@@ -36,7 +36,7 @@ TIMING = ("timing/", "engine/", "perf/")  # wall times, and engine statistics (a
 
 def digit_credit(prompt, response: str, **_) -> float:
     """Partial credit (the answer's digits in place): a policy warm-started for 3 steps never gets an exact
-    answer, and all-zero rewards would train nothing (every run would match every other trivially)."""
+    answer, and with all-zero rewards the critic never trains and dynamic sampling never keeps a group."""
     return sum(a == b for a, b in zip(response, prompt.answer)) / len(prompt.answer)
 
 
