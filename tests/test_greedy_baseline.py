@@ -19,8 +19,8 @@ class FakeRollout:
     """Sampled responses: token 5 (reward 1) for even sample indices, token 6 (reward 0) otherwise; greedy: the
     prompt's greedy reward is encoded as its response length (1 token -> 0.0, 2 tokens -> 1.0, ...)."""
 
-    def __init__(self, greedy_len: dict):
-        self.greedy_len, self.calls = greedy_len, []
+    def __init__(self, greedy_len: dict, flat: tuple = ()):
+        self.greedy_len, self.flat, self.calls = greedy_len, flat, []  # prompts in ``flat``: every sample scores 0
 
     def generate(self, prompts: Batch, params: SamplingParams):
         self.calls.append(params)
@@ -30,7 +30,8 @@ class FakeRollout:
                 out.append(Sample(list(ids), [7] * self.greedy_len[p.uid], [0.0] * self.greedy_len[p.uid],
                                   [0] * self.greedy_len[p.uid], uid=p.uid, extra={"prompt": p}))
             else:
-                out += [Sample(list(ids), [5 if k % 2 == 0 else 6], [0.0], [0], uid=p.uid, extra={"prompt": p})
+                out += [Sample(list(ids), [5 if k % 2 == 0 and p.uid not in self.flat else 6], [0.0], [0], uid=p.uid,
+                               extra={"prompt": p})
                         for k in range(params.n)]
         return [out[: len(out) // 2], out[len(out) // 2:]]  # two "ranks"
 
@@ -61,8 +62,8 @@ class Timer:
         yield
 
 
-def run(cfg: Config, greedy_len: dict):
-    roles = types.SimpleNamespace(rollout=FakeRollout(greedy_len), reward=FakeReward())
+def run(cfg: Config, greedy_len: dict, flat: tuple = ()):
+    roles = types.SimpleNamespace(rollout=FakeRollout(greedy_len, flat), reward=FakeReward())
     params = SamplingParams(temperature=1.0, max_new_tokens=4, n=cfg.trainer.samples_per_prompt)
     batch, cursor, metrics = collect(roles, FakeTask(), FakeTokenizer(), cfg, params, 0, seed=0, timer=Timer())
     return roles, batch, cursor, metrics
@@ -101,6 +102,8 @@ def test_remax_with_dynamic_sampling_keeps_each_rows_baseline():
     # filter_groups keeps rows one by one and concatenates them: the column must follow its rows
     cfg = load_config(Config, None, ["algorithm.advantage=remax", "algorithm.filter_groups=true", "trainer.prompts_per_step=2",
                                      "trainer.samples_per_prompt=2", "actor.ppo_minibatch_size=4"])
-    _, batch, _, metrics = run(cfg, {"p0": 2, "p1": 4})
-    assert batch["baseline_rewards"].tolist() == [1.0, 1.0, 3.0, 3.0]
-    assert metrics["rollout/sampling_rounds"] == 1 and metrics["rollout/informative_frac"] == 1.0
+    # p0's samples all score 0: its group is dropped, and the second round's p2 takes its place
+    _, batch, cursor, metrics = run(cfg, {"p0": 2, "p1": 4, "p2": 3, "p3": 1}, flat=("p0",))
+    assert batch["uid"] == ["p1", "p1", "p2", "p2"] and cursor == 4
+    assert batch["baseline_rewards"].tolist() == [3.0, 3.0, 2.0, 2.0]
+    assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/informative_frac"] == 1.0
