@@ -1,4 +1,4 @@
-"""Memory estimator: GUIDE.md §3 / ZeRO formulas, monotonicity, CLI errors, a measured check."""
+"""Memory estimator: ZeRO formulas, monotonicity, CLI errors, a measured check."""
 from __future__ import annotations
 
 import json

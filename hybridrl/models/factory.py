@@ -1,6 +1,6 @@
 """Build or load the policy model and its tokenizer.
 
-Built-in sizes are W1's Qwen2 configs (GUIDE.md §4), randomly initialised
+Built-in sizes are W1's Qwen2 configs (docs/workloads.md), randomly initialised
 from a seed (no download); ``model.path`` loads any local transformers
 causal-LM checkpoint together with its tokenizer.
 """

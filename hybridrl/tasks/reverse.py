@@ -1,4 +1,4 @@
-"""W3: reverse a string of digits, a long-tailed workload (issue 6).
+"""W3: reverse a string of digits, a long-tailed workload (docs/workloads.md).
 
 Prompt ``"r:" + digits + "="`` (the model sees ``<bos>`` first); the answer is the digits reversed,
 then ``<eos>``; reward 1 for an exact match (W1's ``exact_match``). Lengths are long-tailed: with

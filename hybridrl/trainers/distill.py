@@ -1,6 +1,6 @@
 """Fit a speculative-decoding draft to its target: forward KL on the target's own samples.
 
-Rejection-sampling speculation (GUIDE.md §3) accepts a proposal with probability
+Rejection-sampling speculation (Leviathan et al. 2211.17192, Chen et al. 2302.01318) accepts a proposal with probability
 sum_x min(p(x), q(x)) = 1 - TV(p, q) per token, where p is the target's and q the
 draft's distribution at that position. A draft warm-started on the task alone
 agrees with the target only where both got the task right; distilling it on the

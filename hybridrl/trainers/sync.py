@@ -1,4 +1,4 @@
-"""The synchronous RL driver: one plain loop over the roles (GUIDE.md §1).
+"""The synchronous RL driver: one plain loop over the roles (docs/architecture.md §1).
 
 Every step: generate and score -> reference log-probs -> old log-probs ->
 (values) -> token-level rewards -> advantages -> (critic update) -> policy

@@ -1,7 +1,7 @@
 """The FSDP2 training engine: sharding a transformers model with ``fully_shard``, gathering its full
 weights in bounded buckets, and sharded checkpoints with torch.distributed.checkpoint (DCP).
 
-Sharding (``FSDPConfig.sharding``), GUIDE.md §3 (ZeRO, Ψ parameters, N ranks):
+Sharding (``FSDPConfig.sharding``), in ZeRO's terms (Rajbhandari et al. 1910.02054; Ψ parameters, N ranks):
 
 * ``full``: ZeRO-3-like. Parameters, gradients and optimizer states sharded; each decoder layer's
   parameters are all-gathered for its forward, freed after it (``reshard_after_forward=True``) and

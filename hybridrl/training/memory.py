@@ -11,7 +11,7 @@ H / K attention / key-value heads, d = h / H head dim, V vocabulary, T
 sequence length (``seq_len``; default min(n, max positions)), a = p bytes
 per activation element.
 
-States (GUIDE.md §3, ZeRO 1910.02054). "master" = 4Ψ_t when the parameters
+States (ZeRO, Rajbhandari et al. 1910.02054). "master" = 4Ψ_t when the parameters
 are not fp32 and ``master_fp32`` (mixed precision keeps fp32 master weights),
 else 0; Adam m and v are fp32 under mixed precision (4Ψ_t each), else in
 the parameter dtype (pΨ_t each).
@@ -291,7 +291,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="hybridrl memory", description="Estimate the training memory per device (GUIDE.md §3).")
+    p = _Parser(prog="hybridrl memory", description="Estimate the training memory per device (ZeRO formulas).")
     p.add_argument("model", help="tiny | small | a config.json or checkpoint directory | a parameter count (7e9, 70B)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--sharding", choices=SHARDING, default="none",
