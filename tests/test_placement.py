@@ -13,6 +13,7 @@ from hybridrl.rollout import SamplingParams
 from hybridrl.trainers import weight_sync
 from hybridrl.trainers.evaluate import prompt_batch
 from hybridrl.trainers.roles import ROLE_CLASSES, build_roles
+from hybridrl.training.distributed import pg_timeout_s
 from hybridrl.workers.colocated import ColocatedWorker
 from hybridrl.workers.common import load_tokenizer, make_task
 
@@ -41,6 +42,10 @@ def rollout_state(worker) -> tuple[dict, torch.Tensor | None]:
 
 def node_of(worker) -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def group_timeout(worker) -> float:
+    return pg_timeout_s()
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -99,7 +104,8 @@ def test_two_node_cluster_puts_rollout_on_second_node(two_node_cluster):
     cluster, second = two_node_cluster
     cfg = small_cfg("controller.backend=ray", f"controller.ray_address={cluster.address}",
                     "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {workers_per_node: 1}}",
-                    "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}")
+                    "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}",
+                    "controller.pg_timeout_s=321")
     # pin each pool to a node by a custom resource (PoolConfig.resources; ResourcePool reads it)
     cfg.controller.pools["train"].resources = {"node0": 0.01}
     cfg.controller.pools["gen"].resources = {"node1": 0.01}
@@ -108,6 +114,7 @@ def test_two_node_cluster_puts_rollout_on_second_node(two_node_cluster):
         assert isinstance(roles.rollout, RoleView) and roles.rollout.group is roles.reward.group  # fused on "gen"
         assert roles.rollout.apply_all(node_of) == [second.node_id]
         assert set(roles.actor.apply_all(node_of)) == {cluster.head_node.node_id}
+        assert roles.actor.apply_all(group_timeout) == [321.0, 321.0]  # controller.pg_timeout_s reached both ranks
         roles.actor.apply_all(perturb, 1.01)
         roles.sync_weights(3)  # rank 0 -> object store on node 0 -> fetched by the rollout on node 1
         full = dict(b for bucket in roles.actor.weight_buckets()[0] for b in bucket)

@@ -60,6 +60,8 @@ class ControllerConfig:
     num_threads: int = _f(2, "torch threads per worker process", ge=1)
     pools: dict[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig()}, metadata={"help": "resource pools by name"})
     placement: dict[str, str] = _f({r: "global" for r in ROLES}, "role -> pool name (critic: used by gae only)")
+    pg_timeout_s: float = _f(600.0, "seconds a torch.distributed collective or rendezvous waits for a missing peer before it fails "
+                                    "(ray backend, world size > 1)", gt=0)
 
     def validate(self) -> None:
         self.placement.setdefault("critic", self.placement.get("actor", "global"))

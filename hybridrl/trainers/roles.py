@@ -121,7 +121,8 @@ def build_roles(cfg: Config, policy_path: str | None, reference_path: str | None
 
     handles, groups = {}, []
     for pool, roles in by_pool.items():
-        common = dict(backend=c.backend, num_threads=c.pools[pool].num_threads or c.num_threads, seed=cfg.trainer.seed)
+        common = dict(backend=c.backend, num_threads=c.pools[pool].num_threads or c.num_threads, seed=cfg.trainer.seed,
+                      env={"HYBRIDRL_PG_TIMEOUT_S": str(c.pg_timeout_s)})  # read by training/distributed.py on each rank
         if learner and "actor" in roles:
             trained = {r: (ROLE_CLASSES[r], (cfg, paths[r])) for r in roles if r in TRAINED}
             fused = WorkerGroup(LearnerWorker, pools[pool], role="learner", args=(trained, cfg), **common)
