@@ -3,7 +3,9 @@
     python bench/async_vs_sync.py [--quick] [--steps N] [--tasks w3,w1] [--ablation] [--out FILE]
 
 Both modes run in this one process, one after the other, from the same warm start (trained first and
-cached), with the same model, batch shape and number of trained samples:
+cached; it stops at the example's ``sft.target_accuracy``, so the accuracies start from the same level on any
+CPU; ``warm_start`` in each run's result records its steps and accuracy), with the same model, batch shape and
+number of trained samples:
 
 * sync:  ``trainer.mode=sync``, local backend, the whole machine for each phase in turn, with 1 and
   with 2 torch threads (``--sync-threads``); the faster of the two is the baseline;
@@ -63,6 +65,10 @@ def run(task: str, mode: list[str], steps: int, eval_size: int, runs_dir: Path, 
     samples = steps * cfg.trainer.prompts_per_step * cfg.trainer.samples_per_prompt
     out = {"samples_per_s": samples / seconds, "seconds": seconds, "accuracy_before": summary["accuracy_before"],
            "accuracy": summary["accuracy_after"], "greedy_accuracy": summary["greedy_accuracy_after"]}
+    sft_record = Path(summary["warm_start"]) / "sft.json" if summary.get("warm_start") else None
+    if sft_record is not None and sft_record.is_file():
+        rec = json.loads(sft_record.read_text())
+        out["warm_start"] = {k: rec.get(k) for k in ("steps", "accuracy", "target_accuracy", "target_met")}
     if cfg.trainer.mode == "async":
         mean = lambda k: sum(r.get(k, 0.0) for r in steps_rows) / len(steps_rows)  # noqa: E731
         hist = sorted({k for r in steps_rows for k in r if k.startswith("async/staleness_") and k[-1].isdigit()})
