@@ -213,7 +213,9 @@ def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
 
 
 # Warm starts of the speculative pair: supervised training on correct sums (hybridrl.trainers.sft.run_sft), in stages
-# (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. The
+# (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. They
+# train fixed step counts (sft.steps), not to the RL warm start's accuracy target: the pair is measured for speed and
+# acceptance, which needs no room left for RL, and the stage names in the cache spell out those counts. The
 # first full run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
 # --quick uses them when they are cached and otherwise trains the short QUICK_WARM_STARTS (about 30 s together).
 # The draft is then distilled towards the target on the target's own samples (DRAFT_DISTILL, hybridrl.trainers.distill):
