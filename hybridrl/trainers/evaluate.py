@@ -2,7 +2,8 @@
 
 ``sampled`` draws at the rollout temperature (the distribution RL trains);
 ``greedy`` takes the argmax. Accuracy is the mean reward (exact match: the
-fraction answered correctly).
+fraction answered correctly). :func:`model_accuracy` measures the same for a model in this process
+(the warm start's stopping check).
 """
 from __future__ import annotations
 
