@@ -90,6 +90,9 @@ class RolloutConfig:
     draft_model_path: str | None = _f(None, "native: draft model checkpoint for speculative decoding (null: off)")
     num_speculative_tokens: int = _f(4, "native: tokens the draft proposes per step", ge=1)
     spec_max_batch: int = _f(32, "native: speculate only while at most this many sequences decode", ge=1)
+    dtype: Literal["auto", "fp32", "bf16"] = _f("auto", "native: dtype of the engine's weights and KV cache (log-probs stay fp32); "
+                                                  "auto: on a CPU bf16 when it has native bf16 matmuls and a measurement "
+                                                  "on the model says they pay, else fp32; on CUDA the model's dtype")
     kv_cache_memory_fraction: float | None = _f(None, "native, CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)", gt=0, le=1)
     engine_model_path: str | None = _f(None, "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and tokenizer are saved to a temporary directory)")
     gpu_memory_utilization: float = _f(0.5, "vllm, sglang: share of GPU memory the engine takes for weights and KV cache (sglang: mem_fraction_static)", gt=0, le=1)
@@ -189,7 +192,11 @@ class FSDPConfig:
 
     strategy: Literal["fsdp2", "none"] = _f("fsdp2", "fsdp2: fully_shard per decoder layer + root; none: plain module (world size 1 only)")
     sharding: Literal["full", "grad_op"] = _f("full", "full: ZeRO-3-like (params resharded after forward); grad_op: ZeRO-2-like")
-    mixed_precision: Literal["auto", "fp32", "bf16"] = _f("auto", "auto: bf16 params + fp32 reduce on GPU, fp32 on CPU")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = _f("auto", "training and reference precision. GPU: auto/bf16 = bf16 params + "
+                                                            "fp32 reduce (FSDP2, world size > 1). CPU: bf16 = autocast with fp32 "
+                                                            "master weights and optimizer state; auto = bf16 when the CPU has "
+                                                            "native bf16 matmuls (amx_bf16, avx512_bf16) and a measurement on the "
+                                                            "model says they pay (>= 1.3x), else fp32")
     cpu_offload: bool = _f(False, "keep sharded params, grads and optimizer states in CPU memory (GPU only)")
     activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
 

@@ -20,6 +20,7 @@ import torch
 
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
+from hybridrl.rollout.precision import resolve_engine_dtype
 from hybridrl.rollout.sampler import SamplingTensors, sample
 from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.sequence import Sequence, Status, derive_seed
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, model, cfg, *, eos_token_ids: Iterable[int] = (), tokenizer=None, draft_model=None,
                  num_blocks: int | None = None, spec_max_batch: int | None = None):
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        # rollout.dtype: the engine's weights and KV may be bf16 while the model it copies is fp32 (rollout/precision.py)
+        self.device, self.dtype = next(model.parameters()).device, resolve_engine_dtype(cfg, model)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)

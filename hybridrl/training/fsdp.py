@@ -28,6 +28,7 @@ whatever was at ``path`` before untouched and loadable.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import warnings
@@ -42,6 +43,8 @@ from torch import nn
 from hybridrl.config import FSDPConfig
 from hybridrl.training import distributed as D
 from hybridrl.training.distributed import DistEnv
+
+log = logging.getLogger(__name__)
 
 COMPLETE_MARK = ".metadata"  # DCP writes it last (rank 0, after every rank's data)
 
@@ -77,18 +80,50 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
+    """FSDP2's parameter / reduction dtypes. On a CPU always fp32: bf16 there is autocast over fp32 parameters
+    (:func:`prepare_model`), so gathers, gradients and optimizer state stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and device.type == "cuda")
+    bf16 = device.type == "cuda" and cfg.mixed_precision in ("bf16", "auto")
     if not bf16:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def cpu_precision_of(model: nn.Module, cfg: FSDPConfig, *, trainable: bool):
+    """The CPU compute precision ``fsdp.mixed_precision`` resolves to for ``model`` (still unsharded: ``auto``
+    measures a copy of one of its layers, ``training/precision.py``). With a process group, ``auto`` gives bf16
+    only if every rank measured it so, so that the ranks of a role compute alike. Every rank must call."""
+    from hybridrl.training import precision as P
+
+    prec = P.cpu_precision(cfg.mixed_precision, model, train=trainable, key="fsdp.mixed_precision")
+    if cfg.mixed_precision == "auto" and D.world_size() > 1:
+        if int(D.all_reduce([0.0 if prec.bf16 else 1.0], op="max")[0].item()) and prec.bf16:
+            prec = P.Precision(torch.float32, prec.reason + "; another rank measured less, so fp32 on every rank")
+    return prec
+
+
 def prepare_model(model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable: bool = True) -> nn.Module:
     """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder layer + root
     when the rank has a process group (world size > 1, or a launcher-made group of one: e.g. one GPU with
-    CPU offload); no group: the module moved to ``env.device``, unwrapped."""
+    CPU offload); no group: the module moved to ``env.device``, unwrapped. On a CPU the model is then marked
+    for bf16 autocast when ``fsdp.mixed_precision`` resolves to bf16 (:func:`cpu_precision_of`); on CUDA
+    FSDP2's policy applies (:func:`mixed_precision_policy`). One log line says which precision runs and why."""
+    from hybridrl.training.precision import set_autocast
+
+    what = "training" if trainable else "reference / log-prob"
+    prec = cpu_precision_of(model, cfg, trainable=trainable) if env.device.type == "cpu" else None
+    model = _prepare(model, cfg, env, trainable)
+    if prec is None:
+        bf16 = cfg.mixed_precision in ("bf16", "auto") and is_sharded(model)
+        log.info("%s precision: %s (fsdp.mixed_precision=%s on %s)", what,
+                 "bf16 params + fp32 reduce" if bf16 else "fp32", cfg.mixed_precision, env.device.type)
+        return set_autocast(model, None)
+    log.info(prec.describe(what))
+    return set_autocast(model, torch.bfloat16 if prec.bf16 else None)
+
+
+def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -> nn.Module:
     if trainable and cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     if env.backend is None or (cfg.strategy == "none" and not env.distributed):

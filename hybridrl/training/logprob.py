@@ -15,6 +15,9 @@ filtered by the rollout's temperature, top-k, top-p and min-p (:func:`sampling_o
 sampler's own filter code (``rollout/sampler.py``). The engine's behaviour log-probs and these are
 then the same quantity, and at equal weights an importance ratio between them is 1. The entropy is
 that distribution's too (see docs/algorithms.md, "Filtered log-probs").
+
+Precision: the forward runs under the model's autocast mark (CPU bf16, ``training/precision.py``); its
+logits are cast to fp32 before any log-softmax, so log-probs, ratios and the KL are fp32 math.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from hybridrl.protocol import Batch
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.sampler import filtered_log_softmax
 from hybridrl.training import distributed as D
+from hybridrl.training.precision import autocast
 
 
 def sampling_of(rollout_cfg) -> SamplingParams:
@@ -111,8 +115,9 @@ def response_log_probs(model, mb: Batch, sampling: SamplingParams | float = 1.0,
     responses = mb["responses"]
     resp_len = responses.shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
-    logits = logits[:, -resp_len - 1 : -1]
+    with autocast(model):  # bf16 matmuls when the model is marked for it (training/precision.py)
+        logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    logits = logits[:, -resp_len - 1 : -1].float()  # the loss math (log-softmax, ratios, KL) stays fp32
     logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
     mask = mb["response_mask"].bool()
     zero = torch.zeros((), dtype=logp_all.dtype, device=logp_all.device)

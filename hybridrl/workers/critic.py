@@ -20,6 +20,7 @@ from hybridrl.protocol import Batch
 from hybridrl.training.distributed import init_distributed, teardown_distributed
 from hybridrl.training.fsdp import fsdp_config_of, prepare_model
 from hybridrl.training.logprob import batch_map
+from hybridrl.training.precision import autocast
 from hybridrl.training.state import load_trainable, save_trainable
 from hybridrl.training.update import run_updates
 from hybridrl.workers.common import load_tokenizer
@@ -50,7 +51,8 @@ def build_value_model(cfg: Config, model_path: str | None):
 def response_values(model, mb: Batch) -> torch.Tensor:
     attn, resp_len = mb["attention_mask"], mb["responses"].shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    with autocast(model):  # bf16 matmuls when the model is marked for it; the values and the loss are fp32
+        out = model(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids, use_cache=False).logits
     return out[:, -resp_len - 1 : -1, 0].float() * mb["response_mask"]
 
 
