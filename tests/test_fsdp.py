@@ -1,5 +1,6 @@
 """The FSDP2 engine on 2 gloo ranks (CPU): a data-parallel step of the real ActorWorker equals the
-single-process step on the same batch (both sharding modes, activation checkpointing on and off),
+single-process step on the same batch (both sharding modes, activation checkpointing on and off; and in
+CPU bf16 autocast, within bf16's rounding),
 sharded DCP checkpoints round-trip exactly, a crash mid-save leaves the previous checkpoint
 loadable, and ``export_hf`` writes a directory transformers loads with the same logits.
 
@@ -27,12 +28,12 @@ VARIANTS = [("full", False), ("full", True), ("grad_op", False), ("grad_op", Tru
 TOL = 1e-5
 
 
-def make_cfg(sharding: str = "full", ac: bool = False) -> Config:
+def make_cfg(sharding: str = "full", ac: bool = False, precision: str = "fp32") -> Config:
     cfg = Config()
     cfg.actor.ppo_minibatch_size = 4
     cfg.actor.micro_batch_tokens = 1  # one row per micro-batch: ranks get unequal micro-batch counts
     cfg.algorithm.entropy_coef = 0.01
-    cfg.fsdp = FSDPConfig(sharding=sharding, activation_checkpointing=ac)  # the lead wires this into the schema
+    cfg.fsdp = FSDPConfig(sharding=sharding, activation_checkpointing=ac, mixed_precision=precision)
     return cfg
 
 
@@ -98,6 +99,14 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         logp = actor.compute_log_prob(part)["old_log_probs"]
         metrics = actor.update_policy(part)
         out[(sharding, ac)] = {"weights": full_weights(actor), "metrics": metrics, "logp": logp, "layout": layout(actor)}
+    # CPU bf16 autocast over sharded fp32 parameters (gathers, gradients and optimizer state stay fp32)
+    from hybridrl.training.precision import autocast_dtype
+
+    bf16 = ActorWorker(ctx, make_cfg(precision="bf16"), None)
+    workers.append(bf16)
+    out["bf16"] = {"logp": bf16.compute_log_prob(part)["old_log_probs"], "metrics": bf16.update_policy(part),
+                   "weights": full_weights(bf16), "autocast": autocast_dtype(bf16.model),
+                   "dtypes": {p.dtype for p in bf16.model.parameters()}}
     # the other trained roles on the same engine: reference (no optimizer) and critic
     ref_worker = ReferenceWorker(ctx, make_cfg(), None)
     critic = CriticWorker(ctx, make_cfg(), None)
@@ -178,6 +187,9 @@ def runs(tmp_path_factory):
     logp = single.compute_log_prob(batch)["old_log_probs"]
     metrics = single.update_policy(batch)
     reference = {"weights": full_weights(single), "metrics": metrics, "logp": logp, "batch": batch}
+    bf16 = ActorWorker(ctx1, make_cfg(precision="bf16"), None)
+    reference["bf16"] = {"logp": bf16.compute_log_prob(batch)["old_log_probs"], "metrics": bf16.update_policy(batch),
+                         "weights": full_weights(bf16)}
     ref_worker, critic = ReferenceWorker(ctx1, make_cfg(), None), CriticWorker(ctx1, make_cfg(), None)
     reference["reference"] = ref_worker.compute_ref_log_prob(batch)["ref_log_probs"]
     reference["values"] = critic.compute_values(batch)["values"]
@@ -205,6 +217,19 @@ def test_two_rank_step_equals_single_process(runs, sharding, ac):
     for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy", "actor/grad_norm", "actor/clip_frac"):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-4, abs=1e-6), k
     assert got["metrics"]["actor/updates"] == ref["metrics"]["actor/updates"] == 3
+
+
+def test_two_rank_bf16_step_matches_single_process_bf16(runs):
+    ref, got = runs["ref"]["bf16"], runs["ranks"]["bf16"]
+    assert got["autocast"] == torch.bfloat16 and got["dtypes"] == {torch.float32}  # fp32 shards, bf16 compute
+    n0 = len(runs["ref"]["batch"].chunk(WORLD)[0])
+    # bf16 really ran (the log-probs differ from fp32's), and each row is its own micro-batch on both sides, so
+    # the rounding is the same: only the fp32 gradient sums over ranks differ in order, as in the fp32 test
+    assert (ref["logp"] - runs["ref"]["logp"]).abs().max().item() > 1e-4
+    assert (got["logp"] - ref["logp"][:n0]).abs().max().item() <= 1e-5
+    assert max_diff(ref["weights"], got["weights"]) <= TOL
+    for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy"):
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-4, abs=1e-6), k
 
 
 def test_reference_and_critic_on_two_ranks(runs):
