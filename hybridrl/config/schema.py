@@ -108,6 +108,10 @@ class ActorConfig:
     ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
     ppo_epochs: int = _f(1, "passes over each step's batch", ge=1)
     micro_batch_tokens: int = _f(8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1)
+    reuse_old_log_probs: Literal["auto", "never"] = _f("auto", "auto: an on-policy step (ppo_epochs 1, one mini-batch) with no "
+                                                                "reader of the old log-probs before the update (algorithm."
+                                                                "kl_reward_coef 0, rollout_is null) takes them from the update's "
+                                                                "own forward, with no separate pass; never: always the pass")
     lora_rank: int = _f(0, "LoRA rank of the policy's adapters (0: train all weights)", ge=0)
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank)", gt=0)
     lora_dropout: float = _f(0.0, "dropout on the LoRA input", ge=0, lt=1)

@@ -29,26 +29,51 @@ from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.protocol import Batch
 from hybridrl.training import distributed as D
 from hybridrl.training.fsdp import clip_grad_norm
-from hybridrl.training.logprob import dp_micro_batches, model_device
+from hybridrl.training.logprob import batch_map, dp_micro_batches, model_device
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
 
 
-def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: int) -> list[Batch]:
-    """This rank's part of each global mini-batch of one epoch (world size 1: ``batch.shuffle(g).split(m)``).
+def minibatch_rows(n_local: int, generator: torch.Generator, minibatch_size: int) -> list[torch.Tensor]:
+    """This rank's rows (indices into its chunk of ``n_local`` rows) of each global mini-batch of one epoch.
 
-    Rank r holds rows ``[offset_r, offset_r + len(batch))`` of the global batch (DP_COMPUTE chunks are
+    Rank r holds rows ``[offset_r, offset_r + n_local)`` of the global batch (DP_COMPUTE chunks are
     contiguous, in rank order). Consumes the generator exactly as the single-process shuffle does.
     """
-    sizes = D.all_gather_ints(len(batch))
+    sizes = D.all_gather_ints(n_local)
     total, offset = sum(sizes), sum(sizes[: D.rank()])
     perm = torch.randperm(total, generator=generator)
     out = []
     for start in range(0, total, minibatch_size):
         rows = perm[start : start + minibatch_size]
-        mine = rows[(rows >= offset) & (rows < offset + len(batch))] - offset
-        out.append(batch.index(mine))
+        out.append(rows[(rows >= offset) & (rows < offset + n_local)] - offset)
     return out
+
+
+def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: int) -> list[Batch]:
+    """This rank's part of each global mini-batch of one epoch (world size 1: ``batch.shuffle(g).split(m)``)."""
+    return [batch.index(rows) for rows in minibatch_rows(len(batch), generator, minibatch_size)]
+
+
+def first_epoch_map(model, batch: Batch, generator: torch.Generator, section, fn) -> torch.Tensor:
+    """``fn(model, mb)`` (B, R), no gradient, over the micro-batches that the next :func:`run_updates` with
+    ``generator`` cuts in its first epoch: the same rows, grouped and trimmed alike, so each row's forward has
+    the shapes of that update's forward. ``generator`` is only peeked at (a copy draws the permutation).
+
+    Why: the old log-probs are then bit for bit the update's first forward on deterministic kernels (the
+    ratio of the first mini-batch is exactly 1); a differently grouped batch changes the low bits of some
+    rows (other padding widths and matmul shapes). A collective when the world size is > 1."""
+    peek = torch.Generator()
+    peek.set_state(generator.get_state())
+    out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
+    for rows in minibatch_rows(len(batch), peek, section.ppo_minibatch_size):
+        out[rows] = batch_map(model, batch.index(rows), section.micro_batch_tokens, fn)
+    return out
+
+
+def is_single_pass(section, total_rows: int) -> bool:
+    """One epoch over one mini-batch: the update runs one forward per row, with the weights it started from."""
+    return section.ppo_epochs == 1 and section.ppo_minibatch_size >= total_rows
 
 
 def global_totals(mini: Batch, norm_len: float) -> AggTotals:
