@@ -29,7 +29,8 @@ Differences that remain (each framework's own way of doing the same step):
 - generation: hybridrl's native engine (paged KV cache, continuous batching, prefix cache shared by a group's 8
   samples) against TRL's transformers ``generate`` on one padded batch of 256 (TRL's default without vLLM);
 - old log-probs: with one optimizer step per batch TRL skips the old-policy forward (the ratio is 1 by
-  construction); hybridrl runs it (``timing/old_log_prob`` in ``hybridrl.phases``);
+  construction); hybridrl skips it too where the checkout has ``actor.reuse_old_log_probs`` (``auto``), and
+  otherwise runs it (then ``old_log_prob`` appears in ``hybridrl.phases``);
 - micro-batches: hybridrl packs samples by length within ``actor.micro_batch_tokens`` (8192); TRL takes
   ``--trl-micro-batch`` samples per forward (default: the largest power of two whose padded worst case,
   (prompt + max new tokens) x batch, fits the same 8192 tokens: 256 at 16 tokens, 32 at 128), with gradient
@@ -157,14 +158,14 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "amx": "amx_bf16" in flags.split()}
 
 
-def commit() -> str:
+def commit() -> tuple[str, list[str]]:
+    """(HEAD, with "+dirty" when the code measured differs from it; the uncommitted paths under hybridrl/ and bench/)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hybridrl", "bench/e2e.py"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
+        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout  # noqa: E731
+        dirty = [line[3:] for line in git("status", "--porcelain", "--", "hybridrl", "bench/e2e.py").splitlines()]
+        return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else ""), dirty
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return "unknown", []
 
 
 # --- the two sides (each in its own process) ------------------------------------------------------------
@@ -365,7 +366,7 @@ def main(argv=None) -> dict:
     import torch
 
     out: dict = {"quick": args.quick, "precision": args.precision, "threads": args.threads, "warmup_steps": args.warmup,
-                 "commit": commit(), "machine": machine(), "torch": torch.__version__, "trl": trl.__version__,
+                 "commit": commit()[0], "uncommitted": commit()[1], "machine": machine(), "torch": torch.__version__, "trl": trl.__version__,
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:
