@@ -103,6 +103,19 @@ def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, wan
     assert P.autocast_dtype(actor.model) == (torch.bfloat16 if gain > 1.3 else None)
 
 
+def test_actor_reference_and_critic_share_one_measurement_and_its_verdict(monkeypatch):
+    from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker
+
+    calls = []
+    monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
+    monkeypatch.setattr(P, "SPEEDUPS", P._SpeedupCache())
+    monkeypatch.setattr(P, "model_speedup", lambda model, train: calls.append(train) or 1.5)
+    workers = [cls(CTX, make_cfg("auto"), None) for cls in (ActorWorker, ReferenceWorker, CriticWorker)]
+    assert calls == [True]  # one forward + backward measurement per process and layer shape
+    assert all(P.autocast_dtype(w.model) == torch.bfloat16 for w in workers)
+
+
 @pytest.fixture(scope="module")
 def steps():
     """One update_policy of the same actor on the same batch in fp32 and in bf16 (forced)."""

@@ -90,13 +90,14 @@ def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def cpu_precision_of(model: nn.Module, cfg: FSDPConfig, *, trainable: bool):
+def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
     """The CPU compute precision ``fsdp.mixed_precision`` resolves to for ``model`` (still unsharded: ``auto``
-    measures a copy of one of its layers, ``training/precision.py``). With a process group, ``auto`` gives bf16
-    only if every rank measured it so, so that the ranks of a role compute alike. Every rank must call."""
+    measures forward + backward of a copy of one of its layers, ``training/precision.py``). With a process
+    group, ``auto`` gives bf16 only if every rank measured it so, so that the ranks of a role compute alike.
+    Every rank must call."""
     from hybridrl.training import precision as P
 
-    prec = P.cpu_precision(cfg.mixed_precision, model, train=trainable, key="fsdp.mixed_precision")
+    prec = P.cpu_precision(cfg.mixed_precision, model, train=True, key="fsdp.mixed_precision")
     if cfg.mixed_precision == "auto" and D.world_size() > 1:
         if int(D.all_reduce([0.0 if prec.bf16 else 1.0], op="max")[0].item()) and prec.bf16:
             prec = P.Precision(torch.float32, prec.reason + "; another rank measured less, so fp32 on every rank")
@@ -112,7 +113,9 @@ def prepare_model(model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable:
     from hybridrl.training.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
-    prec = cpu_precision_of(model, cfg, trainable=trainable) if env.device.type == "cpu" else None
+    # the reference follows the actor's verdict (the same forward + backward measurement, cached): at equal
+    # weights its log-probs equal the actor's, so the KL term starts at exactly 0
+    prec = cpu_precision_of(model, cfg) if env.device.type == "cpu" else None
     model = _prepare(model, cfg, env, trainable)
     if prec is None:
         bf16 = cfg.mixed_precision in ("bf16", "auto") and is_sharded(model)

@@ -6,8 +6,9 @@ still, so it is never offered). Whether bf16 pays for a model also depends on it
 is dominated by element-wise work and the casts autocast adds, and runs slower in bf16 even on AMX. So
 ``auto`` picks bf16 only when (1) ``/proc/cpuinfo`` names a native bf16 matmul instruction and (2) a
 measurement says so: one decoder layer of the model itself, copied, run in fp32 and in bf16 alternately
-on 256 synthetic tokens (forward + backward for a trained role, forward only for inference), best of a few
-alternating runs, must be at least ``MIN_SPEEDUP`` faster in bf16. ``torch.backends.cpu.get_cpu_capability()`` is not
+on 256 synthetic tokens (forward + backward for actor, critic and reference, which follows the actor so that
+their log-probs agree at equal weights; forward only for the rollout engine), best of a few alternating runs,
+must be at least ``MIN_SPEEDUP`` faster in bf16. ``torch.backends.cpu.get_cpu_capability()`` is not
 enough: it reports ``AVX512`` on an AMX machine.
 
 Training in bf16 is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``): parameters, gradients and
@@ -142,16 +143,17 @@ def model_speedup(model: nn.Module, train: bool) -> float:
 
 
 class _SpeedupCache:
-    """Measured speed-ups by model shape, per process: actor, reference, critic and rollout of one process share
-    a shape, and a measurement takes up to a second for a larger model, so each shape is measured once. The
-    thread count is part of the key (the gain depends on it)."""
+    """Measured speed-ups by layer shape, per process: actor, reference and critic of one process share a shape
+    (the critic's trunk is the policy's), and a measurement takes up to a second for a larger model, so each
+    shape is measured once, and the three roles reach the same verdict. The thread count is part of the key
+    (the gain depends on it)."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple, float] = {}
 
     def get(self, model: nn.Module, train: bool) -> float:
         c = getattr(model, "config", None)
-        key = (type(model).__name__, getattr(c, "model_type", None), getattr(c, "hidden_size", None),
+        key = (getattr(c, "model_type", None), getattr(c, "hidden_size", None),
                getattr(c, "intermediate_size", None), getattr(c, "num_attention_heads", None),
                getattr(c, "num_key_value_heads", None), train, torch.get_num_threads())
         if key not in self._seen:

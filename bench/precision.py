@@ -1,0 +1,232 @@
+"""Precision benchmark: fp32 against bf16 on this CPU, every ratio measured in the same run.
+
+Prints one JSON object and a small table. Parts (``--only``):
+
+- ``probe``: the CPU's bf16 flag, an n x n matmul in bf16 against fp32, and what ``auto`` picks for the
+  built-in sizes (``training/precision.py``: one measured decoder layer, forward + backward for training,
+  forward only for the rollout), with the measured gains.
+- ``step``: W1 tiny and small, one actor ``update_policy`` (forward + backward + AdamW; 32 prompts x 8
+  samples, 10 prompt + 16 response tokens, 4 mini-batches of 64) and one ``compute_log_prob`` pass, fp32
+  against bf16 autocast. Variants alternate, ``--reps`` rounds, medians.
+- ``engine``: the native engine's throughput, fp32 against bf16 weights and KV (``rollout.dtype``): 32
+  prompts x 8 samples, 16 new tokens (W1) and 128 new tokens (decode-heavy), eos ignored; decode tokens/s
+  (decode-only steps) and tokens/s of the whole generation. Alternating, medians.
+- ``runs``: the default job (``examples/arith_grpo.yaml``) for ``--steps`` RL steps from the same cached warm
+  start, with training / rollout precision fp32/fp32, bf16/bf16, bf16/fp32 and fp32/bf16: held-out accuracy
+  after (sampled and greedy), wall time, and the train-rollout log-prob gap (``rollout_corr/logp_gap_mean``,
+  ``rollout_corr/kl_k3``, mean over steps). Runs go one after another in subprocesses (``--run-threads``
+  torch threads each), logs under ``--workdir``.
+
+The machine may be shared: every timing alternates its variants so that a change in load hits both alike.
+
+Usage: ``python bench/precision.py [--only probe,step,engine,runs] [--threads 1] [--reps 3] [--steps 60]
+[--out FILE]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridrl.config import Config, RolloutConfig  # noqa: E402
+from hybridrl.controller import WorkerContext  # noqa: E402
+from hybridrl.models.factory import build_model  # noqa: E402
+from hybridrl.protocol import Batch  # noqa: E402
+from hybridrl.rollout import GenerationRequest, SamplingParams  # noqa: E402
+from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
+from hybridrl.tasks.tokenizer import build_char_tokenizer  # noqa: E402
+from hybridrl.training import precision as P  # noqa: E402
+
+TOK = build_char_tokenizer()
+SIZES = ("tiny", "small")
+VARIANTS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "train_bf16_rollout_fp32": ("bf16", "fp32"),
+            "train_fp32_rollout_bf16": ("fp32", "bf16")}
+
+
+def alternate(fns: dict, reps: int) -> dict[str, float]:
+    """Median seconds of each function over ``reps`` alternating rounds (after one warm-up each)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# --- probe -------------------------------------------------------------------------------------------------
+def probe() -> dict:
+    out = {"cpu_bf16": P.cpu_bf16_support(), "matmul_512_speedup": P.matmul_speedup()}
+    for size in SIZES:
+        m = build_model(size, TOK, 0)
+        for train in (True, False):
+            gain = P.model_speedup(m, train)
+            picked = P.decide("auto", support=P.cpu_bf16_support, speedup=lambda: gain)
+            role = "train" if train else "rollout"
+            out[f"{size}_{role}_layer_speedup"] = gain
+            out[f"{size}_{role}_auto"] = "bf16" if picked.bf16 else "fp32"
+    return out
+
+
+# --- training step -----------------------------------------------------------------------------------------
+def w1_batch(vocab: int, rows: int = 256, p_len: int = 10, r_len: int = 16, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (rows, p_len), generator=g)
+    responses = torch.randint(3, vocab, (rows, r_len), generator=g)
+    lengths = torch.randint(4, r_len + 1, (rows,), generator=g)
+    rmask = (torch.arange(r_len) < lengths[:, None]).long()
+    responses = responses * rmask
+    logp = -torch.rand(rows, r_len, generator=g) * rmask
+    return Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+                  "attention_mask": torch.cat([torch.ones_like(prompts), rmask], 1), "response_mask": rmask.float(),
+                  "old_log_probs": logp, "ref_log_probs": logp, "rollout_log_probs": logp,
+                  "advantages": torch.randn(rows, 1, generator=g).expand(rows, r_len) * rmask})
+
+
+def step(reps: int) -> dict:
+    from hybridrl.workers import ActorWorker
+
+    out = {}
+    ctx = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=torch.get_num_threads())
+    for size in SIZES:
+        actors = {}
+        for prec in ("fp32", "bf16"):
+            cfg = Config()
+            cfg.model.name, cfg.fsdp.mixed_precision = size, prec
+            actors[prec] = ActorWorker(ctx, cfg, None)
+        batch = w1_batch(actors["fp32"].model.config.vocab_size)
+        upd = alternate({p: (lambda a=a: a.update_policy(batch)) for p, a in actors.items()}, reps)
+        lp = alternate({p: (lambda a=a: a.compute_log_prob(batch)) for p, a in actors.items()}, reps)
+        out[size] = {"update_s_fp32": upd["fp32"], "update_s_bf16": upd["bf16"], "update_speedup": upd["fp32"] / upd["bf16"],
+                     "log_prob_s_fp32": lp["fp32"], "log_prob_s_bf16": lp["bf16"], "log_prob_speedup": lp["fp32"] / lp["bf16"]}
+    return out
+
+
+# --- engine ------------------------------------------------------------------------------------------------
+def engine(reps: int) -> dict:
+    rng = random.Random(0)
+    prompts = [TOK(f"{rng.randint(0, 999)}+{rng.randint(0, 999)}=")["input_ids"] for _ in range(32)]
+    reqs = [GenerationRequest(f"r{i}", p) for i, p in enumerate(prompts)]
+    out = {}
+    for size in SIZES:
+        model = build_model(size, TOK, 0)
+        engines = {d: NativeRollout(model, TOK, RolloutConfig(dtype=d, kv_cache_bytes=1 << 30)) for d in ("fp32", "bf16")}
+        for new in (16, 128):
+            params = SamplingParams(temperature=1.0, max_new_tokens=new, n=8, seed=0)
+            params.ignore_eos = True
+            stats: dict[str, list[dict]] = {d: [] for d in engines}
+
+            def run(d):
+                engines[d].generate(reqs, params)
+                stats[d].append(engines[d].stats())
+
+            alternate({d: (lambda d=d: run(d)) for d in engines}, reps)
+            med = {d: {k: statistics.median(s[k] for s in stats[d][1:]) for k in ("engine/decode_tokens_per_s", "engine/tokens_per_s")}
+                   for d in engines}
+            out[f"{size}_{new}"] = {
+                "decode_tok_s_fp32": med["fp32"]["engine/decode_tokens_per_s"], "decode_tok_s_bf16": med["bf16"]["engine/decode_tokens_per_s"],
+                "decode_speedup": med["bf16"]["engine/decode_tokens_per_s"] / med["fp32"]["engine/decode_tokens_per_s"],
+                "tok_s_fp32": med["fp32"]["engine/tokens_per_s"], "tok_s_bf16": med["bf16"]["engine/tokens_per_s"],
+                "speedup": med["bf16"]["engine/tokens_per_s"] / med["fp32"]["engine/tokens_per_s"]}
+    return out
+
+
+# --- the default job ---------------------------------------------------------------------------------------
+def runs(steps: int, threads: int, workdir: Path, variants: list[str]) -> dict:
+    """One short W1 run per variant, one after another (the warm start is trained by the first if not cached)."""
+    out = {}
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
+    env.pop(P.ENV_OVERRIDE, None)
+    for name in variants:
+        train, roll = VARIANTS[name]
+        cmd = [sys.executable, "-m", "hybridrl.cli", "train", "examples/arith_grpo.yaml", f"trainer.total_steps={steps}",
+               f"fsdp.mixed_precision={train}", f"rollout.dtype={roll}", f"controller.num_threads={threads}",
+               f"trainer.name=prec_{name}", f"trainer.runs_dir={workdir}", "trainer.progress=false",
+               "trainer.tensorboard=false", "trainer.save_every=0"]
+        t0 = time.perf_counter()
+        with open(workdir / f"{name}.log", "w") as log:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        run_dir = workdir / f"prec_{name}"
+        if rc != 0 or not (run_dir / "summary.json").is_file():
+            out[name] = {"error": f"exit code {rc}, see {workdir / f'{name}.log'}"}
+            continue
+        summary = json.loads((run_dir / "summary.json").read_text())
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+        def mean(key):
+            vals = [x[key] for x in lines if key in x]
+            return statistics.fmean(vals) if vals else None
+
+        out[name] = {"train": train, "rollout": roll, "accuracy_before": summary.get("accuracy_before"),
+                     "accuracy_after": summary.get("accuracy_after"), "greedy_accuracy_after": summary.get("greedy_accuracy_after"),
+                     "wall_s": time.perf_counter() - t0, "logp_gap_mean": mean("rollout_corr/logp_gap_mean"),
+                     "kl_k3": mean("rollout_corr/kl_k3"), "update_s": mean("timing/update"), "rollout_s": mean("timing/rollout"),
+                     "log_prob_s": mean("timing/old_log_prob")}
+    return out
+
+
+def table(out: dict) -> str:
+    rows = []
+    for size, r in out.get("step", {}).items():
+        rows.append(f"step {size:5s}  update fp32 {r['update_s_fp32']:.3f}s bf16 {r['update_s_bf16']:.3f}s  x{r['update_speedup']:.2f}   "
+                    f"log-prob x{r['log_prob_speedup']:.2f}")
+    for k, r in out.get("engine", {}).items():
+        rows.append(f"engine {k:10s} decode tok/s fp32 {r['decode_tok_s_fp32']:.0f} bf16 {r['decode_tok_s_bf16']:.0f}  "
+                    f"x{r['decode_speedup']:.2f}   whole x{r['speedup']:.2f}")
+    for k, r in out.get("runs", {}).items():
+        if "error" in r:
+            rows.append(f"run {k}: {r['error']}")
+            continue
+        rows.append(f"run {k:24s} acc {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} (greedy {r['greedy_accuracy_after']:.3f})  "
+                    f"gap {r['logp_gap_mean']:.4f} kl_k3 {r['kl_k3']:.2e}  update {r['update_s']:.2f}s  {r['wall_s']:.0f}s")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="probe,step,engine,runs")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the in-process timings")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60, help="RL steps of each default-job run")
+    ap.add_argument("--run-threads", type=int, default=1, help="torch threads of each default-job run")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--workdir", default="runs/bench_precision")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.pop(P.ENV_OVERRIDE, None)
+    parts = args.only.split(",")
+    out = {"threads": args.threads, "torch": torch.__version__, "cpu_bf16": P.cpu_bf16_support()}
+    t0 = time.perf_counter()
+    if "probe" in parts:
+        out["probe"] = probe()
+    if "step" in parts:
+        out["step"] = step(args.reps)
+    if "engine" in parts:
+        out["engine"] = engine(args.reps)
+    if "runs" in parts:
+        out["runs"] = runs(args.steps, args.run_threads, ROOT / args.workdir, args.variants.split(","))
+    out["seconds"] = time.perf_counter() - t0
+    text = json.dumps(out, indent=1, default=float)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    print(table(out), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
