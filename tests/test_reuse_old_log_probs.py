@@ -201,3 +201,96 @@ def test_a_run_that_skips_the_pass_equals_a_run_that_forces_it(tmp_path, extra):
 def test_the_pass_runs_when_the_reward_reads_the_old_log_probs(tmp_path):
     rows, _ = run(tmp_path, "klr", "algorithm.kl_reward_coef=0.01", "trainer.total_steps=1")
     assert rows[1][INDICATOR] == 0.0 and rows[1]["timing/old_log_prob"] > 0 and "kl/penalty_mean" in rows[1]
+
+
+def test_the_async_learner_skips_the_pass_alike(tmp_path):
+    """The asynchronous learner runs the same step (decoupled PPO: pi_prox from the update's forward, mu the
+    engine's); on-policy (max_staleness 0) its learning metrics equal those of a learner forced to run the pass."""
+    from hybridrl.trainers.async_ import train as train_async
+
+    rows = {}
+    for name, extra in (("auto", []), ("never", ["actor.reuse_old_log_probs=never"])):
+        train_async(load_config(Config, None, [
+            "sft.steps=3", "sft.batch_size=16", "task.name=reverse", "task.eval_size=8", "rollout.max_new_tokens=16",
+            "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "actor.ppo_minibatch_size=8",
+            "trainer.eval_every=0", "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1",
+            "trainer.mode=async", "asynchronous.max_staleness=0", "trainer.total_steps=2", f"sft.checkpoint={tmp_path / 'ws'}",
+            f"trainer.runs_dir={tmp_path / 'runs'}", f"trainer.name={name}", *extra]))
+        lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+        rows[name] = {r["step"]: r for r in map(json.loads, lines)}
+    learned = ("actor/", "rollout_corr/", "reward/", "response/", "advantage/")
+    for step in (1, 2):
+        auto, never = rows["auto"][step], rows["never"][step]
+        assert auto[INDICATOR] == 1.0 and never[INDICATOR] == 0.0
+        assert "timing/old_log_prob" not in auto and never["timing/old_log_prob"] > 0
+        assert "actor/behav_weight_mean" in auto and "rollout_corr/logp_gap_max" in auto
+        a = {k: v for k, v in auto.items() if k.startswith(learned) and k != INDICATOR}
+        assert a == {k: v for k, v in never.items() if k.startswith(learned) and k != INDICATOR}, step
+
+
+# --- data parallel: two gloo ranks in subprocesses (``python tests/test_reuse_old_log_probs.py rank ...``) ----
+WORLD = 2
+
+
+def full_weights(actor) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in actor.weight_buckets(1 << 20) for n, t in bucket}
+
+
+def dp_rank_main(rank: int, port: int, workdir: str) -> None:
+    """Each rank: two FSDP2 actors on its chunk, one after the pass, one without old log-probs. One row per
+    micro-batch and 31 rows (chunks of 16 and 15): rank 1 runs a dummy micro-batch, which must not overwrite
+    the log-probs of the row it copies."""
+    from pathlib import Path
+
+    from hybridrl.training.distributed import teardown_distributed
+
+    torch.set_num_threads(1)
+    work = Path(workdir)
+    part = Batch(torch.load(work / "batch.pt", weights_only=True)).chunk(WORLD)[rank]
+    ctx = WorkerContext(rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1)
+    cfg = actor_cfg("actor.micro_batch_tokens=1")
+    passed, reused = ActorWorker(ctx, cfg, None), ActorWorker(ctx, cfg, None)
+    old = passed.compute_log_prob(part)["old_log_probs"]
+    out = {"pass": passed.update_policy(part | Batch({"old_log_probs": old})), "reuse": reused.update_policy(part),
+           "old": old, "taken": reused.old_log_probs_of_last_update(part)["old_log_probs"]}
+    out |= {"w_pass": full_weights(passed), "w_reuse": full_weights(reused)}
+    for actor in (passed, reused):
+        actor.close()
+    teardown_distributed()
+    torch.save(out, work / f"rank{rank}.pt")
+
+
+def test_two_ranks_without_the_pass_equal_two_ranks_with_it(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hybridrl.controller.worker import find_free_port
+
+    vocab = make_actor(actor_cfg()).model.config.vocab_size
+    torch.save(ragged_batch(vocab, n=ROWS - 1).tensors, tmp_path / "batch.pt")
+    port = find_free_port("127.0.0.1")
+    root = str(Path(__file__).resolve().parents[1])
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
+                        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)], env=env | {"RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    for out in ranks:
+        assert (out["pass"].pop(INDICATOR), out["reuse"].pop(INDICATOR)) == (0.0, 1.0)
+        assert_same(out["pass"], out["reuse"])
+        assert torch.equal(out["taken"], out["old"])
+    assert_same(ranks[0]["w_pass"], ranks[0]["w_reuse"])
+    assert ranks[0]["reuse"]["actor/clip_frac"] == 0.0 and ranks[0]["reuse"]["actor/updates"] == 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1] == "rank":
+        dp_rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        # as tests/test_fsdp.py: FSDP2's hooks can keep the gloo group alive into the interpreter's exit
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
