@@ -6,7 +6,8 @@ batch from the buffer itself (rollout -> buffer -> learner, never through the dr
 step as the synchronous trainer (``trainers/learn.py``), and returns metrics and the trained prompts'
 ids. Decoupled PPO's three policies are then: behaviour = the engine's log-probs (``rollout_log_probs``,
 possibly stale and mixed across versions), proximal = this step's recomputed ``old_log_probs`` (weights
-``v`` before the update), current = the policy being updated.
+``v`` before the update; on-policy, one epoch over one mini-batch, the update's own first forward, which
+runs those weights: ``trainers/learn.py``), current = the policy being updated.
 """
 from __future__ import annotations
 
