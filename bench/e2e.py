@@ -44,7 +44,8 @@ Differences that remain (each framework's own way of doing the same step):
 
 s/step: the median over the timed steps (warm-up steps excluded) of each step's wall time: hybridrl's
 ``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin`` and ``on_step_end`` of a
-``TrainerCallback``. Phases: hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
+``TrainerCallback``. ``cpu_s_per_step`` / ``speedup_vs_trl_cpu_time``: the same with the process's CPU seconds,
+steadier than wall time on a shared machine when each side has one thread. Phases: hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
 wrapping the trainer's own methods, ``update`` is the rest of the step.
 """
 from __future__ import annotations
@@ -105,18 +106,11 @@ def hybridrl_overrides(model_dir: str, max_new: int, steps: int, threads: int, p
 def known_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides whose key this checkout's config schema has, the others): keys added by newer code
     (``rollout.dtype``) are dropped, not failed on, so the bench runs on older checkouts too."""
-    import dataclasses
-
     from hybridrl.config import Config
 
-    def has(key: str) -> bool:
-        obj = Config()
-        for part in key.split("."):
-            if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
-                return False
-            obj = getattr(obj, part)
-        return True
-    kept = [o for o in overrides if has(o.split("=", 1)[0])]
+    section = lambda o: getattr(Config(), o.split(".")[0], None)  # noqa: E731
+    kept = [o for o in overrides if hasattr(section(o), "__dataclass_fields__")
+            and o.split("=", 1)[0].split(".")[1] in section(o).__dataclass_fields__]
     return kept, [o for o in overrides if o not in kept]
 
 
@@ -139,8 +133,9 @@ def median(xs: list[float]) -> float:
 def summarise(steps: list[dict], warmup: int) -> dict:
     """s/step (median of the timed steps) and each phase's median, from per-step rows {"step": s, phase: s, ...}."""
     timed = steps[warmup:]
-    phases = sorted({k for r in timed for k in r} - {"step", "response_length"})
+    phases = sorted({k for r in timed for k in r} - {"step", "cpu", "response_length"})
     return {"s_per_step": median([r["step"] for r in timed]), "step_times": [r["step"] for r in steps],
+            "cpu_s_per_step": median([r["cpu"] for r in timed if "cpu" in r]),
             "phases": {k: median([r.get(k, 0.0) for r in timed]) for k in phases},
             "response_length": median([r["response_length"] for r in timed if "response_length" in r]), "timed_steps": len(timed)}
 
@@ -185,6 +180,7 @@ def run_hybridrl(spec: dict) -> dict:
     import torch
 
     import hybridrl.trainers.collect as collect_mod
+    import hybridrl.trainers.session as session_mod
     from hybridrl.config import Config, load_config
     from hybridrl.trainers import sync
 
@@ -197,6 +193,14 @@ def run_hybridrl(spec: dict) -> dict:
         return batch
 
     collect_mod.prompt_batch = recording
+
+    class CpuTimer(session_mod.PhaseTimer):  # also this process's CPU seconds per step
+        def pop(self):
+            now, start = time.process_time(), getattr(self, "cpu0", None)
+            self.cpu0 = now
+            return super().pop() | ({} if start is None else {"timing/cpu": now - start})
+
+    session_mod.PhaseTimer = CpuTimer
     runs = tempfile.mkdtemp(prefix="e2e_hybridrl_")
     overrides, dropped = known_overrides(hybridrl_overrides(spec["model_dir"], spec["max_new"], spec["steps"], spec["threads"],
                                                             spec["precision"], runs, "e2e"))
@@ -215,7 +219,7 @@ def run_hybridrl(spec: dict) -> dict:
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps = []
     for r in (r for r in rows if r["step"] > 0):
-        row = {k[len("timing/"):]: v for k, v in r.items() if k.startswith("timing/") and k not in ("timing/eval", "timing/step")}
+        row = {k[7:]: v for k, v in r.items() if k.startswith("timing/") and k not in ("timing/eval", "timing/step")}
         row["step"] = r["timing/step"] - r.get("timing/eval", 0.0)
         row["response_length"] = r["response/length_mean"]
         steps.append(row)
@@ -276,10 +280,10 @@ def run_trl(spec: dict) -> dict:
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_, **__):
             phases.clear()
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
-            row = {"step": time.perf_counter() - self.t0, **phases}
+            row = {"step": time.perf_counter() - self.t0, "cpu": time.process_time() - self.c0, **phases}
             row["update"] = row["step"] - row.get("generate_and_score", 0.0)
             if lengths:
                 row["response_length"] = lengths[-1]
@@ -334,6 +338,7 @@ def workload(name: str, index: int, args, work: Path) -> dict:
     h |= {k: raw["hybridrl"][k] for k in ("precision_notes", "dropped_overrides", "process_seconds")}
     t |= {k: raw["trl"][k] for k in ("micro_batch", "precision_note", "process_seconds")}
     return {"model": size, "max_new_tokens": max_new, "speedup_vs_trl": t["s_per_step"] / h["s_per_step"],
+            "speedup_vs_trl_cpu_time": t["cpu_s_per_step"] / h["cpu_s_per_step"],
             "hybridrl_s_per_step": h["s_per_step"], "trl_s_per_step": t["s_per_step"], "order": order,
             "identical_prompt_ids": same, "prompt_ids_checked": len(raw["trl"]["prompt_ids"]),
             "first_prompt_ids": raw["trl"]["prompt_ids"][0], "hybridrl": h, "trl": t}
@@ -380,11 +385,12 @@ def main(argv=None) -> dict:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    print(f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8}  same prompt ids", file=sys.stderr)
+    print(f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8} {'(CPU time)':>10}  same prompt ids",
+          file=sys.stderr)
     for name in names:
         r = out[name]
-        print(f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} {r['speedup_vs_trl']:7.2f}x  "
-              f"{r['identical_prompt_ids']}", file=sys.stderr)
+        print(f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} {r['speedup_vs_trl']:7.2f}x "
+              f"{r['speedup_vs_trl_cpu_time']:9.2f}x  {r['identical_prompt_ids']}", file=sys.stderr)
     return out
 
 
