@@ -198,9 +198,11 @@ def test_a_run_that_skips_the_pass_equals_a_run_that_forces_it(tmp_path, extra):
     assert w_reused.keys() == w_forced.keys() and all(torch.equal(w_reused[n], w_forced[n]) for n in w_reused)
 
 
-def test_the_pass_runs_when_the_reward_reads_the_old_log_probs(tmp_path):
-    rows, _ = run(tmp_path, "klr", "algorithm.kl_reward_coef=0.01", "trainer.total_steps=1")
-    assert rows[1][INDICATOR] == 0.0 and rows[1]["timing/old_log_prob"] > 0 and "kl/penalty_mean" in rows[1]
+@pytest.mark.parametrize("reader,metric", [("algorithm.kl_reward_coef=0.01", "kl/penalty_mean"),
+                                           ("algorithm.rollout_is=token", "rollout_corr/is_weight_mean")])
+def test_the_pass_runs_when_something_reads_the_old_log_probs_before_the_update(tmp_path, reader, metric):
+    rows, _ = run(tmp_path, "reader", reader, "trainer.total_steps=1")
+    assert rows[1][INDICATOR] == 0.0 and rows[1]["timing/old_log_prob"] > 0 and metric in rows[1]
 
 
 def test_the_async_learner_skips_the_pass_alike(tmp_path):
