@@ -31,11 +31,11 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
 from hybridrl.training.distributed import init_distributed, teardown_distributed
+from hybridrl.training import distributed as D
 from hybridrl.training import lora as L
 from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.training.logprob import response_log_probs, sampling_of
 from hybridrl.training.state import load_trainable, save_trainable
-from hybridrl.training import distributed as D
 from hybridrl.training.update import first_epoch_map, is_single_pass, run_updates
 from hybridrl.workers.common import load_model
 
