@@ -45,6 +45,8 @@ def test_both_configs_describe_the_same_step(tmp_path):
 
     overrides, dropped = E2E.known_overrides(E2E.hybridrl_overrides(str(tmp_path), 128, 4, 2, "fp32", str(tmp_path), "x"))
     assert set(dropped) <= {"rollout.dtype=fp32"}  # the only key an older checkout may lack
+    assert E2E.known_overrides(["actor.lr=1", "actor.no_such_key=1", "nosection.x=1"]) == \
+        (["actor.lr=1"], ["actor.no_such_key=1", "nosection.x=1"])
     (tmp_path / "config.json").write_text("{}")  # model.path must hold a checkpoint
     cfg = load_config(Config, str(ROOT / "examples" / "arith_grpo.yaml"), overrides)
     trl = E2E.trl_config_kwargs(128, 4, "fp32", str(tmp_path))
@@ -67,10 +69,13 @@ def test_both_configs_describe_the_same_step(tmp_path):
 
 
 def test_summarise_drops_warmup_and_takes_medians():
-    rows = [{"step": 9.0, "rollout": 5.0, "response_length": 3.0}, {"step": 1.0, "rollout": 0.5, "response_length": 4.0},
-            {"step": 3.0, "rollout": 0.7, "response_length": 6.0}, {"step": 2.0, "rollout": 0.6, "response_length": 5.0}]
+    rows = [{"step": 9.0, "cpu": 8.0, "rollout": 5.0, "response_length": 3.0},
+            {"step": 1.0, "cpu": 0.9, "rollout": 0.5, "response_length": 4.0},
+            {"step": 3.0, "cpu": 2.5, "rollout": 0.7, "response_length": 6.0},
+            {"step": 2.0, "cpu": 1.5, "rollout": 0.6, "response_length": 5.0}]
     s = E2E.summarise(rows, warmup=1)
-    assert s["s_per_step"] == 2.0 and s["phases"] == {"rollout": 0.6} and s["response_length"] == 5.0
+    assert s["s_per_step"] == 2.0 and s["cpu_s_per_step"] == 1.5 and s["phases"] == {"rollout": 0.6}
+    assert s["response_length"] == 5.0
     assert s["timed_steps"] == 3 and s["step_times"] == [9.0, 1.0, 3.0, 2.0]
 
 
@@ -85,4 +90,6 @@ def test_one_step_per_side_against_trl(tmp_path):
     assert r["speedup_vs_trl"] == pytest.approx(r["trl_s_per_step"] / r["hybridrl_s_per_step"])
     for side in ("hybridrl", "trl"):
         assert r[side]["timed_steps"] == 1 and r[side]["s_per_step"] > 0 and r[side]["phases"]["rollout"] > 0
+        assert r[side]["cpu_s_per_step"] > 0 and r[side]["response_length"] > 0
+    assert r["speedup_vs_trl_cpu_time"] == pytest.approx(r["trl"]["cpu_s_per_step"] / r["hybridrl"]["cpu_s_per_step"])
     assert {"precision", "threads", "commit", "machine", "trl"} <= set(out) and out["trl"] == sys.modules["trl"].__version__
