@@ -181,7 +181,8 @@ def comparable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("timing/", "engine/", "perf/")) and k != INDICATOR}
 
 
-@pytest.mark.parametrize("extra", [[], ["algorithm.policy_loss=decoupled_ppo"]], ids=["ppo_clip", "decoupled_ppo"])
+@pytest.mark.parametrize("extra", [[], ["algorithm.policy_loss=decoupled_ppo"], ["algorithm.advantage=gae", "critic.ppo_minibatch_size=4"]],
+                         ids=["ppo_clip", "decoupled_ppo", "gae"])
 def test_a_run_that_skips_the_pass_equals_a_run_that_forces_it(tmp_path, extra):
     reused, w_reused = run(tmp_path, "auto", *extra)
     forced, w_forced = run(tmp_path, "never", *extra, "actor.reuse_old_log_probs=never")
