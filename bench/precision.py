@@ -14,13 +14,13 @@ Prints one JSON object and a small table. Parts (``--only``):
 - ``runs``: the default job (``examples/arith_grpo.yaml``) for ``--steps`` RL steps from the same cached warm
   start, with training / rollout precision fp32/fp32, bf16/bf16, bf16/fp32 and fp32/bf16: held-out accuracy
   after (sampled and greedy), wall time, and the train-rollout log-prob gap (``rollout_corr/logp_gap_mean``,
-  ``rollout_corr/kl_k3``, mean over steps). Runs go one after another in subprocesses (``--run-threads``
-  torch threads each), logs under ``--workdir``.
+  ``rollout_corr/kl_k3``, mean over steps). Subprocesses (``--run-threads`` torch threads each), one after
+  another or, with ``--parallel``, at once; evaluation before and after only; logs under ``--workdir``.
 
 The machine may be shared: every timing alternates its variants so that a change in load hits both alike.
 
 Usage: ``python bench/precision.py [--only probe,step,engine,runs] [--threads 1] [--reps 3] [--steps 60]
-[--out FILE]``.
+[--parallel] [--out FILE] [key=value ...]`` (the overrides go to the default-job runs).
 """
 from __future__ import annotations
 
@@ -145,21 +145,29 @@ def engine(reps: int) -> dict:
 
 
 # --- the default job ---------------------------------------------------------------------------------------
-def runs(steps: int, threads: int, workdir: Path, variants: list[str]) -> dict:
-    """One short W1 run per variant, one after another (the warm start is trained by the first if not cached)."""
+def runs(steps: int, threads: int, workdir: Path, variants: list[str], extra: list[str], parallel: bool) -> dict:
+    """One short W1 run per variant from the same warm start (cached, or ``sft.checkpoint=`` in ``extra``; a run
+    trains it first when it is missing, so start with it cached). ``parallel``: all variants at once, so that
+    a shared machine's load hits them alike."""
     out = {}
     workdir.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
     env.pop(P.ENV_OVERRIDE, None)
+    procs = {}
     for name in variants:
         train, roll = VARIANTS[name]
         cmd = [sys.executable, "-m", "hybridrl.cli", "train", "examples/arith_grpo.yaml", f"trainer.total_steps={steps}",
                f"fsdp.mixed_precision={train}", f"rollout.dtype={roll}", f"controller.num_threads={threads}",
                f"trainer.name=prec_{name}", f"trainer.runs_dir={workdir}", "trainer.progress=false",
-               "trainer.tensorboard=false", "trainer.save_every=0"]
-        t0 = time.perf_counter()
-        with open(workdir / f"{name}.log", "w") as log:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+               "trainer.tensorboard=false", "trainer.save_every=0", "trainer.eval_every=0", *extra]
+        log = open(workdir / f"{name}.log", "w")
+        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+        if not parallel:
+            procs[name][0].wait()
+    for name, (proc, log, t0) in procs.items():
+        rc = proc.wait()
+        log.close()
+        train, roll = VARIANTS[name]
         run_dir = workdir / f"prec_{name}"
         if rc != 0 or not (run_dir / "summary.json").is_file():
             out[name] = {"error": f"exit code {rc}, see {workdir / f'{name}.log'}"}
@@ -173,7 +181,7 @@ def runs(steps: int, threads: int, workdir: Path, variants: list[str]) -> dict:
 
         out[name] = {"train": train, "rollout": roll, "accuracy_before": summary.get("accuracy_before"),
                      "accuracy_after": summary.get("accuracy_after"), "greedy_accuracy_after": summary.get("greedy_accuracy_after"),
-                     "wall_s": time.perf_counter() - t0, "logp_gap_mean": mean("rollout_corr/logp_gap_mean"),
+                     "wall_s": summary.get("wall_seconds"), "logp_gap_mean": mean("rollout_corr/logp_gap_mean"),
                      "kl_k3": mean("rollout_corr/kl_k3"), "update_s": mean("timing/update"), "rollout_s": mean("timing/rollout"),
                      "log_prob_s": mean("timing/old_log_prob")}
     return out
@@ -205,7 +213,9 @@ def main() -> None:
     ap.add_argument("--run-threads", type=int, default=1, help="torch threads of each default-job run")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--workdir", default="runs/bench_precision")
+    ap.add_argument("--parallel", action="store_true", help="run the default-job variants at the same time")
     ap.add_argument("--out", default=None)
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides of the default-job runs, e.g. sft.checkpoint=DIR")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.pop(P.ENV_OVERRIDE, None)
@@ -219,7 +229,8 @@ def main() -> None:
     if "engine" in parts:
         out["engine"] = engine(args.reps)
     if "runs" in parts:
-        out["runs"] = runs(args.steps, args.run_threads, ROOT / args.workdir, args.variants.split(","))
+        out["runs"] = runs(args.steps, args.run_threads, ROOT / args.workdir, args.variants.split(","), args.overrides,
+                           args.parallel)
     out["seconds"] = time.perf_counter() - t0
     text = json.dumps(out, indent=1, default=float)
     if args.out:
