@@ -14,7 +14,9 @@ Switches (``algorithm.*``, see docs/algorithms.md, "Rollout correction"):
 
 The weight is detached and multiplies the per-token policy loss (``workers/actor.py``); dropped tokens
 still count in the aggregation's denominators, as ``decoupled_ppo``'s cap does. The train-rollout gap
-metrics are logged whenever both log-probs exist, with the correction on or off.
+metrics are logged whenever both log-probs exist, with the correction on or off (after the update on a step
+that takes the old log-probs from the update's own forward, ``trainers/learn.py``; the weights, an input of
+the loss, keep the separate pass).
 """
 from __future__ import annotations
 
