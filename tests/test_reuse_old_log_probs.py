@@ -94,11 +94,13 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
 
 
-@pytest.mark.parametrize("loss", ["ppo_clip", "decoupled_ppo", "clip_cov"])
-def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss):
+@pytest.mark.parametrize("loss,precision", [("ppo_clip", "fp32"), ("decoupled_ppo", "fp32"), ("clip_cov", "fp32"),
+                                            ("ppo_clip", "bf16")])
+def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss, precision):
     """Two identical actors, one step each on the same batch: one runs the pass, the other is given no old
-    log-probs. Weights after the step, metrics (the indicator aside) and the old log-probs are the same bits."""
-    cfg = actor_cfg(f"algorithm.policy_loss={loss}")
+    log-probs. Weights after the step, metrics (the indicator aside) and the old log-probs are the same bits
+    (also in CPU bf16 autocast)."""
+    cfg = actor_cfg(f"algorithm.policy_loss={loss}", f"fsdp.mixed_precision={precision}")
     passed, reused = make_actor(cfg), make_actor(cfg)
     batch = ragged_batch(passed.model.config.vocab_size)
     old = passed.compute_log_prob(batch)["old_log_probs"]
