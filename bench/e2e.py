@@ -38,9 +38,10 @@ Differences that remain (each framework's own way of doing the same step):
 - sampled tokens differ (each side's own random streams), so response lengths, and with them the work, vary
   from step to step; ``response_length`` records each side's mean;
 - hybridrl's PPO loss has a dual clip (3.0) that never binds on-policy; TRL has none;
-- bf16 (``--precision bf16``): TRL ``bf16=True`` (fp32 weights, bf16 autocast); hybridrl
-  ``fsdp.mixed_precision=bf16`` (bf16 compute with fp32 master weights where the actor supports it; the JSON
-  records ``hybridrl.precision_note``).
+- bf16 (``--precision bf16``): TRL ``bf16=True``, bf16 autocast over fp32 weights for every forward, generation
+  included; hybridrl ``fsdp.mixed_precision=bf16`` (on a CPU: bf16 autocast over fp32 weights for the actor and
+  the reference) and ``rollout.dtype=bf16`` (the engine's weights and KV cache in bf16). The JSON records each
+  side's precision as reported (``hybridrl.precision_notes``, ``trl.precision_note``).
 
 s/step: the median over the timed steps (warm-up steps excluded) of each step's wall time: hybridrl's
 ``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin`` and ``on_step_end`` of a
