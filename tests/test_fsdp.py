@@ -107,6 +107,19 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     out["bf16"] = {"logp": bf16.compute_log_prob(part)["old_log_probs"], "metrics": bf16.update_policy(part),
                    "weights": full_weights(bf16), "autocast": autocast_dtype(bf16.model),
                    "dtypes": {p.dtype for p in bf16.model.parameters()}}
+    # auto with a process group: bf16 only where every rank measured it (the verdicts are injected per rank)
+    from hybridrl.training.precision import ENV_OVERRIDE
+
+    before, out["auto"] = os.environ.get(ENV_OVERRIDE), {}
+    for verdicts in (("bf16", "bf16"), ("bf16", "fp32")):
+        os.environ[ENV_OVERRIDE] = verdicts[rank]
+        w = ReferenceWorker(ctx, make_cfg(precision="auto"), None)
+        workers.append(w)
+        out["auto"][verdicts] = autocast_dtype(w.model)
+    if before is None:
+        del os.environ[ENV_OVERRIDE]
+    else:
+        os.environ[ENV_OVERRIDE] = before
     # the other trained roles on the same engine: reference (no optimizer) and critic
     ref_worker = ReferenceWorker(ctx, make_cfg(), None)
     critic = CriticWorker(ctx, make_cfg(), None)
@@ -230,6 +243,10 @@ def test_two_rank_bf16_step_matches_single_process_bf16(runs):
     assert max_diff(ref["weights"], got["weights"]) <= TOL
     for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy"):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-4, abs=1e-6), k
+
+
+def test_auto_precision_is_bf16_only_where_every_rank_measured_it(runs):
+    assert runs["ranks"]["auto"] == {("bf16", "bf16"): torch.bfloat16, ("bf16", "fp32"): None}  # rank 0's view
 
 
 def test_reference_and_critic_on_two_ranks(runs):
