@@ -202,7 +202,7 @@ def run_hybridrl(spec: dict) -> dict:
             return super().pop() | ({} if start is None else {"timing/cpu": now - start})
 
     session_mod.PhaseTimer = CpuTimer
-    runs = tempfile.mkdtemp(prefix="e2e_hybridrl_")
+    runs = str(Path(spec["out"]).parent / "hybridrl_runs")  # inside the parent's temporary directory
     overrides, dropped = known_overrides(hybridrl_overrides(spec["model_dir"], spec["max_new"], spec["steps"], spec["threads"],
                                                             spec["precision"], runs, "e2e"))
     cfg = load_config(Config, str(ROOT / "examples" / "arith_grpo.yaml"), overrides)
@@ -247,7 +247,7 @@ def run_trl(spec: dict) -> dict:
         return [1.0 if ids and ids[-1] == eos and text == ans else 0.0
                 for text, ids, ans in zip(completions, completion_ids, answer)]
 
-    kwargs = trl_config_kwargs(spec["max_new"], spec["steps"], spec["precision"], tempfile.mkdtemp(prefix="e2e_trl_"),
+    kwargs = trl_config_kwargs(spec["max_new"], spec["steps"], spec["precision"], str(Path(spec["out"]).parent / "trl_out"),
                                spec.get("trl_micro_batch"))
     args = trl.GRPOConfig(**kwargs, model_init_kwargs={"dtype": "float32"})
     trainer = trl.GRPOTrainer(model=spec["model_dir"], reward_funcs=exact_match, args=args, train_dataset=data,
