@@ -1,13 +1,29 @@
-"""Worker classes for tests/test_controller.py (a module of their own so Ray
-can ship them to its worker processes by value)."""
+"""Worker classes for tests/test_controller.py and tests/test_worker_failure.py (a module of their own so Ray
+can ship them to its worker processes by value), and the Ray cluster fixture both use."""
 from __future__ import annotations
 
 import os
+import sys
 
+import pytest
 import torch
 
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module; this module's classes are shipped by value (they live outside
+    any installed package)."""
+    import ray
+
+    from hybridrl.controller import init_ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    init_ray(num_cpus=4)
+    yield
+    ray.shutdown()
 
 
 def placement() -> tuple:

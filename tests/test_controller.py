@@ -13,20 +13,12 @@ import pytest
 import ray
 import torch
 
-import controller_workers
-from controller_workers import BrokenWorker, EchoWorker, ScoreWorker
-from hybridrl.controller import Dispatch, ResourcePool, WorkerContext, WorkerError, WorkerGroup, init_ray, register
+from controller_workers import BrokenWorker, EchoWorker, ScoreWorker, ray_cluster  # noqa: F401 (fixture)
+from hybridrl.controller import Dispatch, ResourcePool, WorkerContext, WorkerError, WorkerGroup, register
 from hybridrl.controller.dispatch import collect, plan, registered_methods
 from hybridrl.protocol import Batch
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    # the test worker classes live outside any installed package: ship them by value
-    ray.cloudpickle.register_pickle_by_value(controller_workers)
-    init_ray(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

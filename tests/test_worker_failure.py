@@ -16,19 +16,12 @@ import pytest
 import ray
 from ray.util import placement_group_table
 
-import controller_workers
-from controller_workers import CloseCountWorker, CloseFailsWorker, EchoWorker, GlooWorker
-from hybridrl.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup, init_ray
+from controller_workers import CloseCountWorker, CloseFailsWorker, EchoWorker, GlooWorker, ray_cluster  # noqa: F401 (fixture)
+from hybridrl.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
 from hybridrl.controller.ray_backend import exit_cause
 from hybridrl.trainers.roles import Roles
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.cloudpickle.register_pickle_by_value(controller_workers)
-    init_ray(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def actor_dead(actor) -> bool:
