@@ -53,8 +53,8 @@ def generate(backend, model, kw):
     return eng.generate(reqs, params), params
 
 
-def check_agreement(backend, kw):
-    model = tiny_model()
+def check_agreement(backend, kw, model=None):
+    model = model or tiny_model()
     samples, params = generate(backend, model, kw)
     batch = samples_to_batch(samples, PAD)
     with torch.no_grad():
@@ -72,6 +72,17 @@ CASES = [pytest.param(b, s, id=f"{b}-{s}") for b in BACKENDS for s in SETTINGS]
 @pytest.mark.parametrize("backend,setting", CASES)
 def test_recomputed_log_probs_equal_the_behaviour_log_probs(backend, setting):
     gap, _ = check_agreement(backend, SETTINGS[setting])
+    assert gap < 1e-5, gap
+
+
+@pytest.mark.parametrize("setting", ["t1", "greedy"])
+def test_hf_ignores_the_checkpoints_generation_defaults(setting):
+    """A checkpoint's generation_config (here a repetition penalty and a suppressed token) must not reshape what
+    the hf backend samples from: the trainer never applies it, so the behaviour log-probs would drift."""
+    model = tiny_model()
+    model.generation_config.repetition_penalty = 3.0
+    model.generation_config.suppress_tokens = [5]
+    gap, _ = check_agreement("hf", SETTINGS[setting], model)
     assert gap < 1e-5, gap
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Iterable
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
@@ -111,11 +111,17 @@ class HFRollout(RolloutEngine):
             processors.append(sampler)
         stops = as_tuple(params.stop)
         criteria = StoppingCriteriaList([_StopStrings(tok, stops, width)] if stops else [])
-        res = self.model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=params.max_new_tokens, eos_token_id=self._eos(params),
-            pad_token_id=tok.pad_token_id, do_sample=False, logits_processor=processors, stopping_criteria=criteria,
-            output_scores=sampler is None, return_dict_in_generate=True,
-        )
+        gen = GenerationConfig(max_new_tokens=params.max_new_tokens, eos_token_id=self._eos(params), pad_token_id=tok.pad_token_id,
+                               do_sample=False, output_scores=sampler is None, return_dict_in_generate=True)
+        # the checkpoint's own generation defaults (repetition_penalty, suppress_tokens, min_new_tokens, ...) would
+        # reshape the distribution before our draw, and the behaviour log-probs would no longer be the ones the
+        # trainer recomputes; generate() fills unset fields of a passed config from the model's, so swap it out
+        own, self.model.generation_config = self.model.generation_config, gen
+        try:
+            res = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=gen, logits_processor=processors,
+                                      stopping_criteria=criteria)
+        finally:
+            self.model.generation_config = own
         responses = res.sequences[:, width:]
         if sampler is None:  # greedy: the raw log-prob of the argmax
             scores = torch.stack(res.scores, 1).float()
