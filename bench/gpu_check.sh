@@ -4,9 +4,9 @@
 # Nothing to install: that machine's python3 has torch, transformers, peft, safetensors and pytest (no Ray, so
 # only Ray-free checks run). Everything lands in $OUT (./gpu_check_out when unset):
 #   gpu.txt                  the GPU, driver, torch and transformers versions
-#   test_cuda.log            the GPU tests (-k cuda): tests/test_cuda.py (seeded sampling, bf16, weight updates,
+#   test_cuda.log            the GPU tests (-k cuda): tests/test_cuda.py (seeded sampling, weight updates,
 #                            memory release, the KV pool from free memory, an actor step) and the cuda cases of
-#                            the logits, greedy and speculative-sampling tests
+#                            the logits, greedy, bf16 and speculative-sampling tests
 #   rollout_cuda_quick.json  bench/rollout.py --quick --device cuda (every scenario, quick sizes)
 #   rollout_cuda.json        bench/rollout.py --device cuda --only fixed,fixed_tiny,mixed,prefix (full sizes)
 # Each step has its own time limit, so a hang in one still leaves the others' results.
@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 
 echo "== GPU tests"
 timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" -k cuda \
-  tests/test_cuda.py tests/test_rollout_engine.py tests/test_rollout_spec.py 2>&1 | tee "$OUT/test_cuda.log" | tail -15
+  tests/test_cuda.py tests/test_rollout_engine.py tests/test_rollout_bf16.py tests/test_rollout_spec.py 2>&1 | tee "$OUT/test_cuda.log" | tail -15
 
 echo "== bench/rollout.py --quick --device cuda"
 timeout 240 $PY bench/rollout.py --quick --device cuda --threads 8 --out "$OUT/rollout_cuda_quick.json" 2>&1 | tail -4

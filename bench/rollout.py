@@ -1,7 +1,7 @@
 """Rollout benchmark: the native engine against transformers ``generate`` in the same run.
 
 Prints one JSON object (nested; ``fixed.speedup_vs_hf`` is ``out["fixed"]["speedup_vs_hf"]``) and a short
-table. Scenarios (GUIDE.md §4-5, issue 3):
+table. Scenarios (workloads defined in docs/workloads.md):
 
 - ``fixed`` / ``fixed_tiny``: W1 small / tiny model, 32 prompts x 8 samples x 128 new tokens, eos ignored, fp32
   for both (``fixed.bf16_*``: the same in bf16). Each engine runs twice (the prefix cache cleared in between)

@@ -37,7 +37,8 @@ def engine_precision(setting: str | None, model) -> Precision:
 
 def resolve_engine_dtype(cfg, model) -> torch.dtype:
     """``engine_precision`` for the rollout config ``cfg`` (a config without ``dtype``: the model's own), logged."""
-    prec = engine_precision(getattr(cfg, "dtype", None), model)
-    if getattr(cfg, "dtype", None) is not None:
+    setting = getattr(cfg, "dtype", None)
+    prec = engine_precision(setting, model)
+    if setting is not None:
         log.info(prec.describe("rollout", autocast=False))
     return prec.dtype
