@@ -1,4 +1,4 @@
-"""Asynchronous vs synchronous training (issue 6): samples/s and held-out accuracy after the same samples.
+"""Asynchronous vs synchronous training: samples/s and held-out accuracy after the same samples.
 
     python bench/async_vs_sync.py [--quick] [--steps N] [--tasks w3,w1] [--ablation] [--out FILE]
 
