@@ -49,6 +49,7 @@ s/step: the median over the timed steps (warm-up steps excluded) of each step's 
 steadier than wall time on a shared machine when each side has one thread. Phases: hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
 wrapping the trainer's own methods, ``update`` is the rest of the step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-WORKLOADS = {"w1_tiny": ("tiny", 16), "w1_small": ("small", 16), "w1_long_tiny": ("tiny", 128), "w1_long_small": ("small", 128)}
+WORKLOADS = {
+    "w1_tiny": ("tiny", 16),
+    "w1_small": ("small", 16),
+    "w1_long_tiny": ("tiny", 128),
+    "w1_long_small": ("small", 128),
+}
 QUICK = ("w1_tiny", "w1_long_tiny")
 PROMPTS, G, BETA, LR, CLIP, MICRO_TOKENS = 32, 8, 0.04, 1e-5, 0.2, 8192
 PROMPT_LEN = 8  # longest W1 prompt: <bos> + "999+999="
@@ -89,19 +95,45 @@ def trl_micro_batch(max_new: int, budget: int = MICRO_TOKENS, batch: int = PROMP
     return n
 
 
-def hybridrl_overrides(model_dir: str, max_new: int, steps: int, threads: int, precision: str, runs_dir: str,
-                       name: str) -> list[str]:
+def hybridrl_overrides(
+    model_dir: str, max_new: int, steps: int, threads: int, precision: str, runs_dir: str, name: str
+) -> list[str]:
     """Dotted overrides on ``examples/arith_grpo.yaml`` for the benchmark's step."""
-    return [f"model.path={model_dir}", "sft.enabled=false", f"rollout.max_new_tokens={max_new}", "rollout.temperature=1.0",
-            "rollout.top_p=1.0", "rollout.top_k=0", f"actor.lr={LR}", f"actor.ppo_minibatch_size={PROMPTS * G}",
-            "actor.ppo_epochs=1", "actor.weight_decay=0.0", "actor.grad_clip=1.0", f"actor.micro_batch_tokens={MICRO_TOKENS}",
-            "algorithm.advantage=grpo", "algorithm.policy_loss=ppo_clip", f"algorithm.clip_ratio_low={CLIP}",
-            f"algorithm.clip_ratio_high={CLIP}", f"algorithm.kl_coef={BETA}", "algorithm.kl_estimator=k3",
-            "algorithm.loss_agg=token-mean", f"trainer.total_steps={steps}", f"trainer.prompts_per_step={PROMPTS}",
-            f"trainer.samples_per_prompt={G}", "trainer.eval_every=0", f"trainer.save_every={10 * steps}",
-            "trainer.tensorboard=false", "trainer.progress=false", f"trainer.runs_dir={runs_dir}", f"trainer.name={name}",
-            "task.eval_size=1", "controller.backend=local", f"controller.num_threads={threads}",
-            f"fsdp.mixed_precision={precision}", f"rollout.dtype={precision}"]
+    return [
+        f"model.path={model_dir}",
+        "sft.enabled=false",
+        f"rollout.max_new_tokens={max_new}",
+        "rollout.temperature=1.0",
+        "rollout.top_p=1.0",
+        "rollout.top_k=0",
+        f"actor.lr={LR}",
+        f"actor.ppo_minibatch_size={PROMPTS * G}",
+        "actor.ppo_epochs=1",
+        "actor.weight_decay=0.0",
+        "actor.grad_clip=1.0",
+        f"actor.micro_batch_tokens={MICRO_TOKENS}",
+        "algorithm.advantage=grpo",
+        "algorithm.policy_loss=ppo_clip",
+        f"algorithm.clip_ratio_low={CLIP}",
+        f"algorithm.clip_ratio_high={CLIP}",
+        f"algorithm.kl_coef={BETA}",
+        "algorithm.kl_estimator=k3",
+        "algorithm.loss_agg=token-mean",
+        f"trainer.total_steps={steps}",
+        f"trainer.prompts_per_step={PROMPTS}",
+        f"trainer.samples_per_prompt={G}",
+        "trainer.eval_every=0",
+        f"trainer.save_every={10 * steps}",
+        "trainer.tensorboard=false",
+        "trainer.progress=false",
+        f"trainer.runs_dir={runs_dir}",
+        f"trainer.name={name}",
+        "task.eval_size=1",
+        "controller.backend=local",
+        f"controller.num_threads={threads}",
+        f"fsdp.mixed_precision={precision}",
+        f"rollout.dtype={precision}",
+    ]
 
 
 def known_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
@@ -110,21 +142,54 @@ def known_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     from hybridrl.config import Config
 
     section = lambda o: getattr(Config(), o.split(".")[0], None)  # noqa: E731
-    kept = [o for o in overrides if hasattr(section(o), "__dataclass_fields__")
-            and o.split("=", 1)[0].split(".")[1] in section(o).__dataclass_fields__]
+    kept = [
+        o
+        for o in overrides
+        if hasattr(section(o), "__dataclass_fields__")
+        and o.split("=", 1)[0].split(".")[1] in section(o).__dataclass_fields__
+    ]
     return kept, [o for o in overrides if o not in kept]
 
 
-def trl_config_kwargs(max_new: int, steps: int, precision: str, out_dir: str, micro: int | None = None) -> dict:
+def trl_config_kwargs(
+    max_new: int, steps: int, precision: str, out_dir: str, micro: int | None = None
+) -> dict:
     """Keyword arguments of TRL's ``GRPOConfig`` for the benchmark's step."""
     micro = micro or trl_micro_batch(max_new)
-    return dict(output_dir=out_dir, max_steps=steps, per_device_train_batch_size=micro,
-                gradient_accumulation_steps=PROMPTS * G // micro, num_generations=G, max_completion_length=max_new,
-                temperature=1.0, top_p=1.0, top_k=0, beta=BETA, epsilon=CLIP, loss_type="dapo", scale_rewards="group",
-                num_iterations=1, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                max_grad_norm=1.0, optim="adamw_torch", bf16=precision == "bf16", fp16=False, use_cpu=True,
-                gradient_checkpointing=False, shuffle_dataset=False, report_to="none", save_strategy="no",
-                logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, seed=0, remove_unused_columns=False)
+    return dict(
+        output_dir=out_dir,
+        max_steps=steps,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=PROMPTS * G // micro,
+        num_generations=G,
+        max_completion_length=max_new,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=BETA,
+        epsilon=CLIP,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=precision == "bf16",
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        shuffle_dataset=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        remove_unused_columns=False,
+    )
 
 
 def median(xs: list[float]) -> float:
@@ -135,10 +200,14 @@ def summarise(steps: list[dict], warmup: int) -> dict:
     """s/step (median of the timed steps) and each phase's median, from per-step rows {"step": s, phase: s, ...}."""
     timed = steps[warmup:]
     phases = sorted({k for r in timed for k in r} - {"step", "cpu", "response_length"})
-    return {"s_per_step": median([r["step"] for r in timed]), "step_times": [r["step"] for r in steps],
-            "cpu_s_per_step": median([r["cpu"] for r in timed if "cpu" in r]),
-            "phases": {k: median([r.get(k, 0.0) for r in timed]) for k in phases},
-            "response_length": median([r["response_length"] for r in timed if "response_length" in r]), "timed_steps": len(timed)}
+    return {
+        "s_per_step": median([r["step"] for r in timed]),
+        "step_times": [r["step"] for r in steps],
+        "cpu_s_per_step": median([r["cpu"] for r in timed if "cpu" in r]),
+        "phases": {k: median([r.get(k, 0.0) for r in timed]) for k in phases},
+        "response_length": median([r["response_length"] for r in timed if "response_length" in r]),
+        "timed_steps": len(timed),
+    }
 
 
 def machine() -> dict:
@@ -157,8 +226,13 @@ def machine() -> dict:
 def commit() -> tuple[str, list[str]]:
     """(HEAD, with "+dirty" when the code measured differs from it; the uncommitted paths under hybridrl/ and bench/)."""
     try:
-        git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout  # noqa: E731
-        dirty = [line[3:] for line in git("status", "--porcelain", "--", "hybridrl", "bench/e2e.py").splitlines()]
+        git = lambda *a: (
+            subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+        )  # noqa: E731
+        dirty = [
+            line[3:]
+            for line in git("status", "--porcelain", "--", "hybridrl", "bench/e2e.py").splitlines()
+        ]
         return git("rev-parse", "--short", "HEAD").strip() + ("+dirty" if dirty else ""), dirty
     except (OSError, subprocess.SubprocessError):
         return "unknown", []
@@ -166,10 +240,10 @@ def commit() -> tuple[str, list[str]]:
 
 # --- the two sides (each in its own process) ------------------------------------------------------------
 def save_model(size: str, seed: int, path: Path) -> None:
+    from transformers.utils import logging as hf_logging
+
     from hybridrl.models.factory import build_model
     from hybridrl.tasks.tokenizer import build_char_tokenizer
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tok = build_char_tokenizer()
@@ -202,9 +276,20 @@ def run_hybridrl(spec: dict) -> dict:
             return super().pop() | ({} if start is None else {"timing/cpu": now - start})
 
     session_mod.PhaseTimer = CpuTimer
-    runs = str(Path(spec["out"]).parent / "hybridrl_runs")  # inside the parent's temporary directory
-    overrides, dropped = known_overrides(hybridrl_overrides(spec["model_dir"], spec["max_new"], spec["steps"], spec["threads"],
-                                                            spec["precision"], runs, "e2e"))
+    runs = str(
+        Path(spec["out"]).parent / "hybridrl_runs"
+    )  # inside the parent's temporary directory
+    overrides, dropped = known_overrides(
+        hybridrl_overrides(
+            spec["model_dir"],
+            spec["max_new"],
+            spec["steps"],
+            spec["threads"],
+            spec["precision"],
+            runs,
+            "e2e",
+        )
+    )
     cfg = load_config(Config, str(ROOT / "examples" / "arith_grpo.yaml"), overrides)
     notes: list[str] = []
 
@@ -217,18 +302,31 @@ def run_hybridrl(spec: dict) -> dict:
     logging.getLogger("hybridrl").setLevel(logging.INFO)
     torch.set_num_threads(spec["threads"])
     summary = sync.train(cfg)
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    ]
     steps = []
     for r in (r for r in rows if r["step"] > 0):
-        row = {k[7:]: v for k, v in r.items() if k.startswith("timing/") and k not in ("timing/eval", "timing/step")}
+        row = {
+            k[7:]: v
+            for k, v in r.items()
+            if k.startswith("timing/") and k not in ("timing/eval", "timing/step")
+        }
         row["step"] = r["timing/step"] - r.get("timing/eval", 0.0)
         row["response_length"] = r["response/length_mean"]
         steps.append(row)
     if spec["precision"] == "bf16" and not any("bf16" in n for n in notes):
-        notes.append("fsdp.mixed_precision=bf16 was passed but no role reported bf16: this checkout has no CPU bf16 for a "
-                     "single-process actor, so hybridrl trained in fp32")
-    return {"steps": steps, "prompt_ids": seen[: spec["steps"] * PROMPTS], "precision_notes": sorted(set(notes)),
-            "dropped_overrides": dropped}
+        notes.append(
+            "fsdp.mixed_precision=bf16 was passed but no role reported bf16: this checkout has no CPU bf16 for a "
+            "single-process actor, so hybridrl trained in fp32"
+        )
+    return {
+        "steps": steps,
+        "prompt_ids": seen[: spec["steps"] * PROMPTS],
+        "precision_notes": sorted(set(notes)),
+        "dropped_overrides": dropped,
+    }
 
 
 def run_trl(spec: dict) -> dict:
@@ -244,14 +342,26 @@ def run_trl(spec: dict) -> dict:
     data = Dataset.from_dict({"prompt": [p for p, _ in pairs], "answer": [a for _, a in pairs]})
 
     def exact_match(prompts, completions, completion_ids, answer, **_):
-        return [1.0 if ids and ids[-1] == eos and text == ans else 0.0
-                for text, ids, ans in zip(completions, completion_ids, answer)]
+        return [
+            1.0 if ids and ids[-1] == eos and text == ans else 0.0
+            for text, ids, ans in zip(completions, completion_ids, answer)
+        ]
 
-    kwargs = trl_config_kwargs(spec["max_new"], spec["steps"], spec["precision"], str(Path(spec["out"]).parent / "trl_out"),
-                               spec.get("trl_micro_batch"))
+    kwargs = trl_config_kwargs(
+        spec["max_new"],
+        spec["steps"],
+        spec["precision"],
+        str(Path(spec["out"]).parent / "trl_out"),
+        spec.get("trl_micro_batch"),
+    )
     args = trl.GRPOConfig(**kwargs, model_init_kwargs={"dtype": "float32"})
-    trainer = trl.GRPOTrainer(model=spec["model_dir"], reward_funcs=exact_match, args=args, train_dataset=data,
-                              processing_class=tok)
+    trainer = trl.GRPOTrainer(
+        model=spec["model_dir"],
+        reward_funcs=exact_match,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+    )
     phases: dict[str, float] = {}
     seen: list[list[int]] = []
 
@@ -265,6 +375,7 @@ def run_trl(spec: dict) -> dict:
             if name == "tokenize":
                 seen.extend(out[0][::G])  # each prompt arrives G times in a row
             return out
+
         return wrapper
 
     ref = trainer.ref_model
@@ -272,9 +383,15 @@ def run_trl(spec: dict) -> dict:
     trainer._generate_single_turn = timed("rollout", trainer._generate_single_turn)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed(
-        "logps", trainer._get_per_token_logps_and_entropies,
-        lambda model, *a, **k: "reference" if model is ref else (None if torch.is_grad_enabled() else "old_log_prob"))
-    trainer._generate_and_score_completions = timed("generate_and_score", trainer._generate_and_score_completions)
+        "logps",
+        trainer._get_per_token_logps_and_entropies,
+        lambda model, *a, **k: (
+            "reference" if model is ref else (None if torch.is_grad_enabled() else "old_log_prob")
+        ),
+    )
+    trainer._generate_and_score_completions = timed(
+        "generate_and_score", trainer._generate_and_score_completions
+    )
     steps: list[dict] = []
     lengths = trainer._metrics["train"]["completions/mean_length"]
 
@@ -284,7 +401,11 @@ def run_trl(spec: dict) -> dict:
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
-            row = {"step": time.perf_counter() - self.t0, "cpu": time.process_time() - self.c0, **phases}
+            row = {
+                "step": time.perf_counter() - self.t0,
+                "cpu": time.process_time() - self.c0,
+                **phases,
+            }
             row["update"] = row["step"] - row.get("generate_and_score", 0.0)
             if lengths:
                 row["response_length"] = lengths[-1]
@@ -292,11 +413,21 @@ def run_trl(spec: dict) -> dict:
 
     trainer.add_callback(StepTimer())
     trainer.train()
-    autocast = hasattr(trainer.model, "_original_forward")  # accelerate wraps forward in bf16 autocast (generate too)
-    note = f"bf16=True: autocast over fp32 weights ({'generation included' if autocast else 'forward not wrapped'})" \
-        if spec["precision"] == "bf16" else "fp32"
-    return {"steps": steps, "prompt_ids": seen[: spec["steps"] * PROMPTS], "version": trl.__version__,
-            "micro_batch": kwargs["per_device_train_batch_size"], "precision_note": note}
+    autocast = hasattr(
+        trainer.model, "_original_forward"
+    )  # accelerate wraps forward in bf16 autocast (generate too)
+    note = (
+        f"bf16=True: autocast over fp32 weights ({'generation included' if autocast else 'forward not wrapped'})"
+        if spec["precision"] == "bf16"
+        else "fp32"
+    )
+    return {
+        "steps": steps,
+        "prompt_ids": seen[: spec["steps"] * PROMPTS],
+        "version": trl.__version__,
+        "micro_batch": kwargs["per_device_train_batch_size"],
+        "precision_note": note,
+    }
 
 
 def child(side: str, spec_path: str) -> None:
@@ -318,8 +449,12 @@ def run_side(side: str, spec: dict, work: Path) -> dict:
     (work / f"{side}_spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--child", side, str(work / f"{side}_spec.json")], check=True, env=env,
-                   stdout=sys.stderr)  # the JSON on stdout is the parent's alone
+    subprocess.run(
+        [sys.executable, __file__, "--child", side, str(work / f"{side}_spec.json")],
+        check=True,
+        env=env,
+        stdout=sys.stderr,
+    )  # the JSON on stdout is the parent's alone
     res = json.loads(Path(spec["out"]).read_text())
     res["process_seconds"] = time.perf_counter() - t0
     return res
@@ -329,33 +464,78 @@ def workload(name: str, index: int, args, work: Path) -> dict:
     size, max_new = WORKLOADS[name]
     model_dir = work / name / "model"
     save_model(size, 0, model_dir)
-    steps = args.warmup + (args.steps or (args.long_small_steps if name == "w1_long_small" else 3 if args.quick else 5))
-    spec = dict(model_dir=str(model_dir), max_new=max_new, steps=steps, threads=args.threads, precision=args.precision,
-                trl_micro_batch=args.trl_micro_batch)
+    steps = args.warmup + (
+        args.steps or (args.long_small_steps if name == "w1_long_small" else 3 if args.quick else 5)
+    )
+    spec = dict(
+        model_dir=str(model_dir),
+        max_new=max_new,
+        steps=steps,
+        threads=args.threads,
+        precision=args.precision,
+        trl_micro_batch=args.trl_micro_batch,
+    )
     order = ["hybridrl", "trl"] if index % 2 == 0 else ["trl", "hybridrl"]
     raw = {side: run_side(side, spec, work / name) for side in order}
-    h, t = summarise(raw["hybridrl"]["steps"], args.warmup), summarise(raw["trl"]["steps"], args.warmup)
-    same = raw["hybridrl"]["prompt_ids"] == raw["trl"]["prompt_ids"] and len(raw["trl"]["prompt_ids"]) == steps * PROMPTS
-    h |= {k: raw["hybridrl"][k] for k in ("precision_notes", "dropped_overrides", "process_seconds")}
+    h, t = (
+        summarise(raw["hybridrl"]["steps"], args.warmup),
+        summarise(raw["trl"]["steps"], args.warmup),
+    )
+    same = (
+        raw["hybridrl"]["prompt_ids"] == raw["trl"]["prompt_ids"]
+        and len(raw["trl"]["prompt_ids"]) == steps * PROMPTS
+    )
+    h |= {
+        k: raw["hybridrl"][k] for k in ("precision_notes", "dropped_overrides", "process_seconds")
+    }
     t |= {k: raw["trl"][k] for k in ("micro_batch", "precision_note", "process_seconds")}
-    return {"model": size, "max_new_tokens": max_new, "speedup_vs_trl": t["s_per_step"] / h["s_per_step"],
-            "speedup_vs_trl_cpu_time": t["cpu_s_per_step"] / h["cpu_s_per_step"],
-            "hybridrl_s_per_step": h["s_per_step"], "trl_s_per_step": t["s_per_step"], "order": order,
-            "identical_prompt_ids": same, "prompt_ids_checked": len(raw["trl"]["prompt_ids"]),
-            "first_prompt_ids": raw["trl"]["prompt_ids"][0], "hybridrl": h, "trl": t}
+    return {
+        "model": size,
+        "max_new_tokens": max_new,
+        "speedup_vs_trl": t["s_per_step"] / h["s_per_step"],
+        "speedup_vs_trl_cpu_time": t["cpu_s_per_step"] / h["cpu_s_per_step"],
+        "hybridrl_s_per_step": h["s_per_step"],
+        "trl_s_per_step": t["s_per_step"],
+        "order": order,
+        "identical_prompt_ids": same,
+        "prompt_ids_checked": len(raw["trl"]["prompt_ids"]),
+        "first_prompt_ids": raw["trl"]["prompt_ids"][0],
+        "hybridrl": h,
+        "trl": t,
+    }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help=f"{' and '.join(QUICK)}, 1 warm-up + 3 timed steps (about 5 min)")
-    ap.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all; --quick: "
-                    f"{','.join(QUICK)})")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default 5, --quick 3)")
-    ap.add_argument("--long-small-steps", type=int, default=3, help="timed steps of w1_long_small when --steps is not given")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{' and '.join(QUICK)}, 1 warm-up + 3 timed steps (about 5 min)",
+    )
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all; --quick: "
+        f"{','.join(QUICK)})",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps per side (default 5, --quick 3)"
+    )
+    ap.add_argument(
+        "--long-small-steps",
+        type=int,
+        default=3,
+        help="timed steps of w1_long_small when --steps is not given",
+    )
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first, per side")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each side's process")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--trl-micro-batch", type=int, default=None, help="samples per TRL forward (default: the token budget rule)")
+    ap.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=None,
+        help="samples per TRL forward (default: the token budget rule)",
+    )
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--child", nargs=2, metavar=("SIDE", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -365,20 +545,33 @@ def main(argv=None) -> dict:
         import trl
     except ImportError:
         ap.error("TRL is not installed: pip install -e '.[bench]'")
-    names = [n for n in (args.workloads or ",".join(QUICK if args.quick else WORKLOADS)).split(",") if n]
+    names = [
+        n for n in (args.workloads or ",".join(QUICK if args.quick else WORKLOADS)).split(",") if n
+    ]
     bad = [n for n in names if n not in WORKLOADS]
     if bad:
         ap.error(f"unknown workloads {bad}; choose from {list(WORKLOADS)}")
     import torch
 
-    out: dict = {"quick": args.quick, "precision": args.precision, "threads": args.threads, "warmup_steps": args.warmup,
-                 "commit": commit()[0], "uncommitted": commit()[1], "machine": machine(), "torch": torch.__version__, "trl": trl.__version__,
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out: dict = {
+        "quick": args.quick,
+        "precision": args.precision,
+        "threads": args.threads,
+        "warmup_steps": args.warmup,
+        "commit": commit()[0],
+        "uncommitted": commit()[1],
+        "machine": machine(),
+        "torch": torch.__version__,
+        "trl": trl.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="e2e_") as tmp:
         for i, name in enumerate(names):
             out[name] = workload(name, i, args, Path(tmp))
-            print(f"# {name}: done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"# {name}: done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True
+            )
             if args.out:
                 Path(args.out).write_text(json.dumps(out, indent=1))
     out["seconds"] = time.perf_counter() - t0
@@ -386,12 +579,17 @@ def main(argv=None) -> dict:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
-    print(f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8} {'(CPU time)':>10}  same prompt ids",
-          file=sys.stderr)
+    print(
+        f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8} {'(CPU time)':>10}  same prompt ids",
+        file=sys.stderr,
+    )
     for name in names:
         r = out[name]
-        print(f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} {r['speedup_vs_trl']:7.2f}x "
-              f"{r['speedup_vs_trl_cpu_time']:9.2f}x  {r['identical_prompt_ids']}", file=sys.stderr)
+        print(
+            f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} {r['speedup_vs_trl']:7.2f}x "
+            f"{r['speedup_vs_trl_cpu_time']:9.2f}x  {r['identical_prompt_ids']}",
+            file=sys.stderr,
+        )
     return out
 
 

@@ -35,6 +35,7 @@ exactly what the estimator models, no allocator overhead). ``ratio`` =
 estimate (total) / rss_peak, goal within 25%; ``ratio_glibc_default`` and
 ``ratio_tensor_peak`` likewise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -141,7 +142,9 @@ def child(args) -> dict:
     baseline = _status("VmRSS")
     model = build_model(args.model, tok, seed=0)
     if args.ac:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     for p in model.parameters():  # allocate m and v as a previous step would have
@@ -158,8 +161,14 @@ def child(args) -> dict:
         attn[: rows // 2, :2] = 0  # some left padding, as the actor's batches have
         ids[attn == 0] = 0
         resp = ids[:, 1:]
-        return Batch({"input_ids": ids, "attention_mask": attn, "responses": resp,
-                      "response_mask": attn[:, 1:].float()})
+        return Batch(
+            {
+                "input_ids": ids,
+                "attention_mask": attn,
+                "responses": resp,
+                "response_mask": attn[:, 1:].float(),
+            }
+        )
 
     mbs = [micro_batch() for _ in range(args.micro_batches)]
 
@@ -185,15 +194,22 @@ def child(args) -> dict:
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"rss_peak": peak - baseline, "rss_before_step": before - baseline, "hwm_reset": reset,
-           "step_seconds": round(seconds, 2)}
+    out = {
+        "rss_peak": peak - baseline,
+        "rss_before_step": before - baseline,
+        "hwm_reset": reset,
+        "step_seconds": round(seconds, 2),
+    }
     if args.tensor_peak:
         opt.zero_grad(set_to_none=True)
         _trim()
         tracker = LiveTensorPeak()
-        tracker.register([p for p in model.parameters()] + [b for b in model.buffers()]
-                         + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-                         + [mb[k] for mb in mbs for k in mb.keys()])
+        tracker.register(
+            [p for p in model.parameters()]
+            + [b for b in model.buffers()]
+            + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+            + [mb[k] for mb in mbs for k in mb.keys()]
+        )
         with tracker:
             step()
         out["tensor_peak"] = tracker.peak
@@ -203,9 +219,15 @@ def child(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
-    p.add_argument("--tokens", default="2048,8192", help="micro-batch sizes in tokens, comma-separated")
-    p.add_argument("--seq-len", type=int, default=32, help="padded row width (W1 rows are ~25 tokens)")
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches accumulated in the step")
+    p.add_argument(
+        "--tokens", default="2048,8192", help="micro-batch sizes in tokens, comma-separated"
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=32, help="padded row width (W1 rows are ~25 tokens)"
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=2, help="micro-batches accumulated in the step"
+    )
     p.add_argument("--no-tensor-peak", dest="tensor_peak", action="store_false")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ac", action="store_true", help=argparse.SUPPRESS)
@@ -219,52 +241,107 @@ def main(argv=None) -> int:
     from hybridrl.training.memory import Layout, estimate, human, resolve_model
 
     cfg = resolve_model(args.model)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     results = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         tokens = tokens // args.seq_len * args.seq_len
         for ac in (False, True):
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--tokens", str(tokens),
-                   "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--child",
+                "--model",
+                args.model,
+                "--tokens",
+                str(tokens),
+                "--seq-len",
+                str(args.seq_len),
+                "--micro-batches",
+                str(args.micro_batches),
+            ]
             cmd += ["--ac"] if ac else []
             measured = {}
-            for name, extra_env, extra in (("glibc_default", {}, ["--no-tensor-peak"]),
-                                           ("mmap_pinned", {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
-                                            [] if args.tensor_peak else ["--no-tensor-peak"])):
-                proc = subprocess.run(cmd + extra, env=env | extra_env, capture_output=True, text=True, cwd=ROOT)
+            for name, extra_env, extra in (
+                ("glibc_default", {}, ["--no-tensor-peak"]),
+                (
+                    "mmap_pinned",
+                    {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
+                    [] if args.tensor_peak else ["--no-tensor-peak"],
+                ),
+            ):
+                proc = subprocess.run(
+                    cmd + extra, env=env | extra_env, capture_output=True, text=True, cwd=ROOT
+                )
                 if proc.returncode:
                     sys.stderr.write(proc.stderr)
                     return 1
                 measured[name] = json.loads(proc.stdout.strip().splitlines()[-1])
             pinned, default = measured["mmap_pinned"], measured["glibc_default"]
-            est = estimate(cfg, Layout(micro_batch_tokens=tokens, seq_len=args.seq_len, activation_checkpointing=ac))
-            row = {"micro_batch_tokens": tokens, "activation_checkpointing": ac,
-                   "estimate": {k: est[k] for k in ("weights", "gradients", "optimizer", "activations", "total")},
-                   "measured": {"rss_peak": pinned["rss_peak"], "rss_peak_glibc_default": default["rss_peak"],
-                                "tensor_peak": pinned.get("tensor_peak"), "rss_before_step": pinned["rss_before_step"],
-                                "step_seconds": pinned["step_seconds"],
-                                "step_seconds_glibc_default": default["step_seconds"], "hwm_reset": pinned["hwm_reset"]},
-                   "ratio": round(est["total"] / pinned["rss_peak"], 3),
-                   "ratio_glibc_default": round(est["total"] / default["rss_peak"], 3)}
+            est = estimate(
+                cfg,
+                Layout(
+                    micro_batch_tokens=tokens, seq_len=args.seq_len, activation_checkpointing=ac
+                ),
+            )
+            row = {
+                "micro_batch_tokens": tokens,
+                "activation_checkpointing": ac,
+                "estimate": {
+                    k: est[k] for k in ("weights", "gradients", "optimizer", "activations", "total")
+                },
+                "measured": {
+                    "rss_peak": pinned["rss_peak"],
+                    "rss_peak_glibc_default": default["rss_peak"],
+                    "tensor_peak": pinned.get("tensor_peak"),
+                    "rss_before_step": pinned["rss_before_step"],
+                    "step_seconds": pinned["step_seconds"],
+                    "step_seconds_glibc_default": default["step_seconds"],
+                    "hwm_reset": pinned["hwm_reset"],
+                },
+                "ratio": round(est["total"] / pinned["rss_peak"], 3),
+                "ratio_glibc_default": round(est["total"] / default["rss_peak"], 3),
+            }
             if pinned.get("tensor_peak"):
                 row["ratio_tensor_peak"] = round(est["total"] / pinned["tensor_peak"], 3)
             results.append(row)
     worst = max(abs(r["ratio"] - 1) for r in results)
-    report = {"bench": "memory", "model": args.model, "n_params": est["n_params"], "seq_len": args.seq_len,
-              "micro_batches": args.micro_batches, "threads": 1, "results": results,
-              "max_abs_error": round(worst, 3), "goal": 0.25, "within_goal": worst <= 0.25,
-              "max_abs_error_glibc_default": round(max(abs(r["ratio_glibc_default"] - 1) for r in results), 3),
-              "malloc_mmap_threshold": MMAP_THRESHOLD}
+    report = {
+        "bench": "memory",
+        "model": args.model,
+        "n_params": est["n_params"],
+        "seq_len": args.seq_len,
+        "micro_batches": args.micro_batches,
+        "threads": 1,
+        "results": results,
+        "max_abs_error": round(worst, 3),
+        "goal": 0.25,
+        "within_goal": worst <= 0.25,
+        "max_abs_error_glibc_default": round(
+            max(abs(r["ratio_glibc_default"] - 1) for r in results), 3
+        ),
+        "malloc_mmap_threshold": MMAP_THRESHOLD,
+    }
     print(json.dumps(report))
-    print(f"\n{'tokens':>7} {'AC':>3} {'estimate':>10} {'rss peak':>10} {'rss glibc':>10} {'tensor pk':>10} "
-          f"{'est/rss':>8} {'est/glibc':>9} {'est/tens':>8}", file=sys.stderr)
+    print(
+        f"\n{'tokens':>7} {'AC':>3} {'estimate':>10} {'rss peak':>10} {'rss glibc':>10} {'tensor pk':>10} "
+        f"{'est/rss':>8} {'est/glibc':>9} {'est/tens':>8}",
+        file=sys.stderr,
+    )
     for r in results:
         m = r["measured"]
-        print(f"{r['micro_batch_tokens']:>7} {'on' if r['activation_checkpointing'] else 'off':>3} "
-              f"{human(r['estimate']['total']):>10} {human(m['rss_peak']):>10} {human(m['rss_peak_glibc_default']):>10} "
-              f"{human(m.get('tensor_peak')):>10} {r['ratio']:>8.3f} {r['ratio_glibc_default']:>9.3f} "
-              f"{r.get('ratio_tensor_peak', float('nan')):>8.3f}", file=sys.stderr)
+        print(
+            f"{r['micro_batch_tokens']:>7} {'on' if r['activation_checkpointing'] else 'off':>3} "
+            f"{human(r['estimate']['total']):>10} {human(m['rss_peak']):>10} {human(m['rss_peak_glibc_default']):>10} "
+            f"{human(m.get('tensor_peak')):>10} {r['ratio']:>8.3f} {r['ratio_glibc_default']:>9.3f} "
+            f"{r.get('ratio_tensor_peak', float('nan')):>8.3f}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -14,6 +14,7 @@ of each. Extra ``key=value`` arguments override the config (e.g. ``sft.steps=50`
 Prints one JSON object: per setting the median step time and the median ``old_log_prob`` and ``update``
 phases, and ``step_ratio`` = median step (never) / median step (auto).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,27 @@ def median(xs: list[float]) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=10, help="counted steps of each setting")
     ap.add_argument("--warmup", type=int, default=2, help="steps run first and not counted")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", help="config key=value")
     args = ap.parse_args()
     runs = Path(tempfile.mkdtemp(prefix="bench_old_log_prob_"))
-    cfg = load_config(Config, None, ["actor.ppo_minibatch_size=256", "task.eval_size=8", "trainer.progress=false",
-                                     "trainer.tensorboard=false", f"trainer.runs_dir={runs}", *args.overrides])
+    cfg = load_config(
+        Config,
+        None,
+        [
+            "actor.ppo_minibatch_size=256",
+            "task.eval_size=8",
+            "trainer.progress=false",
+            "trainer.tensorboard=false",
+            f"trainer.runs_dir={runs}",
+            *args.overrides,
+        ],
+    )
     session = open_session(cfg, resume=False)
     shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
     rows: dict[str, list[dict]] = {s: [] for s in SETTINGS}
@@ -66,29 +79,65 @@ def main() -> None:
             cfg.actor.reuse_old_log_probs = setting  # read by trainers/learn.py at every step
             session.timer.pop()
             t0 = time.perf_counter()
-            batch, cursor, _ = collect(session.roles, session.task, session.tokenizer, cfg, session.params, cursor,
-                                       seed=cfg.trainer.seed + step, timer=session.timer)
-            _, metrics = learn(session.roles.actor, session.roles.reference, session.roles.critic, batch, shape, cfg,
-                               session.timer)
+            batch, cursor, _ = collect(
+                session.roles,
+                session.task,
+                session.tokenizer,
+                cfg,
+                session.params,
+                cursor,
+                seed=cfg.trainer.seed + step,
+                timer=session.timer,
+            )
+            _, metrics = learn(
+                session.roles.actor,
+                session.roles.reference,
+                session.roles.critic,
+                batch,
+                shape,
+                cfg,
+                session.timer,
+            )
             session.roles.sync_weights(step + 1)
             seconds = time.perf_counter() - t0
             phases = session.timer.pop()
-            assert metrics["actor/old_log_prob_reused"] == float(setting == "auto"), (setting, metrics)
+            assert metrics["actor/old_log_prob_reused"] == float(setting == "auto"), (
+                setting,
+                metrics,
+            )
             if step >= args.warmup:
-                rows[setting].append({"step": seconds, "old_log_prob": phases.get("timing/old_log_prob", 0.0),
-                                      "update": phases.get("timing/update", 0.0),
-                                      "response_length": batch["response_mask"].sum(-1).float().mean().item()})
+                rows[setting].append(
+                    {
+                        "step": seconds,
+                        "old_log_prob": phases.get("timing/old_log_prob", 0.0),
+                        "update": phases.get("timing/update", 0.0),
+                        "response_length": batch["response_mask"].sum(-1).float().mean().item(),
+                    }
+                )
     finally:
         session.logger.close()
         session.roles.shutdown()
-    out = {"config": ["actor.ppo_minibatch_size=256", *args.overrides], "steps_each": args.steps, "warmup": args.warmup,
-           "warm_start": session.warm, "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                                                capture_output=True, text=True).stdout.strip(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+    out = {
+        "config": ["actor.ppo_minibatch_size=256", *args.overrides],
+        "steps_each": args.steps,
+        "warmup": args.warmup,
+        "warm_start": session.warm,
+        "commit": subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
     for s in SETTINGS:
-        out[s] = {f"{k}_median_s": round(median([r[k] for r in rows[s]]), 4) for k in ("step", "old_log_prob", "update")}
-        out[s]["response_length_mean"] = round(statistics.fmean(r["response_length"] for r in rows[s]), 2)
-    out["step_ratio"] = round(out["never"]["step_median_s"] / max(out["auto"]["step_median_s"], 1e-9), 3)
+        out[s] = {
+            f"{k}_median_s": round(median([r[k] for r in rows[s]]), 4)
+            for k in ("step", "old_log_prob", "update")
+        }
+        out[s]["response_length_mean"] = round(
+            statistics.fmean(r["response_length"] for r in rows[s]), 2
+        )
+    out["step_ratio"] = round(
+        out["never"]["step_median_s"] / max(out["auto"]["step_median_s"], 1e-9), 3
+    )
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

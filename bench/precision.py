@@ -22,6 +22,7 @@ The machine may be shared: every timing alternates its variants so that a change
 Usage: ``python bench/precision.py [--only probe,step,engine,runs] [--threads 1] [--reps 3] [--steps 60]
 [--parallel] [--out FILE] [key=value ...]`` (the overrides go to the default-job runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ from hybridrl.training import precision as P  # noqa: E402
 
 TOK = build_char_tokenizer()
 SIZES = ("tiny", "small")
-VARIANTS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "train_bf16_rollout_fp32": ("bf16", "fp32"),
-            "train_fp32_rollout_bf16": ("fp32", "bf16")}
+VARIANTS = {
+    "fp32": ("fp32", "fp32"),
+    "bf16": ("bf16", "bf16"),
+    "train_bf16_rollout_fp32": ("bf16", "fp32"),
+    "train_fp32_rollout_bf16": ("fp32", "bf16"),
+}
 
 
 def alternate(fns: dict, reps: int) -> dict[str, float]:
@@ -90,17 +95,28 @@ def w1_batch(vocab: int, rows: int = 256, p_len: int = 10, r_len: int = 16, seed
     rmask = (torch.arange(r_len) < lengths[:, None]).long()
     responses = responses * rmask
     logp = -torch.rand(rows, r_len, generator=g) * rmask
-    return Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                  "attention_mask": torch.cat([torch.ones_like(prompts), rmask], 1), "response_mask": rmask.float(),
-                  "old_log_probs": logp, "ref_log_probs": logp, "rollout_log_probs": logp,
-                  "advantages": torch.randn(rows, 1, generator=g).expand(rows, r_len) * rmask})
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([torch.ones_like(prompts), rmask], 1),
+            "response_mask": rmask.float(),
+            "old_log_probs": logp,
+            "ref_log_probs": logp,
+            "rollout_log_probs": logp,
+            "advantages": torch.randn(rows, 1, generator=g).expand(rows, r_len) * rmask,
+        }
+    )
 
 
 def step(reps: int) -> dict:
     from hybridrl.workers import ActorWorker
 
     out = {}
-    ctx = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=torch.get_num_threads())
+    ctx = WorkerContext(
+        rank=0, world_size=1, role="actor", pool="p", num_threads=torch.get_num_threads()
+    )
     for size in SIZES:
         actors = {}
         for prec in ("fp32", "bf16"):
@@ -109,9 +125,17 @@ def step(reps: int) -> dict:
             actors[prec] = ActorWorker(ctx, cfg, None)
         batch = w1_batch(actors["fp32"].model.config.vocab_size)
         upd = alternate({p: (lambda a=a: a.update_policy(batch)) for p, a in actors.items()}, reps)
-        lp = alternate({p: (lambda a=a: a.compute_log_prob(batch)) for p, a in actors.items()}, reps)
-        out[size] = {"update_s_fp32": upd["fp32"], "update_s_bf16": upd["bf16"], "update_speedup": upd["fp32"] / upd["bf16"],
-                     "log_prob_s_fp32": lp["fp32"], "log_prob_s_bf16": lp["bf16"], "log_prob_speedup": lp["fp32"] / lp["bf16"]}
+        lp = alternate(
+            {p: (lambda a=a: a.compute_log_prob(batch)) for p, a in actors.items()}, reps
+        )
+        out[size] = {
+            "update_s_fp32": upd["fp32"],
+            "update_s_bf16": upd["bf16"],
+            "update_speedup": upd["fp32"] / upd["bf16"],
+            "log_prob_s_fp32": lp["fp32"],
+            "log_prob_s_bf16": lp["bf16"],
+            "log_prob_speedup": lp["fp32"] / lp["bf16"],
+        }
     return out
 
 
@@ -123,7 +147,10 @@ def engine(reps: int) -> dict:
     out = {}
     for size in SIZES:
         model = build_model(size, TOK, 0)
-        engines = {d: NativeRollout(model, TOK, RolloutConfig(dtype=d, kv_cache_bytes=1 << 30)) for d in ("fp32", "bf16")}
+        engines = {
+            d: NativeRollout(model, TOK, RolloutConfig(dtype=d, kv_cache_bytes=1 << 30))
+            for d in ("fp32", "bf16")
+        }
         for new in (16, 128):
             params = SamplingParams(temperature=1.0, max_new_tokens=new, n=8, seed=0)
             params.ignore_eos = True
@@ -134,18 +161,29 @@ def engine(reps: int) -> dict:
                 stats[d].append(engines[d].stats())
 
             alternate({d: (lambda d=d: run(d)) for d in engines}, reps)
-            med = {d: {k: statistics.median(s[k] for s in stats[d][1:]) for k in ("engine/decode_tokens_per_s", "engine/tokens_per_s")}
-                   for d in engines}
+            med = {
+                d: {
+                    k: statistics.median(s[k] for s in stats[d][1:])
+                    for k in ("engine/decode_tokens_per_s", "engine/tokens_per_s")
+                }
+                for d in engines
+            }
             out[f"{size}_{new}"] = {
-                "decode_tok_s_fp32": med["fp32"]["engine/decode_tokens_per_s"], "decode_tok_s_bf16": med["bf16"]["engine/decode_tokens_per_s"],
-                "decode_speedup": med["bf16"]["engine/decode_tokens_per_s"] / med["fp32"]["engine/decode_tokens_per_s"],
-                "tok_s_fp32": med["fp32"]["engine/tokens_per_s"], "tok_s_bf16": med["bf16"]["engine/tokens_per_s"],
-                "speedup": med["bf16"]["engine/tokens_per_s"] / med["fp32"]["engine/tokens_per_s"]}
+                "decode_tok_s_fp32": med["fp32"]["engine/decode_tokens_per_s"],
+                "decode_tok_s_bf16": med["bf16"]["engine/decode_tokens_per_s"],
+                "decode_speedup": med["bf16"]["engine/decode_tokens_per_s"]
+                / med["fp32"]["engine/decode_tokens_per_s"],
+                "tok_s_fp32": med["fp32"]["engine/tokens_per_s"],
+                "tok_s_bf16": med["bf16"]["engine/tokens_per_s"],
+                "speedup": med["bf16"]["engine/tokens_per_s"] / med["fp32"]["engine/tokens_per_s"],
+            }
     return out
 
 
 # --- the default job ---------------------------------------------------------------------------------------
-def runs(steps: int, threads: int, workdir: Path, variants: list[str], extra: list[str], parallel: bool) -> dict:
+def runs(
+    steps: int, threads: int, workdir: Path, variants: list[str], extra: list[str], parallel: bool
+) -> dict:
     """One short W1 run per variant from the same warm start (cached, or ``sft.checkpoint=`` in ``extra``; a run
     trains it first when it is missing, so start with it cached). ``parallel``: all variants at once, so that
     a shared machine's load hits them alike."""
@@ -156,12 +194,30 @@ def runs(steps: int, threads: int, workdir: Path, variants: list[str], extra: li
     procs = {}
     for name in variants:
         train, roll = VARIANTS[name]
-        cmd = [sys.executable, "-m", "hybridrl.cli", "train", "examples/arith_grpo.yaml", f"trainer.total_steps={steps}",
-               f"fsdp.mixed_precision={train}", f"rollout.dtype={roll}", f"controller.num_threads={threads}",
-               f"trainer.name=prec_{name}", f"trainer.runs_dir={workdir}", "trainer.progress=false",
-               "trainer.tensorboard=false", "trainer.save_every=0", "trainer.eval_every=0", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hybridrl.cli",
+            "train",
+            "examples/arith_grpo.yaml",
+            f"trainer.total_steps={steps}",
+            f"fsdp.mixed_precision={train}",
+            f"rollout.dtype={roll}",
+            f"controller.num_threads={threads}",
+            f"trainer.name=prec_{name}",
+            f"trainer.runs_dir={workdir}",
+            "trainer.progress=false",
+            "trainer.tensorboard=false",
+            "trainer.save_every=0",
+            "trainer.eval_every=0",
+            *extra,
+        ]
         log = open(workdir / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.perf_counter())
+        procs[name] = (
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
+            log,
+            time.perf_counter(),
+        )
         if not parallel:
             procs[name][0].wait()
     for name, (proc, log, t0) in procs.items():
@@ -173,49 +229,75 @@ def runs(steps: int, threads: int, workdir: Path, variants: list[str], extra: li
             out[name] = {"error": f"exit code {rc}, see {workdir / f'{name}.log'}"}
             continue
         summary = json.loads((run_dir / "summary.json").read_text())
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        lines = [
+            json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+        ]
 
         def mean(key):
             vals = [x[key] for x in lines if key in x]
             return statistics.fmean(vals) if vals else None
 
-        out[name] = {"train": train, "rollout": roll, "accuracy_before": summary.get("accuracy_before"),
-                     "accuracy_after": summary.get("accuracy_after"), "greedy_accuracy_after": summary.get("greedy_accuracy_after"),
-                     "wall_s": summary.get("wall_seconds"), "logp_gap_mean": mean("rollout_corr/logp_gap_mean"),
-                     "kl_k3": mean("rollout_corr/kl_k3"), "update_s": mean("timing/update"), "rollout_s": mean("timing/rollout"),
-                     "log_prob_s": mean("timing/old_log_prob")}
+        out[name] = {
+            "train": train,
+            "rollout": roll,
+            "accuracy_before": summary.get("accuracy_before"),
+            "accuracy_after": summary.get("accuracy_after"),
+            "greedy_accuracy_after": summary.get("greedy_accuracy_after"),
+            "wall_s": summary.get("wall_seconds"),
+            "logp_gap_mean": mean("rollout_corr/logp_gap_mean"),
+            "kl_k3": mean("rollout_corr/kl_k3"),
+            "update_s": mean("timing/update"),
+            "rollout_s": mean("timing/rollout"),
+            "log_prob_s": mean("timing/old_log_prob"),
+        }
     return out
 
 
 def table(out: dict) -> str:
     rows = []
     for size, r in out.get("step", {}).items():
-        rows.append(f"step {size:5s}  update fp32 {r['update_s_fp32']:.3f}s bf16 {r['update_s_bf16']:.3f}s  x{r['update_speedup']:.2f}   "
-                    f"log-prob x{r['log_prob_speedup']:.2f}")
+        rows.append(
+            f"step {size:5s}  update fp32 {r['update_s_fp32']:.3f}s bf16 {r['update_s_bf16']:.3f}s  x{r['update_speedup']:.2f}   "
+            f"log-prob x{r['log_prob_speedup']:.2f}"
+        )
     for k, r in out.get("engine", {}).items():
-        rows.append(f"engine {k:10s} decode tok/s fp32 {r['decode_tok_s_fp32']:.0f} bf16 {r['decode_tok_s_bf16']:.0f}  "
-                    f"x{r['decode_speedup']:.2f}   whole x{r['speedup']:.2f}")
+        rows.append(
+            f"engine {k:10s} decode tok/s fp32 {r['decode_tok_s_fp32']:.0f} bf16 {r['decode_tok_s_bf16']:.0f}  "
+            f"x{r['decode_speedup']:.2f}   whole x{r['speedup']:.2f}"
+        )
     for k, r in out.get("runs", {}).items():
         if "error" in r:
             rows.append(f"run {k}: {r['error']}")
             continue
-        rows.append(f"run {k:24s} acc {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} (greedy {r['greedy_accuracy_after']:.3f})  "
-                    f"gap {r['logp_gap_mean']:.4f} kl_k3 {r['kl_k3']:.2e}  update {r['update_s']:.2f}s  {r['wall_s']:.0f}s")
+        rows.append(
+            f"run {k:24s} acc {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} (greedy {r['greedy_accuracy_after']:.3f})  "
+            f"gap {r['logp_gap_mean']:.4f} kl_k3 {r['kl_k3']:.2e}  update {r['update_s']:.2f}s  {r['wall_s']:.0f}s"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="probe,step,engine,runs")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of the in-process timings")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the in-process timings"
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60, help="RL steps of each default-job run")
-    ap.add_argument("--run-threads", type=int, default=1, help="torch threads of each default-job run")
+    ap.add_argument(
+        "--run-threads", type=int, default=1, help="torch threads of each default-job run"
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--workdir", default="runs/bench_precision")
-    ap.add_argument("--parallel", action="store_true", help="run the default-job variants at the same time")
+    ap.add_argument(
+        "--parallel", action="store_true", help="run the default-job variants at the same time"
+    )
     ap.add_argument("--out", default=None)
-    ap.add_argument("overrides", nargs="*", help="extra key=value overrides of the default-job runs, e.g. sft.checkpoint=DIR")
+    ap.add_argument(
+        "overrides",
+        nargs="*",
+        help="extra key=value overrides of the default-job runs, e.g. sft.checkpoint=DIR",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.pop(P.ENV_OVERRIDE, None)
@@ -229,8 +311,14 @@ def main() -> None:
     if "engine" in parts:
         out["engine"] = engine(args.reps)
     if "runs" in parts:
-        out["runs"] = runs(args.steps, args.run_threads, ROOT / args.workdir, args.variants.split(","), args.overrides,
-                           args.parallel)
+        out["runs"] = runs(
+            args.steps,
+            args.run_threads,
+            ROOT / args.workdir,
+            args.variants.split(","),
+            args.overrides,
+            args.parallel,
+        )
     out["seconds"] = time.perf_counter() - t0
     text = json.dumps(out, indent=1, default=float)
     if args.out:

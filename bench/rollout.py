@@ -27,15 +27,16 @@ move); ``bench/gpu_check.sh`` is the prepared script for a lent GPU machine.
 
 Usage: ``python bench/rollout.py [--quick] [--threads N] [--device cpu|cuda] [--out FILE]``.
 """
+
 from __future__ import annotations
 
 import argparse
 import copy
 import json
-import warnings
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,11 +77,16 @@ def roofline(quick: bool, device: torch.device) -> dict:
     out, secs = {}, 0.5 if quick else 1.5
     n = (512 if quick else 1024) if device.type == "cpu" else 8192
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
+        a, b = (
+            torch.randn(n, n, dtype=dt, device=device),
+            torch.randn(n, n, dtype=dt, device=device),
+        )
         out[f"matmul_{name}_gflops"] = 2 * n**3 * rate(lambda: torch.mm(a, b), device, secs) / 1e9
     numel = (32 << 20) if device.type == "cpu" else (256 << 20)  # 128 MB / 1 GB each
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
-    out["copy_gbps"] = 2 * numel * 4 * rate(lambda: dst.copy_(src), device, secs) / 1e9  # read + write
+    out["copy_gbps"] = (
+        2 * numel * 4 * rate(lambda: dst.copy_(src), device, secs) / 1e9
+    )  # read + write
     return out
 
 
@@ -97,11 +103,20 @@ def params(n_new: int, n: int = 1, seed: int = 0) -> SamplingParams:
 
 
 def engine(model, kv_gb: float = 2.0, **kw) -> NativeRollout:
-    dtype = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"  # the model's, not rollout.dtype=auto's
-    rc = RolloutConfig(backend="native", kv_cache_bytes=int(kv_gb * (1 << 30)), max_batch_size=512, max_num_batched_tokens=4096,
-                       dtype=dtype)
+    dtype = (
+        "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+    )  # the model's, not rollout.dtype=auto's
+    rc = RolloutConfig(
+        backend="native",
+        kv_cache_bytes=int(kv_gb * (1 << 30)),
+        max_batch_size=512,
+        max_num_batched_tokens=4096,
+        dtype=dtype,
+    )
     eng = NativeRollout(model, TOK, rc, **kw)
-    eng.generate([GenerationRequest("warm", [1, 3, 4])], params(4, n=2))  # first-call costs out of the timing
+    eng.generate(
+        [GenerationRequest("warm", [1, 3, 4])], params(4, n=2)
+    )  # first-call costs out of the timing
     eng.stats()
     return eng
 
@@ -113,11 +128,22 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
     attn = pad_2d([[1] * len(p) for p in prompts], 0, torch.long, left=True).to(dev)
     gc = copy.deepcopy(model.generation_config)
     gc.pad_token_id = TOK.pad_token_id
-    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=n, generation_config=gc)
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        num_return_sequences=n,
+        generation_config=gc,
+    )
     model.generate(input_ids=ids[:1], attention_mask=attn[:1], max_new_tokens=2, **kw)  # warm up
     t0, c0 = time.perf_counter(), time.process_time()
-    with torch.no_grad():  # min_new_tokens: eos is masked, so every row runs to max_new (eos ignored)
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new, min_new_tokens=max_new, **kw)
+    with (
+        torch.no_grad()
+    ):  # min_new_tokens: eos is masked, so every row runs to max_new (eos ignored)
+        out = model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=max_new, min_new_tokens=max_new, **kw
+        )
     sync(dev)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert out.shape[1] == ids.shape[1] + max_new, "eos was not ignored"
@@ -135,7 +161,11 @@ def native_generate(eng: NativeRollout, prompts, p) -> tuple[float, dict, int, f
 def flops_bytes(model, stats: dict, tokens: int, prompts, n: int, new: int) -> tuple[float, float]:
     """Matmul + attention FLOPs and the bytes a decode step must read (weights + KV), summed over the run."""
     c = model.config
-    params_mm = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "embed" not in name)
+    params_mm = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if "norm" not in name and "embed" not in name
+    )
     params_mm += c.vocab_size * c.hidden_size  # lm_head (tied)
     head_dim = c.hidden_size // c.num_attention_heads
     elt = next(model.parameters()).element_size()
@@ -149,35 +179,54 @@ def flops_bytes(model, stats: dict, tokens: int, prompts, n: int, new: int) -> t
     return flops, kv_bytes + steps * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def fixed(size: str, n_prompts: int, g: int, new: int, device: torch.device, dtype=torch.float32, rl=None) -> dict:
+def fixed(
+    size: str, n_prompts: int, g: int, new: int, device: torch.device, dtype=torch.float32, rl=None
+) -> dict:
     model = build_model(size, TOK, 0).to(device, dtype).eval()
     prompts = w1_prompts(n_prompts)
     eng = engine(model)
     native_runs, hf_runs = [], []
-    for _ in range(2):  # each engine twice, the faster run counts (an RL rollout engine is long-lived)
+    for _ in range(
+        2
+    ):  # each engine twice, the faster run counts (an RL rollout engine is long-lived)
         eng.engine.bm.invalidate()  # the second run computes its prompts again, as the first did
         native_runs.append(native_generate(eng, prompts, params(new, n=g)))
         hf_runs.append(hf_generate(model, prompts, g, new))
     dt, st, tokens, cpu = min(native_runs, key=lambda r: r[0])
     hf_dt, hf_cpu = min(hf_runs, key=lambda r: r[0])
-    res = {"native_tokens_per_s": tokens / dt, "hf_tokens_per_s": n_prompts * g * new / hf_dt,
-           "first_run_speedup_vs_hf": hf_runs[0][0] / native_runs[0][0],
-           "native_s": dt, "hf_s": hf_dt, "speedup_vs_hf_cpu_time": hf_cpu / cpu, "kv_usage_peak": st["engine/kv_usage_peak"], "preemptions": st["engine/preemptions"],
-           "prompt_tokens": st["engine/prompt_tokens"], "prompt_tokens_computed": st["engine/prompt_tokens_computed"]}
+    res = {
+        "native_tokens_per_s": tokens / dt,
+        "hf_tokens_per_s": n_prompts * g * new / hf_dt,
+        "first_run_speedup_vs_hf": hf_runs[0][0] / native_runs[0][0],
+        "native_s": dt,
+        "hf_s": hf_dt,
+        "speedup_vs_hf_cpu_time": hf_cpu / cpu,
+        "kv_usage_peak": st["engine/kv_usage_peak"],
+        "preemptions": st["engine/preemptions"],
+        "prompt_tokens": st["engine/prompt_tokens"],
+        "prompt_tokens_computed": st["engine/prompt_tokens_computed"],
+    }
     res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
     if rl is not None:
         f, b = flops_bytes(model, st, tokens, prompts, g, new)
         peak = rl["matmul_fp32_gflops" if dtype == torch.float32 else "matmul_bf16_gflops"] * 1e9
         bound = max(f / peak, b / (rl["copy_gbps"] * 1e9))
-        res.update(achieved_gflops=f / dt / 1e9, roofline_fraction=bound / dt, speedup_at_roofline=hf_dt / bound,
-                   bound="compute" if f / peak >= b / (rl["copy_gbps"] * 1e9) else "memory")
+        res.update(
+            achieved_gflops=f / dt / 1e9,
+            roofline_fraction=bound / dt,
+            speedup_at_roofline=hf_dt / bound,
+            bound="compute" if f / peak >= b / (rl["copy_gbps"] * 1e9) else "memory",
+        )
     return res
 
 
 def mixed(n_req: int, out_hi: int, device: torch.device) -> dict:
     model = build_model("small", TOK, 0).to(device).eval()
     rng = random.Random(1)
-    prompts = [[TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(rng.randint(8, 64) - 1)] for _ in range(n_req)]
+    prompts = [
+        [TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(rng.randint(8, 64) - 1)]
+        for _ in range(n_req)
+    ]
     outs = [rng.randint(16, out_hi) for _ in range(n_req)]
     eng = engine(model)
     ps = []
@@ -194,9 +243,16 @@ def mixed(n_req: int, out_hi: int, device: torch.device) -> dict:
     assert tokens == sum(outs)
     st = eng.stats()
     hf_dt, hf_cpu = hf_generate(model, prompts, 1, max(outs))
-    res = {"native_tokens_per_s": tokens / dt, "hf_tokens_per_s": sum(outs) / hf_dt, "native_s": dt, "hf_s": hf_dt,
-           "speedup_vs_hf_cpu_time": hf_cpu / cpu,
-           "requests": n_req, "useful_tokens": sum(outs), "kv_usage_peak": st["engine/kv_usage_peak"]}
+    res = {
+        "native_tokens_per_s": tokens / dt,
+        "hf_tokens_per_s": sum(outs) / hf_dt,
+        "native_s": dt,
+        "hf_s": hf_dt,
+        "speedup_vs_hf_cpu_time": hf_cpu / cpu,
+        "requests": n_req,
+        "useful_tokens": sum(outs),
+        "kv_usage_peak": st["engine/kv_usage_peak"],
+    }
     res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
     return res
 
@@ -208,10 +264,16 @@ def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
     rng = random.Random(2)
     longp = [[TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(63)] for _ in range(n_prompts)]
     native_generate(eng, longp, params(8, n=8))
-    _, st, _, _ = native_generate(eng, longp, params(8, n=8))  # the same prompts again: served from the cache
-    return {"prefill_reduction": fixed_res["prompt_tokens"] / max(1, fixed_res["prompt_tokens_computed"]),
-            "repeat_hit_rate": st["engine/prefix_hit_rate"],
-            "repeat_prefill_reduction": st["engine/prompt_tokens"] / max(1, st["engine/prompt_tokens_computed"])}
+    _, st, _, _ = native_generate(
+        eng, longp, params(8, n=8)
+    )  # the same prompts again: served from the cache
+    return {
+        "prefill_reduction": fixed_res["prompt_tokens"]
+        / max(1, fixed_res["prompt_tokens_computed"]),
+        "repeat_hit_rate": st["engine/prefix_hit_rate"],
+        "repeat_prefill_reduction": st["engine/prompt_tokens"]
+        / max(1, st["engine/prompt_tokens_computed"]),
+    }
 
 
 # Warm starts of the speculative pair: supervised training on correct sums (hybridrl.trainers.sft.run_sft), in stages
@@ -222,16 +284,27 @@ def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
 # --quick uses them when they are cached and otherwise trains the short QUICK_WARM_STARTS (about 30 s together).
 # The draft is then distilled towards the target on the target's own samples (DRAFT_DISTILL, hybridrl.trainers.distill):
 # a draft that learnt the task alone agrees with a target that has not learnt it yet only where both are right.
-WARM_STARTS = {"small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
-               "tiny": [dict(steps=150, batch_size=256, lr=3e-3)]}
-QUICK_WARM_STARTS = {"small": [dict(steps=25, batch_size=32, lr=3e-3)], "tiny": [dict(steps=25, batch_size=32, lr=3e-3)]}
-DRAFT_DISTILL, QUICK_DRAFT_DISTILL = dict(steps=150, batch_size=128, lr=1e-3), dict(steps=20, batch_size=64, lr=1e-3)
+WARM_STARTS = {
+    "small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
+    "tiny": [dict(steps=150, batch_size=256, lr=3e-3)],
+}
+QUICK_WARM_STARTS = {
+    "small": [dict(steps=25, batch_size=32, lr=3e-3)],
+    "tiny": [dict(steps=25, batch_size=32, lr=3e-3)],
+}
+DRAFT_DISTILL, QUICK_DRAFT_DISTILL = (
+    dict(steps=150, batch_size=128, lr=1e-3),
+    dict(steps=20, batch_size=64, lr=1e-3),
+)
 
 
 def warm_stages(size: str, quick: bool) -> tuple[list[dict], bool]:
     """The stages to load or train, and whether they are the full ones (always unless --quick finds no cache)."""
     full = WARM_STARTS[size]
-    if not quick or (ROOT / "checkpoints" / "bench" / stage_names(size, full)[-1] / "config.json").is_file():
+    if (
+        not quick
+        or (ROOT / "checkpoints" / "bench" / stage_names(size, full)[-1] / "config.json").is_file()
+    ):
         return full, True
     return QUICK_WARM_STARTS[size], False
 
@@ -257,11 +330,18 @@ def warm(size: str, stages: list[dict]) -> torch.nn.Module:
             cfg.model.name, cfg.model.path = size, None if prev is None else str(prev)
             cfg.sft.steps, cfg.sft.batch_size, cfg.sft.lr = s["steps"], s["batch_size"], s["lr"]
             run_sft(cfg, path, progress=sys.stderr.isatty())
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval(), path.name
+    return AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    ).eval(), path.name
 
 
 def distill_path(target_name: str, draft_name: str, stage: dict) -> Path:
-    return ROOT / "checkpoints" / "bench" / f"{draft_name}-distil{stage['steps']}x{stage['batch_size']}-lr{stage['lr']:g}-of-{target_name}"
+    return (
+        ROOT
+        / "checkpoints"
+        / "bench"
+        / f"{draft_name}-distil{stage['steps']}x{stage['batch_size']}-lr{stage['lr']:g}-of-{target_name}"
+    )
 
 
 def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> torch.nn.Module:
@@ -273,14 +353,25 @@ def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> 
     path = distill_path(target_name, draft_name, stage)
     if not (path / "config.json").is_file():
         draft = copy.deepcopy(draft)
-        res = distill_draft(target, draft, TOK, w1_prompts(stage["steps"] * stage["batch_size"], seed=1000), max_new_tokens=16,
-                            steps=stage["steps"], batch_size=stage["batch_size"], lr=stage["lr"], progress=sys.stderr.isatty())
+        res = distill_draft(
+            target,
+            draft,
+            TOK,
+            w1_prompts(stage["steps"] * stage["batch_size"], seed=1000),
+            max_new_tokens=16,
+            steps=stage["steps"],
+            batch_size=stage["batch_size"],
+            lr=stage["lr"],
+            progress=sys.stderr.isatty(),
+        )
         print(f"# draft distillation: {json.dumps(res)}", file=sys.stderr)
         tmp = path.with_name(path.name + ".tmp")
         draft.save_pretrained(tmp)
         TOK.save_pretrained(tmp)
         tmp.replace(path)
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=torch.float32
+    ).eval()
 
 
 def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
@@ -288,10 +379,15 @@ def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
     (small, full_s), (tiny, full_t) = warm_stages("small", quick), warm_stages("tiny", quick)
     (target, t_name), (sft_draft, d_name) = warm("small", small), warm("tiny", tiny)
     stage = DRAFT_DISTILL  # --quick: only when cached (the first full distillation takes about 5 minutes)
-    if quick and not (full_s and full_t and (distill_path(t_name, d_name, stage) / "config.json").is_file()):
+    if quick and not (
+        full_s and full_t and (distill_path(t_name, d_name, stage) / "config.json").is_file()
+    ):
         stage = QUICK_DRAFT_DISTILL
     draft = distilled(target, t_name, sft_draft, d_name, stage).to(device)
-    target, sft_draft = target.to(device), sft_draft.to(device)  # trained on the CPU, measured on the device
+    target, sft_draft = (
+        target.to(device),
+        sft_draft.to(device),
+    )  # trained on the CPU, measured on the device
     plain = engine(target)
     fast = engine(target, draft_model=draft)
     forced = engine(target, draft_model=draft)
@@ -307,20 +403,40 @@ def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
         for _ in range(2):  # best of two, interleaved: this machine is shared
             for e in runs:
                 runs[e].append(native_generate(e, prompts, p))
-        (dt0, st0, tok0, _), (dt1, st1, tok1, _), (dt2, st2, tok2, _) = (min(r, key=lambda r: r[0]) for r in runs.values())
+        (dt0, st0, tok0, _), (dt1, st1, tok1, _), (dt2, st2, tok2, _) = (
+            min(r, key=lambda r: r[0]) for r in runs.values()
+        )
         dec = "engine/decode_tokens_per_s"
-        res[f"b{b}"] = {"plain_tokens_per_s": tok0 / dt0, "spec_tokens_per_s": tok1 / dt1, "generation_speedup": (tok1 / dt1) / (tok0 / dt0),
-                        "decode_speedup": st1[dec] / st0[dec], "spec_steps": st1.get("engine/spec_steps", 0.0),
-                        "forced_generation_speedup": (tok2 / dt2) / (tok0 / dt0), "forced_decode_speedup": st2[dec] / st0[dec],
-                        "acceptance": st2.get("engine/spec_acceptance", 0.0), "forced_spec_steps": st2.get("engine/spec_steps", 0.0),
-                        "requests": n_req, "tokens": tok1}
+        res[f"b{b}"] = {
+            "plain_tokens_per_s": tok0 / dt0,
+            "spec_tokens_per_s": tok1 / dt1,
+            "generation_speedup": (tok1 / dt1) / (tok0 / dt0),
+            "decode_speedup": st1[dec] / st0[dec],
+            "spec_steps": st1.get("engine/spec_steps", 0.0),
+            "forced_generation_speedup": (tok2 / dt2) / (tok0 / dt0),
+            "forced_decode_speedup": st2[dec] / st0[dec],
+            "acceptance": st2.get("engine/spec_acceptance", 0.0),
+            "forced_spec_steps": st2.get("engine/spec_steps", 0.0),
+            "requests": n_req,
+            "tokens": tok1,
+        }
     mid = res[f"b{batches[1]}"]
     ref = engine(target, draft_model=sft_draft)  # the draft before distillation, for comparison
     ref.engine.spec.auto, ref.engine.scheduler.max_num_seqs = False, batches[1]
-    mid["acceptance_sft_draft"] = native_generate(ref, w1_prompts(mid["requests"], seed=3), p)[1]["engine/spec_acceptance"]
+    mid["acceptance_sft_draft"] = native_generate(ref, w1_prompts(mid["requests"], seed=3), p)[1][
+        "engine/spec_acceptance"
+    ]
     ref.release_memory()
-    res.update(full_warm_starts=full_s and full_t, full_distillation=stage is DRAFT_DISTILL, acceptance_sft_draft=mid["acceptance_sft_draft"], acceptance=mid["acceptance"], speedup=mid["decode_speedup"], generation_speedup=mid["generation_speedup"], k=fast.engine.spec.max_k,
-               auto_off_batch=fast.engine.spec.max_batch)
+    res.update(
+        full_warm_starts=full_s and full_t,
+        full_distillation=stage is DRAFT_DISTILL,
+        acceptance_sft_draft=mid["acceptance_sft_draft"],
+        acceptance=mid["acceptance"],
+        speedup=mid["decode_speedup"],
+        generation_speedup=mid["generation_speedup"],
+        k=fast.engine.spec.max_k,
+        auto_off_batch=fast.engine.spec.max_batch,
+    )
     return res
 
 
@@ -334,7 +450,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device {args.device!r}: use cpu, or cuda where a GPU is visible (cuda available: {torch.cuda.is_available()})")
+        ap.error(
+            f"--device {args.device!r}: use cpu, or cuda where a GPU is visible (cuda available: {torch.cuda.is_available()})"
+        )
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
@@ -344,20 +462,38 @@ def main() -> None:
     def save() -> None:  # after every scenario, so a long run that dies keeps what it measured
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1, default=float))
+
     q = args.quick
     only = set(filter(None, args.only.split(",")))
     want = lambda name: not only or name in only  # noqa: E731
     P, G, N = (8, 8, 32) if q else (32, 8, 128)
     t0 = time.perf_counter()
-    out: dict = {"quick": q, "threads": args.threads, "torch": torch.__version__, "device": str(dev)}
+    out: dict = {
+        "quick": q,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "device": str(dev),
+    }
     if dev.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(dev)
     out["roofline"] = rl = roofline(q, dev)
     if want("fixed"):
         out["fixed"] = fixed("small", P, G, N, dev, rl=rl)
         bf = fixed("small", P, G, N, dev, torch.bfloat16, rl=rl)
-        out["fixed"].update({f"bf16_{k}": v for k, v in bf.items()
-                             if k in ("speedup_vs_hf", "speedup_vs_hf_cpu_time", "native_tokens_per_s", "hf_tokens_per_s", "roofline_fraction")})
+        out["fixed"].update(
+            {
+                f"bf16_{k}": v
+                for k, v in bf.items()
+                if k
+                in (
+                    "speedup_vs_hf",
+                    "speedup_vs_hf_cpu_time",
+                    "native_tokens_per_s",
+                    "hf_tokens_per_s",
+                    "roofline_fraction",
+                )
+            }
+        )
         save()
     if want("fixed_tiny"):
         out["fixed_tiny"] = fixed("tiny", P, G, N, dev, rl=rl)
@@ -378,8 +514,11 @@ def main() -> None:
     for key in ("fixed", "fixed_tiny", "mixed"):
         if key in out:
             r = out[key]
-            print(f"# {key:10s} native {r['native_tokens_per_s']:9.0f} tok/s  hf {r['hf_tokens_per_s']:9.0f} tok/s  "
-                  f"x{r['speedup_vs_hf']:.2f} (cpu time x{r['speedup_vs_hf_cpu_time']:.2f})", file=sys.stderr)
+            print(
+                f"# {key:10s} native {r['native_tokens_per_s']:9.0f} tok/s  hf {r['hf_tokens_per_s']:9.0f} tok/s  "
+                f"x{r['speedup_vs_hf']:.2f} (cpu time x{r['speedup_vs_hf_cpu_time']:.2f})",
+                file=sys.stderr,
+            )
     if args.out:
         Path(args.out).write_text(text)
 

@@ -21,6 +21,7 @@ scales, what ``ActorWorker.weight_buckets`` sends after the first sync) over the
 
 Prints one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,25 +38,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
     """Bytes of an adapter-only sync / bytes of a full sync, from a real LoRA actor when available."""
-    from hybridrl.config import load_config, Config
+    from hybridrl.config import Config, load_config
     from hybridrl.controller import WorkerContext
     from hybridrl.workers import ActorWorker
 
     try:
         from hybridrl.training import lora as L
 
-        lcfg = load_config(Config, None, [f"model.name={cfg.model.name}", "actor.lora_rank=8", "controller.num_threads=1"])
+        lcfg = load_config(
+            Config,
+            None,
+            [f"model.name={cfg.model.name}", "actor.lora_rank=8", "controller.num_threads=1"],
+        )
         actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), lcfg, None)
         actor.weight_buckets()  # the first sync also sends the base weights
-        return L.sync_bytes(actor.weight_buckets()) / full_bytes, "measured: ActorWorker(lora_rank=8).weight_buckets() after the first sync"
+        return L.sync_bytes(
+            actor.weight_buckets()
+        ) / full_bytes, "measured: ActorWorker(lora_rank=8).weight_buckets() after the first sync"
     except Exception as exc:  # LoRA not available: count rank-8 adapter parameters on the targets
         from hybridrl.workers.common import load_model
 
         model, _ = load_model(cfg, None)
         targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        params = sum(8 * (m.in_features + m.out_features) for n, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in targets)
-        return params * 4 / full_bytes, f"computed: rank-8 adapter parameter count ({type(exc).__name__})"
+        params = sum(
+            8 * (m.in_features + m.out_features)
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in targets
+        )
+        return (
+            params * 4 / full_bytes,
+            f"computed: rank-8 adapter parameter count ({type(exc).__name__})",
+        )
 
 
 def main() -> None:
@@ -76,12 +89,26 @@ def main() -> None:
 
     cfg = load_config(Config, None, [f"model.name={args.model}", "controller.num_threads=1"])
     init_ray(num_cpus=max(2, args.actor_ranks + 1))
-    actor = WorkerGroup(ActorWorker, ResourcePool("train", workers_per_node=args.actor_ranks, cpus_per_worker=1), role="actor",
-                        backend="ray", args=(cfg, None))
-    rollout = WorkerGroup(RolloutWorker, ResourcePool("gen", cpus_per_worker=1), role="rollout", backend="ray", args=(cfg, None))
+    actor = WorkerGroup(
+        ActorWorker,
+        ResourcePool("train", workers_per_node=args.actor_ranks, cpus_per_worker=1),
+        role="actor",
+        backend="ray",
+        args=(cfg, None),
+    )
+    rollout = WorkerGroup(
+        RolloutWorker,
+        ResourcePool("gen", cpus_per_worker=1),
+        role="rollout",
+        backend="ray",
+        args=(cfg, None),
+    )
     bucket_bytes = args.bucket_mb << 20
 
-    paths = {"shm": (weight_sync.publish_shared, weight_sync.load_shared), "store": (weight_sync.publish, weight_sync.load_published)}
+    paths = {
+        "shm": (weight_sync.publish_shared, weight_sync.load_shared),
+        "store": (weight_sync.publish, weight_sync.load_published),
+    }
 
     def one_sync(version: int, transport: str) -> float:
         publish, load = paths[transport]
@@ -92,7 +119,9 @@ def main() -> None:
         del handle
         return dt
 
-    sizes = actor.apply_all(lambda w: sum(p.numel() * p.element_size() for p in w.model.parameters()))
+    sizes = actor.apply_all(
+        lambda w: sum(p.numel() * p.element_size() for p in w.model.parameters())
+    )
     full_bytes = int(sizes[0])  # a DTensor counts its global size
     # this machine is shared and its load changes by the second: each sync is paired with a memcpy measured
     # just before it (same size, this process, 1 thread), and the fraction is taken per pair
@@ -123,17 +152,31 @@ def main() -> None:
     ray.shutdown()
     memcpy = full_bytes / min(memcpys)
     ratio, source = lora_ratio(cfg, full_bytes)
-    out = {"model": args.model, "actor_ranks": args.actor_ranks, "sync_bytes": full_bytes, "bucket_bytes": bucket_bytes,
-           "memcpy_bytes_per_s": round(memcpy)}
-    for transport, ts in times.items():  # headline: shm, what Roles.sync_weights uses when the roles share a node
+    out = {
+        "model": args.model,
+        "actor_ranks": args.actor_ranks,
+        "sync_bytes": full_bytes,
+        "bucket_bytes": bucket_bytes,
+        "memcpy_bytes_per_s": round(memcpy),
+    }
+    for (
+        transport,
+        ts,
+    ) in times.items():  # headline: shm, what Roles.sync_weights uses when the roles share a node
         best, median = min(ts), statistics.median(ts)
         key = "" if transport == "shm" else "store_"
-        out |= {f"{key}sync_seconds_best": round(best, 4), f"{key}sync_seconds_median": round(median, 4),
-                f"{key}sync_bytes_per_s": round(full_bytes / best),
-                f"{key}fraction_of_memcpy": round(max(fractions[transport]), 3),  # best pair
-                f"{key}fraction_of_memcpy_median": round(statistics.median(fractions[transport]), 3)}
-    out |= {"transport": "shm (same node; store_*: object store, the cross-node path)",
-            "lora_bytes_ratio": round(ratio, 5), "lora_bytes_ratio_source": source}
+        out |= {
+            f"{key}sync_seconds_best": round(best, 4),
+            f"{key}sync_seconds_median": round(median, 4),
+            f"{key}sync_bytes_per_s": round(full_bytes / best),
+            f"{key}fraction_of_memcpy": round(max(fractions[transport]), 3),  # best pair
+            f"{key}fraction_of_memcpy_median": round(statistics.median(fractions[transport]), 3),
+        }
+    out |= {
+        "transport": "shm (same node; store_*: object store, the cross-node path)",
+        "lora_bytes_ratio": round(ratio, 5),
+        "lora_bytes_ratio_source": source,
+    }
     print(json.dumps(out, indent=1))
 
 

@@ -7,6 +7,7 @@ Every key, its type, default, allowed values (``Literal`` arms, ``choices``,
 ``ge``/``gt``/``le``/``lt`` bounds) and ``help`` text come from the schema, so
 the reference cannot drift from the code.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,7 +72,9 @@ def fmt_value(v: Any) -> str:
     if dataclasses.is_dataclass(v):
         return "(section)"
     if isinstance(v, dict):
-        flow = yaml.safe_dump(to_dict(v), default_flow_style=True, width=10**6, sort_keys=False).strip()
+        flow = yaml.safe_dump(
+            to_dict(v), default_flow_style=True, width=10**6, sort_keys=False
+        ).strip()
         return f"`{flow}`"
     if v is None:
         return "`null`"
@@ -101,11 +104,19 @@ def section(cls: type, prefix: str) -> list[str]:
         key = f"{prefix}.{f.name}"
         if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
             nested.append((typing.get_args(tp)[1], f"{key}.<name>"))
-        help_text = meta.get("help", "").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
-        rows.append(f"| `{key}` | {type_name(tp)} | {fmt_value(default_of(f))} | {allowed(tp, meta)} | {help_text} |")
+        help_text = (
+            meta.get("help", "").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+        )
+        rows.append(
+            f"| `{key}` | {type_name(tp)} | {fmt_value(default_of(f))} | {allowed(tp, meta)} | {help_text} |"
+        )
     out = [*rows, ""]
     for sub_cls, sub_prefix in nested:
-        out += [f"Each entry `{sub_prefix}` ({sub_cls.__name__}):", "", *section(sub_cls, sub_prefix)]
+        out += [
+            f"Each entry `{sub_prefix}` ({sub_cls.__name__}):",
+            "",
+            *section(sub_cls, sub_prefix),
+        ]
     return out
 
 
@@ -116,16 +127,26 @@ def render() -> str:
         cls = hints[f.name]
         doc = (cls.__doc__ or "").strip()
         lines += [f"## `{f.name}` ({cls.__name__})", ""]
-        if doc and not doc.startswith(cls.__name__ + "("):  # skip dataclass's generated signature docstring
+        if doc and not doc.startswith(
+            cls.__name__ + "("
+        ):  # skip dataclass's generated signature docstring
             lines += [doc, ""]
         lines += section(cls, f.name)
-    validators = [c.__name__ for c in [Config, *(hints[f.name] for f in dataclasses.fields(Config))] if "validate" in vars(c)]
-    lines += ["## Cross-field checks", "",
-              "These dataclasses also check relations between fields in `validate()` "
-              f"(see `hybridrl/config/schema.py`): {', '.join(f'`{v}`' for v in validators)}. "
-              "Among them: `trainer.prompts_per_step × trainer.samples_per_prompt` must be a multiple of "
-              "`actor.ppo_minibatch_size`; every role (actor, reference, rollout, reward) must be placed on a pool "
-              "listed in `controller.pools`; `model.path` must be a directory holding `config.json`.", ""]
+    validators = [
+        c.__name__
+        for c in [Config, *(hints[f.name] for f in dataclasses.fields(Config))]
+        if "validate" in vars(c)
+    ]
+    lines += [
+        "## Cross-field checks",
+        "",
+        "These dataclasses also check relations between fields in `validate()` "
+        f"(see `hybridrl/config/schema.py`): {', '.join(f'`{v}`' for v in validators)}. "
+        "Among them: `trainer.prompts_per_step × trainer.samples_per_prompt` must be a multiple of "
+        "`actor.ppo_minibatch_size`; every role (actor, reference, rollout, reward) must be placed on a pool "
+        "listed in `controller.pools`; `model.path` must be a directory holding `config.json`.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
 before any work starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,18 +25,30 @@ EXIT_CONFIG = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="hybridrl", description="RL post-training of LLMs with a single controller. "
-                                "Also: `hybridrl export CKPT OUT`, `hybridrl memory MODEL [layout flags]` and "
-                                "`hybridrl distill-draft TARGET DRAFT OUT`.")
+    p = argparse.ArgumentParser(
+        prog="hybridrl",
+        description="RL post-training of LLMs with a single controller. "
+        "Also: `hybridrl export CKPT OUT`, `hybridrl memory MODEL [layout flags]` and "
+        "`hybridrl distill-draft TARGET DRAFT OUT`.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    for name, text in [("train", "RL training (runs or reuses the warm start first)"),
-                       ("sft", "supervised warm start only"), ("eval", "held-out accuracy of the start checkpoint")]:
+    for name, text in [
+        ("train", "RL training (runs or reuses the warm start first)"),
+        ("sft", "supervised warm start only"),
+        ("eval", "held-out accuracy of the start checkpoint"),
+    ]:
         s = sub.add_parser(name, help=text, description=text)
         s.add_argument("config", nargs="?", help="YAML config file (optional)")
-        s.add_argument("overrides", nargs="*", help="dotted overrides such as trainer.total_steps=20")
-        s.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+        s.add_argument(
+            "overrides", nargs="*", help="dotted overrides such as trainer.total_steps=20"
+        )
+        s.add_argument(
+            "--print-config", action="store_true", help="print the resolved config and exit"
+        )
         if name == "train":
-            s.add_argument("--resume", action="store_true", help="continue the run from its latest checkpoint")
+            s.add_argument(
+                "--resume", action="store_true", help="continue the run from its latest checkpoint"
+            )
     args = p.parse_args(argv)
     if args.config and "=" in args.config:  # no config file given, only overrides
         args.overrides.insert(0, args.config)
@@ -50,9 +63,12 @@ def check_plugins(cfg: Config) -> None:
     from hybridrl.tasks import REWARDS, TASKS
 
     for key, registry, name in [
-        ("task.name", TASKS, cfg.task.name), ("task.reward_fn", REWARDS, cfg.task.reward_fn),
-        ("rollout.backend", ROLLOUT_BACKENDS, cfg.rollout.backend), ("algorithm.advantage", ADVANTAGES, cfg.algorithm.advantage),
-        ("algorithm.policy_loss", POLICY_LOSSES, cfg.algorithm.policy_loss), ("algorithm.kl_estimator", KL_ESTIMATORS, cfg.algorithm.kl_estimator),
+        ("task.name", TASKS, cfg.task.name),
+        ("task.reward_fn", REWARDS, cfg.task.reward_fn),
+        ("rollout.backend", ROLLOUT_BACKENDS, cfg.rollout.backend),
+        ("algorithm.advantage", ADVANTAGES, cfg.algorithm.advantage),
+        ("algorithm.policy_loss", POLICY_LOSSES, cfg.algorithm.policy_loss),
+        ("algorithm.kl_estimator", KL_ESTIMATORS, cfg.algorithm.kl_estimator),
     ]:
         try:
             registry.get(name)
@@ -63,7 +79,10 @@ def check_plugins(cfg: Config) -> None:
 def export(argv: list[str]) -> int:
     """``hybridrl export CHECKPOINT OUT_DIR``: a transformers-format directory (safetensors) from any checkpoint."""
     p = argparse.ArgumentParser(prog="hybridrl export", description=export.__doc__)
-    p.add_argument("checkpoint", help="a run checkpoint (runs/<name>/checkpoints/step_N) or its model/ directory")
+    p.add_argument(
+        "checkpoint",
+        help="a run checkpoint (runs/<name>/checkpoints/step_N) or its model/ directory",
+    )
     p.add_argument("out_dir")
     args = p.parse_args(argv)
     from hybridrl.training.fsdp import export_hf
@@ -71,7 +90,10 @@ def export(argv: list[str]) -> int:
     ckpt = Path(args.checkpoint)
     ckpt = ckpt / "model" if (ckpt / "model").is_dir() else ckpt
     if not (ckpt / "config.json").is_file() and not (ckpt / "dcp").is_dir():
-        print(f"hybridrl: error: {args.checkpoint!r} is not a checkpoint (no config.json or dcp/ in {str(ckpt)!r})", file=sys.stderr)
+        print(
+            f"hybridrl: error: {args.checkpoint!r} is not a checkpoint (no config.json or dcp/ in {str(ckpt)!r})",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     print(f"exported to {export_hf(ckpt, args.out_dir)}")
     return 0
@@ -82,18 +104,30 @@ def distill_draft(argv: list[str]) -> int:
     the target's samples of the task's prompts) and save it as a transformers checkpoint."""
     p = argparse.ArgumentParser(prog="hybridrl distill-draft", description=distill_draft.__doc__)
     p.add_argument("target", help="the target model's checkpoint directory")
-    p.add_argument("draft", help="the draft's checkpoint directory, or a built-in size (tiny, small)")
+    p.add_argument(
+        "draft", help="the draft's checkpoint directory, or a built-in size (tiny, small)"
+    )
     p.add_argument("out_dir")
-    p.add_argument("--task", default="arith", help="task whose training prompts are used (default: arith)")
+    p.add_argument(
+        "--task", default="arith", help="task whose training prompts are used (default: arith)"
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--temperature", type=float, default=1.0, help="the rollout temperature the draft will serve")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the rollout temperature the draft will serve",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16)
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     if out.exists() and any(out.iterdir()):
-        print(f"hybridrl: error: {args.out_dir!r} exists and is not empty (choose a new directory)", file=sys.stderr)
+        print(
+            f"hybridrl: error: {args.out_dir!r} exists and is not empty (choose a new directory)",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     from hybridrl.models.factory import SIZES, load_model_and_tokenizer
     from hybridrl.tasks import TASKS
@@ -102,14 +136,30 @@ def distill_draft(argv: list[str]) -> int:
     try:
         task = TASKS.get(args.task)(seed=0)
         target, tok = load_model_and_tokenizer(args.target, "", 0, task.tokenizer())
-        draft_path = args.draft if Path(args.draft).exists() else None  # a built-in size: built on the task's tokenizer
+        draft_path = (
+            args.draft if Path(args.draft).exists() else None
+        )  # a built-in size: built on the task's tokenizer
         if draft_path is None and args.draft not in SIZES:
-            raise FileNotFoundError(f"draft {args.draft!r} is neither a checkpoint directory nor a built-in size "
-                                    f"({', '.join(SIZES)})")
+            raise FileNotFoundError(
+                f"draft {args.draft!r} is neither a checkpoint directory nor a built-in size "
+                f"({', '.join(SIZES)})"
+            )
         draft, _ = load_model_and_tokenizer(draft_path, args.draft, 0, task.tokenizer())
-        prompts = [tok(task.prompt(i).text)["input_ids"] for i in range(args.steps * args.batch_size)]
-        res = run(target, draft, tok, prompts, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                  temperature=args.temperature, max_new_tokens=args.max_new_tokens, progress=sys.stderr.isatty())
+        prompts = [
+            tok(task.prompt(i).text)["input_ids"] for i in range(args.steps * args.batch_size)
+        ]
+        res = run(
+            target,
+            draft,
+            tok,
+            prompts,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            progress=sys.stderr.isatty(),
+        )
     except (KeyError, ValueError, FileNotFoundError) as e:
         print(f"hybridrl: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -148,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sft":
         from hybridrl.trainers.sft import run_sft, warm_start_path
 
-        print(f"warm-start checkpoint written to {run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)}")
+        print(
+            f"warm-start checkpoint written to {run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)}"
+        )
         return 0
     if args.command == "eval":
         from hybridrl.trainers.evaluate import evaluate_checkpoint

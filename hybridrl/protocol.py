@@ -6,10 +6,12 @@ A ``Batch`` is what every worker method receives and returns. Workers add
 columns (``old_log_probs``, ``ref_log_probs``, ``rewards``, ``advantages`` ...) and the driver
 merges them back with :meth:`Batch.union`.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -33,10 +35,14 @@ class Sample:
 class Batch:
     """Named tensors (first dim = batch) and per-sample metadata lists."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, meta: dict[str, list] | None = None):
+    def __init__(
+        self, tensors: dict[str, torch.Tensor] | None = None, meta: dict[str, list] | None = None
+    ):
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
         self.meta: dict[str, list] = {k: list(v) for k, v in (meta or {}).items()}
-        sizes = {k: t.shape[0] for k, t in self.tensors.items()} | {k: len(v) for k, v in self.meta.items()}
+        sizes = {k: t.shape[0] for k, t in self.tensors.items()} | {
+            k: len(v) for k, v in self.meta.items()
+        }
         if len(set(sizes.values())) > 1:
             raise ValueError(f"Batch columns disagree on batch size: {sizes}")
 
@@ -70,7 +76,7 @@ class Batch:
         return f"Batch(len={len(self)}, {', '.join(cols)})"
 
     # --- operations ---------------------------------------------------------
-    def index(self, idx) -> "Batch":
+    def index(self, idx) -> Batch:
         """Rows by slice, list of ints or bool/long tensor."""
         if isinstance(idx, slice):
             rows = list(range(len(self)))[idx]
@@ -84,13 +90,16 @@ class Batch:
             {k: [v[i] for i in rows] for k, v in self.meta.items()},
         )
 
-    def select(self, *keys: str) -> "Batch":
+    def select(self, *keys: str) -> Batch:
         missing = [k for k in keys if k not in self]
         if missing:
             raise KeyError(f"Batch has no column(s) {missing}; it has {self.keys()}")
-        return Batch({k: t for k, t in self.tensors.items() if k in keys}, {k: v for k, v in self.meta.items() if k in keys})
+        return Batch(
+            {k: t for k, t in self.tensors.items() if k in keys},
+            {k: v for k, v in self.meta.items() if k in keys},
+        )
 
-    def union(self, other: "Batch") -> "Batch":
+    def union(self, other: Batch) -> Batch:
         """Columns of both; a column present in both must hold equal values."""
         if len(self) and len(other) and len(self) != len(other):
             raise ValueError(f"cannot union batches of sizes {len(self)} and {len(other)}")
@@ -105,10 +114,10 @@ class Batch:
             meta[k] = v
         return Batch(tensors, meta)
 
-    def __or__(self, other: "Batch") -> "Batch":
+    def __or__(self, other: Batch) -> Batch:
         return self.union(other)
 
-    def chunk(self, n: int) -> list["Batch"]:
+    def chunk(self, n: int) -> list[Batch]:
         """Split into ``n`` contiguous parts whose sizes differ by at most one."""
         if n < 1:
             raise ValueError(f"chunk: n must be >= 1, got {n}")
@@ -120,42 +129,56 @@ class Batch:
             start = end
         return out
 
-    def split(self, size: int) -> list["Batch"]:
+    def split(self, size: int) -> list[Batch]:
         """Consecutive parts of ``size`` rows (the last may be shorter)."""
         return [self.index(slice(i, i + size)) for i in range(0, len(self), size)]
 
     @staticmethod
-    def concat(batches: Sequence["Batch"]) -> "Batch":
+    def concat(batches: Sequence[Batch]) -> Batch:
         batches = [b for b in batches if len(b) or b.keys()]
         if not batches:
             return Batch()
         keys = set(batches[0].keys())
         for b in batches[1:]:
             if set(b.keys()) != keys:
-                raise ValueError(f"concat: batches have different columns: {sorted(keys)} vs {sorted(b.keys())}")
+                raise ValueError(
+                    f"concat: batches have different columns: {sorted(keys)} vs {sorted(b.keys())}"
+                )
         tensors = {}
         for k in batches[0].tensors:
             parts = [b.tensors[k] for b in batches]
             width = max(p.shape[1] for p in parts) if parts[0].dim() > 1 else None
             if width is not None and any(p.shape[1] != width for p in parts):
-                raise ValueError(f"concat: column {k!r} has different widths {[p.shape[1] for p in parts]}")
+                raise ValueError(
+                    f"concat: column {k!r} has different widths {[p.shape[1] for p in parts]}"
+                )
             tensors[k] = torch.cat(parts, 0)
         meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
         return Batch(tensors, meta)
 
-    def repeat(self, n: int, interleave: bool = True) -> "Batch":
+    def repeat(self, n: int, interleave: bool = True) -> Batch:
         """Each row ``n`` times: ``aabb`` when interleaved, else ``abab``."""
-        rows = [i for i in range(len(self)) for _ in range(n)] if interleave else list(range(len(self))) * n
+        rows = (
+            [i for i in range(len(self)) for _ in range(n)]
+            if interleave
+            else list(range(len(self))) * n
+        )
         return self.index(rows)
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str) -> Batch:
         return Batch({k: t.to(device) for k, t in self.tensors.items()}, self.meta)
 
-    def shuffle(self, generator: torch.Generator) -> "Batch":
+    def shuffle(self, generator: torch.Generator) -> Batch:
         return self.index(torch.randperm(len(self), generator=generator))
 
 
-def pad_2d(rows: Iterable[Sequence], pad: float, dtype: torch.dtype, left: bool = False, width: int | None = None) -> torch.Tensor:
+def pad_2d(
+    rows: Iterable[Sequence],
+    pad: float,
+    dtype: torch.dtype,
+    left: bool = False,
+    width: int | None = None,
+) -> torch.Tensor:
     """Stack ragged rows into a (B, width) tensor padded on the right (or left)."""
     rows = [list(r) for r in rows]
     width = max([len(r) for r in rows] + [0]) if width is None else width
@@ -164,7 +187,7 @@ def pad_2d(rows: Iterable[Sequence], pad: float, dtype: torch.dtype, left: bool 
         if r:
             vals = torch.tensor(r, dtype=dtype)
             if left:
-                out[i, width - len(r):] = vals
+                out[i, width - len(r) :] = vals
             else:
                 out[i, : len(r)] = vals
     return out
@@ -183,11 +206,16 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
         "input_ids": torch.cat([prompts, responses], 1),
         "attention_mask": torch.cat([prompt_mask, response_mask], 1),
         "response_mask": response_mask,
-        "rollout_log_probs": pad_2d([s.log_probs for s in samples], 0.0, torch.float32, width=width),
+        "rollout_log_probs": pad_2d(
+            [s.log_probs for s in samples], 0.0, torch.float32, width=width
+        ),
         "versions": pad_2d([s.versions for s in samples], -1, torch.long, width=width),
     }
-    meta: dict[str, list] = {"uid": [s.uid for s in samples], "task_id": [s.task_id for s in samples],
-                             "status": [s.status for s in samples]}
+    meta: dict[str, list] = {
+        "uid": [s.uid for s in samples],
+        "task_id": [s.task_id for s in samples],
+        "status": [s.status for s in samples],
+    }
     for key in sorted({k for s in samples for k in s.extra}):
         meta[key] = [s.extra.get(key) for s in samples]
     return Batch(tensors, meta)

@@ -6,11 +6,13 @@ advantage estimators, policy losses, KL estimators) is looked up through a
 A name containing ``:`` is a dotted path ``package.module:attribute`` and is
 imported on demand, e.g. ``task.reward_fn=my_pkg.rewards:exact_match``.
 """
+
 from __future__ import annotations
 
 import difflib
 import importlib
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

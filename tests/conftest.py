@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests draw the same examples on every run (a CI failure reproduces locally; set
 # HYPOTHESIS_PROFILE=explore to search afresh), with no per-example deadline on a shared 2-core machine.
-settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

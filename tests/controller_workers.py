@@ -1,5 +1,6 @@
 """Worker classes for tests/test_controller.py and tests/test_worker_failure.py (a module of their own so Ray
 can ship them to its worker processes by value), and the Ray cluster fixture both use."""
+
 from __future__ import annotations
 
 import os
@@ -52,7 +53,11 @@ class EchoWorker(Worker):
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
             "master": (self.ctx.master_addr, self.ctx.master_port),
-            "env_master": (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")),
+            "env_master": (
+                os.environ.get("MASTER_ADDR"),
+                os.environ.get("MASTER_PORT"),
+                os.environ.get("RANK"),
+            ),
             "test_env": os.environ.get("HYBRIDRL_TEST_ENV"),
         }
 
@@ -132,7 +137,9 @@ class GlooWorker(Worker):
         return pg_timeout_s()
 
     @register(Dispatch.ONE_TO_ALL)
-    def total(self, value: float, late_rank: int = -1, delay_s: float = 0.0, skip_rank: int = -1) -> float:
+    def total(
+        self, value: float, late_rank: int = -1, delay_s: float = 0.0, skip_rank: int = -1
+    ) -> float:
         """All-reduce ``value`` over the group; ``late_rank`` sleeps ``delay_s`` first, ``skip_rank`` never joins."""
         import time
 

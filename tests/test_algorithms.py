@@ -1,5 +1,6 @@
 """hybridrl/algorithms: advantage estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE) and their helpers, checked
 against values worked out by hand (the arithmetic is in the comments). Losses and KL are in test_losses.py."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,16 @@ from hybridrl.protocol import Batch
 
 
 def cfg(**kw):
-    base = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, norm_adv_by_std=True, advantage="grpo",
-                gamma=1.0, lam=1.0, behav_imp_weight_cap=None)
+    base = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        norm_adv_by_std=True,
+        advantage="grpo",
+        gamma=1.0,
+        lam=1.0,
+        behav_imp_weight_cap=None,
+    )
     return types.SimpleNamespace(**(base | kw))
 
 
@@ -31,7 +40,9 @@ def adv_batch(rewards, uids, resp_len=3, mask=None):
 
 
 def close(t: torch.Tensor, expected, atol=1e-6) -> bool:
-    return torch.allclose(t.detach().double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=1e-6)
+    return torch.allclose(
+        t.detach().double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=1e-6
+    )
 
 
 def adv(name, batch, c=None):
@@ -50,10 +61,14 @@ def test_masked_whiten_shift_mean_false_adds_the_mean_back():
     # shift_mean=False (veRL/TRL): (x - 3)/2.645751 + 3 = [2.244071, 2.622036, 4.133893]; padding stays 0
     x, m = torch.tensor([[1.0, 2.0, 6.0, 50.0]]), torch.tensor([[1, 1, 1, 0]])
     s = math.sqrt(7.0)
-    assert masked_whiten(x, m, shift_mean=False)[0].tolist() == pytest.approx([3 - 2 / s, 3 - 1 / s, 3 + 3 / s, 0.0], abs=1e-6)
+    assert masked_whiten(x, m, shift_mean=False)[0].tolist() == pytest.approx(
+        [3 - 2 / s, 3 - 1 / s, 3 + 3 / s, 0.0], abs=1e-6
+    )
     assert masked_whiten(x, m)[0].tolist() == pytest.approx([-2 / s, -1 / s, 3 / s, 0.0], abs=1e-6)
     # one valid token: the variance is taken as 0, so the output is the mean, i.e. the value itself
-    assert masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]]), shift_mean=False).tolist() == [[5.0, 0.0]]
+    assert masked_whiten(
+        torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]]), shift_mean=False
+    ).tolist() == [[5.0, 0.0]]
 
 
 def test_whiten_shift_mean_reaches_the_estimators():
@@ -65,11 +80,14 @@ def test_whiten_shift_mean_reaches_the_estimators():
     assert adv("reinforce_pp", b)[:, 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-6)
     got = adv("reinforce_pp", b, cfg(whiten_shift_mean=False))[:, 0].tolist()
     assert got == pytest.approx([1.75, -0.25, -0.25, -0.25], abs=1e-6)
-    assert adv("reinforce_pp_baseline", b, cfg(whiten_shift_mean=False))[:, 0].tolist() == pytest.approx(
-        [1.5, -0.5, -0.5, -0.5], abs=1e-6)
+    assert adv("reinforce_pp_baseline", b, cfg(whiten_shift_mean=False))[
+        :, 0
+    ].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-6)
     # gae with V = 0, gamma = lam = 1: A = G, so it whitens like reinforce_pp
     g = Batch(b.tensors | {"values": torch.zeros(4, 1)}, b.meta)
-    assert adv("gae", g, cfg(whiten_shift_mean=False))[:, 0].tolist() == pytest.approx([1.75, -0.25, -0.25, -0.25], abs=1e-6)
+    assert adv("gae", g, cfg(whiten_shift_mean=False))[:, 0].tolist() == pytest.approx(
+        [1.75, -0.25, -0.25, -0.25], abs=1e-6
+    )
     assert AlgorithmConfig().whiten_shift_mean is True
 
 
@@ -78,8 +96,12 @@ def test_masked_whiten_by_hand():
     out = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1, 1, 1, 0]]))
     assert out[0].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-6)
     # one valid token: variance taken as 0 -> 0; none: all zero, no NaN
-    assert masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]])).tolist() == [[0.0, 0.0]]
-    assert masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[0, 0]])).tolist() == [[0.0, 0.0]]
+    assert masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[1, 0]])).tolist() == [
+        [0.0, 0.0]
+    ]
+    assert masked_whiten(torch.tensor([[5.0, 1.0]]), torch.tensor([[0, 0]])).tolist() == [
+        [0.0, 0.0]
+    ]
 
 
 # --- GRPO / Dr.GRPO -------------------------------------------------------------------------------------
@@ -150,13 +172,20 @@ def test_grpo_sums_token_level_rewards():
 
 
 def test_grpo_falls_back_to_a_rewards_column():
-    b = Batch({"rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]), "response_mask": torch.ones(4, 2)}, {"uid": ["g"] * 4})
-    assert torch.allclose(adv("grpo", b)[:, 0], torch.tensor([0.866025, -0.866025, -0.866025, 0.866025]), atol=1e-5)
+    b = Batch(
+        {"rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]), "response_mask": torch.ones(4, 2)},
+        {"uid": ["g"] * 4},
+    )
+    assert torch.allclose(
+        adv("grpo", b)[:, 0], torch.tensor([0.866025, -0.866025, -0.866025, 0.866025]), atol=1e-5
+    )
 
 
 def test_compute_advantages_with_real_config():
     out = compute_advantages(adv_batch([1, 0, 0, 1], ["g"] * 4), AlgorithmConfig())
-    assert torch.allclose(out["advantages"][:, 0], torch.tensor([0.866025, -0.866025, -0.866025, 0.866025]), atol=1e-5)
+    assert torch.allclose(
+        out["advantages"][:, 0], torch.tensor([0.866025, -0.866025, -0.866025, 0.866025]), atol=1e-5
+    )
     # recomputing replaces the column instead of failing the union
     again = compute_advantages(out, AlgorithmConfig())
     assert torch.equal(again["advantages"], out["advantages"])
@@ -194,8 +223,13 @@ def test_reinforce_pp_return_passes_through_masked_positions():
     # G_5 = 1, G_4 = 0 + .5*1 = .5, G_3 = G_2 = 0 (masked, the running .5 passes through),
     # G_1 = 0 + .5*.5 = .25, G_0 = .1 + .5*.25 = .225. (Resetting at the masked positions gave G_1 = 0, G_0 = .1.)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
-    b = Batch({"token_level_rewards": torch.tensor([[0.1, 0.0, 5.0, 7.0, 0.0, 1.0, 9.0]]), "response_mask": mask},
-              {"uid": ["a"]})
+    b = Batch(
+        {
+            "token_level_rewards": torch.tensor([[0.1, 0.0, 5.0, 7.0, 0.0, 1.0, 9.0]]),
+            "response_mask": mask,
+        },
+        {"uid": ["a"]},
+    )
     out = ADVANTAGES.get("reinforce_pp")(b, cfg(gamma=0.5))
     assert out["returns"][0].tolist() == pytest.approx([0.225, 0.25, 0.0, 0.0, 0.5, 1.0, 0.0])
     # whitening the valid [.225, .25, .5, 1]: mean 1.975/4 = .49375; deviations -.26875 -.24375 .00625 .50625
@@ -223,19 +257,33 @@ def test_gae_by_hand():
     # t=0: delta = 0 + .9*.6 - .5 = .04                A_0 = .04 + .45*.21 = .1345
     # returns = A + V = [.6345, .81, 1.0, 0]
     # whitening: mean .5445/3 = .1815; deviations -.047 .0285 .0185; squares sum .0033635 -> var .00168175
-    b = Batch({"token_level_rewards": torch.tensor([[0.0, 0.0, 1.0, 9.0]]), "values": torch.tensor([[0.5, 0.6, 0.8, 7.0]]),
-               "response_mask": torch.tensor([[1, 1, 1, 0]])}, {"uid": ["a"]})
+    b = Batch(
+        {
+            "token_level_rewards": torch.tensor([[0.0, 0.0, 1.0, 9.0]]),
+            "values": torch.tensor([[0.5, 0.6, 0.8, 7.0]]),
+            "response_mask": torch.tensor([[1, 1, 1, 0]]),
+        },
+        {"uid": ["a"]},
+    )
     out = ADVANTAGES.get("gae")(b, cfg(gamma=0.9, lam=0.5))
     assert out["returns"][0].tolist() == pytest.approx([0.6345, 0.81, 1.0, 0.0], abs=1e-6)
     std = math.sqrt(0.00168175)
-    assert out["advantages"][0].tolist() == pytest.approx([-0.047 / std, 0.0285 / std, 0.0185 / std, 0.0], abs=1e-4)
+    assert out["advantages"][0].tolist() == pytest.approx(
+        [-0.047 / std, 0.0285 / std, 0.0185 / std, 0.0], abs=1e-4
+    )
 
 
 def test_gae_skips_padded_positions():
     # gamma = lam = 1, mask [1, 0, 1], r [0, (pad) 5, 1], V [.5, (pad) 9, .8]
     # t=2: delta = 1 - .8 = .2 -> A_2 = .2; t=1 padded: skipped; t=0: delta = 0 + .8 - .5 = .3 -> A_0 = .3 + .2 = .5
-    b = Batch({"token_level_rewards": torch.tensor([[0.0, 5.0, 1.0]]), "values": torch.tensor([[0.5, 9.0, 0.8]]),
-               "response_mask": torch.tensor([[1, 0, 1]])}, {"uid": ["a"]})
+    b = Batch(
+        {
+            "token_level_rewards": torch.tensor([[0.0, 5.0, 1.0]]),
+            "values": torch.tensor([[0.5, 9.0, 0.8]]),
+            "response_mask": torch.tensor([[1, 0, 1]]),
+        },
+        {"uid": ["a"]},
+    )
     out = ADVANTAGES.get("gae")(b, cfg())
     assert out["returns"][0].tolist() == pytest.approx([1.0, 0.0, 1.0])
     # whitening [.5, .2]: mean .35, unbiased var (.15^2 * 2)/1 = .045 -> ±.15/.212132 = ±.707107
@@ -243,8 +291,14 @@ def test_gae_skips_padded_positions():
 
 
 def test_compute_advantages_adds_gae_returns():
-    b = Batch({"token_level_rewards": torch.tensor([[0.0, 1.0], [0.0, 0.0]]), "values": torch.zeros(2, 2),
-               "response_mask": torch.ones(2, 2)}, {"uid": ["a", "b"]})
+    b = Batch(
+        {
+            "token_level_rewards": torch.tensor([[0.0, 1.0], [0.0, 0.0]]),
+            "values": torch.zeros(2, 2),
+            "response_mask": torch.ones(2, 2),
+        },
+        {"uid": ["a", "b"]},
+    )
     out = compute_advantages(b, cfg(advantage="gae"))
     assert out["returns"].tolist() == [[1.0, 1.0], [0.0, 0.0]]
     assert "advantages" in out and "values" in out
@@ -259,13 +313,27 @@ def test_remax_by_hand():
     # row 3 (b): outcome 2 at the end, b = 2 (greedy scored as well) -> 0 everywhere
     tlr = torch.tensor([[-0.1, 0.2, 1.0], [0.0, 0.0, 9.0], [0.0, 7.0, 1.0], [0.0, 0.0, 2.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1], [1, 1, 1]])
-    b = Batch({"token_level_rewards": tlr, "response_mask": mask, "baseline_rewards": torch.tensor([0.5, 0.5, 0.5, 2.0])},
-              {"uid": ["a", "a", "a", "b"]})
+    b = Batch(
+        {
+            "token_level_rewards": tlr,
+            "response_mask": mask,
+            "baseline_rewards": torch.tensor([0.5, 0.5, 0.5, 2.0]),
+        },
+        {"uid": ["a", "a", "a", "b"]},
+    )
     out = ADVANTAGES.get("remax")(b, cfg(gamma=0.5))
-    assert close(out["advantages"], [[0.6, 0.7, 0.5], [-0.5, -0.5, 0.0], [0.5, 0.0, 0.5], [0.0, 0.0, 0.0]])
-    assert close(out["returns"], [[1.1, 1.2, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0], [2.0, 2.0, 2.0]])
+    assert close(
+        out["advantages"], [[0.6, 0.7, 0.5], [-0.5, -0.5, 0.0], [0.5, 0.0, 0.5], [0.0, 0.0, 0.0]]
+    )
+    assert close(
+        out["returns"], [[1.1, 1.2, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0], [2.0, 2.0, 2.0]]
+    )
     assert getattr(ADVANTAGES.get("remax"), "needs_greedy_baseline", False)
-    assert not any(getattr(ADVANTAGES.get(n), "needs_greedy_baseline", False) for n in ADVANTAGES.names() if n != "remax")
+    assert not any(
+        getattr(ADVANTAGES.get(n), "needs_greedy_baseline", False)
+        for n in ADVANTAGES.names()
+        if n != "remax"
+    )
 
 
 def test_remax_without_baseline_column_names_it():
@@ -281,7 +349,9 @@ def test_grpo_passk_by_hand():
     # group g [0, 1, .5, 1]: two best tie -> max - second = 0 for everyone
     b = adv_batch([0.2, 0, 0.9, 1, 0.5, 0.5, 1], ["h", "g", "h", "g", "h", "g", "g"])
     a = adv("grpo_passk", b)
-    assert a[:, 0].tolist() == pytest.approx([0.0, 0.0, 0.4 / (math.sqrt(0.246667 / 2) + 1e-6), 0.0, 0.0, 0.0, 0.0], abs=1e-5)
+    assert a[:, 0].tolist() == pytest.approx(
+        [0.0, 0.0, 0.4 / (math.sqrt(0.246667 / 2) + 1e-6), 0.0, 0.0, 0.0, 0.0], abs=1e-5
+    )
     assert torch.equal(a[:, 0:1].expand_as(a), a)
     a = adv("grpo_passk", b, cfg(norm_adv_by_std=False))
     assert a[:, 0].tolist() == pytest.approx([0.0, 0.0, 0.4, 0.0, 0.0, 0.0, 0.0], abs=1e-6)
@@ -301,8 +371,19 @@ def test_opo_by_hand():
     mask = [[1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
     b = adv_batch([1, 0, 1, 0, 1, 2, 5, 5], ["g", "g", "g", "h", "h", "s", "e", "e"], mask=mask)
     a = adv("opo", b)
-    assert close(a, [[1 / 3, 0, 0], [-2 / 3, -2 / 3, 0], [1 / 3, 1 / 3, 1 / 3], [-0.25] * 3, [0.75, 0, 0],
-                     [2.0, 2.0, 0.0], [0, 0, 0], [0, 0, 0]])
+    assert close(
+        a,
+        [
+            [1 / 3, 0, 0],
+            [-2 / 3, -2 / 3, 0],
+            [1 / 3, 1 / 3, 1 / 3],
+            [-0.25] * 3,
+            [0.75, 0, 0],
+            [2.0, 2.0, 0.0],
+            [0, 0, 0],
+            [0, 0, 0],
+        ],
+    )
 
 
 # --- estimator requirements checked when the config loads ---------------------------------------------------------
@@ -311,8 +392,19 @@ def test_config_rejects_what_an_estimator_cannot_get():
 
     with pytest.raises(ConfigError, match="remax needs a greedy baseline .* trainer.mode=async"):
         load_config(Config, None, ["algorithm.advantage=remax", "trainer.mode=async"])
-    with pytest.raises(ConfigError, match=r"grpo_passk needs trainer.samples_per_prompt >= 2, got 1"):
-        load_config(Config, None, ["algorithm.advantage=grpo_passk", "trainer.samples_per_prompt=1",
-                                   "actor.ppo_minibatch_size=32"])
+    with pytest.raises(
+        ConfigError, match=r"grpo_passk needs trainer.samples_per_prompt >= 2, got 1"
+    ):
+        load_config(
+            Config,
+            None,
+            [
+                "algorithm.advantage=grpo_passk",
+                "trainer.samples_per_prompt=1",
+                "actor.ppo_minibatch_size=32",
+            ],
+        )
     for name in ("remax", "grpo_passk", "opo"):
-        assert load_config(Config, None, [f"algorithm.advantage={name}"]).algorithm.advantage == name
+        assert (
+            load_config(Config, None, [f"algorithm.advantage={name}"]).algorithm.advantage == name
+        )

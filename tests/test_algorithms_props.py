@@ -2,6 +2,7 @@
 what padded positions hold), groups of size one, groups with equal rewards, all-masked rows, extreme
 log-ratios, and identities between the algorithms (GAE with lambda = gamma = 1, GSPO vs PPO, GSPO-token vs
 GSPO gradients, decoupled PPO vs PPO, micro-batch aggregation)."""
+
 from __future__ import annotations
 
 import math
@@ -15,19 +16,48 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, AdaptiveKLController, agg_totals,
-                                 apply_kl_penalty, masked_whiten, token_level_scores, value_loss)
+from hybridrl.algorithms import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGG,
+    POLICY_LOSSES,
+    AdaptiveKLController,
+    agg_totals,
+    apply_kl_penalty,
+    masked_whiten,
+    token_level_scores,
+    value_loss,
+)
 from hybridrl.protocol import Batch
 
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "remax", "grpo_passk", "opo"]
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+ESTIMATORS = [
+    "grpo",
+    "dr_grpo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "gae",
+    "remax",
+    "grpo_passk",
+    "opo",
+]
 LOSSES = ["ppo_clip", "gspo", "gspo_token", "decoupled_ppo"]
 GARBAGE = [1e6, -1e6, float("inf"), float("-inf"), float("nan"), 123.0]
 
 
 def cfg(**kw):
-    base = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, norm_adv_by_std=True, gamma=0.9, lam=0.8,
-                behav_imp_weight_cap=None)
+    base = dict(
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        norm_adv_by_std=True,
+        gamma=0.9,
+        lam=0.8,
+        behav_imp_weight_cap=None,
+    )
     return types.SimpleNamespace(**(base | kw))
 
 
@@ -40,7 +70,9 @@ def masks(draw, min_rows=1, max_rows=6, max_len=6):
         lengths = draw(st.lists(st.integers(0, r), min_size=b, max_size=b))
         rows = [[1] * n + [0] * (r - n) for n in lengths]
     else:
-        rows = draw(st.lists(st.lists(st.integers(0, 1), min_size=r, max_size=r), min_size=b, max_size=b))
+        rows = draw(
+            st.lists(st.lists(st.integers(0, 1), min_size=r, max_size=r), min_size=b, max_size=b)
+        )
     return torch.tensor(rows, dtype=torch.long)
 
 
@@ -48,16 +80,31 @@ def masks(draw, min_rows=1, max_rows=6, max_len=6):
 def adv_batches(draw, uid_alphabet="abc"):
     mask = draw(masks())
     b, r = mask.shape
-    scores = draw(st.lists(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-5, 5, allow_nan=False)), min_size=b, max_size=b))
+    scores = draw(
+        st.lists(
+            st.one_of(st.sampled_from([0.0, 1.0]), st.floats(-5, 5, allow_nan=False)),
+            min_size=b,
+            max_size=b,
+        )
+    )
     uids = draw(st.lists(st.sampled_from(uid_alphabet), min_size=b, max_size=b))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     tlr = token_level_scores(torch.tensor(scores), mask)
     if draw(st.booleans()):  # a per-token KL penalty in the reward
         tlr = tlr - 0.1 * torch.rand(b, r, generator=g) * mask
     values = torch.randn(b, r, generator=g)
-    greedy = {u: draw(st.sampled_from([0.0, 1.0, -0.5])) for u in uid_alphabet}  # one greedy reward per prompt
-    return Batch({"token_level_rewards": tlr, "values": values, "response_mask": mask,
-                  "baseline_rewards": torch.tensor([greedy[u] for u in uids])}, {"uid": uids})
+    greedy = {
+        u: draw(st.sampled_from([0.0, 1.0, -0.5])) for u in uid_alphabet
+    }  # one greedy reward per prompt
+    return Batch(
+        {
+            "token_level_rewards": tlr,
+            "values": values,
+            "response_mask": mask,
+            "baseline_rewards": torch.tensor([greedy[u] for u in uids]),
+        },
+        {"uid": uids},
+    )
 
 
 def with_garbage(t: torch.Tensor, mask: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -93,9 +140,15 @@ def estimators_for(batch):
 def test_advantages_zero_on_padding_and_blind_to_it(batch, seed):
     g = torch.Generator().manual_seed(seed)
     mask = batch["response_mask"]
-    dirty = Batch({"token_level_rewards": with_garbage(batch["token_level_rewards"], mask, g),
-                   "values": with_garbage(batch["values"], mask, g), "response_mask": mask,
-                   "baseline_rewards": batch["baseline_rewards"]}, batch.meta)
+    dirty = Batch(
+        {
+            "token_level_rewards": with_garbage(batch["token_level_rewards"], mask, g),
+            "values": with_garbage(batch["values"], mask, g),
+            "response_mask": mask,
+            "baseline_rewards": batch["baseline_rewards"],
+        },
+        batch.meta,
+    )
     for name in estimators_for(batch):
         clean, noisy = est(name, batch), est(name, dirty)
         assert "advantages" in clean and (name != "gae" or "returns" in clean)
@@ -128,7 +181,9 @@ def test_groups_of_size_one(batch):
     assert torch.allclose(est("dr_grpo", b)["advantages"], r, atol=1e-6)
     assert torch.allclose(est("grpo", b, norm_adv_by_std=False)["advantages"], r, atol=1e-6)
     assert torch.allclose(est("rloo", b)["advantages"], r, atol=1e-6)
-    assert torch.allclose(est("opo", b)["advantages"], r, atol=1e-6)  # baseline 0, as the other group estimators
+    assert torch.allclose(
+        est("opo", b)["advantages"], r, atol=1e-6
+    )  # baseline 0, as the other group estimators
 
 
 @SETTINGS
@@ -136,13 +191,25 @@ def test_groups_of_size_one(batch):
 def test_groups_with_equal_rewards_get_zero(mask, group_scores, data):
     uids = data.draw(st.lists(st.sampled_from("abc"), min_size=len(mask), max_size=len(mask)))
     scores = torch.tensor([group_scores["abc".index(u)] for u in uids])
-    b = Batch({"token_level_rewards": token_level_scores(scores, mask), "response_mask": mask}, {"uid": uids})
+    b = Batch(
+        {"token_level_rewards": token_level_scores(scores, mask), "response_mask": mask},
+        {"uid": uids},
+    )
     # rows that cannot hold their reward (empty) carry a score of 0 into their group: give them their own group
     nonempty = mask.bool().any(-1)
-    b = Batch(b.tensors, {"uid": [u if ne else f"empty{i}" for i, (u, ne) in enumerate(zip(uids, nonempty.tolist()))]})
+    b = Batch(
+        b.tensors,
+        {
+            "uid": [
+                u if ne else f"empty{i}" for i, (u, ne) in enumerate(zip(uids, nonempty.tolist()))
+            ]
+        },
+    )
     sizes = {u: b["uid"].count(u) for u in b["uid"]}
     multi = torch.tensor([sizes[u] > 1 for u in b["uid"]]).unsqueeze(-1)
-    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo") + (("grpo_passk",) if bool(multi.all()) else ()):
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "opo") + (
+        ("grpo_passk",) if bool(multi.all()) else ()
+    ):
         a = est(name, b)["advantages"]
         if name == "reinforce_pp_baseline":
             if all(sizes[u] > 1 or not ne for u, ne in zip(b["uid"], nonempty.tolist())):
@@ -156,8 +223,15 @@ def test_groups_with_equal_rewards_get_zero(mask, group_scores, data):
 def test_all_masked_batch_is_zero_not_nan(mask, seed):
     g = torch.Generator().manual_seed(seed)
     zero = torch.zeros_like(mask)
-    b = Batch({"token_level_rewards": torch.randn(mask.shape, generator=g), "values": torch.randn(mask.shape, generator=g),
-               "response_mask": zero, "baseline_rewards": torch.randn(len(mask), generator=g)}, {"uid": ["a"] * len(mask)})
+    b = Batch(
+        {
+            "token_level_rewards": torch.randn(mask.shape, generator=g),
+            "values": torch.randn(mask.shape, generator=g),
+            "response_mask": zero,
+            "baseline_rewards": torch.randn(len(mask), generator=g),
+        },
+        {"uid": ["a"] * len(mask)},
+    )
     for name in estimators_for(b):
         for t in est(name, b).values():
             assert torch.equal(t, torch.zeros_like(t)), name
@@ -180,7 +254,9 @@ def test_gae_lambda_gamma_one_is_reward_to_go_minus_value(batch):
     # and ReMax is that reward-to-go minus the prompt's greedy reward, on valid tokens only
     remax = est("remax", batch, gamma=0.3)  # gamma is not used by ReMax
     assert torch.allclose(remax["returns"], rtg, atol=1e-5)
-    assert torch.allclose(remax["advantages"], (rtg - batch["baseline_rewards"].unsqueeze(-1)) * m, atol=1e-5)
+    assert torch.allclose(
+        remax["advantages"], (rtg - batch["baseline_rewards"].unsqueeze(-1)) * m, atol=1e-5
+    )
 
 
 @SETTINGS
@@ -226,8 +302,14 @@ def loss_inputs(draw, scale=1.0):
     logp = old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.3 * scale
     rollout = old + torch.randn(shape, generator=g, dtype=torch.float64) * 0.3 * scale
     adv = torch.randn(shape, generator=g, dtype=torch.float64)
-    return logp, Batch({"old_log_probs": old, "rollout_log_probs": rollout, "advantages": adv * mask,
-                        "response_mask": mask})
+    return logp, Batch(
+        {
+            "old_log_probs": old,
+            "rollout_log_probs": rollout,
+            "advantages": adv * mask,
+            "response_mask": mask,
+        }
+    )
 
 
 def run_loss(name, logp, mb, c):
@@ -238,12 +320,16 @@ def run_loss(name, logp, mb, c):
 
 
 @SETTINGS
-@given(loss_inputs(), st.integers(0, 1000), st.sampled_from([None, 3.0]), st.sampled_from([None, 1.5]))
+@given(
+    loss_inputs(), st.integers(0, 1000), st.sampled_from([None, 3.0]), st.sampled_from([None, 1.5])
+)
 def test_losses_zero_on_padding_and_blind_to_it(inputs, seed, dual, cap):
     logp, mb = inputs
     g = torch.Generator().manual_seed(seed)
     mask = mb["response_mask"]
-    dirty = Batch({k: with_garbage(mb[k], mask, g) if k != "response_mask" else mask for k in mb.keys()})
+    dirty = Batch(
+        {k: with_garbage(mb[k], mask, g) if k != "response_mask" else mask for k in mb.keys()}
+    )
     dirty_logp = with_garbage(logp, mask, g)
     c = cfg(clip_ratio_c=dual, behav_imp_weight_cap=cap)
     for name in LOSSES:
@@ -253,12 +339,18 @@ def test_losses_zero_on_padding_and_blind_to_it(inputs, seed, dual, cap):
         assert (loss[~mask.bool()] == 0).all() and (grad[~mask.bool()] == 0).all(), name
         assert torch.equal(loss, loss2) and torch.equal(grad, grad2), name
         assert metrics == metrics2 and all(math.isfinite(v) for v in metrics.values()), name
-        assert metrics["actor/clip_frac"] == pytest.approx(metrics["actor/clip_frac_low"] + metrics["actor/clip_frac_high"])
+        assert metrics["actor/clip_frac"] == pytest.approx(
+            metrics["actor/clip_frac_low"] + metrics["actor/clip_frac_high"]
+        )
 
 
 @SETTINGS
-@given(loss_inputs(), st.lists(st.floats(20.5, 1e4), min_size=1, max_size=4), st.sampled_from([None, 3.0]),
-       st.sampled_from(sorted(LOSS_AGG.names())))
+@given(
+    loss_inputs(),
+    st.lists(st.floats(20.5, 1e4), min_size=1, max_size=4),
+    st.sampled_from([None, 3.0]),
+    st.sampled_from(sorted(LOSS_AGG.names())),
+)
 def test_extreme_log_ratios_finite(inputs, deltas, dual, agg):
     logp, mb = inputs
     g = torch.Generator().manual_seed(0)
@@ -289,7 +381,9 @@ def test_gspo_with_equal_token_ratios_is_ppo(mask, seed, eps):
     a = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, r) * mask
     old = -torch.rand(b, r, generator=g, dtype=torch.float64)
     logp = old + delta
-    mb = Batch({"old_log_probs": old, "rollout_log_probs": old, "advantages": a, "response_mask": mask})
+    mb = Batch(
+        {"old_log_probs": old, "rollout_log_probs": old, "advantages": a, "response_mask": mask}
+    )
     c = cfg(clip_ratio_low=eps, clip_ratio_high=eps * 1.4, clip_ratio_c=None)
     ppo, _, _ = run_loss("ppo_clip", logp, mb, c)
     for name in ("gspo", "gspo_token"):
@@ -323,7 +417,9 @@ def test_gspo_token_gradient_equals_gspo_with_sequence_advantages(inputs, agg, e
 @given(loss_inputs(scale=3.0), st.sampled_from([None, 3.0]), st.sampled_from([None, 1.0, 4.0]))
 def test_decoupled_ppo_with_behaviour_equal_proximal_is_ppo(inputs, dual, cap):
     logp, mb = inputs
-    mb = Batch(mb.tensors | {"rollout_log_probs": mb["old_log_probs"]})  # mu = prox -> w = 1 (never above a cap >= 1)
+    mb = Batch(
+        mb.tensors | {"rollout_log_probs": mb["old_log_probs"]}
+    )  # mu = prox -> w = 1 (never above a cap >= 1)
     c = cfg(clip_ratio_c=dual, behav_imp_weight_cap=cap)
     l1, g1, m1 = run_loss("ppo_clip", logp, mb, c)
     l2, g2, m2 = run_loss("decoupled_ppo", logp, mb, c)
@@ -342,7 +438,9 @@ def test_decoupled_ppo_is_weighted_ppo_on_kept_tokens(inputs, cap):
     dec, _, metrics = run_loss("decoupled_ppo", logp, mb, cfg(behav_imp_weight_cap=cap))
     kept = m & (w <= cap)
     assert torch.allclose(dec, torch.where(kept, w * ppo, torch.zeros_like(ppo)), atol=1e-12)
-    assert metrics["actor/behav_capped_frac"] == pytest.approx((m & ~kept).sum().item() / max(m.sum().item(), 1))
+    assert metrics["actor/behav_capped_frac"] == pytest.approx(
+        (m & ~kept).sum().item() / max(m.sum().item(), 1)
+    )
 
 
 # --- value loss ------------------------------------------------------------------------------------------------------
@@ -359,7 +457,9 @@ def test_value_loss_properties(mask, seed, clip):
     assert (loss >= plain - 1e-12).all()
     inside = (v - old).abs() <= clip
     assert torch.allclose(loss[inside], plain[inside])
-    dirty, _ = value_loss(with_garbage(v, mask, g), with_garbage(old, mask, g), with_garbage(ret, mask, g), mask, clip)
+    dirty, _ = value_loss(
+        with_garbage(v, mask, g), with_garbage(old, mask, g), with_garbage(ret, mask, g), mask, clip
+    )
     assert torch.equal(loss, dirty)
     assert all(math.isfinite(x) for x in metrics.values())
 
@@ -371,7 +471,9 @@ def test_micro_batches_sum_to_the_mini_batch(mask, seed, data):
     g = torch.Generator().manual_seed(seed)
     loss = torch.randn(mask.shape, generator=g, dtype=torch.float64)
     b = len(mask)
-    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(b - 1, 1)), max_size=4)))) if b > 1 else []
+    cuts = (
+        sorted(set(data.draw(st.lists(st.integers(1, max(b - 1, 1)), max_size=4)))) if b > 1 else []
+    )
     bounds = [0] + [c for c in cuts if 0 < c < b] + [b]
     totals = agg_totals(mask, data.draw(st.sampled_from([None, 5, 16])))
     for name in LOSS_AGG.names():
@@ -381,7 +483,9 @@ def test_micro_batches_sum_to_the_mini_batch(mask, seed, data):
         assert torch.isfinite(whole)
         assert parts.item() == pytest.approx(whole.item(), abs=1e-9), name
         # padding never contributes
-        assert f(with_garbage(loss, mask, g), mask, totals).item() == pytest.approx(whole.item(), abs=1e-9), name
+        assert f(with_garbage(loss, mask, g), mask, totals).item() == pytest.approx(
+            whole.item(), abs=1e-9
+        ), name
         # a constant per-token loss c averages to c in the mean modes
         if totals.n_tokens and name in ("token-mean", "seq-mean-token-mean"):
             assert f(torch.full(mask.shape, 2.5), mask, totals).item() == pytest.approx(2.5)
@@ -395,12 +499,21 @@ def test_apply_kl_penalty_properties(mask, seed, estimator, coef):
     old = -torch.rand(mask.shape, generator=g) * 4
     ref = -torch.rand(mask.shape, generator=g) * 4
     scores = token_level_scores(torch.randn(len(mask), generator=g), mask)
-    b = Batch({"token_level_scores": scores, "old_log_probs": old, "ref_log_probs": ref, "response_mask": mask})
+    b = Batch(
+        {
+            "token_level_scores": scores,
+            "old_log_probs": old,
+            "ref_log_probs": ref,
+            "response_mask": mask,
+        }
+    )
     rewards, metrics = apply_kl_penalty(b, coef, estimator)
     kl = KL_ESTIMATORS.get(estimator)(old, ref)
     assert torch.allclose(rewards, (scores - coef * kl) * mask, atol=1e-6)
     assert (rewards[~mask.bool()] == 0).all()
-    dirty = Batch({k: with_garbage(b[k], mask, g) if k != "response_mask" else mask for k in b.keys()})
+    dirty = Batch(
+        {k: with_garbage(b[k], mask, g) if k != "response_mask" else mask for k in b.keys()}
+    )
     rewards2, metrics2 = apply_kl_penalty(dirty, coef, estimator)
     assert torch.equal(rewards, rewards2) and metrics == metrics2
     if estimator != "k1":

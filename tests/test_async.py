@@ -1,4 +1,5 @@
 """Asynchronous training: the staleness rule, interruptible generation, and the async driver end to end."""
+
 import json
 import random
 import threading
@@ -6,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import Config, RolloutConfig, load_config
@@ -69,7 +71,12 @@ def test_resumed_buffer_hands_out_untrained_prompts_first():
 
 
 @settings(max_examples=40, deadline=None)
-@given(k=st.integers(0, 4), B=st.integers(1, 4), seed=st.integers(0, 10**6), slow=st.sampled_from(["rollout", "trainer"]))
+@given(
+    k=st.integers(0, 4),
+    B=st.integers(1, 4),
+    seed=st.integers(0, 10**6),
+    slow=st.sampled_from(["rollout", "trainer"]),
+)
 def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
     """A simulated rollout (groups of random lengths, a weight version that lags the trainer's) and a
     trainer, one slow and one fast: every trained group's oldest token is at most k versions old, and
@@ -122,8 +129,17 @@ def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
 # --- interruptible generation ----------------------------------------------------------------------------
 def tiny_model(seed):
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=128)).eval()
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=32,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=128,
+        )
+    ).eval()
 
 
 class Tok:
@@ -139,7 +155,9 @@ def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     eng.add([req], params)
     while eng.engine.stats_acc["tokens"] < 10:
         eng.step()
-    eng.update_weights(new.state_dict().items(), version=1)  # between two steps, as the async driver does
+    eng.update_weights(
+        new.state_dict().items(), version=1
+    )  # between two steps, as the async driver does
     while not eng.done(req, 1):
         eng.step()
     out = eng.take(req, 1)[0]
@@ -147,19 +165,42 @@ def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     assert out.versions == [0] * cut + [1] * (24 - cut) and cut == 10
     assert eng.stats()["engine/interrupted"] == 1
     # the tokens after the update are what the new weights generate from the prompt plus the tokens so far
-    fresh = NativeRollout(new, Tok(), cfg).generate([GenerationRequest("f", req.prompt_ids + out.response_ids[:cut])],
-                                                      SamplingParams(temperature=0, max_new_tokens=24 - cut, ignore_eos=True))
+    fresh = NativeRollout(new, Tok(), cfg).generate(
+        [GenerationRequest("f", req.prompt_ids + out.response_ids[:cut])],
+        SamplingParams(temperature=0, max_new_tokens=24 - cut, ignore_eos=True),
+    )
     assert fresh[0].response_ids == out.response_ids[cut:]
 
 
 # --- the async driver end to end (tiny model, W3) -----------------------------------------------------
-RUN = ["sft.steps=3", "sft.batch_size=16", "task.name=reverse", "task.eval_size=8", "rollout.max_new_tokens=100",
-       "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "actor.ppo_minibatch_size=4", "trainer.eval_every=0",
-       "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1", "trainer.mode=async"]
+RUN = [
+    "sft.steps=3",
+    "sft.batch_size=16",
+    "task.name=reverse",
+    "task.eval_size=8",
+    "rollout.max_new_tokens=100",
+    "trainer.prompts_per_step=4",
+    "trainer.samples_per_prompt=2",
+    "actor.ppo_minibatch_size=4",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "controller.num_threads=1",
+    "trainer.mode=async",
+]
 
 
 def make_cfg(tmp_path, *extra) -> Config:
-    return load_config(Config, None, [*RUN, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}", *extra])
+    return load_config(
+        Config,
+        None,
+        [
+            *RUN,
+            f"sft.checkpoint={tmp_path / 'ws'}",
+            f"trainer.runs_dir={tmp_path / 'runs'}",
+            *extra,
+        ],
+    )
 
 
 def trace(tmp_path) -> list[dict]:
@@ -169,8 +210,11 @@ def trace(tmp_path) -> list[dict]:
 
 @pytest.mark.parametrize("k,slow", [(1, "trainer"), (1, "rollout"), (2, "rollout")])
 def test_staleness_bound_holds_on_the_stamps(tmp_path, k, slow):
-    tilt = (["actor.ppo_epochs=6", "asynchronous.max_concurrent_prompts=16"] if slow == "trainer"
-            else ["asynchronous.max_concurrent_prompts=1"])  # one prompt at a time: generation is the bottleneck
+    tilt = (
+        ["actor.ppo_epochs=6", "asynchronous.max_concurrent_prompts=16"]
+        if slow == "trainer"
+        else ["asynchronous.max_concurrent_prompts=1"]
+    )  # one prompt at a time: generation is the bottleneck
     train(make_cfg(tmp_path, f"asynchronous.max_staleness={k}", "trainer.total_steps=5", *tilt))
     rows = trace(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -182,23 +226,34 @@ def test_staleness_bound_holds_on_the_stamps(tmp_path, k, slow):
 
 def test_max_staleness_zero_is_on_policy(tmp_path):
     train(make_cfg(tmp_path, "asynchronous.max_staleness=0", "trainer.total_steps=3"))
-    metrics = [json.loads(line) for line in (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
+    ]
     rows = trace(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and [m["step"] for m in metrics] == [0, 1, 2, 3]
     lags = [x for r in rows for x in r["staleness"]]
     assert len(lags) == 3 * 8 and set(lags) == {0}
-    assert all(m["async/staleness_0"] == 1.0 and m["async/partial_frac"] == 0.0 for m in metrics[1:])
+    assert all(
+        m["async/staleness_0"] == 1.0 and m["async/partial_frac"] == 0.0 for m in metrics[1:]
+    )
 
 
 def test_resume_trains_no_trajectory_twice_and_continues_the_stream(tmp_path):
     train(make_cfg(tmp_path, "trainer.total_steps=2", "trainer.save_every=2"))
-    summary = train(make_cfg(tmp_path, "trainer.total_steps=4", "trainer.save_every=2"), resume=True)
+    summary = train(
+        make_cfg(tmp_path, "trainer.total_steps=4", "trainer.save_every=2"), resume=True
+    )
     assert summary["resumed_from_step"] == 2
     rows = trace(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     trained = [int(u.split("-")[1]) for r in rows for u in r["uids"]]
     assert len(trained) == len(set(trained)) == 16
-    final = json.loads((tmp_path / "runs" / "arith_grpo" / "checkpoints" / "step_000004" / "trainer.json").read_text())
+    final = json.loads(
+        (
+            tmp_path / "runs" / "arith_grpo" / "checkpoints" / "step_000004" / "trainer.json"
+        ).read_text()
+    )
     # every prompt of the stream up to the cursor was trained exactly once or is still pending: none skipped
     assert sorted(trained + final["pending_prompts"]) == list(range(final["prompt_cursor"]))
 
@@ -208,16 +263,22 @@ def test_two_learner_ranks_on_ray(tmp_path):
     driver), and the learner as 2 FSDP2 ranks: rank 0 fetches each batch, the ranks split the work."""
     import ray
 
-    pools = ["controller.backend=ray",
-             "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
-             "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}"]
+    pools = [
+        "controller.backend=ray",
+        "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
+        "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}",
+    ]
     try:
-        summary = train(make_cfg(tmp_path, "trainer.total_steps=3", "asynchronous.max_staleness=1", *pools))
+        summary = train(
+            make_cfg(tmp_path, "trainer.total_steps=3", "asynchronous.max_staleness=1", *pools)
+        )
     finally:
         ray.shutdown()
     assert summary["mode"] == "async"
     rows = trace(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3] and max(x for r in rows for x in r["staleness"]) <= 1
+    assert [r["step"] for r in rows] == [1, 2, 3] and max(
+        x for r in rows for x in r["staleness"]
+    ) <= 1
 
 
 def test_async_config_errors():
@@ -246,7 +307,12 @@ def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
 def test_cli_runs_the_async_trainer(tmp_path, capsys):
     from hybridrl.cli import main
 
-    args = [*RUN, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}", "trainer.total_steps=1"]
+    args = [
+        *RUN,
+        f"sft.checkpoint={tmp_path / 'ws'}",
+        f"trainer.runs_dir={tmp_path / 'runs'}",
+        "trainer.total_steps=1",
+    ]
     example = str(Path(__file__).parents[1] / "examples" / "reverse_async.yaml")
     assert main(["train", example, *args, "controller.backend=local"]) == 0
     assert json.loads(capsys.readouterr().out.split("\nreport:")[0])["mode"] == "async"

@@ -1,16 +1,24 @@
 """Tests of the generic strict config loader (hybridrl/config/loader.py) on small test schemas."""
+
 from __future__ import annotations
 
 import math
 import string
 from dataclasses import dataclass, field
-from typing import Dict, List, Literal, Optional, Union
+from typing import Literal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridrl.config.loader import ConfigError, apply_overrides, dump_yaml, from_dict, load_config, to_dict
+from hybridrl.config.loader import (
+    ConfigError,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_config,
+    to_dict,
+)
 
 
 # ----------------------------------------------------------------------------- test schema
@@ -37,13 +45,15 @@ class Trainer:
 
     def validate(self) -> None:
         if (self.prompts_per_step * self.samples_per_prompt) % self.minibatch_size:
-            raise ValueError("prompts_per_step*samples_per_prompt must be divisible by minibatch_size")
+            raise ValueError(
+                "prompts_per_step*samples_per_prompt must be divisible by minibatch_size"
+            )
 
 
 @dataclass
 class Model:
     name: str  # required
-    dtype: Optional[Literal["bf16", "fp32"]] = "bf16"
+    dtype: Literal["bf16", "fp32"] | None = "bf16"
     extra: dict[str, float] = field(default_factory=dict)
     layers: tuple[int, ...] = (1, 2)
     shape: tuple[int, str] = (3, "x")
@@ -60,7 +70,7 @@ class Root:
     trainer: Trainer = field(default_factory=Trainer)
     tags: list[str] = field(default_factory=list)
     pools: dict[str, Pool] = field(default_factory=lambda: {"global": Pool()})
-    note: Optional[List[int]] = None
+    note: list[int] | None = None
 
     def validate(self) -> None:
         if "bad" in self.tags:
@@ -69,10 +79,10 @@ class Root:
 
 @dataclass
 class OldTyping:  # typing-module spellings
-    counts: List[int] = field(default_factory=list)
-    table: Dict[str, int] = field(default_factory=dict)
-    either: Union[int, str] = 0
-    maybe: Optional[float] = None
+    counts: list[int] = field(default_factory=list)
+    table: dict[str, int] = field(default_factory=dict)
+    either: int | str = 0
+    maybe: float | None = None
 
 
 def err(fn, *args, **kwargs) -> str:
@@ -94,18 +104,27 @@ def test_defaults_fill_missing_keys():
 
 
 def test_nested_values_and_conversions():
-    cfg = from_dict(Root, {"model": {"name": "m", "layers": [3, 4], "extra": {"a": 1}, "shape": [5, "y"]},
-                           "trainer": {"optim": {"lr": 1, "betas": [0, 0.5]}, "seed": 7},
-                           "pools": {"gpu": {"nodes": 2}}})
+    cfg = from_dict(
+        Root,
+        {
+            "model": {"name": "m", "layers": [3, 4], "extra": {"a": 1}, "shape": [5, "y"]},
+            "trainer": {"optim": {"lr": 1, "betas": [0, 0.5]}, "seed": 7},
+            "pools": {"gpu": {"nodes": 2}},
+        },
+    )
     assert cfg.model.layers == (3, 4) and cfg.model.shape == (5, "y")
     assert cfg.model.extra == {"a": 1.0} and type(cfg.model.extra["a"]) is float
     assert cfg.trainer.optim.lr == 1.0 and type(cfg.trainer.optim.lr) is float
-    assert cfg.trainer.optim.betas == [0.0, 0.5] and all(type(b) is float for b in cfg.trainer.optim.betas)
+    assert cfg.trainer.optim.betas == [0.0, 0.5] and all(
+        type(b) is float for b in cfg.trainer.optim.betas
+    )
     assert cfg.trainer.seed == 7 and cfg.pools == {"gpu": Pool(nodes=2)}
 
 
 def test_numeric_strings_for_float_fields():
-    assert from_dict(Optim, {"lr": "1e-3", "eps": "3e-4", "weight_decay": " 0.5 "}) == Optim(lr=1e-3, eps=3e-4, weight_decay=0.5)
+    assert from_dict(Optim, {"lr": "1e-3", "eps": "3e-4", "weight_decay": " 0.5 "}) == Optim(
+        lr=1e-3, eps=3e-4, weight_decay=0.5
+    )
     assert from_dict(Optim, {"eps": "-inf"}).eps == -math.inf
     assert "must be a float, got 'abc' (str)" in err(from_dict, Optim, {"eps": "abc"})
     assert "must be a float, got 10000" in err(from_dict, Optim, {"eps": 10**400})
@@ -119,31 +138,55 @@ def test_typing_module_spellings():
     cfg = from_dict(OldTyping, {"counts": [1, 2], "table": {"a": 1}, "either": "x", "maybe": 2})
     assert cfg == OldTyping(counts=[1, 2], table={"a": 1}, either="x", maybe=2.0)
     assert from_dict(OldTyping, {"either": 3}).either == 3
-    assert "config key 'either' must be an int or a string, got 1.5 (float)" in err(from_dict, OldTyping, {"either": 1.5})
-    assert "config key 'counts[1]' must be an int, got 'b' (str)" in err(from_dict, OldTyping, {"counts": [1, "b"]})
-    assert "config key 'table.a' must be an int" in err(from_dict, OldTyping, {"table": {"a": None}})
+    assert "config key 'either' must be an int or a string, got 1.5 (float)" in err(
+        from_dict, OldTyping, {"either": 1.5}
+    )
+    assert "config key 'counts[1]' must be an int, got 'b' (str)" in err(
+        from_dict, OldTyping, {"counts": [1, "b"]}
+    )
+    assert "config key 'table.a' must be an int" in err(
+        from_dict, OldTyping, {"table": {"a": None}}
+    )
 
 
 # ----------------------------------------------------------------------------- type errors
-@pytest.mark.parametrize("key, value, expected", [
-    ("total_steps", "abc", "config key 'trainer.total_steps' must be an int, got 'abc' (str)"),
-    ("total_steps", True, "config key 'trainer.total_steps' must be an int, got True (bool)"),
-    ("total_steps", 2.5, "config key 'trainer.total_steps' must be an int, got 2.5 (float)"),
-    ("clip_ratio", False, "config key 'trainer.clip_ratio' must be a float, got False (bool)"),
-    ("use_kl", 1, "config key 'trainer.use_kl' must be a bool (true/false), got 1 (int)"),
-    ("use_kl", "true", "config key 'trainer.use_kl' must be a bool (true/false), got 'true' (str)"),
-    ("device", 5, "config key 'trainer.device' must be a string, got 5 (int)"),
-    ("seed", "x", "config key 'trainer.seed' must be an int or null, got 'x' (str)"),
-    ("optim", 5, "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), got 5 (int)"),
-    ("optim", None, "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), got null"),
-])
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("total_steps", "abc", "config key 'trainer.total_steps' must be an int, got 'abc' (str)"),
+        ("total_steps", True, "config key 'trainer.total_steps' must be an int, got True (bool)"),
+        ("total_steps", 2.5, "config key 'trainer.total_steps' must be an int, got 2.5 (float)"),
+        ("clip_ratio", False, "config key 'trainer.clip_ratio' must be a float, got False (bool)"),
+        ("use_kl", 1, "config key 'trainer.use_kl' must be a bool (true/false), got 1 (int)"),
+        (
+            "use_kl",
+            "true",
+            "config key 'trainer.use_kl' must be a bool (true/false), got 'true' (str)",
+        ),
+        ("device", 5, "config key 'trainer.device' must be a string, got 5 (int)"),
+        ("seed", "x", "config key 'trainer.seed' must be an int or null, got 'x' (str)"),
+        (
+            "optim",
+            5,
+            "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), got 5 (int)",
+        ),
+        (
+            "optim",
+            None,
+            "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), got null",
+        ),
+    ],
+)
 def test_type_errors(key, value, expected):
     assert err(from_dict, Root, {**MODEL, "trainer": {key: value}}) == expected
 
 
 def test_literal_lists_allowed_values_and_suggests():
     msg = err(from_dict, Trainer, {"mode": "gpro"}, "trainer")
-    assert msg == "config key 'trainer.mode' must be one of 'ppo', 'grpo', got 'gpro' (str); did you mean 'grpo'?"
+    assert (
+        msg
+        == "config key 'trainer.mode' must be one of 'ppo', 'grpo', got 'gpro' (str); did you mean 'grpo'?"
+    )
     assert "must be one of 'ppo', 'grpo', got 1 (int)" in err(from_dict, Trainer, {"mode": 1})
 
 
@@ -151,50 +194,88 @@ def test_optional_literal():
     assert from_dict(Model, {"name": "m", "dtype": None}).dtype is None
     assert from_dict(Model, {"name": "m", "dtype": "fp32"}).dtype == "fp32"
     msg = err(from_dict, Model, {"name": "m", "dtype": "fp16"}, "model")
-    assert msg.startswith("config key 'model.dtype' must be one of 'bf16', 'fp32' or null, got 'fp16' (str)")
+    assert msg.startswith(
+        "config key 'model.dtype' must be one of 'bf16', 'fp32' or null, got 'fp16' (str)"
+    )
 
 
 def test_container_errors_name_the_item():
-    assert err(from_dict, Optim, {"betas": [0.9, "x"]}) == "config key 'betas[1]' must be a float, got 'x' (str)"
-    assert err(from_dict, Optim, {"betas": 0.9}) == "config key 'betas' must be a list, got 0.9 (float)"
-    assert err(from_dict, Model, {"name": "m", "extra": {"a": "x"}}, "model") == \
-        "config key 'model.extra.a' must be a float, got 'x' (str)"
-    assert err(from_dict, Model, {"name": "m", "extra": [1]}) == "config key 'extra' must be a mapping, got [1] (list)"
-    assert "config key 'shape' must be a list of 2 items, got [1] (list)" in err(from_dict, Model, {"name": "m", "shape": [1]})
-    assert "config key 'pools.gpu.nodes' must be >= 1, got 0" in err(from_dict, Root, {**MODEL, "pools": {"gpu": {"nodes": 0}}})
+    assert (
+        err(from_dict, Optim, {"betas": [0.9, "x"]})
+        == "config key 'betas[1]' must be a float, got 'x' (str)"
+    )
+    assert (
+        err(from_dict, Optim, {"betas": 0.9})
+        == "config key 'betas' must be a list, got 0.9 (float)"
+    )
+    assert (
+        err(from_dict, Model, {"name": "m", "extra": {"a": "x"}}, "model")
+        == "config key 'model.extra.a' must be a float, got 'x' (str)"
+    )
+    assert (
+        err(from_dict, Model, {"name": "m", "extra": [1]})
+        == "config key 'extra' must be a mapping, got [1] (list)"
+    )
+    assert "config key 'shape' must be a list of 2 items, got [1] (list)" in err(
+        from_dict, Model, {"name": "m", "shape": [1]}
+    )
+    assert "config key 'pools.gpu.nodes' must be >= 1, got 0" in err(
+        from_dict, Root, {**MODEL, "pools": {"gpu": {"nodes": 0}}}
+    )
     # an error inside an Optional[...] arm names the item, not the union
-    assert err(from_dict, Root, {**MODEL, "note": [1, "x"]}) == "config key 'note[1]' must be an int, got 'x' (str)"
+    assert (
+        err(from_dict, Root, {**MODEL, "note": [1, "x"]})
+        == "config key 'note[1]' must be an int, got 'x' (str)"
+    )
     assert from_dict(Root, {**MODEL, "note": None}).note is None
 
 
 # ----------------------------------------------------------------------------- metadata ranges
-@pytest.mark.parametrize("data, expected", [
-    ({"clip_ratio": -0.2}, "config key 'trainer.clip_ratio' must be > 0, got -0.2"),
-    ({"clip_ratio": 1}, "config key 'trainer.clip_ratio' must be < 1, got 1.0"),
-    ({"total_steps": 0}, "config key 'trainer.total_steps' must be >= 1, got 0"),
-    ({"device": "tpu"}, "config key 'trainer.device' must be one of 'cpu', 'cuda', got 'tpu' (str)"),
-    ({"optim": {"lr": 0}}, "config key 'trainer.optim.lr' must be > 0, got 0.0"),
-    ({"optim": {"betas": [0.5, 1.0]}}, "config key 'trainer.optim.betas[1]' must be < 1, got 1.0"),
-])
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ({"clip_ratio": -0.2}, "config key 'trainer.clip_ratio' must be > 0, got -0.2"),
+        ({"clip_ratio": 1}, "config key 'trainer.clip_ratio' must be < 1, got 1.0"),
+        ({"total_steps": 0}, "config key 'trainer.total_steps' must be >= 1, got 0"),
+        (
+            {"device": "tpu"},
+            "config key 'trainer.device' must be one of 'cpu', 'cuda', got 'tpu' (str)",
+        ),
+        ({"optim": {"lr": 0}}, "config key 'trainer.optim.lr' must be > 0, got 0.0"),
+        (
+            {"optim": {"betas": [0.5, 1.0]}},
+            "config key 'trainer.optim.betas[1]' must be < 1, got 1.0",
+        ),
+    ],
+)
 def test_metadata_ranges(data, expected):
     assert err(from_dict, Trainer, data, "trainer") == expected
 
 
 def test_ranges_pass_at_bounds():
-    assert from_dict(Trainer, {"total_steps": 1, "optim": {"weight_decay": 0, "betas": [0, 0.99]}}).total_steps == 1
+    assert (
+        from_dict(
+            Trainer, {"total_steps": 1, "optim": {"weight_decay": 0, "betas": [0, 0.99]}}
+        ).total_steps
+        == 1
+    )
 
 
 # ----------------------------------------------------------------------------- keys
 def test_unknown_key_did_you_mean():
     msg = err(from_dict, Root, {**MODEL, "trainer": {"totl_steps": 5}})
-    assert msg == ("unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'? (keys of trainer: "
-                   "total_steps, prompts_per_step, samples_per_prompt, minibatch_size, clip_ratio, mode, seed, "
-                   "device, use_kl, optim)")
+    assert msg == (
+        "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'? (keys of trainer: "
+        "total_steps, prompts_per_step, samples_per_prompt, minibatch_size, clip_ratio, mode, seed, "
+        "device, use_kl, optim)"
+    )
 
 
 def test_unknown_top_level_key_without_suggestion():
-    assert err(from_dict, Root, {**MODEL, "zzz": 1}) == \
-        "unknown config key 'zzz' (top-level keys: model, trainer, tags, pools, note)"
+    assert (
+        err(from_dict, Root, {**MODEL, "zzz": 1})
+        == "unknown config key 'zzz' (top-level keys: model, trainer, tags, pools, note)"
+    )
 
 
 def test_missing_required_keys():
@@ -204,9 +285,14 @@ def test_missing_required_keys():
 
 def test_validate_errors_get_the_section_path():
     msg = err(from_dict, Root, {**MODEL, "trainer": {"minibatch_size": 3}})
-    assert msg == "config 'trainer': prompts_per_step*samples_per_prompt must be divisible by minibatch_size"
+    assert (
+        msg
+        == "config 'trainer': prompts_per_step*samples_per_prompt must be divisible by minibatch_size"
+    )
     # a multi-line message from the root's validate() becomes one line
-    assert err(from_dict, Root, {**MODEL, "tags": ["ok", "bad"]}) == "config: tag 'bad' is not allowed"
+    assert (
+        err(from_dict, Root, {**MODEL, "tags": ["ok", "bad"]}) == "config: tag 'bad' is not allowed"
+    )
 
 
 def test_from_dict_rejects_non_mapping_and_non_dataclass():
@@ -216,11 +302,29 @@ def test_from_dict_rejects_non_mapping_and_non_dataclass():
 
 
 # ----------------------------------------------------------------------------- overrides
-@pytest.mark.parametrize("text, value", [
-    ("20", 20), ("-3", -3), ("0.5", 0.5), ("1e-3", 1e-3), ("3e-4", 3e-4), ("5E3", 5000.0), ("1.5e3", 1500.0),
-    ("true", True), ("false", False), ("null", None), ("", None), ("[1,2]", [1, 2]), ("{x: 1}", {"x": 1}),
-    ("hello", "hello"), ("'20'", "20"), ("'1e-3'", "1e-3"), ("a=b", "a=b"), ("cuda:0", "cuda:0"),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("20", 20),
+        ("-3", -3),
+        ("0.5", 0.5),
+        ("1e-3", 1e-3),
+        ("3e-4", 3e-4),
+        ("5E3", 5000.0),
+        ("1.5e3", 1500.0),
+        ("true", True),
+        ("false", False),
+        ("null", None),
+        ("", None),
+        ("[1,2]", [1, 2]),
+        ("{x: 1}", {"x": 1}),
+        ("hello", "hello"),
+        ("'20'", "20"),
+        ("'1e-3'", "1e-3"),
+        ("a=b", "a=b"),
+        ("cuda:0", "cuda:0"),
+    ],
+)
 def test_override_values_are_yaml(text, value):
     out = apply_overrides({}, [f"a={text}"])["a"]
     assert out == value and type(out) is type(value)
@@ -234,14 +338,17 @@ def test_overrides_create_and_merge_nested_dicts_without_mutating_input():
     assert apply_overrides({"a": 1}, ["a=2", "a=3"]) == {"a": 3}  # last one wins
 
 
-@pytest.mark.parametrize("item, expected", [
-    ("trainer", "invalid override 'trainer': expected KEY=VALUE"),
-    ("=3", "invalid override '=3': expected KEY=VALUE"),
-    ("a..b=3", "invalid override 'a..b=3': expected KEY=VALUE"),
-    ("a=[1,2", "cannot parse the value of override 'a=[1,2':"),
-    ("a={x: 1, x: 2}", "duplicate key 'x'"),
-    ("s.t.u=1", "cannot apply override 's.t.u=1': 's.t' is 5 (int), not a mapping"),
-])
+@pytest.mark.parametrize(
+    "item, expected",
+    [
+        ("trainer", "invalid override 'trainer': expected KEY=VALUE"),
+        ("=3", "invalid override '=3': expected KEY=VALUE"),
+        ("a..b=3", "invalid override 'a..b=3': expected KEY=VALUE"),
+        ("a=[1,2", "cannot parse the value of override 'a=[1,2':"),
+        ("a={x: 1, x: 2}", "duplicate key 'x'"),
+        ("s.t.u=1", "cannot apply override 's.t.u=1': 's.t' is 5 (int), not a mapping"),
+    ],
+)
 def test_bad_overrides(item, expected):
     assert expected in err(apply_overrides, {"s": {"t": 5}}, [item])
 
@@ -252,27 +359,47 @@ def test_overrides_must_be_a_sequence_of_strings():
 
 
 def test_load_config_with_overrides_typed_by_schema():
-    cfg = load_config(Root, None, ["model.name=m", "trainer.optim.lr=1e-3", "trainer.optim.eps=3e-4",
-                                   "trainer.total_steps=20", "trainer.use_kl=true", "trainer.seed=null",
-                                   "tags=[a, b]", "trainer.clip_ratio=0.5"])
-    assert cfg.trainer.optim.lr == 1e-3 and cfg.trainer.optim.eps == 3e-4 and cfg.trainer.total_steps == 20
+    cfg = load_config(
+        Root,
+        None,
+        [
+            "model.name=m",
+            "trainer.optim.lr=1e-3",
+            "trainer.optim.eps=3e-4",
+            "trainer.total_steps=20",
+            "trainer.use_kl=true",
+            "trainer.seed=null",
+            "tags=[a, b]",
+            "trainer.clip_ratio=0.5",
+        ],
+    )
+    assert (
+        cfg.trainer.optim.lr == 1e-3
+        and cfg.trainer.optim.eps == 3e-4
+        and cfg.trainer.total_steps == 20
+    )
     assert cfg.trainer.use_kl is True and cfg.trainer.seed is None and cfg.tags == ["a", "b"]
     assert type(cfg.trainer.clip_ratio) is float
 
 
 def test_bad_override_keys_and_sections():
-    assert "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'?" in \
-        err(load_config, Root, None, ["model.name=m", "trainer.totl_steps=3"])
+    assert "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'?" in err(
+        load_config, Root, None, ["model.name=m", "trainer.totl_steps=3"]
+    )
     assert err(load_config, Root, None, ["model.name=m", "trainer=5"]).startswith(
-        "config key 'trainer' must be a mapping (keys: total_steps,")
-    assert "config key 'trainer.total_steps' must be an int, got 'abc' (str)" in \
-        err(load_config, Root, None, ["model.name=m", "trainer.total_steps=abc"])
+        "config key 'trainer' must be a mapping (keys: total_steps,"
+    )
+    assert "config key 'trainer.total_steps' must be an int, got 'abc' (str)" in err(
+        load_config, Root, None, ["model.name=m", "trainer.total_steps=abc"]
+    )
 
 
 # ----------------------------------------------------------------------------- files
 def test_load_file_then_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("model:\n  name: m\ntrainer:\n  total_steps: 5\n  optim:\n    lr: 1e-4  # YAML 1.1 string\n")
+    path.write_text(
+        "model:\n  name: m\ntrainer:\n  total_steps: 5\n  optim:\n    lr: 1e-4  # YAML 1.1 string\n"
+    )
     cfg = load_config(Root, path, ["trainer.total_steps=7"])
     assert cfg.trainer.total_steps == 7 and cfg.trainer.optim.lr == 1e-4
     assert load_config(Root, str(path)).trainer.total_steps == 5
@@ -292,22 +419,36 @@ def test_yaml_syntax_error_names_file_line_column(tmp_path):
     msg = err(load_config, Root, path)
     assert msg.startswith(f"cannot parse {path}: line ") and ", column " in msg
     path.write_text("a: 1\nb: c: d\n")
-    assert err(load_config, Root, path) == f"cannot parse {path}: line 2, column 5: mapping values are not allowed here"
+    assert (
+        err(load_config, Root, path)
+        == f"cannot parse {path}: line 2, column 5: mapping values are not allowed here"
+    )
 
 
 def test_duplicate_yaml_keys_are_rejected(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("total_steps: 1\nseed: 2\ntotal_steps: 3\n")
-    assert err(load_config, Trainer, path) == f"cannot parse {path}: line 3, column 1: duplicate key 'total_steps'"
-    path.write_text("base: &b {lr: 0.5, eps: 1.0}\nother:\n  <<: *b\n  lr: 0.25\n")  # merge keys may be overridden
-    assert apply_overrides(load_config.__globals__["_read_yaml"](path), [])["other"] == {"lr": 0.25, "eps": 1.0}
+    assert (
+        err(load_config, Trainer, path)
+        == f"cannot parse {path}: line 3, column 1: duplicate key 'total_steps'"
+    )
+    path.write_text(
+        "base: &b {lr: 0.5, eps: 1.0}\nother:\n  <<: *b\n  lr: 0.25\n"
+    )  # merge keys may be overridden
+    assert apply_overrides(load_config.__globals__["_read_yaml"](path), [])["other"] == {
+        "lr": 0.25,
+        "eps": 1.0,
+    }
 
 
 def test_missing_file_and_non_mapping_top_level(tmp_path):
     assert err(load_config, Trainer, "nope.yaml") == "config file 'nope.yaml' not found"
     path = tmp_path / "list.yaml"
     path.write_text("- 1\n- 2\n")
-    assert err(load_config, Trainer, path) == f"config file '{path}' must hold a mapping at the top level, got [1, 2] (list)"
+    assert (
+        err(load_config, Trainer, path)
+        == f"config file '{path}' must hold a mapping at the top level, got [1, 2] (list)"
+    )
     assert "cannot read config file" in err(load_config, Trainer, tmp_path)  # a directory
 
 
@@ -320,8 +461,15 @@ def test_to_dict_is_plain_and_ordered():
 
 
 def test_dump_yaml_round_trip(tmp_path):
-    cfg = from_dict(Root, {"model": {"name": "1e-3", "extra": {"k": 2.5e-10}}, "tags": ["true", "null", "5", "3e-4", ""],
-                           "trainer": {"seed": 3, "optim": {"lr": 3e-4}}, "note": [1]})
+    cfg = from_dict(
+        Root,
+        {
+            "model": {"name": "1e-3", "extra": {"k": 2.5e-10}},
+            "tags": ["true", "null", "5", "3e-4", ""],
+            "trainer": {"seed": 3, "optim": {"lr": 3e-4}},
+            "note": [1],
+        },
+    )
     text = dump_yaml(cfg)
     assert text.index("model:") < text.index("trainer:") < text.index("tags:")
     path = tmp_path / "resolved.yaml"
@@ -334,20 +482,29 @@ def test_dump_yaml_round_trip(tmp_path):
 def trainers(draw):
     p, s = draw(st.integers(1, 64)), draw(st.integers(1, 16))
     return Trainer(
-        total_steps=draw(st.integers(1, 10**12)), prompts_per_step=p, samples_per_prompt=s,
+        total_steps=draw(st.integers(1, 10**12)),
+        prompts_per_step=p,
+        samples_per_prompt=s,
         minibatch_size=draw(st.sampled_from([d for d in range(1, p * s + 1) if (p * s) % d == 0])),
         clip_ratio=draw(st.floats(0, 1, exclude_min=True, exclude_max=True)),
-        mode=draw(st.sampled_from(["ppo", "grpo"])), seed=draw(st.none() | st.integers()),
-        device=draw(st.sampled_from(["cpu", "cuda"])), use_kl=draw(st.booleans()),
-        optim=Optim(lr=draw(st.floats(min_value=0, exclude_min=True, allow_infinity=False)),
-                    eps=draw(st.floats(allow_nan=False)),
-                    betas=draw(st.lists(st.floats(0, 1, exclude_max=True), max_size=4))),
+        mode=draw(st.sampled_from(["ppo", "grpo"])),
+        seed=draw(st.none() | st.integers()),
+        device=draw(st.sampled_from(["cpu", "cuda"])),
+        use_kl=draw(st.booleans()),
+        optim=Optim(
+            lr=draw(st.floats(min_value=0, exclude_min=True, allow_infinity=False)),
+            eps=draw(st.floats(allow_nan=False)),
+            betas=draw(st.lists(st.floats(0, 1, exclude_max=True), max_size=4)),
+        ),
     )
 
 
 @settings(max_examples=150, deadline=None)
-@given(trainer=trainers(), tags=st.lists(st.text(max_size=20), max_size=4),
-       extra=st.dictionaries(st.text(max_size=10), st.floats(allow_nan=False), max_size=3))
+@given(
+    trainer=trainers(),
+    tags=st.lists(st.text(max_size=20), max_size=4),
+    extra=st.dictionaries(st.text(max_size=10), st.floats(allow_nan=False), max_size=3),
+)
 def test_property_dump_load_round_trip(tmp_path_factory, trainer, tags, extra):
     cfg = Root(model=Model(name="m", extra=extra), trainer=trainer, tags=tags)
     path = tmp_path_factory.mktemp("rt") / "c.yaml"
@@ -366,9 +523,22 @@ def test_property_override_numbers(x, n):
 @settings(max_examples=100, deadline=None)
 @given(key=st.text(string.ascii_lowercase + "_", min_size=1, max_size=15))
 def test_property_unknown_keys_always_rejected(key):
-    names = {"total_steps", "prompts_per_step", "samples_per_prompt", "minibatch_size", "clip_ratio", "mode",
-             "seed", "device", "use_kl", "optim"}
+    names = {
+        "total_steps",
+        "prompts_per_step",
+        "samples_per_prompt",
+        "minibatch_size",
+        "clip_ratio",
+        "mode",
+        "seed",
+        "device",
+        "use_kl",
+        "optim",
+    }
     if key in names:
         return
     msg = err(from_dict, Trainer, {key: 1}, "trainer")
-    assert msg.startswith(f"unknown config key 'trainer.{key}'") and "(keys of trainer: total_steps," in msg
+    assert (
+        msg.startswith(f"unknown config key 'trainer.{key}'")
+        and "(keys of trainer: total_steps," in msg
+    )

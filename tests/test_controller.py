@@ -1,5 +1,6 @@
 """The single-controller layer under both backends: dispatch modes, placement,
 colocation, errors. One Ray cluster for the whole module."""
+
 from __future__ import annotations
 
 import os
@@ -12,13 +13,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pytest
 import ray
 import torch
-
 from controller_workers import BrokenWorker, EchoWorker, ScoreWorker, ray_cluster  # noqa: F401 (fixture)
-from hybridrl.controller import Dispatch, ResourcePool, WorkerContext, WorkerError, WorkerGroup, register
+
+from hybridrl.controller import (
+    Dispatch,
+    ResourcePool,
+    WorkerContext,
+    WorkerError,
+    WorkerGroup,
+    register,
+)
 from hybridrl.controller.dispatch import collect, plan, registered_methods
 from hybridrl.protocol import Batch
-
-
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +39,27 @@ def group(request, shared_pool):
     if request.param == "ray":
         request.getfixturevalue("ray_cluster")
     env = {"HYBRIDRL_TEST_ENV": "yes"} if request.param == "ray" else None
-    wg = WorkerGroup(EchoWorker, shared_pool, role="actor", backend=request.param, kwargs={"tag": "t"}, env=env)
+    wg = WorkerGroup(
+        EchoWorker, shared_pool, role="actor", backend=request.param, kwargs={"tag": "t"}, env=env
+    )
     yield wg
     wg.shutdown()
 
 
 def make_batch(n: int) -> Batch:
-    return Batch({"idx": torch.arange(n), "x": torch.arange(n) * 10}, {"name": [f"s{i}" for i in range(n)]})
+    return Batch(
+        {"idx": torch.arange(n), "x": torch.arange(n) * 10}, {"name": [f"s{i}" for i in range(n)]}
+    )
 
 
 # --- pure parts ------------------------------------------------------------
 def test_pool_world_size_and_validation():
     assert ResourcePool().world_size == 1
     assert ResourcePool("p", nodes=2, workers_per_node=4).world_size == 8
-    assert ResourcePool(gpus_per_worker=1, max_colocate=4).actor_resources() == {"num_cpus": 0.25, "num_gpus": 0.25}
+    assert ResourcePool(gpus_per_worker=1, max_colocate=4).actor_resources() == {
+        "num_cpus": 0.25,
+        "num_gpus": 0.25,
+    }
     with pytest.raises(ValueError):
         ResourcePool(nodes=0)
     with pytest.raises(ValueError):
@@ -56,7 +69,9 @@ def test_pool_world_size_and_validation():
 def test_register_marks_and_keeps_method_callable():
     methods = registered_methods(EchoWorker)
     assert methods["scale"] is Dispatch.DP_COMPUTE and methods["lead"] is Dispatch.RANK_ZERO
-    assert methods["history"] is Dispatch.ONE_TO_ALL and methods["reset"] is Dispatch.ONE_TO_ALL  # register() / bare
+    assert (
+        methods["history"] is Dispatch.ONE_TO_ALL and methods["reset"] is Dispatch.ONE_TO_ALL
+    )  # register() / bare
     assert "plain" not in methods and "__init__" not in methods
     w = EchoWorker(WorkerContext(rank=0, world_size=1, role="r", pool="p"))
     assert w.scale(make_batch(3))["y"].tolist() == [0, 20, 40]
@@ -66,7 +81,10 @@ def test_register_marks_and_keeps_method_callable():
 
 def test_plan_and_collect():
     calls = plan(Dispatch.DP_COMPUTE, 2, (make_batch(3), "extra"), {"k": 1})
-    assert [(r, len(a[0]), a[1], kw) for r, a, kw in calls] == [(0, 2, "extra", {"k": 1}), (1, 1, "extra", {"k": 1})]
+    assert [(r, len(a[0]), a[1], kw) for r, a, kw in calls] == [
+        (0, 2, "extra", {"k": 1}),
+        (1, 1, "extra", {"k": 1}),
+    ]
     assert plan(Dispatch.RANK_ZERO, 4, (1,), {}) == [(0, (1,), {})]
     with pytest.raises(TypeError, match="Batch"):
         plan(Dispatch.DP_COMPUTE, 2, ([1, 2],), {})
@@ -77,14 +95,25 @@ def test_plan_and_collect():
 def test_one_to_all(group):
     infos = group.info(x={"a": [1, 2]})  # under ray: put once, passed to both ranks by reference
     assert [i["rank"] for i in infos] == [0, 1]
-    assert all(i["world_size"] == 2 and i["role"] == "actor" and i["tag"] == "t" and i["x"] == {"a": [1, 2]} for i in infos)
+    assert all(
+        i["world_size"] == 2
+        and i["role"] == "actor"
+        and i["tag"] == "t"
+        and i["x"] == {"a": [1, 2]}
+        for i in infos
+    )
     masters = {i["master"] for i in infos}
-    assert len(masters) == 1 and next(iter(masters))[0] == "127.0.0.1" and next(iter(masters))[1] > 0
+    assert (
+        len(masters) == 1 and next(iter(masters))[0] == "127.0.0.1" and next(iter(masters))[1] > 0
+    )
     if group.backend_name == "ray":
         assert len({i["pid"] for i in infos}) == 2 and os.getpid() not in {i["pid"] for i in infos}
         assert all(i["threads"] == 1 and i["test_env"] == "yes" for i in infos)
         port = str(infos[0]["master"][1])
-        assert [i["env_master"] for i in infos] == [("127.0.0.1", port, "0"), ("127.0.0.1", port, "1")]
+        assert [i["env_master"] for i in infos] == [
+            ("127.0.0.1", port, "0"),
+            ("127.0.0.1", port, "1"),
+        ]
     assert group.execute_all("plain") == ["plain 0", "plain 1"]
     assert group.execute_rank(1, "plain") == "plain 1"
 
@@ -115,7 +144,9 @@ def test_unregistered_method_is_not_proxied(group):
 
 
 def test_worker_error_names_role_rank_method(group):
-    with pytest.raises(WorkerError, match=r"role 'actor' rank 1 failed in boom\(\): ValueError: kaboom from rank 1") as info:
+    with pytest.raises(
+        WorkerError, match=r"role 'actor' rank 1 failed in boom\(\): ValueError: kaboom from rank 1"
+    ) as info:
         group.boom(1)
     assert (info.value.role, info.value.rank, info.value.method) == ("actor", 1, "boom")
     assert group.boom(-1) == [0, 1]  # the group survives a failed call
@@ -127,7 +158,10 @@ def test_constructor_error(backend, request):
         request.getfixturevalue("ray_cluster")
     pool = ResourcePool("broken", workers_per_node=2, cpus_per_worker=0.5)
     try:
-        with pytest.raises(WorkerError, match=r"role 'bad' rank 1 failed in BrokenWorker.__init__\(\): RuntimeError: cannot build"):
+        with pytest.raises(
+            WorkerError,
+            match=r"role 'bad' rank 1 failed in BrokenWorker.__init__\(\): RuntimeError: cannot build",
+        ):
             WorkerGroup(BrokenWorker, pool, role="bad", backend=backend)
     finally:
         pool.release()

@@ -7,13 +7,13 @@ run without TF32 (torch's default), so fp32 results compare at 1e-4."""
 
 import pytest
 import torch
+from test_rollout_engine import Tok, greedy, model, prompts, rcfg, reqs
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.sequence import Sequence
-from test_rollout_engine import Tok, greedy, model, prompts, rcfg, reqs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = torch.device("cuda")
@@ -37,15 +37,19 @@ def test_update_weights_release_and_wake_up_on_the_gpu():
     eng.update_weights(iter(new.state_dict().items()), version=1)
     after = eng.generate(reqs(ps), greedy(8))
     for p, s in zip(ps, after):
-        want = new.generate(torch.tensor([p], device=DEV), max_new_tokens=8, do_sample=False, pad_token_id=0)
-        assert s.response_ids == want[0, len(p):].tolist() and s.versions == [1] * 8
+        want = new.generate(
+            torch.tensor([p], device=DEV), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
+        assert s.response_ids == want[0, len(p) :].tolist() and s.versions == [1] * 8
     assert [s.response_ids for s in after] != [s.response_ids for s in before]
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     eng.release_memory()
     assert held - torch.cuda.memory_allocated() >= 250 << 20  # the KV pool went back to the device
     eng.wake_up()
-    assert [s.response_ids for s in eng.generate(reqs(ps), greedy(8))] == [s.response_ids for s in after]
+    assert [s.response_ids for s in eng.generate(reqs(ps), greedy(8))] == [
+        s.response_ids for s in after
+    ]
 
 
 def test_kv_pool_sized_from_free_device_memory():
@@ -58,8 +62,9 @@ def test_kv_pool_sized_from_free_device_memory():
 
 
 def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
-    from hybridrl.workers import ActorWorker
     from test_lora import make_cfg, rl_batch
+
+    from hybridrl.workers import ActorWorker
 
     cfg: Config = make_cfg(rank=0, lr=1e-3)
     actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), cfg, None)
@@ -68,7 +73,12 @@ def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
     metrics = actor.update_policy(batch)
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
     eng = NativeRollout(actor.model, actor.tokenizer, rcfg())
-    assert eng.update_weights(((n, t) for bucket in actor.weight_buckets() for n, t in bucket), version=1) > 0
+    assert (
+        eng.update_weights(
+            ((n, t) for bucket in actor.weight_buckets() for n, t in bucket), version=1
+        )
+        > 0
+    )
     ids = [3, 4, 5, 6, 7, 8]  # inside the char tokenizer's vocabulary
     with torch.no_grad():
         ref = actor.model(torch.tensor([ids], device=DEV)).logits[0, -1].float()

@@ -1,13 +1,14 @@
 """The trainer's log-probs are those of the distribution the rollout samples from: at equal weights the
 behaviour log-probs a backend reports and the recomputed ones (``training/logprob.py``) agree, for every
 sampling setting (temperature, top-k, top-p, min-p and combinations)."""
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from hybridrl.config import RolloutConfig
 from hybridrl.protocol import samples_to_batch
 from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
-from hybridrl.config import RolloutConfig
 from hybridrl.training.logprob import response_log_probs, sampling_of
 
 torch.set_num_threads(1)
@@ -20,8 +21,15 @@ class Tok:
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=48, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=96, max_position_embeddings=128)
+    cfg = Qwen2Config(
+        vocab_size=48,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=128,
+    )
     m = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():  # sharper logits than the default init, so that every filter drops tokens
         m.lm_head.weight.mul_(8.0)
@@ -48,8 +56,10 @@ def generate(backend, model, kw):
     n = 1 if kw.get("temperature") == 0 else 3  # hf refuses n > 1 without sampling
     params = SamplingParams(max_new_tokens=8, n=n, seed=5, **kw)
     g = torch.Generator().manual_seed(1)
-    reqs = [GenerationRequest(f"r{i}", torch.randint(3, 48, (n,), generator=g).tolist(), uid=f"u{i}")
-            for i, n in enumerate([3, 6, 9])]
+    reqs = [
+        GenerationRequest(f"r{i}", torch.randint(3, 48, (n,), generator=g).tolist(), uid=f"u{i}")
+        for i, n in enumerate([3, 6, 9])
+    ]
     return eng.generate(reqs, params), params
 
 
@@ -95,7 +105,9 @@ def test_filters_change_the_log_probs():
         filtered = response_log_probs(model, batch, params)[0]
         tempered = response_log_probs(model, batch, params.temperature)[0]
     mask = batch["response_mask"].bool()
-    assert (filtered - tempered)[mask].min() > 1e-3  # renormalised over 4 tokens: every log-prob rises
+    assert (filtered - tempered)[
+        mask
+    ].min() > 1e-3  # renormalised over 4 tokens: every log-prob rises
 
 
 def test_sampling_of_takes_the_rollout_filters():
@@ -126,8 +138,12 @@ def test_chunked_filtering_equals_the_sampler_rows(monkeypatch):
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50) * 3
     params = SamplingParams(temperature=0.9, top_k=10, top_p=0.8, min_p=0.05)
-    want = processed_logprobs(logits.reshape(21, 50), SamplingTensors.for_params(params, 21, torch.device("cpu")))
-    monkeypatch.setattr(sampler, "FILTER_CHUNK_ELEMENTS", 50 * 4)  # chunks of 4 rows, the last one shorter
+    want = processed_logprobs(
+        logits.reshape(21, 50), SamplingTensors.for_params(params, 21, torch.device("cpu"))
+    )
+    monkeypatch.setattr(
+        sampler, "FILTER_CHUNK_ELEMENTS", 50 * 4
+    )  # chunks of 4 rows, the last one shorter
     got = filtered_log_softmax(logits, params)
     assert torch.equal(got.reshape(21, 50), want)
     assert torch.isinf(want).any() and torch.isfinite(want).any()

@@ -2,6 +2,7 @@
 at equal weights the actor's old log-probs equal the engine's behaviour log-probs (decoupled PPO's weight
 pi_prox / mu is 1), the reference's equal the actor's (the KL starts at 0), and the actor's loss applies
 the rollout correction weights."""
+
 from __future__ import annotations
 
 import os
@@ -22,13 +23,19 @@ from hybridrl.workers.common import make_task
 
 
 def group(cls, cfg, role):
-    return WorkerGroup(cls, ResourcePool(), role=role, backend="local", args=(cfg, None), num_threads=1)
+    return WorkerGroup(
+        cls, ResourcePool(), role=role, backend="local", args=(cfg, None), num_threads=1
+    )
 
 
 @pytest.fixture(scope="module")
 def setup():
     cfg = Config()
-    cfg.trainer.prompts_per_step, cfg.trainer.samples_per_prompt, cfg.actor.ppo_minibatch_size = 4, 4, 16
+    cfg.trainer.prompts_per_step, cfg.trainer.samples_per_prompt, cfg.actor.ppo_minibatch_size = (
+        4,
+        4,
+        16,
+    )
     cfg.rollout.max_new_tokens = 8
     cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p = 0.8, 6, 0.9
     cfg.algorithm.kl_coef, cfg.algorithm.entropy_coef = 0.0, 0.0
@@ -37,11 +44,23 @@ def setup():
     tok = task.tokenizer()
     prompts = prompt_batch([task.prompt(i) for i in range(cfg.trainer.prompts_per_step)], tok)
     r = cfg.rollout  # the SamplingParams the trainer session builds from the config
-    params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                            n=cfg.trainer.samples_per_prompt, seed=3)
-    batch = collate(group(RolloutWorker, cfg, "rollout").generate(prompts, params), tok.pad_token_id)
+    params = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        n=cfg.trainer.samples_per_prompt,
+        seed=3,
+    )
+    batch = collate(
+        group(RolloutWorker, cfg, "rollout").generate(prompts, params), tok.pad_token_id
+    )
     actor = group(ActorWorker, cfg, "actor")
-    batch = batch | actor.compute_log_prob(batch) | group(ReferenceWorker, cfg, "reference").compute_ref_log_prob(batch)
+    batch = (
+        batch
+        | actor.compute_log_prob(batch)
+        | group(ReferenceWorker, cfg, "reference").compute_ref_log_prob(batch)
+    )
     return cfg, actor, batch
 
 
@@ -50,7 +69,9 @@ def test_actor_and_reference_log_probs_equal_the_filtered_behaviour_log_probs(se
     mask = batch["response_mask"].bool()
     gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()[mask]
     assert gap.max() < 1e-5, gap.max()
-    weight = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])[mask]  # decoupled PPO's pi_prox / mu
+    weight = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"])[
+        mask
+    ]  # decoupled PPO's pi_prox / mu
     assert (weight - 1).abs().max() < 1e-5
     assert torch.equal(batch["ref_log_probs"], batch["old_log_probs"])
 

@@ -7,6 +7,7 @@ loadable, and ``export_hf`` writes a directory transformers loads with the same 
 The two ranks are two subprocesses running this file (``python tests/test_fsdp.py rank ...``), one
 torch thread each; they run all variants in one process group so that the start-up is paid once.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,9 @@ TOL = 1e-5
 def make_cfg(sharding: str = "full", ac: bool = False, precision: str = "fp32") -> Config:
     cfg = Config()
     cfg.actor.ppo_minibatch_size = 4
-    cfg.actor.micro_batch_tokens = 1  # one row per micro-batch: ranks get unequal micro-batch counts
+    cfg.actor.micro_batch_tokens = (
+        1  # one row per micro-batch: ranks get unequal micro-batch counts
+    )
     cfg.algorithm.entropy_coef = 0.01
     cfg.fsdp = FSDPConfig(sharding=sharding, activation_checkpointing=ac, mixed_precision=precision)
     return cfg
@@ -49,14 +52,27 @@ def make_batch(actor, n: int = 9, prompt_len: int = 5, resp_len: int = 6, seed: 
     pmask = (torch.arange(prompt_len) >= prompt_len - p_len[:, None]).long()
     rmask = (torch.arange(resp_len) < r_len[:, None]).long()
     prompts, responses = prompts * pmask, responses * rmask
-    batch = Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                   "attention_mask": torch.cat([pmask, rmask], 1), "response_mask": rmask.float()})
+    batch = Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([pmask, rmask], 1),
+            "response_mask": rmask.float(),
+        }
+    )
     old = actor.compute_log_prob(batch)["old_log_probs"]
     adv = torch.randn(n, 1, generator=g).expand(n, resp_len) * rmask
-    return batch | Batch({"old_log_probs": old, "ref_log_probs": (old + 0.05 * torch.randn(old.shape, generator=g)) * rmask,
-                          "advantages": adv.contiguous(), "rollout_log_probs": old,
-                          "values": 0.1 * torch.randn(old.shape, generator=g) * rmask,
-                          "returns": torch.randn(old.shape, generator=g) * rmask})
+    return batch | Batch(
+        {
+            "old_log_probs": old,
+            "ref_log_probs": (old + 0.05 * torch.randn(old.shape, generator=g)) * rmask,
+            "advantages": adv.contiguous(),
+            "rollout_log_probs": old,
+            "values": 0.1 * torch.randn(old.shape, generator=g) * rmask,
+            "returns": torch.randn(old.shape, generator=g) * rmask,
+        }
+    )
 
 
 def full_weights(actor) -> dict[str, torch.Tensor]:
@@ -74,10 +90,14 @@ def layout(actor) -> dict:
 
     params = list(actor.model.parameters())
     layer = actor.model.model.layers[0]
-    return {"sharded": all(isinstance(p, DTensor) for p in params),
-            "local_numel": sum(p.to_local().numel() for p in params), "numel": sum(p.numel() for p in params),
-            "reshard_after_forward": layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None,
-            "checkpointing": bool(getattr(actor.model, "is_activation_checkpointing", False))}
+    return {
+        "sharded": all(isinstance(p, DTensor) for p in params),
+        "local_numel": sum(p.to_local().numel() for p in params),
+        "numel": sum(p.numel() for p in params),
+        "reshard_after_forward": layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
+        is not None,
+        "checkpointing": bool(getattr(actor.model, "is_activation_checkpointing", False)),
+    }
 
 
 # --- the two ranks ----------------------------------------------------------------------------------------
@@ -90,7 +110,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     work = Path(workdir)
     batch = Batch(torch.load(work / "batch.pt", weights_only=True))
     part = batch.chunk(WORLD)[rank]
-    ctx = WorkerContext(rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1)
+    ctx = WorkerContext(
+        rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1
+    )
     out: dict = {}
     workers = []
     for sharding, ac in VARIANTS:
@@ -98,15 +120,24 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         workers.append(actor)
         logp = actor.compute_log_prob(part)["old_log_probs"]
         metrics = actor.update_policy(part)
-        out[(sharding, ac)] = {"weights": full_weights(actor), "metrics": metrics, "logp": logp, "layout": layout(actor)}
+        out[(sharding, ac)] = {
+            "weights": full_weights(actor),
+            "metrics": metrics,
+            "logp": logp,
+            "layout": layout(actor),
+        }
     # CPU bf16 autocast over sharded fp32 parameters (gathers, gradients and optimizer state stay fp32)
     from hybridrl.training.precision import autocast_dtype
 
     bf16 = ActorWorker(ctx, make_cfg(precision="bf16"), None)
     workers.append(bf16)
-    out["bf16"] = {"logp": bf16.compute_log_prob(part)["old_log_probs"], "metrics": bf16.update_policy(part),
-                   "weights": full_weights(bf16), "autocast": autocast_dtype(bf16.model),
-                   "dtypes": {p.dtype for p in bf16.model.parameters()}}
+    out["bf16"] = {
+        "logp": bf16.compute_log_prob(part)["old_log_probs"],
+        "metrics": bf16.update_policy(part),
+        "weights": full_weights(bf16),
+        "autocast": autocast_dtype(bf16.model),
+        "dtypes": {p.dtype for p in bf16.model.parameters()},
+    }
     # auto with a process group: bf16 only where every rank measured it (the verdicts are injected per rank)
     from hybridrl.training.precision import ENV_OVERRIDE
 
@@ -135,10 +166,18 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     fresh.load_state(str(work / "ckpt"))
     workers.append(fresh)
     same_optim = all(
-        torch.equal(trained.optimizer.state[p1][k].to_local(), fresh.optimizer.state[p2][k].to_local())
-        for p1, p2 in zip(trained.model.parameters(), fresh.model.parameters()) for k in ("exp_avg", "exp_avg_sq"))
-    out["ckpt"] = {"trained": full_weights(trained), "loaded": full_weights(fresh), "same_optim": same_optim,
-                   "same_rng": torch.equal(trained.shuffle.get_state(), fresh.shuffle.get_state())}
+        torch.equal(
+            trained.optimizer.state[p1][k].to_local(), fresh.optimizer.state[p2][k].to_local()
+        )
+        for p1, p2 in zip(trained.model.parameters(), fresh.model.parameters())
+        for k in ("exp_avg", "exp_avg_sq")
+    )
+    out["ckpt"] = {
+        "trained": full_weights(trained),
+        "loaded": full_weights(fresh),
+        "same_optim": same_optim,
+        "same_rng": torch.equal(trained.shuffle.get_state(), fresh.shuffle.get_state()),
+    }
     trained.update_policy(part)
     fresh.update_policy(part)
     out["ckpt"] |= {"trained2": full_weights(trained), "loaded2": full_weights(fresh)}
@@ -151,7 +190,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 
 def crash_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32))
+    return torch.nn.Sequential(
+        torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+    )
 
 
 def crash_main(workdir: str) -> None:
@@ -177,8 +218,12 @@ def crash_main(workdir: str) -> None:
 # --- the tests ----------------------------------------------------------------------------------------------
 def _env() -> dict:
     root = str(Path(__file__).resolve().parents[1])
-    return os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-                         "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -192,27 +237,54 @@ def runs(tmp_path_factory):
     batch = make_batch(single)
     torch.save(batch.tensors, work / "batch.pt")
     port = find_free_port("127.0.0.1")
-    procs = [subprocess.Popen([sys.executable, __file__, "rank", str(r), str(port), str(work)],
-                              env=_env() | {"RANK": str(r), "WORLD_SIZE": str(WORLD), "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    crash = subprocess.Popen([sys.executable, __file__, "crash", str(work)], env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(r), str(port), str(work)],
+            env=_env() | {"RANK": str(r), "WORLD_SIZE": str(WORLD), "MASTER_PORT": str(port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    crash = subprocess.Popen(
+        [sys.executable, __file__, "crash", str(work)],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     logp = single.compute_log_prob(batch)["old_log_probs"]
     metrics = single.update_policy(batch)
     reference = {"weights": full_weights(single), "metrics": metrics, "logp": logp, "batch": batch}
     bf16 = ActorWorker(ctx1, make_cfg(precision="bf16"), None)
-    reference["bf16"] = {"logp": bf16.compute_log_prob(batch)["old_log_probs"], "metrics": bf16.update_policy(batch),
-                         "weights": full_weights(bf16)}
-    ref_worker, critic = ReferenceWorker(ctx1, make_cfg(), None), CriticWorker(ctx1, make_cfg(), None)
+    reference["bf16"] = {
+        "logp": bf16.compute_log_prob(batch)["old_log_probs"],
+        "metrics": bf16.update_policy(batch),
+        "weights": full_weights(bf16),
+    }
+    ref_worker, critic = (
+        ReferenceWorker(ctx1, make_cfg(), None),
+        CriticWorker(ctx1, make_cfg(), None),
+    )
     reference["reference"] = ref_worker.compute_ref_log_prob(batch)["ref_log_probs"]
     reference["values"] = critic.compute_values(batch)["values"]
     reference["critic_metrics"] = critic.update_critic(batch)
-    reference["critic_weights"] = {n: t.detach().clone() for n, t in critic.model.state_dict().items()}
+    reference["critic_weights"] = {
+        n: t.detach().clone() for n, t in critic.model.state_dict().items()
+    }
     logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs[-1].splitlines()[-40:] + logs[0].splitlines()[-40:])
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        logs[-1].splitlines()[-40:] + logs[0].splitlines()[-40:]
+    )
     crash_log = crash.communicate(timeout=240)[0]
-    return {"work": work, "ref": reference, "ranks": torch.load(work / "ranks.pt", weights_only=False),
-            "crash_rc": crash.returncode, "crash_log": crash_log}
+    return {
+        "work": work,
+        "ref": reference,
+        "ranks": torch.load(work / "ranks.pt", weights_only=False),
+        "crash_rc": crash.returncode,
+        "crash_log": crash_log,
+    }
 
 
 @pytest.mark.parametrize("sharding,ac", VARIANTS)
@@ -222,19 +294,29 @@ def test_two_rank_step_equals_single_process(runs, sharding, ac):
     assert lay["sharded"] and lay["local_numel"] <= lay["numel"] // WORLD + 1024, lay
     assert lay["reshard_after_forward"] == (sharding == "full") and lay["checkpointing"] == ac, lay
     before_logp = ref["batch"]["old_log_probs"]
-    diff = max_diff(ref["weights"], got["weights"])  # test_step_changes_weights: the step moved them by >> TOL
+    diff = max_diff(
+        ref["weights"], got["weights"]
+    )  # test_step_changes_weights: the step moved them by >> TOL
     assert diff <= TOL, f"{sharding} ac={ac}: max |w_2ranks - w_1proc| = {diff:.3g}"
     # rank 0's log-probs (its chunk, computed before the step) match the single process
     n0 = len(runs["ref"]["batch"].chunk(WORLD)[0])
     assert (got["logp"] - before_logp[:n0]).abs().max().item() <= 1e-5
-    for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy", "actor/grad_norm", "actor/clip_frac"):
+    for k in (
+        "actor/pg_loss",
+        "actor/kl_ref",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/clip_frac",
+    ):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-4, abs=1e-6), k
     assert got["metrics"]["actor/updates"] == ref["metrics"]["actor/updates"] == 3
 
 
 def test_two_rank_bf16_step_matches_single_process_bf16(runs):
     ref, got = runs["ref"]["bf16"], runs["ranks"]["bf16"]
-    assert got["autocast"] == torch.bfloat16 and got["dtypes"] == {torch.float32}  # fp32 shards, bf16 compute
+    assert got["autocast"] == torch.bfloat16 and got["dtypes"] == {
+        torch.float32
+    }  # fp32 shards, bf16 compute
     n0 = len(runs["ref"]["batch"].chunk(WORLD)[0])
     # bf16 really ran (the log-probs differ from fp32's), and each row is its own micro-batch on both sides, so
     # the rounding is the same: only the fp32 gradient sums over ranks differ in order, as in the fp32 test
@@ -246,7 +328,10 @@ def test_two_rank_bf16_step_matches_single_process_bf16(runs):
 
 
 def test_auto_precision_is_bf16_only_where_every_rank_measured_it(runs):
-    assert runs["ranks"]["auto"] == {("bf16", "bf16"): torch.bfloat16, ("bf16", "fp32"): None}  # rank 0's view
+    assert runs["ranks"]["auto"] == {
+        ("bf16", "bf16"): torch.bfloat16,
+        ("bf16", "fp32"): None,
+    }  # rank 0's view
 
 
 def test_reference_and_critic_on_two_ranks(runs):
@@ -255,13 +340,17 @@ def test_reference_and_critic_on_two_ranks(runs):
     assert (got["reference"] - ref["reference"][:n0]).abs().max().item() <= 1e-5
     assert (got["values"] - ref["values"][:n0]).abs().max().item() <= 1e-5
     assert max_diff(ref["critic_weights"], got["critic_weights"]) <= TOL
-    assert got["critic_metrics"]["critic/vf_loss"] == pytest.approx(ref["critic_metrics"]["critic/vf_loss"], rel=1e-4)
+    assert got["critic_metrics"]["critic/vf_loss"] == pytest.approx(
+        ref["critic_metrics"]["critic/vf_loss"], rel=1e-4
+    )
 
 
 def test_step_changes_weights(runs):
     from hybridrl.workers import ActorWorker
 
-    fresh = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), make_cfg(), None)
+    fresh = ActorWorker(
+        WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), make_cfg(), None
+    )
     assert max_diff(full_weights(fresh), runs["ref"]["weights"]) > 10 * TOL
 
 
@@ -280,13 +369,19 @@ def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path):
 
     ck, work = runs["ranks"]["ckpt"], runs["work"]
     out = export_hf(work / "ckpt", tmp_path / "hf")
-    assert any(out.glob("*.safetensors")) and (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert (
+        any(out.glob("*.safetensors"))
+        and (out / "config.json").is_file()
+        and (out / "tokenizer_config.json").is_file()
+    )
     exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     # the same weights loaded into an unsharded model by name
     from hybridrl.workers import ActorWorker
 
-    plain = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), make_cfg(), None).model
+    plain = ActorWorker(
+        WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), make_cfg(), None
+    ).model
     with torch.no_grad():
         for n, p in plain.named_parameters():
             p.copy_(ck["trained"][n])
@@ -297,7 +392,9 @@ def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path):
         b = plain(input_ids=ids, attention_mask=attn).logits
     assert torch.equal(a, b)
     # the transformers copy the checkpoint keeps for the rollout is the same model
-    kept = AutoModelForCausalLM.from_pretrained(work / "ckpt", local_files_only=True, dtype=torch.float32)
+    kept = AutoModelForCausalLM.from_pretrained(
+        work / "ckpt", local_files_only=True, dtype=torch.float32
+    )
     with torch.no_grad():
         assert torch.equal(kept(input_ids=ids, attention_mask=attn).logits, a)
 
@@ -306,17 +403,25 @@ def test_crash_mid_save_keeps_previous_checkpoint(runs):
     work = runs["work"]
     assert runs["crash_rc"] == 17, runs["crash_log"][-3000:]
     tmp = work / ".crash_ckpt.tmp"
-    assert tmp.is_dir() and not is_complete(tmp)  # the interrupted save stayed in its temporary directory
+    assert tmp.is_dir() and not is_complete(
+        tmp
+    )  # the interrupted save stayed in its temporary directory
     assert is_complete(work / "crash_ckpt")
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 32)
+    )
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert not all(torch.equal(v, crash_model().state_dict()[k]) for k, v in model.state_dict().items())
+    assert not all(
+        torch.equal(v, crash_model().state_dict()[k]) for k, v in model.state_dict().items()
+    )
     extra = load_sharded(work / "crash_ckpt", model, optim)
     assert extra == {"step": 1}
     expect = torch.load(work / "crash_weights.pt", weights_only=True)
     assert all(torch.equal(v, expect[k]) for k, v in model.state_dict().items())
-    assert len(optim.state) == len(list(model.parameters())) and all(float(st["step"]) == 1 for st in optim.state.values())
+    assert len(optim.state) == len(list(model.parameters())) and all(
+        float(st["step"]) == 1 for st in optim.state.values()
+    )
     # the next save replaces the stale temporary directory and completes
     save_sharded(work / "crash_ckpt", model, optim, extra={"step": 3})
     assert load_sharded(work / "crash_ckpt", model, optim) == {"step": 3} and not tmp.exists()
@@ -335,7 +440,9 @@ def test_ray_worker_group_of_two_fsdp_ranks(runs, tmp_path):
         logp = actor.compute_log_prob(batch)["old_log_probs"]
         assert (logp - batch["old_log_probs"]).abs().max().item() <= 1e-5
         m0, m1 = actor.update_policy(batch)
-        assert m0 == m1 and m0["actor/pg_loss"] == pytest.approx(runs["ref"]["metrics"]["actor/pg_loss"], rel=1e-4)
+        assert m0 == m1 and m0["actor/pg_loss"] == pytest.approx(
+            runs["ref"]["metrics"]["actor/pg_loss"], rel=1e-4
+        )
         weights = {n: t for bucket in actor.weight_buckets(1 << 20)[0] for n, t in bucket}
         assert max_diff(runs["ref"]["weights"], weights) <= TOL
         actor.save_checkpoint(str(tmp_path / "ckpt"))

@@ -1,6 +1,7 @@
 """LoRA on the actor (``training/lora.py``): only the adapters train, the adapter-only weight sync merges
 into the rollout's base weights without accumulating, its bytes are a small fraction of a full sync,
 checkpoints resume and export, FSDP2 on 2 gloo ranks equals one process, and ``train()`` runs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,12 +30,14 @@ def make_cfg(rank: int = 8, lr: float = 1e-2) -> Config:
     cfg = Config()
     cfg.actor.ppo_minibatch_size = 4
     cfg.actor.lr = lr  # default: big steps, the adapters move far from zero
-    setattr(cfg.actor, "lora_rank", rank)  # the schema fields may not exist yet: plain attributes work too
-    setattr(cfg.actor, "lora_alpha", 16.0)
+    cfg.actor.lora_rank = rank  # the schema fields may not exist yet: plain attributes work too
+    cfg.actor.lora_alpha = 16.0
     return cfg
 
 
-def make_batch(vocab: int, n: int = 8, prompt_len: int = 5, resp_len: int = 6, seed: int = 0) -> Batch:
+def make_batch(
+    vocab: int, n: int = 8, prompt_len: int = 5, resp_len: int = 6, seed: int = 0
+) -> Batch:
     g = torch.Generator().manual_seed(seed)
     p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
     r_len = torch.randint(1, resp_len + 1, (n,), generator=g)
@@ -42,8 +45,15 @@ def make_batch(vocab: int, n: int = 8, prompt_len: int = 5, resp_len: int = 6, s
     rmask = (torch.arange(resp_len) < r_len[:, None]).long()
     prompts = torch.randint(3, vocab, (n, prompt_len), generator=g) * pmask
     responses = torch.randint(3, vocab, (n, resp_len), generator=g) * rmask
-    return Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                  "attention_mask": torch.cat([pmask, rmask], 1), "response_mask": rmask.float()})
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([pmask, rmask], 1),
+            "response_mask": rmask.float(),
+        }
+    )
 
 
 def rl_batch(actor: ActorWorker, seed: int = 0) -> Batch:
@@ -52,8 +62,14 @@ def rl_batch(actor: ActorWorker, seed: int = 0) -> Batch:
     old = actor.compute_log_prob(batch)["old_log_probs"]
     rmask = batch["response_mask"]
     adv = torch.randn(len(batch), 1, generator=g).expand_as(old) * rmask
-    return batch | Batch({"old_log_probs": old, "ref_log_probs": old.clone(), "advantages": adv.contiguous(),
-                          "rollout_log_probs": old})
+    return batch | Batch(
+        {
+            "old_log_probs": old,
+            "ref_log_probs": old.clone(),
+            "advantages": adv.contiguous(),
+            "rollout_log_probs": old,
+        }
+    )
 
 
 def logits(model, batch: Batch) -> torch.Tensor:
@@ -99,7 +115,9 @@ def test_only_adapters_train(trained):
     now = {n: p.detach() for n, p in actor.model.named_parameters()}
     changed = {n for n in names if not torch.equal(trained["before"][n], now[n])}
     assert changed == adapters  # step 1 moves B (A's gradient is 0 while B = 0), step 2 moves A too
-    assert {n for n in names if not torch.equal(trained["before"][n], trained["after1"][n])} <= adapters
+    assert {
+        n for n in names if not torch.equal(trained["before"][n], trained["after1"][n])
+    } <= adapters
 
 
 def test_sync_matches_merged_model_and_does_not_accumulate(trained):
@@ -110,17 +128,23 @@ def test_sync_matches_merged_model_and_does_not_accumulate(trained):
     fresh = ActorWorker(CTX1, make_cfg(), None)  # a new actor's first sync sends the base too
     rollout = hf_rollout(actor.cfg)
     first = actor.weight_buckets(mode="base")
-    assert rollout.update_weights((item for b in first for item in b), 1) > 0 and rollout.version == 1
+    assert (
+        rollout.update_weights((item for b in first for item in b), 1) > 0 and rollout.version == 1
+    )
     assert (logits(rollout.model, batch) - want).abs().max().item() <= TOL
     w1 = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
     base, _ = load_model(actor.cfg, None)
     base = dict(base.named_parameters())
-    assert any(not torch.equal(base[n], w) for n, w in w1.items())  # the trained adapters moved the merged weights
+    assert any(
+        not torch.equal(base[n], w) for n, w in w1.items()
+    )  # the trained adapters moved the merged weights
     for version in (2, 3):  # adapters only, twice: the same weights, no accumulation
         buckets = actor.weight_buckets(mode="adapter")
         names = [n for b in buckets for n, _ in b]
         assert names and all(n.endswith((".lora_A", ".lora_B", ".lora_scaling")) for n in names)
-        assert rollout.update_weights((item for b in buckets for item in b), version) > 0  # a sync that merged something
+        assert (
+            rollout.update_weights((item for b in buckets for item in b), version) > 0
+        )  # a sync that merged something
         assert all(torch.equal(w1[n], p) for n, p in rollout.model.named_parameters())
     # the fresh actor (B = 0): merging its adapters restores the base exactly
     rollout.update_weights((item for b in fresh.weight_buckets(mode="adapter") for item in b), 4)
@@ -139,7 +163,9 @@ def test_first_sync_resets_a_rollout_built_from_merged_weights(trained):
     assert any(n == "model.embed_tokens.weight" for b in auto for n, _ in b) and actor._base_synced
     rollout.update_weights((item for b in auto for item in b), 1)
     assert (logits(rollout.model, batch) - want).abs().max().item() <= TOL
-    rollout.update_weights((item for b in actor.weight_buckets() for item in b), 2)  # auto: adapters only now
+    rollout.update_weights(
+        (item for b in actor.weight_buckets() for item in b), 2
+    )  # auto: adapters only now
     assert (logits(rollout.model, batch) - want).abs().max().item() <= TOL
 
 
@@ -148,10 +174,14 @@ def test_every_backend_merges_lora_syncs(trained, backend):
     """The merge lives in ``RolloutEngine``: each backend's live weights equal the merged weights after repeated syncs."""
     actor = trained["actor"]
     model, tok = load_model(actor.cfg, None)
-    rollout = ROLLOUT_BACKENDS.get(backend)(model, tok, dataclasses.replace(actor.cfg.rollout, kv_cache_bytes=4 << 20))
+    rollout = ROLLOUT_BACKENDS.get(backend)(
+        model, tok, dataclasses.replace(actor.cfg.rollout, kv_cache_bytes=4 << 20)
+    )
     want = L.merged_weights(actor.model)
     for version, mode in enumerate(["base", "adapter", "adapter"], 1):
-        rollout.update_weights((item for b in actor.weight_buckets(mode=mode) for item in b), version)
+        rollout.update_weights(
+            (item for b in actor.weight_buckets(mode=mode) for item in b), version
+        )
         live = rollout._weight_tensors()
         assert max((live[k] - want[k]).abs().max().item() for k in want) <= 1e-6
 
@@ -163,27 +193,41 @@ def test_lora_sync_bytes_are_a_small_fraction(trained):
     assert L.sync_bytes(actor.weight_buckets(mode="merged")) == full
     c, r = actor.model.config, 8
     hd = c.hidden_size // c.num_attention_heads
-    dims = [(c.hidden_size, c.hidden_size), (c.hidden_size, hd * c.num_key_value_heads), (c.hidden_size, hd * c.num_key_value_heads),
-            (c.hidden_size, c.hidden_size), (c.hidden_size, c.intermediate_size), (c.hidden_size, c.intermediate_size),
-            (c.intermediate_size, c.hidden_size)]
-    expected = c.num_hidden_layers * (sum(4 * r * (i + o) for i, o in dims) + 4 * len(dims))  # fp32 A, B + scaling
+    dims = [
+        (c.hidden_size, c.hidden_size),
+        (c.hidden_size, hd * c.num_key_value_heads),
+        (c.hidden_size, hd * c.num_key_value_heads),
+        (c.hidden_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+        (c.hidden_size, c.intermediate_size),
+        (c.intermediate_size, c.hidden_size),
+    ]
+    expected = c.num_hidden_layers * (
+        sum(4 * r * (i + o) for i, o in dims) + 4 * len(dims)
+    )  # fp32 A, B + scaling
     assert adapter == expected
     assert adapter / full < 0.1, (adapter, full)
 
 
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # inside PeftModel.from_pretrained
+@pytest.mark.filterwarnings(
+    "ignore:.*is_gradient_checkpointing.*:FutureWarning"
+)  # inside PeftModel.from_pretrained
 def test_checkpoint_resume_and_export(trained, tmp_path):
     actor, batch = trained["actor"], trained["batch"]
     path = tmp_path / "model"
     actor.save_checkpoint(str(path))
-    assert (path / "model.safetensors").is_file() and (path / "adapter" / "adapter_config.json").is_file()
+    assert (path / "model.safetensors").is_file() and (
+        path / "adapter" / "adapter_config.json"
+    ).is_file()
     assert (path / "adapter" / "adapter_model.safetensors").is_file() and L.is_lora_checkpoint(path)
     # resume as the trainer does: built from the checkpoint (the merged weights), then load_state
     resumed = ActorWorker(CTX1, make_cfg(), str(path))
     resumed.load_state(str(path))
     a = {n: p.detach() for n, p in actor.model.named_parameters()}
     assert all(torch.equal(a[n], p) for n, p in resumed.model.named_parameters())
-    for p1, p2 in zip(actor.optimizer.param_groups[0]["params"], resumed.optimizer.param_groups[0]["params"]):
+    for p1, p2 in zip(
+        actor.optimizer.param_groups[0]["params"], resumed.optimizer.param_groups[0]["params"]
+    ):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(actor.optimizer.state[p1][k], resumed.optimizer.state[p2][k])
     assert torch.equal(actor.shuffle.get_state(), resumed.shuffle.get_state())
@@ -191,7 +235,9 @@ def test_checkpoint_resume_and_export(trained, tmp_path):
     import transformers
 
     out = export_hf(path, tmp_path / "exported")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        out, local_files_only=True, dtype=torch.float32
+    )
     assert (logits(exported, batch) - logits(actor.model, batch)).abs().max().item() <= TOL
     from peft import PeftModel
 
@@ -211,14 +257,18 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     torch.set_num_threads(1)
     work = Path(workdir)
     batch = Batch(torch.load(work / "batch.pt", weights_only=True))
-    ctx = WorkerContext(rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1)
+    ctx = WorkerContext(
+        rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1
+    )
     actor = ActorWorker(ctx, make_cfg(lr=FSDP_LR), None)
     from torch.distributed.tensor import DTensor
 
     params = dict(actor.model.named_parameters())
-    layout = {"sharded": all(isinstance(p, DTensor) for p in params.values()),
-              "trainable": sorted(n for n, p in params.items() if p.requires_grad),
-              "optimized": len(actor.optimizer.param_groups[0]["params"])}
+    layout = {
+        "sharded": all(isinstance(p, DTensor) for p in params.values()),
+        "trainable": sorted(n for n, p in params.items() if p.requires_grad),
+        "optimized": len(actor.optimizer.param_groups[0]["params"]),
+    }
     actor.update_policy(batch.chunk(WORLD)[rank])
     buckets = actor.weight_buckets(mode="base")
     merged = L.merged_weights(actor.model)
@@ -230,7 +280,10 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     fresh.close()
     teardown_distributed()
     if rank == 0:
-        torch.save({"buckets": buckets, "merged": merged, "reloaded": reloaded, "layout": layout}, work / "ranks.pt")
+        torch.save(
+            {"buckets": buckets, "merged": merged, "reloaded": reloaded, "layout": layout},
+            work / "ranks.pt",
+        )
 
 
 def test_two_fsdp_ranks_equal_one_process(tmp_path):
@@ -241,19 +294,43 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     torch.save(batch.tensors, tmp_path / "batch.pt")
     port = find_free_port("127.0.0.1")
     root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                        "WORLD_SIZE": str(WORLD), "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(WORLD),
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)],
+            env=env | {"RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
     single.update_policy(batch)
     want = L.merged_weights(single.model)
     want_buckets = dict(item for b in single.weight_buckets(mode="base") for item in b)
     logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(line for log in logs for line in log.splitlines()[-30:])
+    assert all(p.returncode == 0 for p in procs), "\n".join(
+        line for log in logs for line in log.splitlines()[-30:]
+    )
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
-    lay, adapters = got["layout"], sorted(n for n, p in single.model.named_parameters() if p.requires_grad)
-    assert lay["sharded"] and lay["trainable"] == adapters and lay["optimized"] == len(adapters), lay
-    assert max(t.abs().max().item() for k, t in want_buckets.items() if k.endswith(".lora_B")) > 10 * TOL  # it trained
+    lay, adapters = (
+        got["layout"],
+        sorted(n for n, p in single.model.named_parameters() if p.requires_grad),
+    )
+    assert lay["sharded"] and lay["trainable"] == adapters and lay["optimized"] == len(adapters), (
+        lay
+    )
+    assert (
+        max(t.abs().max().item() for k, t in want_buckets.items() if k.endswith(".lora_B"))
+        > 10 * TOL
+    )  # it trained
     names = dict(item for b in got["buckets"] for item in b)
     assert names.keys() == want_buckets.keys()
     assert max((names[k] - want_buckets[k]).abs().max().item() for k in names) <= TOL
@@ -263,7 +340,9 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     # the sharded checkpoint's merged model loads in one process
     import transformers
 
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True, dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ckpt", local_files_only=True, dtype=torch.float32
+    )
     assert max((p - want[n]).abs().max().item() for n, p in exported.named_parameters()) <= TOL
 
 
@@ -271,19 +350,32 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
 def test_train_two_steps_with_lora_then_resume(tmp_path):
     from hybridrl.trainers.sync import train
 
-    tiny = ["sft.steps=3", "sft.batch_size=16", "task.eval_size=16", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-            "actor.ppo_minibatch_size=4", "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=1",
-            "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1",
-            f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}", "trainer.name=lora"]
+    tiny = [
+        "sft.steps=3",
+        "sft.batch_size=16",
+        "task.eval_size=16",
+        "trainer.prompts_per_step=4",
+        "trainer.samples_per_prompt=2",
+        "actor.ppo_minibatch_size=4",
+        "trainer.total_steps=2",
+        "trainer.eval_every=1",
+        "trainer.save_every=1",
+        "trainer.progress=false",
+        "trainer.tensorboard=false",
+        "controller.num_threads=1",
+        f"sft.checkpoint={tmp_path / 'ws'}",
+        f"trainer.runs_dir={tmp_path / 'runs'}",
+        "trainer.name=lora",
+    ]
     cfg = load_config(Config, None, tiny)
-    setattr(cfg.actor, "lora_rank", 8)
+    cfg.actor.lora_rank = 8
     summary = train(cfg)
     assert summary["steps"] == 2
     ckpt = tmp_path / "runs" / "lora" / "checkpoints" / "step_000002" / "model"
     assert (ckpt / "model.safetensors").is_file() and L.is_lora_checkpoint(ckpt)
     assert L.base_source_of(ckpt) == str(tmp_path / "ws")
     cfg = load_config(Config, None, [*tiny, "trainer.total_steps=3"])
-    setattr(cfg.actor, "lora_rank", 8)
+    cfg.actor.lora_rank = 8
     resumed = train(cfg, resume=True)
     assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 3
 

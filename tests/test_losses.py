@@ -1,25 +1,44 @@
 """hybridrl/algorithms: policy losses (PPO clip, dual clip, GSPO, decoupled PPO), value loss, loss aggregation,
 KL estimators and controllers, registries; checked against values worked out by hand (arithmetic in comments).
 Advantage estimators are in test_algorithms.py."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from test_algorithms import cfg, close
 
-from hybridrl.algorithms import (ADVANTAGES, KL_ESTIMATORS, LOSS_AGG, POLICY_LOSSES, AdaptiveKLController, AggTotals,
-                                 FixedKLController, agg_totals, apply_kl_penalty, kl_penalty, masked_mean, value_loss)
+from hybridrl.algorithms import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGG,
+    POLICY_LOSSES,
+    AdaptiveKLController,
+    AggTotals,
+    FixedKLController,
+    agg_totals,
+    apply_kl_penalty,
+    kl_penalty,
+    masked_mean,
+    value_loss,
+)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
-from test_algorithms import cfg, close
 
 
 # --- PPO clip loss -------------------------------------------------------------------------
 def loss_mb(logp, old, adv, mask=None, rollout=None):
     mask = torch.ones_like(logp) if mask is None else mask
-    return Batch({"old_log_probs": old, "rollout_log_probs": old if rollout is None else rollout,
-                  "advantages": adv, "response_mask": mask})
+    return Batch(
+        {
+            "old_log_probs": old,
+            "rollout_log_probs": old if rollout is None else rollout,
+            "advantages": adv,
+            "response_mask": mask,
+        }
+    )
 
 
 def ppo(ratios, advs, mask=None, name="ppo_clip", **kw):
@@ -54,11 +73,15 @@ def test_ppo_clip_per_token_by_hand():
     assert metrics["actor/clip_frac_high"] == pytest.approx(1 / 8)
     assert metrics["actor/dual_clip_frac"] == 0.0
     assert metrics["actor/ratio_mean"] == pytest.approx(sum(ratios) / 8)
-    assert metrics["actor/ratio_max"] == pytest.approx(1.5) and metrics["actor/ratio_min"] == pytest.approx(0.5)
+    assert metrics["actor/ratio_max"] == pytest.approx(1.5) and metrics[
+        "actor/ratio_min"
+    ] == pytest.approx(0.5)
     # k1: mean(old - logp) = -mean(log r)
     assert metrics["actor/approx_kl_old"] == pytest.approx(-sum(math.log(r) for r in ratios) / 8)
     # k3: mean((r - 1) - log r)
-    assert metrics["actor/approx_kl_old_k3"] == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / 8)
+    assert metrics["actor/approx_kl_old_k3"] == pytest.approx(
+        sum(r - 1 - math.log(r) for r in ratios) / 8
+    )
 
 
 def test_ppo_dual_clip_by_hand():
@@ -78,8 +101,13 @@ def test_ppo_dual_clip_by_hand():
         ppo([1.0], [1.0], clip_ratio_c=0.9)
     # the dual-clipped token has no gradient
     logp = torch.tensor([[math.log(4.0)]], dtype=torch.float64, requires_grad=True)
-    loss, _ = POLICY_LOSSES.get("ppo_clip")(logp, loss_mb(logp, torch.zeros(1, 1, dtype=torch.float64),
-                                                          -torch.ones(1, 1, dtype=torch.float64)), cfg())
+    loss, _ = POLICY_LOSSES.get("ppo_clip")(
+        logp,
+        loss_mb(
+            logp, torch.zeros(1, 1, dtype=torch.float64), -torch.ones(1, 1, dtype=torch.float64)
+        ),
+        cfg(),
+    )
     loss.sum().backward()
     assert logp.grad.item() == 0.0
 
@@ -87,12 +115,20 @@ def test_ppo_dual_clip_by_hand():
 def test_ppo_separate_low_and_high_clip():
     # r = 1.25 with A>0: clipped at 1.2 when eps_high=0.2, untouched when eps_high=0.28
     loss, m = ppo([1.25], [1.0], clip_ratio_high=0.2)
-    assert loss.item() == pytest.approx(-1.2) and m["actor/clip_frac"] == 1.0 and m["actor/clip_frac_high"] == 1.0
+    assert (
+        loss.item() == pytest.approx(-1.2)
+        and m["actor/clip_frac"] == 1.0
+        and m["actor/clip_frac_high"] == 1.0
+    )
     loss, m = ppo([1.25], [1.0], clip_ratio_high=0.28)
     assert loss.item() == pytest.approx(-1.25) and m["actor/clip_frac"] == 0.0
     # r = 0.75 with A<0: clipped at 0.8 when eps_low=0.2 (loss 0.8), untouched with eps_low=0.3 (loss 0.75)
     loss, m = ppo([0.75], [-1.0], clip_ratio_low=0.2)
-    assert loss.item() == pytest.approx(0.8) and m["actor/clip_frac"] == 1.0 and m["actor/clip_frac_low"] == 1.0
+    assert (
+        loss.item() == pytest.approx(0.8)
+        and m["actor/clip_frac"] == 1.0
+        and m["actor/clip_frac_low"] == 1.0
+    )
     loss, m = ppo([0.75], [-1.0], clip_ratio_low=0.3)
     assert loss.item() == pytest.approx(0.75) and m["actor/clip_frac"] == 0.0
 
@@ -112,7 +148,9 @@ def test_ppo_gradient_is_zero_where_clipped():
     # d loss / d logp = -A r inside the trust region, 0 where the clip is active
     logp = torch.tensor([[math.log(1.1), math.log(1.5)]], dtype=torch.float64, requires_grad=True)
     a = torch.tensor([[2.0, 2.0]], dtype=torch.float64)
-    loss, _ = POLICY_LOSSES.get("ppo_clip")(logp, loss_mb(logp, torch.zeros(1, 2, dtype=torch.float64), a), cfg())
+    loss, _ = POLICY_LOSSES.get("ppo_clip")(
+        logp, loss_mb(logp, torch.zeros(1, 2, dtype=torch.float64), a), cfg()
+    )
     loss.sum().backward()
     assert logp.grad[0].tolist() == pytest.approx([-2.2, 0.0])
 
@@ -125,7 +163,9 @@ def test_extreme_log_ratio_is_finite(name, delta):
     for a in (torch.tensor([[1.0, -1.0]]), torch.tensor([[-1.0, 1.0]])):
         for c in (None, 3.0):
             for rollout in (old, torch.tensor([[-delta, 30.0]])):
-                loss, m = POLICY_LOSSES.get(name)(logp, loss_mb(logp, old, a, rollout=rollout), cfg(clip_ratio_c=c))
+                loss, m = POLICY_LOSSES.get(name)(
+                    logp, loss_mb(logp, old, a, rollout=rollout), cfg(clip_ratio_c=c)
+                )
                 assert torch.isfinite(loss).all() and all(math.isfinite(v) for v in m.values())
                 logp.grad = None
                 loss.sum().backward()
@@ -135,7 +175,9 @@ def test_extreme_log_ratio_is_finite(name, delta):
 def test_ppo_with_real_config():
     # AlgorithmConfig defaults: clip 0.2 / 0.2 -> r=1.25, A=1 clipped at 1.2
     logp = torch.tensor([[math.log(1.25)]])
-    loss, m = POLICY_LOSSES.get("ppo_clip")(logp, loss_mb(logp, torch.zeros(1, 1), torch.ones(1, 1)), AlgorithmConfig())
+    loss, m = POLICY_LOSSES.get("ppo_clip")(
+        logp, loss_mb(logp, torch.zeros(1, 1), torch.ones(1, 1)), AlgorithmConfig()
+    )
     assert loss.item() == pytest.approx(-1.2) and m["actor/clip_frac"] == 1.0
 
 
@@ -190,20 +232,27 @@ def test_decoupled_ppo_by_hand():
     mu = prox - torch.tensor([[math.log(2.0), math.log(0.5), 0.0]], dtype=torch.float64)
     logp = prox + torch.tensor([[math.log(1.1), math.log(1.5), math.log(0.5)]], dtype=torch.float64)
     a = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
-    loss, m = POLICY_LOSSES.get("decoupled_ppo")(logp, loss_mb(logp, prox, a, rollout=mu), cfg(clip_ratio_high=0.2))
+    loss, m = POLICY_LOSSES.get("decoupled_ppo")(
+        logp, loss_mb(logp, prox, a, rollout=mu), cfg(clip_ratio_high=0.2)
+    )
     assert loss[0].tolist() == pytest.approx([-2.2, -0.6, 0.8])
     assert m["actor/behav_weight_mean"] == pytest.approx((2 + 0.5 + 1) / 3)
     assert m["actor/behav_weight_max"] == pytest.approx(2.0)
     assert m["actor/behav_capped_frac"] == 0.0
-    assert m["actor/clip_frac_high"] == pytest.approx(1 / 3) and m["actor/clip_frac_low"] == pytest.approx(1 / 3)
+    assert m["actor/clip_frac_high"] == pytest.approx(1 / 3) and m[
+        "actor/clip_frac_low"
+    ] == pytest.approx(1 / 3)
     # cap 1.5: token 0 (w = 2 > 1.5) is dropped (weight 0), as AReaL; the others are unchanged
-    loss, m = POLICY_LOSSES.get("decoupled_ppo")(logp, loss_mb(logp, prox, a, rollout=mu),
-                                                  cfg(clip_ratio_high=0.2, behav_imp_weight_cap=1.5))
+    loss, m = POLICY_LOSSES.get("decoupled_ppo")(
+        logp, loss_mb(logp, prox, a, rollout=mu), cfg(clip_ratio_high=0.2, behav_imp_weight_cap=1.5)
+    )
     assert loss[0].tolist() == pytest.approx([0.0, -0.6, 0.8])
     assert m["actor/behav_capped_frac"] == pytest.approx(1 / 3)
     # the gradient flows through u only: d/dlogp_0 (-w u A) = -w u A = -2.2 (no cap)
     logp = logp.detach().requires_grad_(True)
-    loss, _ = POLICY_LOSSES.get("decoupled_ppo")(logp, loss_mb(logp, prox, a, rollout=mu), cfg(clip_ratio_high=0.2))
+    loss, _ = POLICY_LOSSES.get("decoupled_ppo")(
+        logp, loss_mb(logp, prox, a, rollout=mu), cfg(clip_ratio_high=0.2)
+    )
     loss.sum().backward()
     assert logp.grad[0].tolist() == pytest.approx([-2.2, 0.0, 0.0])
 
@@ -228,7 +277,10 @@ def test_value_loss_by_hand():
     assert v.grad[0].tolist() == pytest.approx([0.0, 1.0, -0.5, 0.0])
     # clip disabled: .5 (V - G)^2 everywhere
     loss, m = value_loss(v, old, g, mask, None)
-    assert loss[0].tolist() == pytest.approx([0.5, 0.5, 0.125, 0.0]) and m["critic/vf_clip_frac"] == 0.0
+    assert (
+        loss[0].tolist() == pytest.approx([0.5, 0.5, 0.125, 0.0])
+        and m["critic/vf_clip_frac"] == 0.0
+    )
 
 
 # --- aggregation ----------------------------------------------------------------------------------------------------
@@ -250,7 +302,9 @@ def test_aggregation_modes_by_hand():
     for name, value in expected.items():
         assert LOSS_AGG.get(name)(loss, mask, t).item() == pytest.approx(value), name
     # norm_len None: the mask's width (3) -> 10 / (2 * 3)
-    assert LOSS_AGG.get("seq-mean-token-sum-norm")(loss, mask, agg_totals(mask)).item() == pytest.approx(10 / 6)
+    assert LOSS_AGG.get("seq-mean-token-sum-norm")(
+        loss, mask, agg_totals(mask)
+    ).item() == pytest.approx(10 / 6)
     # an empty mini-batch: 0, not NaN
     empty = torch.zeros(2, 3)
     for name in expected:
@@ -282,7 +336,9 @@ def test_kl_estimators_by_hand():
     #   ref-logp = -0.5: e^-0.5 + 0.5 - 1 = 0.6065307 - 0.5 = 0.1065307
     #   ref-logp = +1.0: e^1 - 1 - 1 = 0.7182818
     #   equal -> 0
-    assert kl_penalty("k3", logp, ref).tolist() == pytest.approx([0.1065307, 0.7182818, 0.0], abs=1e-6)
+    assert kl_penalty("k3", logp, ref).tolist() == pytest.approx(
+        [0.1065307, 0.7182818, 0.0], abs=1e-6
+    )
 
 
 def test_k3_nonnegative_and_finite():
@@ -305,10 +361,14 @@ def test_apply_kl_penalty_by_hand():
     # rewards = scores - .1 k1 = [-.05, 0, 1.05] and [.1, 2, 0]
     # per-sequence summed KL: 0 and -1 -> mean -.5; per-sequence token mean: 0 and -.5 -> mean -.25
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
-    b = Batch({"token_level_scores": torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0]]),
-               "old_log_probs": torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, 9.0], [3.0, 3.0, 3.0]]),
-               "ref_log_probs": torch.tensor([[-1.5, -1.0, -0.5], [-1.0, -2.0, 0.0], [0.0, 0.0, 0.0]]),
-               "response_mask": mask})
+    b = Batch(
+        {
+            "token_level_scores": torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0]]),
+            "old_log_probs": torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, 9.0], [3.0, 3.0, 3.0]]),
+            "ref_log_probs": torch.tensor([[-1.5, -1.0, -0.5], [-1.0, -2.0, 0.0], [0.0, 0.0, 0.0]]),
+            "response_mask": mask,
+        }
+    )
     rewards, m = apply_kl_penalty(b, 0.1, "k1")
     assert close(rewards, [[-0.05, 0.0, 1.05], [0.1, 2.0, 0.0], [0.0, 0.0, 0.0]])
     assert m["kl/penalty_mean"] == pytest.approx(-0.5)
@@ -338,14 +398,35 @@ def test_kl_controllers_by_hand():
 
 # --- registries / helpers ------------------------------------------------------------------------------
 def test_registry_lookups():
-    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"} <= set(ADVANTAGES.names())
-    assert {"ppo_clip", "gspo", "gspo_token", "decoupled_ppo", "cispo", "gmpo", "clip_cov", "kl_cov", "sapo"} <= set(POLICY_LOSSES.names())
+    assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"} <= set(
+        ADVANTAGES.names()
+    )
+    assert {
+        "ppo_clip",
+        "gspo",
+        "gspo_token",
+        "decoupled_ppo",
+        "cispo",
+        "gmpo",
+        "clip_cov",
+        "kl_cov",
+        "sapo",
+    } <= set(POLICY_LOSSES.names())
     assert {"k1", "k2", "k3", "abs", "k1+", "k2+", "k3+"} <= set(KL_ESTIMATORS.names())
-    assert POLICY_LOSSES.get("hybridrl.algorithms.losses:ppo_clip_loss") is POLICY_LOSSES.get("ppo_clip")
+    assert POLICY_LOSSES.get("hybridrl.algorithms.losses:ppo_clip_loss") is POLICY_LOSSES.get(
+        "ppo_clip"
+    )
 
 
-@pytest.mark.parametrize("registry,typo,suggestion", [(ADVANTAGES, "grp", "grpo"), (POLICY_LOSSES, "ppo_clp", "ppo_clip"),
-                                                      (KL_ESTIMATORS, "kl3", "k3"), (LOSS_AGG, "token_mean", "token-mean")])
+@pytest.mark.parametrize(
+    "registry,typo,suggestion",
+    [
+        (ADVANTAGES, "grp", "grpo"),
+        (POLICY_LOSSES, "ppo_clp", "ppo_clip"),
+        (KL_ESTIMATORS, "kl3", "k3"),
+        (LOSS_AGG, "token_mean", "token-mean"),
+    ],
+)
 def test_registry_unknown_name_suggests(registry, typo, suggestion):
     with pytest.raises(KeyError, match="did you mean") as e:
         registry.get(typo)
@@ -360,8 +441,12 @@ def test_registry_unknown_without_close_match():
 
 def test_masked_mean():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    assert masked_mean(x, torch.tensor([[1, 1, 0], [0, 0, 1]])).item() == pytest.approx((1 + 2 + 6) / 3)
-    assert masked_mean(x, torch.tensor([[1, 1, 0], [0, 0, 0]]), dim=-1).tolist() == pytest.approx([1.5, 0.0])
+    assert masked_mean(x, torch.tensor([[1, 1, 0], [0, 0, 1]])).item() == pytest.approx(
+        (1 + 2 + 6) / 3
+    )
+    assert masked_mean(x, torch.tensor([[1, 1, 0], [0, 0, 0]]), dim=-1).tolist() == pytest.approx(
+        [1.5, 0.0]
+    )
     out = masked_mean(x, torch.zeros(2, 3))
     assert out.item() == 0.0 and not torch.isnan(out)
     # NaN in padding does not leak; gradient flows only through real entries

@@ -2,6 +2,7 @@
 aggregation, the abs / straight-through KL estimators and gspo_token's clamp at e^10, each against values
 worked out by hand (arithmetic in comments, checked in float64 with plain math, not with the code under test),
 plus the contract every policy loss keeps (zero on padding and blind to it, finite for extreme log-ratios)."""
+
 from __future__ import annotations
 
 import math
@@ -10,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_algorithms import cfg, close
+from test_algorithms_props import SETTINGS, loss_inputs, with_garbage
 
 from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, agg_totals, kl_penalty
 from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
-from test_algorithms import cfg, close
-from test_algorithms_props import SETTINGS, loss_inputs, with_garbage
 
 NEW_LOSSES = ["cispo", "gmpo", "clip_cov", "kl_cov", "sapo"]
 D = torch.float64
@@ -23,7 +24,9 @@ D = torch.float64
 
 def mb_of(logp, old, adv, mask=None):
     mask = torch.ones_like(logp) if mask is None else mask
-    return Batch({"old_log_probs": old, "rollout_log_probs": old, "advantages": adv, "response_mask": mask})
+    return Batch(
+        {"old_log_probs": old, "rollout_log_probs": old, "advantages": adv, "response_mask": mask}
+    )
 
 
 def t(x):
@@ -60,7 +63,9 @@ def test_cispo_by_hand():
     loss, grad, m = run("cispo", logp, mb, cfg(cispo_clip_low=0.2, cispo_clip_high=0.28))
     assert close(loss, [[0.7610047, 2.1545177, -0.8903176, -1.0327716]])
     assert close(grad, [[-1.28, -0.8, 2.2, 1.28]])
-    assert m["actor/clip_frac_low"] == pytest.approx(1 / 4) and m["actor/clip_frac"] == pytest.approx(3 / 4)
+    assert m["actor/clip_frac_low"] == pytest.approx(1 / 4) and m[
+        "actor/clip_frac"
+    ] == pytest.approx(3 / 4)
     with pytest.raises(ValueError, match="cispo_clip_low"):
         run("cispo", logp, mb, cfg(cispo_clip_low=1.5))
 
@@ -77,11 +82,20 @@ def test_gmpo_by_hand():
     mask = t([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
     adv = t([[1.0, 1.0, 0.0], [-2.0, -2.0, -2.0], [0.5, 9.0, 0.0]])
     old = torch.full((3, 3), -1.0, dtype=D)
-    loss, grad, m = run("gmpo", old + lr, mb_of(old + lr, old, adv, mask), cfg(gmpo_log_clip_low=0.4, gmpo_log_clip_high=0.4))
-    assert close(loss, [[-1.284025, -1.284025, 0], [2.210342, 2.210342, 2.210342], [-0.674929, 0, 0]])
+    loss, grad, m = run(
+        "gmpo",
+        old + lr,
+        mb_of(old + lr, old, adv, mask),
+        cfg(gmpo_log_clip_low=0.4, gmpo_log_clip_high=0.4),
+    )
+    assert close(
+        loss, [[-1.284025, -1.284025, 0], [2.210342, 2.210342, 2.210342], [-0.674929, 0, 0]]
+    )
     # d(-A s)/dlogp_t = -A s / |y| on unclipped tokens; loss.sum() holds each row's loss |y| times -> -A s
     assert close(grad, [[-1.284025, 0, 0], [0, 2.210342, 2.210342], [-0.674929, 0, 0]])
-    assert m["actor/clip_frac_high"] == pytest.approx(1 / 6) and m["actor/clip_frac_low"] == pytest.approx(1 / 6)
+    assert m["actor/clip_frac_high"] == pytest.approx(1 / 6) and m[
+        "actor/clip_frac_low"
+    ] == pytest.approx(1 / 6)
     assert m["actor/seq_ratio_max"] == pytest.approx(math.exp(0.3))
     # the arithmetic mean (GRPO-like) would differ: e^.1 and e^.4 do not average to e^.25
     assert loss[0, 0].item() != pytest.approx(-(math.exp(0.1) + math.exp(0.4)) / 2)
@@ -104,14 +118,18 @@ def test_clip_cov_by_hand():
     assert m["actor/cov_clip_frac"] == pytest.approx(2 / 4)
     assert m["actor/cov_mean"] == pytest.approx((3 + 0.5 + 0.5 + 3) / 4)
     # lb 3.5: no candidate -> plain PPO
-    loss, _, m = run("clip_cov", logp, mb, cfg(clip_cov_ratio=0.5, clip_cov_lb=3.5, clip_cov_ub=5.0))
+    loss, _, m = run(
+        "clip_cov", logp, mb, cfg(clip_cov_ratio=0.5, clip_cov_lb=3.5, clip_cov_ub=5.0)
+    )
     assert close(loss, [[-3, -1, 1, 3]]) and m["actor/cov_clip_frac"] == 0.0
     # token 0 at ratio 1.5 (A = 3 > 0) is already cut by the PPO clip (1 + .28): loss -3 * 1.28 = -3.84, it is
     # no candidate, so only token 3 is cut even though n = 2
     logp, mb = cov_case([math.log(1.5), 0.0, 0.0, 0.0], [3.0, 1.0, -1.0, -3.0])
     loss, grad, m = run("clip_cov", logp, mb, c)
     assert close(loss, [[-3.84, -1, 1, 0]]) and close(grad, [[0, -1, 1, 0]])
-    assert m["actor/clip_frac_high"] == pytest.approx(1 / 4) and m["actor/cov_clip_frac"] == pytest.approx(1 / 4)
+    assert m["actor/clip_frac_high"] == pytest.approx(1 / 4) and m[
+        "actor/cov_clip_frac"
+    ] == pytest.approx(1 / 4)
     with pytest.raises(ValueError, match="clip_cov_lb"):
         run("clip_cov", logp, mb, cfg(clip_cov_lb=5.0, clip_cov_ub=1.0))
 
@@ -124,7 +142,9 @@ def test_clip_cov_random_draw_is_seeded():
     for seed in range(16):
         loss, _, m = run("clip_cov", logp, mb, c, generator=torch.Generator().manual_seed(seed))
         cut = (loss[0] == 0).nonzero().flatten().tolist()
-        assert len(cut) == 1 and cut[0] in (0, 3) and m["actor/cov_clip_frac"] == pytest.approx(1 / 4)
+        assert (
+            len(cut) == 1 and cut[0] in (0, 3) and m["actor/cov_clip_frac"] == pytest.approx(1 / 4)
+        )
         again, _, _ = run("clip_cov", logp, mb, c, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(loss, again)
         picks.add(cut[0])
@@ -135,7 +155,10 @@ def test_clip_cov_random_draw_is_seeded():
     assert torch.equal(torch.get_rng_state(), state)
     torch.manual_seed(123)
     assert torch.equal(run("clip_cov", logp, mb, c)[0], first)
-    by_seed = {tuple(run("clip_cov", logp, mb, cfg(clip_cov_ratio=0.25, clip_cov_seed=s))[0][0].tolist()) for s in range(16)}
+    by_seed = {
+        tuple(run("clip_cov", logp, mb, cfg(clip_cov_ratio=0.25, clip_cov_seed=s))[0][0].tolist())
+        for s in range(16)
+    }
     assert len(by_seed) == 2  # clip_cov_seed changes the draw
 
 
@@ -149,13 +172,17 @@ def test_kl_cov_by_hand():
     loss, grad, m = run("kl_cov", logp, mb, cfg(kl_cov_ratio=0.25, kl_cov_coef=1.0))
     assert close(loss, [[-3.464208, -0.904837, 1.349859, 2.210342]])
     assert close(grad, [[-2.664208, -0.904837, 1.349859, 2.210342]])
-    assert m["actor/kl_cov_frac"] == pytest.approx(1 / 4) and m["actor/kl_cov_abs"] == pytest.approx(0.2)
+    assert m["actor/kl_cov_frac"] == pytest.approx(1 / 4) and m[
+        "actor/kl_cov_abs"
+    ] == pytest.approx(0.2)
     # k = 2: tokens 0 and 3 (cov 2.25): token 3 2.210342 + .1, gradient 2 e^.1 + 1 = 3.210342
     loss, grad, _ = run("kl_cov", logp, mb, cfg(kl_cov_ratio=0.5, kl_cov_coef=1.0))
     assert close(loss, [[-3.464208, -0.904837, 1.349859, 2.310342]])
     assert close(grad, [[-2.664208, -0.904837, 1.349859, 3.210342]])
     # the default ratio (2e-3) still penalises one token (at least one)
-    assert run("kl_cov", logp, mb, AlgorithmConfig())[2]["actor/kl_cov_frac"] == pytest.approx(1 / 4)
+    assert run("kl_cov", logp, mb, AlgorithmConfig())[2]["actor/kl_cov_frac"] == pytest.approx(
+        1 / 4
+    )
 
 
 # --- SAPO ------------------------------------------------------------------------------------------------------
@@ -167,10 +194,17 @@ def test_sapo_by_hand():
     # r = 2,   A = -1: s = sigmoid(1.05) = .740774 -> f = 2.822000; w = .768110 -> grad 1.536220
     old = torch.zeros(1, 4, dtype=D)
     logp = t([[1.0, 1.5, 0.5, 2.0]]).log()
-    loss, grad, m = run("sapo", logp, mb_of(logp, old, t([[1.0, 1.0, -1.0, -1.0]])), cfg(sapo_tau_pos=1.0, sapo_tau_neg=1.05))
+    loss, grad, m = run(
+        "sapo",
+        logp,
+        mb_of(logp, old, t([[1.0, 1.0, -1.0, -1.0]])),
+        cfg(sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+    )
     assert close(loss, [[-2.0, -2.489837, 1.415938, 2.822000]])
     assert close(grad, [[-1.0, -1.410022, 0.467070, 1.536220]])
-    assert m["actor/gate_weight_mean"] == pytest.approx((1 + 0.940015 + 0.934140 + 0.768110) / 4, abs=1e-6)
+    assert m["actor/gate_weight_mean"] == pytest.approx(
+        (1 + 0.940015 + 0.934140 + 0.768110) / 4, abs=1e-6
+    )
     assert m["actor/gate_weight_min"] == pytest.approx(0.768110, abs=1e-6)
     with pytest.raises(ValueError, match="sapo_tau_neg"):
         run("sapo", logp, mb_of(logp, old, t([[1.0] * 4])), cfg(sapo_tau_neg=0.0))
@@ -198,21 +232,28 @@ def test_token_sum_micro_batches_and_ranks_add_up():
     assert whole.item() == 15.0
     # two micro-batches, or two data-parallel ranks each holding some rows and its own totals: the sum is the
     # whole (ranks' gradients are summed, not averaged)
-    assert f(loss[:1], mask[:1], agg_totals(mask[:1], 5)).item() + f(loss[1:], mask[1:], agg_totals(mask[1:])).item() == 15.0
+    assert (
+        f(loss[:1], mask[:1], agg_totals(mask[:1], 5)).item()
+        + f(loss[1:], mask[1:], agg_totals(mask[1:])).item()
+        == 15.0
+    )
     whole.backward()
     assert loss.grad.tolist() == mask.tolist()  # d/dloss_t = 1 on valid tokens, 0 on padding
 
 
 # --- KL estimators -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,value,grad", [
-    # delta = logp - ref = [.5, -1, 0, -2]
-    ("abs", [0.5, 1.0, 0.0, 2.0], [1.0, -1.0, 0.0, -1.0]),
-    ("k1+", [0.5, -1.0, 0.0, -2.0], [0.5, -1.0, 0.0, -2.0]),  # value k1, gradient of k2 = delta
-    ("k2+", [0.125, 0.5, 0.0, 2.0], [0.5, -1.0, 0.0, -2.0]),  # k2 itself
-    # value k3 = e^-delta - 1 + delta: e^-.5 - .5 = .106531, e - 2 = .718282, 0, e^2 - 3 = 4.389056; gradient delta
-    # (k3's own gradient would be 1 - e^-delta = [.393469, -1.718282, 0, -6.389056])
-    ("k3+", [0.1065307, 0.7182818, 0.0, 4.3890561], [0.5, -1.0, 0.0, -2.0]),
-])
+@pytest.mark.parametrize(
+    "name,value,grad",
+    [
+        # delta = logp - ref = [.5, -1, 0, -2]
+        ("abs", [0.5, 1.0, 0.0, 2.0], [1.0, -1.0, 0.0, -1.0]),
+        ("k1+", [0.5, -1.0, 0.0, -2.0], [0.5, -1.0, 0.0, -2.0]),  # value k1, gradient of k2 = delta
+        ("k2+", [0.125, 0.5, 0.0, 2.0], [0.5, -1.0, 0.0, -2.0]),  # k2 itself
+        # value k3 = e^-delta - 1 + delta: e^-.5 - .5 = .106531, e - 2 = .718282, 0, e^2 - 3 = 4.389056; gradient delta
+        # (k3's own gradient would be 1 - e^-delta = [.393469, -1.718282, 0, -6.389056])
+        ("k3+", [0.1065307, 0.7182818, 0.0, 4.3890561], [0.5, -1.0, 0.0, -2.0]),
+    ],
+)
 def test_kl_estimators_abs_and_straight_through(name, value, grad):
     logp = t([-1.0, -2.0, -0.5, -3.0]).requires_grad_(True)
     ref = t([-1.5, -1.0, -0.5, -1.0])
@@ -225,13 +266,23 @@ def test_kl_estimators_abs_and_straight_through(name, value, grad):
 def test_algorithm_config_rejects_bad_values():
     from hybridrl.config import Config
     from hybridrl.config.loader import ConfigError, load_config
-    for bad in ("algorithm.sapo_tau_pos=0", "algorithm.clip_cov_ratio=0", "algorithm.kl_cov_ratio=1.5",
-                "algorithm.gmpo_log_clip_low=0", "algorithm.cispo_clip_low=2", "algorithm.loss_agg=token_sum"):
+
+    for bad in (
+        "algorithm.sapo_tau_pos=0",
+        "algorithm.clip_cov_ratio=0",
+        "algorithm.kl_cov_ratio=1.5",
+        "algorithm.gmpo_log_clip_low=0",
+        "algorithm.cispo_clip_low=2",
+        "algorithm.loss_agg=token_sum",
+    ):
         with pytest.raises(ConfigError):
             load_config(Config, None, [bad])
     with pytest.raises(ConfigError, match="clip_cov_lb"):
         load_config(Config, None, ["algorithm.clip_cov_lb=6"])
-    assert load_config(Config, None, ["algorithm.loss_agg=token-sum"]).algorithm.loss_agg == "token-sum"
+    assert (
+        load_config(Config, None, ["algorithm.loss_agg=token-sum"]).algorithm.loss_agg
+        == "token-sum"
+    )
 
 
 # --- the contract every policy loss keeps ---------------------------------------------------------------------
@@ -241,7 +292,9 @@ def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):
     logp, mb = inputs
     g = torch.Generator().manual_seed(seed)
     mask = mb["response_mask"]
-    dirty = Batch({k: with_garbage(mb[k], mask, g) if k != "response_mask" else mask for k in mb.keys()})
+    dirty = Batch(
+        {k: with_garbage(mb[k], mask, g) if k != "response_mask" else mask for k in mb.keys()}
+    )
     dirty_logp = with_garbage(logp, mask, g)
     c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, clip_cov_lb=0.0, clip_cov_ub=5.0)
     for name in NEW_LOSSES:
@@ -252,7 +305,9 @@ def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):
         assert torch.equal(loss, loss2) and torch.equal(grad, grad2), name
         assert metrics == metrics2 and all(math.isfinite(v) for v in metrics.values()), name
         if "actor/clip_frac" in metrics:
-            assert metrics["actor/clip_frac"] == pytest.approx(metrics["actor/clip_frac_low"] + metrics["actor/clip_frac_high"])
+            assert metrics["actor/clip_frac"] == pytest.approx(
+                metrics["actor/clip_frac_low"] + metrics["actor/clip_frac_high"]
+            )
 
 
 @SETTINGS

@@ -1,4 +1,5 @@
 """Memory estimator: ZeRO formulas, monotonicity, CLI errors, a measured check."""
+
 from __future__ import annotations
 
 import json
@@ -41,19 +42,26 @@ def test_fp32_adam_has_no_master_copy():
 def test_zero_paper_figure_1():
     """ZeRO (1910.02054) Figure 1: Ψ = 7.5B, N = 64, K = 12."""
     psi, n = 7_500_000_000, 64
-    per_device = {s: estimate(psi, mixed(world_size=n, sharding=s))["states"] for s in ("none", "optim", "grad_op", "full")}
+    per_device = {
+        s: estimate(psi, mixed(world_size=n, sharding=s))["states"]
+        for s in ("none", "optim", "grad_op", "full")
+    }
     assert per_device["none"] == 16 * psi == 120 * GB
     assert per_device["optim"] == 4 * psi + 12 * psi // n  # stage 1: 31.4 GB
     assert per_device["grad_op"] == 2 * psi + 14 * psi // n  # stage 2: 16.6 GB
     assert per_device["full"] == 16 * psi // n  # stage 3: 1.875 GB
-    assert round(per_device["optim"] / GB, 1) == 31.4 and round(per_device["grad_op"] / GB, 1) == 16.6
+    assert (
+        round(per_device["optim"] / GB, 1) == 31.4 and round(per_device["grad_op"] / GB, 1) == 16.6
+    )
     assert round(per_device["full"] / GB, 2) == 1.88
 
 
 def test_70b_needs_1_12_tb_of_states():
     r = estimate(70e9, mixed())
     assert r["states"] == pytest.approx(1.12e12)
-    assert r["states"] - r["breakdown"]["optimizer"]["master"] == pytest.approx(0.84e12)  # without the master copy
+    assert r["states"] - r["breakdown"]["optimizer"]["master"] == pytest.approx(
+        0.84e12
+    )  # without the master copy
     assert "1.12 TB" in format_table(r)
 
 
@@ -69,19 +77,27 @@ def test_param_count_matches_the_real_models():
 def test_more_ranks_less_per_device():
     cfg = resolve_model("small")
     for sharding in ("optim", "grad_op", "full"):
-        totals = [estimate(cfg, Layout(world_size=n, sharding=sharding))["states"] for n in (1, 2, 4, 8)]
+        totals = [
+            estimate(cfg, Layout(world_size=n, sharding=sharding))["states"] for n in (1, 2, 4, 8)
+        ]
         assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1], sharding
-    assert len({estimate(cfg, Layout(world_size=n))["states"] for n in (1, 2, 8)}) == 1  # replicated
+    assert (
+        len({estimate(cfg, Layout(world_size=n))["states"] for n in (1, 2, 8)}) == 1
+    )  # replicated
 
 
 def test_activation_checkpointing_reduces_activations():
     cfg = resolve_model("small")
     for tokens in (512, 8192):
         off = estimate(cfg, Layout(micro_batch_tokens=tokens))["activations"]
-        on = estimate(cfg, Layout(micro_batch_tokens=tokens, activation_checkpointing=True))["activations"]
+        on = estimate(cfg, Layout(micro_batch_tokens=tokens, activation_checkpointing=True))[
+            "activations"
+        ]
         assert on < off
     small = estimate(cfg, Layout(micro_batch_tokens=1024))["activations"]
-    assert estimate(cfg, Layout(micro_batch_tokens=4096))["activations"] == pytest.approx(4 * small, rel=0.05)
+    assert estimate(cfg, Layout(micro_batch_tokens=4096))["activations"] == pytest.approx(
+        4 * small, rel=0.05
+    )
 
 
 def test_lora_reduces_gradients_and_optimizer_states():
@@ -127,17 +143,31 @@ def test_activation_formula_matches_saved_tensors_of_a_qwen2_forward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+        logits = model(
+            input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)
+        ).logits
         logp = torch.log_softmax(logits.float(), -1)
         (-(logp.exp() * logp).sum()).backward()
-    est = estimate(model.config, Layout(micro_batch_tokens=rows * width, seq_len=width))["breakdown"]["activations"]
+    est = estimate(model.config, Layout(micro_batch_tokens=rows * width, seq_len=width))[
+        "breakdown"
+    ]["activations"]
     assert sum(saved.values()) == pytest.approx(est["layers"] + est["head"], rel=0.02)
 
 
-@pytest.mark.parametrize("argv", [
-    [], ["not-a-model"], ["/nonexistent/config.json"], ["7e9", "--sharding", "zero9"], ["7e9", "--world-size", "0"],
-    ["7e9", "--lora-rank", "8"], ["7e9", "--dtype", "fp16"], ["-5"], ["small", "--micro-batch-tokens", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["not-a-model"],
+        ["/nonexistent/config.json"],
+        ["7e9", "--sharding", "zero9"],
+        ["7e9", "--world-size", "0"],
+        ["7e9", "--lora-rank", "8"],
+        ["7e9", "--dtype", "fp16"],
+        ["-5"],
+        ["small", "--micro-batch-tokens", "0"],
+    ],
+)
 def test_cli_errors_return_2_with_one_line(argv, capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
@@ -148,7 +178,20 @@ def test_cli_prints_table(tmp_path, capsys):
     assert main(["70B", "--dtype", "bf16"]) == 0
     assert "1.12 TB" in capsys.readouterr().out
     resolve_model("tiny").save_pretrained(tmp_path)
-    assert main([str(tmp_path), "--activation-checkpointing", "--world-size", "2", "--sharding", "full", "--json"]) == 0
+    assert (
+        main(
+            [
+                str(tmp_path),
+                "--activation-checkpointing",
+                "--world-size",
+                "2",
+                "--sharding",
+                "full",
+                "--json",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["n_params"] == estimate(resolve_model("tiny"))["n_params"] and r["activations"] > 0
     assert main(["tiny", "--lora-rank", "4", "--offload"]) == 0
@@ -157,11 +200,33 @@ def test_cli_prints_table(tmp_path, capsys):
 
 def test_measured_peak_of_tiny_model_within_35_percent():
     tokens, seq_len = 4096, 32
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "memory.py"), "--child", "--model", "tiny",
-                           "--tokens", str(tokens), "--seq-len", str(seq_len), "--micro-batches", "1", "--no-tensor-peak"],
-                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072", PYTHONPATH=str(ROOT)
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "memory.py"),
+            "--child",
+            "--model",
+            "tiny",
+            "--tokens",
+            str(tokens),
+            "--seq-len",
+            str(seq_len),
+            "--micro-batches",
+            "1",
+            "--no-tensor-peak",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     measured = json.loads(proc.stdout.strip().splitlines()[-1])["rss_peak"]
-    est = estimate(resolve_model("tiny"), Layout(micro_batch_tokens=tokens, seq_len=seq_len))["total"]
+    est = estimate(resolve_model("tiny"), Layout(micro_batch_tokens=tokens, seq_len=seq_len))[
+        "total"
+    ]
     assert est / measured == pytest.approx(1.0, abs=0.35), (est, measured)

@@ -5,17 +5,18 @@ Tolerances: bf16 keeps 8 significant bits (relative rounding 2^-9 per value); th
 model's 4 layers a log-prob moves by about 3e-3 nats (measured here). Each bound below is set 5-25 times above
 what was measured, and the comparisons also check that bf16 really ran (the difference is not zero).
 """
+
 from __future__ import annotations
 
 import logging
 
 import pytest
 import torch
+from test_fsdp import make_batch
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
 from hybridrl.training import precision as P
-from test_fsdp import make_batch
 
 CTX = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1)
 
@@ -97,9 +98,14 @@ def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, wan
     with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
         actor = ActorWorker(CTX, make_cfg("auto"), None)
     lines = [r.getMessage() for r in caplog.records if "training precision" in r.getMessage()]
-    assert lines == [f"training precision: {want} (fsdp.mixed_precision=auto: CPU amx_bf16, "
-                     + (f"bf16 measured {gain:.2f}x fp32 on one layer of this model)" if gain > 1.3 else
-                        f"but bf16 measured only {gain:.2f}x fp32 on one layer of this model (needs 1.3x))")]
+    assert lines == [
+        f"training precision: {want} (fsdp.mixed_precision=auto: CPU amx_bf16, "
+        + (
+            f"bf16 measured {gain:.2f}x fp32 on one layer of this model)"
+            if gain > 1.3
+            else f"but bf16 measured only {gain:.2f}x fp32 on one layer of this model (needs 1.3x))"
+        )
+    ]
     assert P.autocast_dtype(actor.model) == (torch.bfloat16 if gain > 1.3 else None)
 
 
@@ -111,7 +117,9 @@ def test_actor_reference_and_critic_share_one_measurement_and_its_verdict(monkey
     monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
     monkeypatch.setattr(P, "SPEEDUPS", P._SpeedupCache())
     monkeypatch.setattr(P, "model_speedup", lambda model, train: calls.append(train) or 1.5)
-    workers = [cls(CTX, make_cfg("auto"), None) for cls in (ActorWorker, ReferenceWorker, CriticWorker)]
+    workers = [
+        cls(CTX, make_cfg("auto"), None) for cls in (ActorWorker, ReferenceWorker, CriticWorker)
+    ]
     assert calls == [True]  # one forward + backward measurement per process and layer shape
     assert all(P.autocast_dtype(w.model) == torch.bfloat16 for w in workers)
 
@@ -128,7 +136,10 @@ def steps():
         batch = out.get("batch") or make_batch(ActorWorker(CTX, make_cfg("fp32"), None))
         logp = actor.compute_log_prob(batch)["old_log_probs"]
         metrics = actor.update_policy(batch)
-        out |= {"batch": batch, precision: dict(actor=actor, before=before, logp=logp, metrics=metrics)}
+        out |= {
+            "batch": batch,
+            precision: dict(actor=actor, before=before, logp=logp, metrics=metrics),
+        }
     return out
 
 
@@ -143,11 +154,19 @@ def test_bf16_step_changes_weights_and_keeps_fp32_master_weights(steps):
     run = steps["bf16"]
     actor = run["actor"]
     assert P.autocast_dtype(actor.model) == torch.bfloat16
-    moved = max((p.detach() - run["before"][n]).abs().max().item() for n, p in actor.model.named_parameters())
+    moved = max(
+        (p.detach() - run["before"][n]).abs().max().item()
+        for n, p in actor.model.named_parameters()
+    )
     assert moved > 1e-5
     assert all(p.dtype == torch.float32 for p in actor.model.parameters())
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in actor.model.parameters())
-    states = [t for st in actor.optimizer.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    states = [
+        t
+        for st in actor.optimizer.state.values()
+        for k, t in st.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    ]
     assert states and all(t.dtype == torch.float32 for t in states)
 
 
@@ -159,11 +178,19 @@ def test_bf16_step_loss_is_close_to_the_fp32_step(steps):
     assert b["actor/kl_ref"] == pytest.approx(f["actor/kl_ref"], abs=0.002)
     assert b["actor/pg_loss"] == pytest.approx(f["actor/pg_loss"], abs=0.005)
     assert b["actor/pg_loss"] != f["actor/pg_loss"]
+
     # the update goes the same way: Adam's first steps are about lr * sign(grad), so compare directions
     def delta(run):
-        return torch.cat([(p.detach() - run["before"][n]).flatten() for n, p in run["actor"].model.named_parameters()])
+        return torch.cat(
+            [
+                (p.detach() - run["before"][n]).flatten()
+                for n, p in run["actor"].model.named_parameters()
+            ]
+        )
 
-    cos = torch.nn.functional.cosine_similarity(delta(steps["fp32"]), delta(steps["bf16"]), dim=0).item()
+    cos = torch.nn.functional.cosine_similarity(
+        delta(steps["fp32"]), delta(steps["bf16"]), dim=0
+    ).item()
     assert cos > 0.9, cos  # measured 0.998
 
 
@@ -173,8 +200,10 @@ def test_reference_and_critic_in_bf16(steps, caplog):
     batch = steps["batch"]
     with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
         ref16 = ReferenceWorker(CTX, make_cfg("bf16"), None)
-    assert any("reference / log-prob precision: bf16 autocast (fsdp.mixed_precision=bf16" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "reference / log-prob precision: bf16 autocast (fsdp.mixed_precision=bf16" in r.getMessage()
+        for r in caplog.records
+    )
     ref32 = ReferenceWorker(CTX, make_cfg("fp32"), None)
     r16, r32 = (w.compute_ref_log_prob(batch)["ref_log_probs"] for w in (ref16, ref32))
     assert r16.dtype == torch.float32 and 0 < (r16 - r32).abs().max().item() <= 0.02
@@ -186,5 +215,10 @@ def test_reference_and_critic_in_bf16(steps, caplog):
         metrics[precision] = critic.update_critic(batch)
         values[precision] = critic.compute_values(batch)["values"]
         assert all(p.dtype == torch.float32 for p in critic.model.parameters())
-    assert values["bf16"].dtype == torch.float32 and (values["bf16"] - values["fp32"]).abs().max().item() <= 0.01  # measured 3e-4
-    assert metrics["bf16"]["critic/vf_loss"] == pytest.approx(metrics["fp32"]["critic/vf_loss"], rel=0.05)
+    assert (
+        values["bf16"].dtype == torch.float32
+        and (values["bf16"] - values["fp32"]).abs().max().item() <= 0.01
+    )  # measured 3e-4
+    assert metrics["bf16"]["critic/vf_loss"] == pytest.approx(
+        metrics["fp32"]["critic/vf_loss"], rel=0.05
+    )

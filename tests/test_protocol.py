@@ -1,4 +1,5 @@
 """hybridrl/protocol.py: Batch operations, pad_2d and the samples -> training-layout collation."""
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,9 @@ from hybridrl.protocol import Batch, Sample, pad_2d, samples_to_batch
 def make(n: int, width: int = 3) -> Batch:
     """Rows are identifiable: row i of ``x`` is [i*10, i*10+1, ...], ``name`` is 'r<i>'."""
     x = torch.arange(n).unsqueeze(1) * 10 + torch.arange(width)
-    return Batch({"x": x, "y": torch.arange(n, dtype=torch.float32)}, {"name": [f"r{i}" for i in range(n)]})
+    return Batch(
+        {"x": x, "y": torch.arange(n, dtype=torch.float32)}, {"name": [f"r{i}" for i in range(n)]}
+    )
 
 
 def rows(b: Batch) -> list[str]:
@@ -96,7 +99,9 @@ def test_select():
 
 def test_union_adds_columns_and_accepts_equal_columns():
     a = make(3)
-    extra = Batch({"x": a["x"].clone(), "z": torch.ones(3)}, {"name": list(a["name"]), "tag": [1, 2, 3]})
+    extra = Batch(
+        {"x": a["x"].clone(), "z": torch.ones(3)}, {"name": list(a["name"]), "tag": [1, 2, 3]}
+    )
     u = a.union(extra)
     assert set(u.keys()) == {"x", "y", "z", "name", "tag"}
     assert torch.equal(u["x"], a["x"])
@@ -156,7 +161,9 @@ def test_concat_roundtrip_and_errors():
     assert len(Batch.concat([])) == 0
     with pytest.raises(ValueError, match="different columns"):
         Batch.concat([b[0:2], b[2:5].select("x", "y")])
-    wide = Batch({"x": torch.zeros(2, 5, dtype=torch.long), "y": torch.zeros(2)}, {"name": ["a", "b"]})
+    wide = Batch(
+        {"x": torch.zeros(2, 5, dtype=torch.long), "y": torch.zeros(2)}, {"name": ["a", "b"]}
+    )
     with pytest.raises(ValueError, match="widths"):
         Batch.concat([b[0:2], wide])
 
@@ -210,9 +217,26 @@ def test_pad_2d_right_and_left():
 def test_samples_to_batch_layout():
     PAD = 0
     samples = [
-        Sample([1, 5, 6], [7, 8, 2], [-0.1, -0.2, -0.3], [3, 3, 4], status="finished", uid="u0", task_id="t",
-               extra={"answer": "42"}),
-        Sample([1, 9], [10], [-0.5], [4], status="truncated", uid="u1", task_id="t", extra={"note": "x"}),
+        Sample(
+            [1, 5, 6],
+            [7, 8, 2],
+            [-0.1, -0.2, -0.3],
+            [3, 3, 4],
+            status="finished",
+            uid="u0",
+            task_id="t",
+            extra={"answer": "42"},
+        ),
+        Sample(
+            [1, 9],
+            [10],
+            [-0.5],
+            [4],
+            status="truncated",
+            uid="u1",
+            task_id="t",
+            extra={"note": "x"},
+        ),
     ]
     b = samples_to_batch(samples, PAD)
     assert len(b) == 2
@@ -223,9 +247,15 @@ def test_samples_to_batch_layout():
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]
     assert b["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert b["input_ids"].dtype == torch.long and b["rollout_log_probs"].dtype == torch.float32
-    assert torch.allclose(b["rollout_log_probs"], torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]]))
+    assert torch.allclose(
+        b["rollout_log_probs"], torch.tensor([[-0.1, -0.2, -0.3], [-0.5, 0.0, 0.0]])
+    )
     assert b["versions"].tolist() == [[3, 3, 4], [4, -1, -1]]
-    assert b["uid"] == ["u0", "u1"] and b["task_id"] == ["t", "t"] and b["status"] == ["finished", "truncated"]
+    assert (
+        b["uid"] == ["u0", "u1"]
+        and b["task_id"] == ["t", "t"]
+        and b["status"] == ["finished", "truncated"]
+    )
     # meta keys are the union of every sample's extra, None where a sample lacks one
     assert b["answer"] == ["42", None] and b["note"] == [None, "x"]
 
@@ -272,8 +302,10 @@ def test_prop_repeat_and_shuffle_preserve_rows(n_rows, n, seed):
 @settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6)), min_size=1, max_size=8))
 def test_prop_samples_to_batch_masks_match_lengths(lengths):
-    samples = [Sample(list(range(1, p + 1)), list(range(3, 3 + r)), [-1.0] * r, [0] * r, uid=str(i))
-               for i, (p, r) in enumerate(lengths)]
+    samples = [
+        Sample(list(range(1, p + 1)), list(range(3, 3 + r)), [-1.0] * r, [0] * r, uid=str(i))
+        for i, (p, r) in enumerate(lengths)
+    ]
     b = samples_to_batch(samples, pad_id=0)
     P = max(p for p, _ in lengths)
     assert b["prompts"].shape[1] == P

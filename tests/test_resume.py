@@ -4,6 +4,7 @@ both checkpoint layouts (``train_state.pt`` in one process, ``dcp/`` for a shard
 
 The sharded layout runs in a subprocess (``python tests/test_resume.py critic-dcp WORKDIR PORT``): FSDP2 on a
 1-rank gloo group, which must not outlive its process (see the exit there)."""
+
 import json
 import os
 import subprocess
@@ -22,16 +23,32 @@ from hybridrl.trainers.sync import train
 ROOT = Path(__file__).resolve().parents[1]
 K = 2
 TINY = [
-    "sft.steps=3", "sft.batch_size=16", "task.eval_size=8", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-    "actor.ppo_minibatch_size=4", "trainer.eval_every=1", "trainer.save_every=0", "rollout.max_new_tokens=8",
-    "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1",
+    "sft.steps=3",
+    "sft.batch_size=16",
+    "task.eval_size=8",
+    "trainer.prompts_per_step=4",
+    "trainer.samples_per_prompt=2",
+    "actor.ppo_minibatch_size=4",
+    "trainer.eval_every=1",
+    "trainer.save_every=0",
+    "rollout.max_new_tokens=8",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "controller.num_threads=1",
     # exercise every piece of resumable state: adaptive KL coefficient (reward penalty), dynamic sampling (prompt cursor)
-    "algorithm.kl_reward_coef=0.05", "algorithm.kl_ctrl=adaptive", "algorithm.filter_groups=true", "algorithm.max_sampling_rounds=2",
+    "algorithm.kl_reward_coef=0.05",
+    "algorithm.kl_ctrl=adaptive",
+    "algorithm.filter_groups=true",
+    "algorithm.max_sampling_rounds=2",
     f"task.reward_fn={__name__}:digit_credit",
 ]
 # PPO: examples/arith_ppo.yaml (gae, so a critic), two critic optimizer steps per RL step (its shuffle RNG matters)
 PPO = ["critic.ppo_minibatch_size=4"]
-TIMING = ("timing/", "engine/", "perf/")  # wall times, and engine statistics (a resumed engine starts with a cold prefix cache)
+TIMING = (
+    "timing/",
+    "engine/",
+    "perf/",
+)  # wall times, and engine statistics (a resumed engine starts with a cold prefix cache)
 
 
 def digit_credit(prompt, response: str, **_) -> float:
@@ -45,17 +62,32 @@ def trained_every_step(rows: dict[int, dict], role: str) -> bool:
 
 
 def cfg(tmp_path, name, steps, *extra, base=None) -> Config:
-    return load_config(Config, base, [*TINY, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}",
-                                      f"trainer.name={name}", f"trainer.total_steps={steps}", *extra])
+    return load_config(
+        Config,
+        base,
+        [
+            *TINY,
+            f"sft.checkpoint={tmp_path / 'ws'}",
+            f"trainer.runs_dir={tmp_path / 'runs'}",
+            f"trainer.name={name}",
+            f"trainer.total_steps={steps}",
+            *extra,
+        ],
+    )
 
 
 def metrics(tmp_path, name) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    ]
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 
 
 def weights(tmp_path, name, step, role="model"):
-    return load_file(tmp_path / "runs" / name / "checkpoints" / f"step_{step:06d}" / role / "model.safetensors")
+    return load_file(
+        tmp_path / "runs" / name / "checkpoints" / f"step_{step:06d}" / role / "model.safetensors"
+    )
 
 
 def assert_same_runs(tmp_path, a_name, b_name, steps, roles=("model",)) -> dict[int, dict]:
@@ -78,7 +110,9 @@ def test_resume_is_exact_and_continues_after_the_end(tmp_path):
     resumed = train(cfg(tmp_path, "split", 2 * K), resume=True)
     assert resumed["resumed_from_step"] == K
     rows = assert_same_runs(tmp_path, "straight", "split", 2 * K)
-    assert trained_every_step(rows, "actor") and any(rows[s]["rollout/informative_frac"] > 0 for s in rows if s > 0)
+    assert trained_every_step(rows, "actor") and any(
+        rows[s]["rollout/informative_frac"] > 0 for s in rows if s > 0
+    )
     # resuming a finished run with a larger total_steps trains the remaining steps, not zero
     more = train(cfg(tmp_path, "split", 2 * K + 1), resume=True)
     assert more["resumed_from_step"] == 2 * K and max(metrics(tmp_path, "split")) == 2 * K + 1
@@ -101,17 +135,30 @@ def test_ppo_resume_is_exact(tmp_path):
 
 # --- the critic role, rebuilt from its checkpoint ---------------------------------------------------------
 def critic_cfg() -> Config:
-    return load_config(Config, ROOT / "examples" / "arith_ppo.yaml", PPO + ["controller.num_threads=1"])
+    return load_config(
+        Config, ROOT / "examples" / "arith_ppo.yaml", PPO + ["controller.num_threads=1"]
+    )
 
 
 def critic_batch(critic, n: int = 8, prompt_len: int = 5, resp_len: int = 6) -> Batch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, critic.model.config.vocab_size, (n, prompt_len + resp_len), generator=g)
     rmask = (torch.arange(resp_len) < torch.randint(1, resp_len + 1, (n, 1), generator=g)).float()
-    batch = Batch({"input_ids": ids, "prompts": ids[:, :prompt_len], "responses": ids[:, prompt_len:],
-                   "attention_mask": torch.ones_like(ids), "response_mask": rmask})
-    return batch | Batch({"values": critic.compute_values(batch)["values"],
-                          "returns": torch.randn(n, resp_len, generator=g) * rmask})
+    batch = Batch(
+        {
+            "input_ids": ids,
+            "prompts": ids[:, :prompt_len],
+            "responses": ids[:, prompt_len:],
+            "attention_mask": torch.ones_like(ids),
+            "response_mask": rmask,
+        }
+    )
+    return batch | Batch(
+        {
+            "values": critic.compute_values(batch)["values"],
+            "returns": torch.randn(n, resp_len, generator=g) * rmask,
+        }
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -122,10 +169,14 @@ def snapshot(critic) -> dict:
     """Every parameter, the optimizer state per parameter and its hyper-parameters, the shuffle RNG (a rank's
     shards when sharded: with one rank, the whole tensors)."""
     params = list(critic.model.parameters())
-    return {"params": {n: _local(p) for n, p in critic.model.named_parameters()},
-            "optim": [{k: _local(v) for k, v in critic.optimizer.state[p].items()} for p in params],
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in critic.optimizer.param_groups],
-            "rng": critic.shuffle.get_state()}
+    return {
+        "params": {n: _local(p) for n, p in critic.model.named_parameters()},
+        "optim": [{k: _local(v) for k, v in critic.optimizer.state[p].items()} for p in params],
+        "groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in critic.optimizer.param_groups
+        ],
+        "rng": critic.shuffle.get_state(),
+    }
 
 
 def critic_round_trip(ctx: WorkerContext, path: Path) -> dict:
@@ -140,10 +191,16 @@ def critic_round_trip(ctx: WorkerContext, path: Path) -> dict:
     trained.save_checkpoint(str(path))
     resumed = CriticWorker(ctx, critic_cfg(), str(path))  # as open_session does
     resumed.load_state(str(path))
-    fresh = CriticWorker(ctx, critic_cfg(), None)  # load_state alone restores everything, however the role was built
+    fresh = CriticWorker(
+        ctx, critic_cfg(), None
+    )  # load_state alone restores everything, however the role was built
     fresh.load_state(str(path))
-    out = {"saved": snapshot(trained), "resumed": snapshot(resumed), "loaded": snapshot(fresh),
-           "sharded": is_sharded(fresh.model)}
+    out = {
+        "saved": snapshot(trained),
+        "resumed": snapshot(resumed),
+        "loaded": snapshot(fresh),
+        "sharded": is_sharded(fresh.model),
+    }
     trained.update_critic(batch)
     resumed.update_critic(batch)
     return out | {"saved_next": snapshot(trained), "resumed_next": snapshot(resumed)}
@@ -162,13 +219,17 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 
 def check_round_trip(out: dict) -> None:
     saved = out["saved"]
-    assert saved["params"]["score.weight"].abs().sum() > 0  # the head trained away from its zero start
+    assert (
+        saved["params"]["score.weight"].abs().sum() > 0
+    )  # the head trained away from its zero start
     assert all(s["step"].item() == 6 for s in saved["optim"])  # 3 updates x 2 mini-batches
     assert_bitwise_equal(saved, out["resumed"])
     assert_bitwise_equal(saved, out["loaded"])
     # and they go on alike: same moments, same step count, same mini-batch order
     assert_bitwise_equal(out["saved_next"], out["resumed_next"])
-    assert not torch.equal(saved["params"]["score.weight"], out["saved_next"]["params"]["score.weight"])
+    assert not torch.equal(
+        saved["params"]["score.weight"], out["saved_next"]["params"]["score.weight"]
+    )
 
 
 def test_value_model_keeps_a_saved_head_and_starts_a_missing_one_at_zero(tmp_path):
@@ -177,14 +238,18 @@ def test_value_model_keeps_a_saved_head_and_starts_a_missing_one_at_zero(tmp_pat
 
     policy, _ = load_model(critic_cfg(), None)
     policy.save_pretrained(tmp_path / "policy")
-    critic = build_value_model(critic_cfg(), str(tmp_path / "policy"))  # a policy checkpoint: no head in it
+    critic = build_value_model(
+        critic_cfg(), str(tmp_path / "policy")
+    )  # a policy checkpoint: no head in it
     assert not critic.score.weight.any() and not critic.score.bias.any()
     assert torch.equal(critic.model.embed_tokens.weight, policy.model.embed_tokens.weight)
     with torch.no_grad():
         critic.score.weight.normal_()
         critic.score.bias.fill_(-0.5)
     critic.save_pretrained(tmp_path / "critic")
-    again = build_value_model(critic_cfg(), str(tmp_path / "critic"))  # a critic checkpoint: its head
+    again = build_value_model(
+        critic_cfg(), str(tmp_path / "critic")
+    )  # a critic checkpoint: its head
     a, b = critic.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -194,7 +259,9 @@ def test_critic_rebuilt_from_a_single_process_checkpoint_is_the_saved_one(tmp_pa
     out = critic_round_trip(ctx, tmp_path / "critic")
     assert not out["sharded"]
     check_round_trip(out)
-    assert (tmp_path / "critic" / "train_state.pt").is_file() and not (tmp_path / "critic" / "dcp").exists()
+    assert (tmp_path / "critic" / "train_state.pt").is_file() and not (
+        tmp_path / "critic" / "dcp"
+    ).exists()
 
 
 def critic_dcp_main(workdir: str, port: int) -> None:
@@ -215,14 +282,25 @@ def test_critic_rebuilt_from_a_sharded_checkpoint_is_the_saved_one(tmp_path):
     from hybridrl.controller.worker import find_free_port
     from hybridrl.training.fsdp import is_complete
 
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, __file__, "critic-dcp", str(tmp_path), str(find_free_port("127.0.0.1"))],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "critic-dcp", str(tmp_path), str(find_free_port("127.0.0.1"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     out = torch.load(tmp_path / "out.pt", weights_only=False)
     assert out["sharded"]
     check_round_trip(out)
-    assert is_complete(tmp_path / "critic" / "dcp") and not (tmp_path / "critic" / "train_state.pt").exists()
+    assert (
+        is_complete(tmp_path / "critic" / "dcp")
+        and not (tmp_path / "critic" / "train_state.pt").exists()
+    )
 
 
 if __name__ == "__main__":

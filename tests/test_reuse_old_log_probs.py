@@ -4,6 +4,7 @@ The separate pass runs on the micro-batches of the update's first epoch (``train
 so it is an exact reference: a step that skips it equals, bit for bit, one that runs it. Checked on the actor
 (weights, metrics and the log-probs, with a small token budget so that a whole-batch grouping would differ)
 and on whole runs of the driver; plus when the pass must run (a reader before the update) and the decision."""
+
 from __future__ import annotations
 
 import json
@@ -29,21 +30,41 @@ ROWS = 32
 
 # --- the decision ---------------------------------------------------------------------------------------
 def config(*overrides: str) -> Config:
-    return load_config(Config, None, ["trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-                                      "actor.ppo_minibatch_size=8", *overrides])
+    return load_config(
+        Config,
+        None,
+        [
+            "trainer.prompts_per_step=4",
+            "trainer.samples_per_prompt=2",
+            "actor.ppo_minibatch_size=8",
+            *overrides,
+        ],
+    )
 
 
-@pytest.mark.parametrize("overrides,reuse", [
-    ([], True),
-    (["algorithm.policy_loss=decoupled_ppo"], True),  # pi_prox is the weights before the update: that forward's
-    (["algorithm.advantage=gae"], True),  # the critic and GAE never read the old log-probs
-    (["actor.reuse_old_log_probs=never"], False),
-    (["actor.ppo_epochs=2"], False),
-    (["actor.ppo_minibatch_size=4"], False),
-    (["algorithm.kl_reward_coef=0.01"], False),  # read before the update: the KL penalty in the reward
-    (["algorithm.rollout_is=token"], False),  # read before the update: the correction's weights
-    (["algorithm.rollout_bypass=true"], False),  # no pass to skip: the rollout's log-probs are the old ones
-])
+@pytest.mark.parametrize(
+    "overrides,reuse",
+    [
+        ([], True),
+        (
+            ["algorithm.policy_loss=decoupled_ppo"],
+            True,
+        ),  # pi_prox is the weights before the update: that forward's
+        (["algorithm.advantage=gae"], True),  # the critic and GAE never read the old log-probs
+        (["actor.reuse_old_log_probs=never"], False),
+        (["actor.ppo_epochs=2"], False),
+        (["actor.ppo_minibatch_size=4"], False),
+        (
+            ["algorithm.kl_reward_coef=0.01"],
+            False,
+        ),  # read before the update: the KL penalty in the reward
+        (["algorithm.rollout_is=token"], False),  # read before the update: the correction's weights
+        (
+            ["algorithm.rollout_bypass=true"],
+            False,
+        ),  # no pass to skip: the rollout's log-probs are the old ones
+    ],
+)
 def test_reuse_decision(overrides, reuse):
     assert reuses_old_log_probs(config(*overrides), 8) is reuse
 
@@ -58,17 +79,30 @@ def actor_cfg(*overrides: str) -> Config:
     # 32 rows of ragged length in micro-batches of at most 100 padded tokens: several micro-batches whose
     # grouping depends on the shuffle (on the machine this was written on, grouping the same rows over the
     # unshuffled batch changes the low bits of about 20 log-probs)
-    return load_config(Config, None, [f"trainer.prompts_per_step={ROWS // 2}", "trainer.samples_per_prompt=2",
-                                      f"actor.ppo_minibatch_size={ROWS}", "actor.micro_batch_tokens=100",
-                                      "controller.num_threads=1", *overrides])
+    return load_config(
+        Config,
+        None,
+        [
+            f"trainer.prompts_per_step={ROWS // 2}",
+            "trainer.samples_per_prompt=2",
+            f"actor.ppo_minibatch_size={ROWS}",
+            "actor.micro_batch_tokens=100",
+            "controller.num_threads=1",
+            *overrides,
+        ],
+    )
 
 
 def make_actor(cfg: Config) -> ActorWorker:
     torch.set_num_threads(1)
-    return ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), cfg, None)
+    return ActorWorker(
+        WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), cfg, None
+    )
 
 
-def ragged_batch(vocab: int, n: int = ROWS, prompt_len: int = 8, resp_len: int = 12, seed: int = 0) -> Batch:
+def ragged_batch(
+    vocab: int, n: int = ROWS, prompt_len: int = 8, resp_len: int = 12, seed: int = 0
+) -> Batch:
     g = torch.Generator().manual_seed(seed)
     p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
     r_len = torch.randint(1, resp_len + 1, (n,), generator=g)
@@ -78,10 +112,18 @@ def ragged_batch(vocab: int, n: int = ROWS, prompt_len: int = 8, resp_len: int =
     responses = torch.randint(3, vocab, (n, resp_len), generator=g) * rmask
     adv = torch.randn(n, 1, generator=g).expand(n, resp_len) * rmask
     behaviour = -torch.rand(n, resp_len, generator=g) * rmask
-    return Batch({"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-                  "attention_mask": torch.cat([pmask, rmask], 1), "response_mask": rmask.float(),
-                  "advantages": adv.contiguous(), "ref_log_probs": behaviour - 0.1 * rmask,
-                  "rollout_log_probs": behaviour})
+    return Batch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": torch.cat([pmask, rmask], 1),
+            "response_mask": rmask.float(),
+            "advantages": adv.contiguous(),
+            "ref_log_probs": behaviour - 0.1 * rmask,
+            "rollout_log_probs": behaviour,
+        }
+    )
 
 
 def state(actor: ActorWorker) -> dict[str, torch.Tensor]:
@@ -94,8 +136,10 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
 
 
-@pytest.mark.parametrize("loss,precision", [("ppo_clip", "fp32"), ("decoupled_ppo", "fp32"), ("clip_cov", "fp32"),
-                                            ("ppo_clip", "bf16")])
+@pytest.mark.parametrize(
+    "loss,precision",
+    [("ppo_clip", "fp32"), ("decoupled_ppo", "fp32"), ("clip_cov", "fp32"), ("ppo_clip", "bf16")],
+)
 def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss, precision):
     """Two identical actors, one step each on the same batch: one runs the pass, the other is given no old
     log-probs. Weights after the step, metrics (the indicator aside) and the old log-probs are the same bits
@@ -111,7 +155,10 @@ def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss, pre
     assert_same(state(passed), state(reused))
     assert torch.equal(reused.old_log_probs_of_last_update(batch)["old_log_probs"], old)
     if loss != "clip_cov":  # on-policy the ratio is 1 exactly, so nothing is clipped
-        assert m_reuse["actor/ratio_max"] == m_reuse["actor/ratio_min"] == 1.0 and m_reuse["actor/clip_frac"] == 0.0
+        assert (
+            m_reuse["actor/ratio_max"] == m_reuse["actor/ratio_min"] == 1.0
+            and m_reuse["actor/clip_frac"] == 0.0
+        )
     with pytest.raises(RuntimeError, match="not given a batch without"):
         reused.old_log_probs_of_last_update(batch)  # handed back once
 
@@ -124,7 +171,9 @@ def test_the_pass_is_the_update_forward_bit_for_bit():
     seen = torch.zeros(tuple(batch["responses"].shape))
     batch = batch | Batch({"row": torch.arange(ROWS)})
     old = actor.compute_log_prob(batch)["old_log_probs"]
-    regrouped = batch_log_probs(actor.model, batch, actor.cfg.actor.micro_batch_tokens, actor.sampling)
+    regrouped = batch_log_probs(
+        actor.model, batch, actor.cfg.actor.micro_batch_tokens, actor.sampling
+    )
     loss = actor._loss
 
     def record(mb, totals):
@@ -148,7 +197,9 @@ def test_dropout_in_training_mode_falls_back_to_the_pass():
     """A training forward with dropout is not the old policy's: the actor runs the pass itself."""
     cfg = actor_cfg()
     passed, fallback = make_actor(cfg), make_actor(cfg)
-    passed.model.config.attention_dropout = fallback.model.config.attention_dropout = 0.1  # read by the check only
+    passed.model.config.attention_dropout = fallback.model.config.attention_dropout = (
+        0.1  # read by the check only
+    )
     batch = ragged_batch(passed.model.config.vocab_size)
     old = passed.compute_log_prob(batch)["old_log_probs"]
     metrics = fallback.update_policy(batch)
@@ -158,10 +209,21 @@ def test_dropout_in_training_mode_falls_back_to_the_pass():
 
 # --- whole runs of the driver ---------------------------------------------------------------------------
 TINY = [
-    "sft.steps=3", "sft.batch_size=16", "task.eval_size=8", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-    "actor.ppo_minibatch_size=8", "actor.micro_batch_tokens=64", "trainer.eval_every=0", "trainer.save_every=0",
-    "rollout.max_new_tokens=8", "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1",
-    "trainer.total_steps=2", f"task.reward_fn={__name__}:digit_credit",
+    "sft.steps=3",
+    "sft.batch_size=16",
+    "task.eval_size=8",
+    "trainer.prompts_per_step=4",
+    "trainer.samples_per_prompt=2",
+    "actor.ppo_minibatch_size=8",
+    "actor.micro_batch_tokens=64",
+    "trainer.eval_every=0",
+    "trainer.save_every=0",
+    "rollout.max_new_tokens=8",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "controller.num_threads=1",
+    "trainer.total_steps=2",
+    f"task.reward_fn={__name__}:digit_credit",
 ]
 
 
@@ -171,20 +233,44 @@ def digit_credit(prompt, response: str, **_) -> float:
 
 
 def run(tmp_path, name: str, *extra: str) -> tuple[dict[int, dict], dict[str, torch.Tensor]]:
-    train(load_config(Config, None, [*TINY, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}",
-                                     f"trainer.name={name}", *extra]))
+    train(
+        load_config(
+            Config,
+            None,
+            [
+                *TINY,
+                f"sft.checkpoint={tmp_path / 'ws'}",
+                f"trainer.runs_dir={tmp_path / 'runs'}",
+                f"trainer.name={name}",
+                *extra,
+            ],
+        )
+    )
     run_dir = tmp_path / "runs" / name
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = max(r["step"] for r in rows)
-    return {r["step"]: r for r in rows}, load_file(run_dir / "checkpoints" / f"step_{last:06d}" / "model" / "model.safetensors")
+    return {r["step"]: r for r in rows}, load_file(
+        run_dir / "checkpoints" / f"step_{last:06d}" / "model" / "model.safetensors"
+    )
 
 
 def comparable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "engine/", "perf/")) and k != INDICATOR}
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("timing/", "engine/", "perf/")) and k != INDICATOR
+    }
 
 
-@pytest.mark.parametrize("extra", [[], ["algorithm.policy_loss=decoupled_ppo"], ["algorithm.advantage=gae", "critic.ppo_minibatch_size=4"]],
-                         ids=["ppo_clip", "decoupled_ppo", "gae"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["algorithm.policy_loss=decoupled_ppo"],
+        ["algorithm.advantage=gae", "critic.ppo_minibatch_size=4"],
+    ],
+    ids=["ppo_clip", "decoupled_ppo", "gae"],
+)
 def test_a_run_that_skips_the_pass_equals_a_run_that_forces_it(tmp_path, extra):
     reused, w_reused = run(tmp_path, "auto", *extra)
     forced, w_forced = run(tmp_path, "never", *extra, "actor.reuse_old_log_probs=never")
@@ -193,17 +279,28 @@ def test_a_run_that_skips_the_pass_equals_a_run_that_forces_it(tmp_path, extra):
         assert reused[step][INDICATOR] == 1.0 and forced[step][INDICATOR] == 0.0
         assert "timing/old_log_prob" not in reused[step] and forced[step]["timing/old_log_prob"] > 0
         assert reused[step]["actor/grad_norm"] > 0
-        assert {"rollout_corr/logp_gap_mean", "rollout_corr/kl_k3"} <= reused[step].keys()  # the gap, every step
+        assert {"rollout_corr/logp_gap_mean", "rollout_corr/kl_k3"} <= reused[
+            step
+        ].keys()  # the gap, every step
         a, b = comparable(reused[step]), comparable(forced[step])
         assert a.keys() == b.keys(), step
         for key in a:
             assert a[key] == b[key], (step, key)
-    assert w_reused.keys() == w_forced.keys() and all(torch.equal(w_reused[n], w_forced[n]) for n in w_reused)
+    assert w_reused.keys() == w_forced.keys() and all(
+        torch.equal(w_reused[n], w_forced[n]) for n in w_reused
+    )
 
 
-@pytest.mark.parametrize("reader,metric", [("algorithm.kl_reward_coef=0.01", "kl/penalty_mean"),
-                                           ("algorithm.rollout_is=token", "rollout_corr/is_weight_mean")])
-def test_the_pass_runs_when_something_reads_the_old_log_probs_before_the_update(tmp_path, reader, metric):
+@pytest.mark.parametrize(
+    "reader,metric",
+    [
+        ("algorithm.kl_reward_coef=0.01", "kl/penalty_mean"),
+        ("algorithm.rollout_is=token", "rollout_corr/is_weight_mean"),
+    ],
+)
+def test_the_pass_runs_when_something_reads_the_old_log_probs_before_the_update(
+    tmp_path, reader, metric
+):
     rows, _ = run(tmp_path, "reader", reader, "trainer.total_steps=1")
     assert rows[1][INDICATOR] == 0.0 and rows[1]["timing/old_log_prob"] > 0 and metric in rows[1]
 
@@ -215,12 +312,33 @@ def test_the_async_learner_skips_the_pass_alike(tmp_path):
 
     rows = {}
     for name, extra in (("auto", []), ("never", ["actor.reuse_old_log_probs=never"])):
-        train_async(load_config(Config, None, [
-            "sft.steps=3", "sft.batch_size=16", "task.name=reverse", "task.eval_size=8", "rollout.max_new_tokens=16",
-            "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2", "actor.ppo_minibatch_size=8",
-            "trainer.eval_every=0", "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1",
-            "trainer.mode=async", "asynchronous.max_staleness=0", "trainer.total_steps=2", f"sft.checkpoint={tmp_path / 'ws'}",
-            f"trainer.runs_dir={tmp_path / 'runs'}", f"trainer.name={name}", *extra]))
+        train_async(
+            load_config(
+                Config,
+                None,
+                [
+                    "sft.steps=3",
+                    "sft.batch_size=16",
+                    "task.name=reverse",
+                    "task.eval_size=8",
+                    "rollout.max_new_tokens=16",
+                    "trainer.prompts_per_step=4",
+                    "trainer.samples_per_prompt=2",
+                    "actor.ppo_minibatch_size=8",
+                    "trainer.eval_every=0",
+                    "trainer.progress=false",
+                    "trainer.tensorboard=false",
+                    "controller.num_threads=1",
+                    "trainer.mode=async",
+                    "asynchronous.max_staleness=0",
+                    "trainer.total_steps=2",
+                    f"sft.checkpoint={tmp_path / 'ws'}",
+                    f"trainer.runs_dir={tmp_path / 'runs'}",
+                    f"trainer.name={name}",
+                    *extra,
+                ],
+            )
+        )
         lines = (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()
         rows[name] = {r["step"]: r for r in map(json.loads, lines)}
     learned = ("actor/", "rollout_corr/", "reward/", "response/", "advantage/")
@@ -230,7 +348,9 @@ def test_the_async_learner_skips_the_pass_alike(tmp_path):
         assert "timing/old_log_prob" not in auto and never["timing/old_log_prob"] > 0
         assert "actor/behav_weight_mean" in auto and "rollout_corr/logp_gap_max" in auto
         a = {k: v for k, v in auto.items() if k.startswith(learned) and k != INDICATOR}
-        assert a == {k: v for k, v in never.items() if k.startswith(learned) and k != INDICATOR}, step
+        assert a == {k: v for k, v in never.items() if k.startswith(learned) and k != INDICATOR}, (
+            step
+        )
 
 
 # --- data parallel: two gloo ranks in subprocesses (``python tests/test_reuse_old_log_probs.py rank ...``) ----
@@ -252,12 +372,18 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
     torch.set_num_threads(1)
     work = Path(workdir)
     part = Batch(torch.load(work / "batch.pt", weights_only=True)).chunk(WORLD)[rank]
-    ctx = WorkerContext(rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1)
+    ctx = WorkerContext(
+        rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1
+    )
     cfg = actor_cfg("actor.micro_batch_tokens=1")
     passed, reused = ActorWorker(ctx, cfg, None), ActorWorker(ctx, cfg, None)
     old = passed.compute_log_prob(part)["old_log_probs"]
-    out = {"pass": passed.update_policy(part | Batch({"old_log_probs": old})), "reuse": reused.update_policy(part),
-           "old": old, "taken": reused.old_log_probs_of_last_update(part)["old_log_probs"]}
+    out = {
+        "pass": passed.update_policy(part | Batch({"old_log_probs": old})),
+        "reuse": reused.update_policy(part),
+        "old": old,
+        "taken": reused.old_log_probs_of_last_update(part)["old_log_probs"],
+    }
     out |= {"w_pass": full_weights(passed), "w_reuse": full_weights(reused)}
     for actor in (passed, reused):
         actor.close()
@@ -276,10 +402,23 @@ def test_two_ranks_without_the_pass_equal_two_ranks_with_it(tmp_path):
     torch.save(ragged_batch(vocab, n=ROWS - 1).tensors, tmp_path / "batch.pt")
     port = find_free_port("127.0.0.1")
     root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(WORLD),
-                        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)], env=env | {"RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(WORLD),
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)],
+            env=env | {"RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]

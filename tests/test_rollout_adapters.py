@@ -6,6 +6,7 @@ stand-ins decode with a real transformers model loaded from the directory the ad
 log-probs and weight updates are checked against transformers. The tests at the end run only where the
 real package is installed.
 """
+
 import sys
 import types
 
@@ -25,9 +26,18 @@ BACKENDS = ["vllm", "sglang"]
 
 def tiny(seed=0):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=64, max_position_embeddings=64, eos_token_id=EOS, tie_word_embeddings=True,
-                      initializer_range=0.5)  # large weights: outputs that depend on them
+    cfg = Qwen2Config(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        eos_token_id=EOS,
+        tie_word_embeddings=True,
+        initializer_range=0.5,
+    )  # large weights: outputs that depend on them
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -81,11 +91,27 @@ def fake_vllm():
             for p, sp in zip(prompts, sampling_params):
                 comps = []
                 for j in range(sp.n):  # child seeds as vLLM derives them
-                    ids, lps, reason = self.core.decode(p["prompt_token_ids"], sp.temperature, sp.max_tokens,
-                                                        None if sp.seed is None else sp.seed + j, sp.stop_token_ids, sp.ignore_eos)
-                    comps.append(types.SimpleNamespace(index=j, token_ids=ids, finish_reason=reason,
-                                                       logprobs=[{t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)]))
-                outs.append(types.SimpleNamespace(outputs=comps[::-1]))  # any order: the adapter sorts by index
+                    ids, lps, reason = self.core.decode(
+                        p["prompt_token_ids"],
+                        sp.temperature,
+                        sp.max_tokens,
+                        None if sp.seed is None else sp.seed + j,
+                        sp.stop_token_ids,
+                        sp.ignore_eos,
+                    )
+                    comps.append(
+                        types.SimpleNamespace(
+                            index=j,
+                            token_ids=ids,
+                            finish_reason=reason,
+                            logprobs=[
+                                {t: types.SimpleNamespace(logprob=x)} for t, x in zip(ids, lps)
+                            ],
+                        )
+                    )
+                outs.append(
+                    types.SimpleNamespace(outputs=comps[::-1])
+                )  # any order: the adapter sorts by index
             return outs
 
         def apply_model(self, func):
@@ -114,9 +140,18 @@ def fake_sglang():
         def generate(self, input_ids, sampling_params, return_logprob=False):
             outs = []
             for p, sp in zip(input_ids, sampling_params):
-                ids, lps, reason = self.core.decode(p, sp["temperature"], sp["max_new_tokens"], sp.get("sampling_seed"),
-                                                    sp["stop_token_ids"], sp["ignore_eos"])
-                meta = {"finish_reason": {"type": reason}, "output_token_logprobs": [(x, t, None) for t, x in zip(ids, lps)]}
+                ids, lps, reason = self.core.decode(
+                    p,
+                    sp["temperature"],
+                    sp["max_new_tokens"],
+                    sp.get("sampling_seed"),
+                    sp["stop_token_ids"],
+                    sp["ignore_eos"],
+                )
+                meta = {
+                    "finish_reason": {"type": reason},
+                    "output_token_logprobs": [(x, t, None) for t, x in zip(ids, lps)],
+                }
                 outs.append({"output_ids": ids, "meta_info": meta})
             return outs
 
@@ -150,13 +185,19 @@ def make(monkeypatch):
 
 
 def reqs(k=2):
-    return [GenerationRequest(f"r{i}", [1, 5 + i, 7, 9], uid=f"u{i}", task_id="t") for i in range(k)]
+    return [
+        GenerationRequest(f"r{i}", [1, 5 + i, 7, 9], uid=f"u{i}", task_id="t") for i in range(k)
+    ]
 
 
 @torch.no_grad()
 def ref_logps(model, prompt, resp, temperature):
     logits = model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits / (temperature or 1.0), -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+    return (
+        torch.log_softmax(logits / (temperature or 1.0), -1)
+        .gather(-1, torch.tensor(resp)[:, None])
+        .squeeze(-1)
+    )
 
 
 # --- here ---------------------------------------------------------------------------------------------
@@ -175,18 +216,58 @@ def test_missing_package_says_what_to_install(monkeypatch, name):
 
 
 def test_sampling_params_translation(make):
-    eng, core = make("vllm", tiny(), gpu_memory_utilization=0.3, tensor_parallel_size=2, engine_kwargs={"dtype": "bfloat16"})
+    eng, core = make(
+        "vllm",
+        tiny(),
+        gpu_memory_utilization=0.3,
+        tensor_parallel_size=2,
+        engine_kwargs={"dtype": "bfloat16"},
+    )
     assert core.kwargs["gpu_memory_utilization"] == 0.3 and core.kwargs["tensor_parallel_size"] == 2
-    assert core.kwargs["dtype"] == "bfloat16" and core.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert (
+        core.kwargs["dtype"] == "bfloat16" and core.kwargs["logprobs_mode"] == "processed_logprobs"
+    )
     assert core.kwargs["enable_sleep_mode"] and core.kwargs["skip_tokenizer_init"]
-    sp = eng.sampling_params(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, n=4, stop_token_ids=(3,), min_p=0.1), 11)
-    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.max_tokens, sp.seed) == (4, 0.7, 0.9, -1, 0.1, 5, 11)
-    assert (sp.stop_token_ids, sp.stop, sp.logprobs, sp.detokenize, sp.ignore_eos) == ([3], None, 0, False, False)
+    sp = eng.sampling_params(
+        SamplingParams(
+            temperature=0.7, top_p=0.9, max_new_tokens=5, n=4, stop_token_ids=(3,), min_p=0.1
+        ),
+        11,
+    )
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.max_tokens, sp.seed) == (
+        4,
+        0.7,
+        0.9,
+        -1,
+        0.1,
+        5,
+        11,
+    )
+    assert (sp.stop_token_ids, sp.stop, sp.logprobs, sp.detokenize, sp.ignore_eos) == (
+        [3],
+        None,
+        0,
+        False,
+        False,
+    )
     sg, core = make("sglang", tiny(), enable_prefix_caching=False)
-    assert core.kwargs["disable_radix_cache"] and core.kwargs["enable_memory_saver"] and core.kwargs["dtype"] == "float32"
+    assert (
+        core.kwargs["disable_radix_cache"]
+        and core.kwargs["enable_memory_saver"]
+        and core.kwargs["dtype"] == "float32"
+    )
     d = sg.sampling_params(SamplingParams(top_k=5, stop=("x",), ignore_eos=True), 9)
-    assert d == dict(max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=5, min_p=0.0, ignore_eos=True, stop=["x"],
-                     stop_token_ids=None, sampling_seed=9)
+    assert d == dict(
+        max_new_tokens=16,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=5,
+        min_p=0.0,
+        ignore_eos=True,
+        stop=["x"],
+        stop_token_ids=None,
+        sampling_seed=9,
+    )
     assert "sampling_seed" not in sg.sampling_params(SamplingParams(), None)
 
 
@@ -197,9 +278,17 @@ def test_generate_returns_samples_with_behaviour_log_probs(make, name):
     rs = reqs(3)
     greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     first = eng.generate(rs[:1], greedy)[0]
-    expect = m.generate(torch.tensor([rs[0].prompt_ids]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expect = m.generate(
+        torch.tensor([rs[0].prompt_ids]),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert first.response_ids == expect[0, 4:].tolist() and first.status == "truncated"
-    stop = first.response_ids[2]  # a stop token the greedy path meets at its third token (or earlier)
+    stop = first.response_ids[
+        2
+    ]  # a stop token the greedy path meets at its third token (or earlier)
     eng.abort(["r1"])
     eng.version = 3
     params = SamplingParams(temperature=0.8, max_new_tokens=6, n=2, seed=5, stop_token_ids=(stop,))
@@ -207,10 +296,17 @@ def test_generate_returns_samples_with_behaviour_log_probs(make, name):
     assert [s.uid for s in out] == ["u0", "u0", "u1", "u1", "u2", "u2"]
     assert [s.status for s in out[2:4]] == ["aborted"] * 2 and out[2].response_ids == []
     for s in out[:2] + out[4:]:
-        assert len(s.response_ids) == len(s.log_probs) == len(s.versions) > 0 and set(s.versions) == {3}
+        assert len(s.response_ids) == len(s.log_probs) == len(s.versions) > 0 and set(
+            s.versions
+        ) == {3}
         assert s.status == ("finished" if s.response_ids[-1] in (stop, EOS) else "truncated")
         assert s.task_id == "t" and s.prompt_ids == rs[int(s.uid[1])].prompt_ids
-        torch.testing.assert_close(torch.tensor(s.log_probs), ref_logps(m, s.prompt_ids, s.response_ids, 0.8), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(s.log_probs),
+            ref_logps(m, s.prompt_ids, s.response_ids, 0.8),
+            atol=1e-5,
+            rtol=0,
+        )
     again = eng.generate(rs, params)  # seeds are derived per request (and per sample): reproducible
     assert [s.response_ids for s in again] == [s.response_ids for s in out]
     assert eng.stats()["engine/tokens_per_s"] > 0
@@ -226,12 +322,24 @@ def test_update_weights_streams_buckets_then_resets_the_prefix_cache(make, name)
     state = list(new.state_dict().items())
     assert eng.update_weights(iter(state), version=7) == len(state)
     loads = [c for c in core.calls if c[0] == "load"]
-    assert len(loads) > 3 and sum(c[1] for c in loads) == len(state)  # several buckets, every tensor once
-    assert core.calls[-1] == ("reset",) and core.calls.count(("reset",)) == 1  # once, after the last bucket
+    assert len(loads) > 3 and sum(c[1] for c in loads) == len(
+        state
+    )  # several buckets, every tensor once
+    assert (
+        core.calls[-1] == ("reset",) and core.calls.count(("reset",)) == 1
+    )  # once, after the last bucket
     after = eng.generate(reqs(1), greedy)[0]
-    expect = new.generate(torch.tensor([reqs(1)[0].prompt_ids]), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expect = new.generate(
+        torch.tensor([reqs(1)[0].prompt_ids]),
+        max_new_tokens=5,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     assert after.response_ids == expect[0, 4:].tolist() != before and after.versions == [7] * 5
-    assert torch.equal(old.model.embed_tokens.weight, new.model.embed_tokens.weight)  # the host mirror follows
+    assert torch.equal(
+        old.model.embed_tokens.weight, new.model.embed_tokens.weight
+    )  # the host mirror follows
     assert eng.stats()["engine/weight_sync_s"] > 0
 
 
@@ -245,11 +353,32 @@ def test_lora_sync_merges_into_the_engine_without_accumulating(make, name):
     for v, seed in [(1, 0), (2, 1)]:
         g = torch.Generator().manual_seed(seed)
         a, b = torch.randn(4, 32, generator=g), torch.randn(32, 4, generator=g)
-        eng.update_weights(iter([(mod + ".lora_A", a), (mod + ".lora_B", b), (mod + ".lora_scaling", torch.tensor(0.5))]), v)
+        eng.update_weights(
+            iter(
+                [
+                    (mod + ".lora_A", a),
+                    (mod + ".lora_B", b),
+                    (mod + ".lora_scaling", torch.tensor(0.5)),
+                ]
+            ),
+            v,
+        )
         torch.testing.assert_close(core.model.get_parameter(w), base + 0.5 * b @ a)
     new_base = torch.randn_like(base)  # a full weight in the same sync becomes the new base
-    full = [(n, new_base if n == w else t) for n, t in tiny().named_parameters()]  # the base sync carries every weight
-    eng.update_weights(iter(full + [(mod + ".lora_A", a), (mod + ".lora_B", b), (mod + ".lora_scaling", torch.tensor(0.5))]), 3)
+    full = [
+        (n, new_base if n == w else t) for n, t in tiny().named_parameters()
+    ]  # the base sync carries every weight
+    eng.update_weights(
+        iter(
+            full
+            + [
+                (mod + ".lora_A", a),
+                (mod + ".lora_B", b),
+                (mod + ".lora_scaling", torch.tensor(0.5)),
+            ]
+        ),
+        3,
+    )
     torch.testing.assert_close(core.model.get_parameter(w), new_base + 0.5 * b @ a)
 
 
@@ -268,7 +397,11 @@ def test_requests_are_seeded_by_their_id_not_their_position(make, name):
     whole = eng.generate(rs, params)
     split = eng.generate(rs[:2], params) + eng.generate(rs[2:], params)  # two data-parallel ranks
     assert [s.response_ids for s in split] == [s.response_ids for s in whole]
-    assert seeds[0] == {**seeds[1], **seeds[2]} == {r.request_id: request_seed(5, r.request_id) for r in rs}
+    assert (
+        seeds[0]
+        == {**seeds[1], **seeds[2]}
+        == {r.request_id: request_seed(5, r.request_id) for r in rs}
+    )
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -276,7 +409,9 @@ def test_an_incomplete_or_unknown_weight_sync_is_refused(make, name):
     m = tiny()
     eng, _ = make(name, m)
     state = list(tiny(1).state_dict().items())
-    with pytest.raises(WeightSyncError, match=r"1 of its \d+ weights missing: \['model.norm.weight'\]"):
+    with pytest.raises(
+        WeightSyncError, match=r"1 of its \d+ weights missing: \['model.norm.weight'\]"
+    ):
         eng.update_weights(iter([(n, t) for n, t in state if n != "model.norm.weight"]), version=1)
     with pytest.raises(RuntimeError, match="last weight sync failed"):
         eng.generate(reqs(1), SamplingParams(max_new_tokens=2))
@@ -305,19 +440,32 @@ def test_memory_pause_and_unsupported_options(make, name):
 def test_real_engine_generation_and_weight_update(name):
     pytest.importorskip(name)
     m = tiny()
-    eng = ROLLOUT_BACKENDS.get(name)(m, None, RolloutConfig(backend=name, gpu_memory_utilization=0.2))
+    eng = ROLLOUT_BACKENDS.get(name)(
+        m, None, RolloutConfig(backend=name, gpu_memory_utilization=0.2)
+    )
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=8, n=4, seed=0, ignore_eos=True)
         out = eng.generate(reqs(2), params)
         assert len(out) == 8 and all(len(s.response_ids) == len(s.log_probs) == 8 for s in out)
         for s in out:  # behaviour log-probs under the sampled distribution (fp32 engine)
-            torch.testing.assert_close(torch.tensor(s.log_probs), ref_logps(m, s.prompt_ids, s.response_ids, 1.0), atol=2e-3, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(s.log_probs),
+                ref_logps(m, s.prompt_ids, s.response_ids, 1.0),
+                atol=2e-3,
+                rtol=0,
+            )
         greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
         before = eng.generate(reqs(1), greedy)[0].response_ids
         new = tiny(1)
         eng.update_weights(iter(new.state_dict().items()), version=1)
         after = eng.generate(reqs(1), greedy)[0]
-        expect = new.generate(torch.tensor([reqs(1)[0].prompt_ids]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expect = new.generate(
+            torch.tensor([reqs(1)[0].prompt_ids]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         assert after.response_ids == expect[0, 4:].tolist() != before and after.versions == [1] * 8
         eng.release_memory(), eng.wake_up()
     finally:

@@ -1,17 +1,18 @@
 """The native engine in bf16 (``rollout.dtype``) against fp32: logits and log-probs no further from fp32 than
 transformers' own bf16 forward (both round weights and activations to 8 significant bits), weights synced from
 an fp32 actor cast on load, and what ``auto`` picks, logged with why."""
+
 import logging
 
 import pytest
 import torch
+from test_rollout_engine import ARCHS, DEVICES, Tok, model, prompts, rcfg, reqs
 
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.sequence import Sequence
-from test_rollout_engine import ARCHS, DEVICES, Tok, model, prompts, rcfg, reqs
 
 
 def fp32_and_bf16_log_probs(m, samples, temperature):
@@ -23,8 +24,15 @@ def fp32_and_bf16_log_probs(m, samples, temperature):
         ids = torch.tensor([s.prompt_ids + s.response_ids], device=m.device)
         tok = torch.tensor(s.response_ids, device=m.device)[:, None]
         with torch.no_grad():
-            lp = [torch.log_softmax(mm(ids).logits[0, len(s.prompt_ids) - 1: -1].float() / temperature, -1)
-                  .gather(1, tok).squeeze(1).cpu() for mm in (m, m16)]
+            lp = [
+                torch.log_softmax(
+                    mm(ids).logits[0, len(s.prompt_ids) - 1 : -1].float() / temperature, -1
+                )
+                .gather(1, tok)
+                .squeeze(1)
+                .cpu()
+                for mm in (m, m16)
+            ]
         out.append(lp)
     return out
 
@@ -34,7 +42,9 @@ def fp32_and_bf16_log_probs(m, samples, temperature):
 def test_bf16_engine_logits_are_as_close_to_fp32_as_transformers_bf16(arch, device):
     m = model(arch).to(device)
     m16 = model(arch).to(device, torch.bfloat16)
-    runner = ModelRunner(m.config, device=device, dtype=torch.bfloat16, block_size=4, hf_model=m)  # cast on load
+    runner = ModelRunner(
+        m.config, device=device, dtype=torch.bfloat16, block_size=4, hf_model=m
+    )  # cast on load
     assert runner.embed.dtype == runner.layers[0]["wqkv"].dtype == torch.bfloat16
     runner.allocate_kv(16)
     assert runner.k_cache.dtype == torch.bfloat16
@@ -87,7 +97,17 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
         with caplog.at_level(logging.INFO, logger="hybridrl.rollout.precision"):
             auto = NativeRollout(old, Tok(), rcfg(dtype="auto"))
         assert auto.engine.dtype == dtype
-        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout precision: ")] == [
+        assert [
+            r.getMessage()
+            for r in caplog.records
+            if r.getMessage().startswith("rollout precision: ")
+        ] == [
             f"rollout precision: {'bf16' if gain > 1.3 else 'fp32'} (rollout.dtype=auto: CPU amx_bf16, "
-            + (f"bf16 measured {gain:.2f}x" if gain > 1.3 else f"but bf16 measured only {gain:.2f}x")
-            + " fp32 on one layer of this model" + (")" if gain > 1.3 else " (needs 1.3x))")]
+            + (
+                f"bf16 measured {gain:.2f}x"
+                if gain > 1.3
+                else f"but bf16 measured only {gain:.2f}x"
+            )
+            + " fp32 on one layer of this model"
+            + (")" if gain > 1.3 else " (needs 1.3x))")
+        ]

@@ -1,4 +1,5 @@
 """Block manager and prefix hashing: pure Python, no model."""
+
 import pytest
 
 import hybridrl.rollout.block_manager as bmod
@@ -48,9 +49,15 @@ def test_last_token_is_never_served_from_cache():
     a = seq(range(9))
     bm.allocate(a)
     computed(bm, a)  # 8 computed: 2 full blocks
-    b = seq(range(8))  # exactly the two cached blocks: the second must be recomputed for the last logits
+    b = seq(
+        range(8)
+    )  # exactly the two cached blocks: the second must be recomputed for the last logits
     bm.allocate(b)
-    assert b.num_computed == 4 and b.block_table[0] == a.block_table[0] and b.block_table[1] != a.block_table[1]
+    assert (
+        b.num_computed == 4
+        and b.block_table[0] == a.block_table[0]
+        and b.block_table[1] != a.block_table[1]
+    )
 
 
 def test_hash_collision_is_caught_by_token_check(monkeypatch):
@@ -164,7 +171,11 @@ def test_same_last_block_after_different_prefixes_is_never_shared():
 
 
 _M64 = (1 << 64) - 1
-_P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261  # CPython's tuple hash (xxHash)
+_P1, _P2, _P5 = (
+    11400714785074694791,
+    14029467366897019727,
+    2870177450012600261,
+)  # CPython's tuple hash (xxHash)
 
 
 def _tuple_lanes(items):
@@ -190,15 +201,21 @@ def _colliding_block(block):
 def test_a_collision_of_python_tuple_hashes_cannot_serve_another_prefix():
     a0 = [1, 2, 3, 4]
     b0 = _colliding_block(a0)
-    assert b0 != a0 and hash((-1, tuple(b0))) == hash((-1, tuple(a0)))  # the former chain key collides
+    assert b0 != a0 and hash((-1, tuple(b0))) == hash(
+        (-1, tuple(a0))
+    )  # the former chain key collides
     bm = BlockManager(16, 4)
     c = seq(b0 + [0])  # registers b0 first, under the first-block key
     bm.allocate(c)
     computed(bm, c)
-    a = seq(a0 + [7, 7, 7, 7, 0])  # a0's block is not the one found under that key; its second block is registered
+    a = seq(
+        a0 + [7, 7, 7, 7, 0]
+    )  # a0's block is not the one found under that key; its second block is registered
     bm.allocate(a)
     computed(bm, a)
-    b = seq(b0 + [7, 7, 7, 7, 0])  # b0 hits c's block; its second block must not come from a (KV of prefix a0)
+    b = seq(
+        b0 + [7, 7, 7, 7, 0]
+    )  # b0 hits c's block; its second block must not come from a (KV of prefix a0)
     bm.allocate(b)
     assert b.block_table[0] == c.block_table[0] and b.num_computed == 4
     assert b.block_table[1] != a.block_table[1]
@@ -213,7 +230,9 @@ def test_prefix_hits_count_as_draft_computed_only_where_the_draft_wrote_kv():
     b = seq(list(range(12)) + [99])
     bm.allocate(b)
     assert b.num_computed == 12 and b.num_draft_computed == 4
-    b.num_computed = b.num_draft_computed = 12  # now the draft caught up on b: its blocks are marked
+    b.num_computed = b.num_draft_computed = (
+        12  # now the draft caught up on b: its blocks are marked
+    )
     bm.register_computed(b)
     c = seq(list(range(12)) + [98])
     bm.allocate(c)

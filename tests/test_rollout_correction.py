@@ -1,5 +1,6 @@
 """Rollout-to-training importance correction (``algorithms/rollout_correction.py``): hand-computed weights
 for each level and mode, the gap metrics, the wiring in ``trainers/learn.py`` and the config checks."""
+
 import math
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -7,8 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.algorithms.rollout_correction import (WEIGHT_KEY, importance_weights, mismatch_metrics,
-                                                    rollout_correction, weighted_policy_loss)
+from hybridrl.algorithms.rollout_correction import (
+    WEIGHT_KEY,
+    importance_weights,
+    mismatch_metrics,
+    rollout_correction,
+    weighted_policy_loss,
+)
 from hybridrl.config import Config
 from hybridrl.config.loader import ConfigError, load_config
 from hybridrl.protocol import Batch
@@ -18,8 +24,13 @@ LN2, LN3 = math.log(2.0), math.log(3.0)
 
 
 def alg(**kw):
-    base = dict(rollout_is="token", rollout_is_mode="truncate", rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
-                rollout_bypass=False)
+    base = dict(
+        rollout_is="token",
+        rollout_is_mode="truncate",
+        rollout_is_threshold=2.0,
+        rollout_is_threshold_lower=None,
+        rollout_bypass=False,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -43,8 +54,12 @@ def test_token_mask_default_and_explicit_lower():
     w, m = importance_weights(OLD, ROLL, MASK, alg(rollout_is_mode="mask"))  # [1/2, 2]
     assert torch.allclose(w, torch.tensor([[1.0, 0.0, 0.5, 0.0]]))
     assert m["rollout_corr/masked_frac"] == pytest.approx(1 / 3)
-    w, m = importance_weights(OLD, ROLL, MASK, alg(rollout_is_mode="mask", rollout_is_threshold=4.0,
-                                                   rollout_is_threshold_lower=0.6))
+    w, m = importance_weights(
+        OLD,
+        ROLL,
+        MASK,
+        alg(rollout_is_mode="mask", rollout_is_threshold=4.0, rollout_is_threshold_lower=0.6),
+    )
     assert torch.allclose(w, torch.tensor([[1.0, 3.0, 0.0, 0.0]]))
     assert m["rollout_corr/masked_frac"] == pytest.approx(1 / 3)
 
@@ -56,15 +71,23 @@ SEQ_MASK = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]])
 
 
 def test_sequence_truncate():
-    w, m = importance_weights(SEQ_OLD, SEQ_ROLL, SEQ_MASK, alg(rollout_is="sequence", rollout_is_threshold=3.0))
+    w, m = importance_weights(
+        SEQ_OLD, SEQ_ROLL, SEQ_MASK, alg(rollout_is="sequence", rollout_is_threshold=3.0)
+    )
     assert torch.allclose(w, torch.tensor([[3.0, 3.0, 0.0], [0.5, 0.5, 0.0], [3.0, 3.0, 0.0]]))
-    assert m["rollout_corr/is_weight_max"] == pytest.approx(math.exp(20.0), rel=1e-5)  # clamped, finite
+    assert m["rollout_corr/is_weight_max"] == pytest.approx(
+        math.exp(20.0), rel=1e-5
+    )  # clamped, finite
     assert m["rollout_corr/truncated_frac"] == pytest.approx(4 / 6)
 
 
 def test_sequence_mask_drops_whole_sequences():
-    w, m = importance_weights(SEQ_OLD, SEQ_ROLL, SEQ_MASK, alg(rollout_is="sequence", rollout_is_mode="mask",
-                                                                 rollout_is_threshold=5.0))  # [0.2, 5]
+    w, m = importance_weights(
+        SEQ_OLD,
+        SEQ_ROLL,
+        SEQ_MASK,
+        alg(rollout_is="sequence", rollout_is_mode="mask", rollout_is_threshold=5.0),
+    )  # [0.2, 5]
     assert torch.allclose(w, torch.tensor([[4.0, 4.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]]))
     assert m["rollout_corr/masked_frac"] == pytest.approx(2 / 6)
 
@@ -80,9 +103,16 @@ def test_gap_metrics():
 def test_gap_metrics_are_logged_with_the_correction_off_and_weights_only_with_it_on():
     batch = Batch({"old_log_probs": OLD, "rollout_log_probs": ROLL, "response_mask": MASK})
     out, m = rollout_correction(batch, alg(rollout_is=None))
-    assert WEIGHT_KEY not in out and "rollout_corr/kl_k3" in m and "rollout_corr/is_weight_mean" not in m
+    assert (
+        WEIGHT_KEY not in out
+        and "rollout_corr/kl_k3" in m
+        and "rollout_corr/is_weight_mean" not in m
+    )
     out, m = rollout_correction(batch, alg())
-    assert torch.allclose(out[WEIGHT_KEY], torch.tensor([[1.0, 2.0, 0.5, 0.0]])) and "rollout_corr/is_weight_mean" in m
+    assert (
+        torch.allclose(out[WEIGHT_KEY], torch.tensor([[1.0, 2.0, 0.5, 0.0]]))
+        and "rollout_corr/is_weight_mean" in m
+    )
 
 
 def test_weighted_policy_loss():
@@ -108,7 +138,9 @@ class Roles:
         self.updated = batch
         return {"actor/pg_loss": 0.0}
 
-    def old_log_probs_of_last_update(self, batch):  # an on-policy step takes them from the update's forward
+    def old_log_probs_of_last_update(
+        self, batch
+    ):  # an on-policy step takes them from the update's forward
         self.calls.append("taken")
         return Batch({"old_log_probs": self.old})
 
@@ -131,7 +163,9 @@ def test_learn_applies_the_weights_and_logs_the_gap():
     assert torch.allclose(roles.updated[WEIGHT_KEY], torch.tensor([[1.0, 2.0, 0.5, 0.0]]))
     assert metrics["rollout_corr/logp_gap_max"] == pytest.approx(LN3)
     roles, metrics = run_learn()
-    assert WEIGHT_KEY not in roles.updated and "rollout_corr/kl_k3" in metrics  # off: gap still measured
+    assert (
+        WEIGHT_KEY not in roles.updated and "rollout_corr/kl_k3" in metrics
+    )  # off: gap still measured
 
 
 def test_bypass_skips_the_old_log_prob_forward():
@@ -141,14 +175,27 @@ def test_bypass_skips_the_old_log_prob_forward():
 
 
 # --- config checks ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overrides,words", [
-    (["algorithm.rollout_is=token", "algorithm.policy_loss=decoupled_ppo"], "already weights"),
-    (["algorithm.rollout_is=token", "algorithm.rollout_bypass=true"], "would be 1"),
-    (["algorithm.rollout_bypass=true", "trainer.mode=async"], "proximal policy would be the behaviour"),
-    (["algorithm.rollout_is=token", "algorithm.rollout_is_threshold_lower=0.5"], "mask only"),
-    (["algorithm.rollout_is=token", "algorithm.rollout_is_mode=mask", "algorithm.rollout_is_threshold=0.8"], "below"),
-    (["algorithm.rollout_is=tokens"], "token"),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["algorithm.rollout_is=token", "algorithm.policy_loss=decoupled_ppo"], "already weights"),
+        (["algorithm.rollout_is=token", "algorithm.rollout_bypass=true"], "would be 1"),
+        (
+            ["algorithm.rollout_bypass=true", "trainer.mode=async"],
+            "proximal policy would be the behaviour",
+        ),
+        (["algorithm.rollout_is=token", "algorithm.rollout_is_threshold_lower=0.5"], "mask only"),
+        (
+            [
+                "algorithm.rollout_is=token",
+                "algorithm.rollout_is_mode=mask",
+                "algorithm.rollout_is_threshold=0.8",
+            ],
+            "below",
+        ),
+        (["algorithm.rollout_is=tokens"], "token"),
+    ],
+)
 def test_config_rejects_combinations_that_cannot_work(overrides, words):
     with pytest.raises(ConfigError, match=words) as err:
         load_config(Config, None, overrides)
@@ -158,6 +205,8 @@ def test_config_rejects_combinations_that_cannot_work(overrides, words):
 def test_config_accepts_each_mode():
     for level in ("token", "sequence"):
         for mode in ("truncate", "mask"):
-            cfg = load_config(Config, None, [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_mode={mode}"])
+            cfg = load_config(
+                Config, None, [f"algorithm.rollout_is={level}", f"algorithm.rollout_is_mode={mode}"]
+            )
             assert (cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_mode) == (level, mode)
     assert load_config(Config, None, ["algorithm.rollout_bypass=true"]).algorithm.rollout_bypass

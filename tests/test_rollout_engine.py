@@ -1,12 +1,20 @@
 """Native engine against transformers: logits, greedy tokens, preemption, prefix sharing, RL controls (in fp32;
 the engine in bf16: test_rollout_bf16.py)."""
+
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hybridrl.config import RolloutConfig
 from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
@@ -16,8 +24,15 @@ from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.sequence import Sequence
 
 torch.set_num_threads(1)
-COMMON = dict(vocab_size=40, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=96, max_position_embeddings=128)
+COMMON = dict(
+    vocab_size=40,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=128,
+)
 ARCHS = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(head_dim=24)),
@@ -26,7 +41,12 @@ ARCHS = {
 
 
 # the checks that matter on a GPU also run there (bench/gpu_check.sh selects them with -k cuda)
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    ),
+]
 
 
 class Tok:
@@ -55,7 +75,9 @@ def reqs(ps):
 
 def rcfg(**kw):
     # fp32 unless a test asks otherwise: the exactness checks compare with transformers' fp32 forward
-    return RolloutConfig(**{"backend": "native", "kv_cache_bytes": 4 << 20, "block_size": 4, "dtype": "fp32", **kw})
+    return RolloutConfig(
+        **{"backend": "native", "kv_cache_bytes": 4 << 20, "block_size": 4, "dtype": "fp32", **kw}
+    )
 
 
 def greedy(n, **kw):
@@ -83,7 +105,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, keep, device):
         off = 0
         for s, q in zip(seqs[:3], qs):
             ref = m(torch.tensor([s.token_ids[:q]], device=device)).logits[0]
-            worst = max(worst, (out[off:off + q] - ref).abs().max().item())
+            worst = max(worst, (out[off : off + q] - ref).abs().max().item())
             s.num_computed = q
             off += q
         # then mixed steps: decodes, the rest of the chunked prompt, a new prefill
@@ -105,8 +127,10 @@ def test_prefill_and_decode_logits_match_transformers(arch, keep, device):
 
 
 def hf_greedy(m, prompt, n):
-    out = m.generate(torch.tensor([prompt], device=m.device), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = m.generate(
+        torch.tensor([prompt], device=m.device), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
@@ -150,7 +174,7 @@ def test_log_probs_are_the_tempered_sampling_distribution():
     p.return_raw_log_probs = True
     for s in eng.generate(reqs(prompts([5, 7])), p):
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logits = m(ids).logits[0, len(s.prompt_ids) - 1: -1]
+        logits = m(ids).logits[0, len(s.prompt_ids) - 1 : -1]
         tok = torch.tensor(s.response_ids)[:, None]
         want = torch.log_softmax(logits / 0.7, -1).gather(1, tok).squeeze(1)
         raw = torch.log_softmax(logits, -1).gather(1, tok).squeeze(1)
@@ -181,7 +205,9 @@ def test_update_weights_changes_logits_and_invalidates_prefix_cache():
     runner = eng.engine.runner
     s = Sequence("x", ps[0], SamplingParams(), 0)
     eng.engine.bm.allocate(s)
-    q = len(s) - s.num_computed  # full blocks come from the prefix cache, filled under the new weights
+    q = (
+        len(s) - s.num_computed
+    )  # full blocks come from the prefix cache, filled under the new weights
     with torch.no_grad():
         got = runner.execute([s], [q], all_logits=True)
         assert (got - new(torch.tensor([ps[0]])).logits[0, -q:]).abs().max() <= 1e-4
@@ -209,7 +235,9 @@ def test_pause_update_resume_stamps_versions():
     m, new = model(seed=0), model(seed=1)
     eng = NativeRollout(m, Tok(), rcfg())
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 6])), greedy(100))))
+    t = threading.Thread(
+        target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 6])), greedy(100)))
+    )
     gate = step_gate(eng, after_tokens=10)
     t.start()
     assert gate.reached.wait(30)
@@ -231,7 +259,9 @@ def test_abort_from_another_thread_and_before_start():
     eng = NativeRollout(m, Tok(), rcfg())
     eng.abort(["r1"])
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 5, 6])), greedy(110))))
+    t = threading.Thread(
+        target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 5, 6])), greedy(110)))
+    )
     gate = step_gate(eng, after_tokens=10)
     t.start()
     assert gate.reached.wait(30)
@@ -262,7 +292,9 @@ def test_stop_token_ids_and_max_tokens():
     ps = prompts([5])
     free = eng.generate(reqs(ps), greedy(12))[0].response_ids
     stop = free[4]
-    out = eng.generate(reqs(ps), SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)))[0]
+    out = eng.generate(
+        reqs(ps), SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,))
+    )[0]
     assert out.response_ids == free[: free.index(stop) + 1] and out.status == "finished"
 
 
@@ -277,7 +309,9 @@ def test_stop_strings_with_a_real_tokenizer():
     p.stop, p.ignore_eos = ["7"], True
     for s in eng.generate(reqs([[tok.bos_token_id, 3, 4, 13, 5, 15]]), p):
         text = tok.decode(s.response_ids)
-        assert (s.status == "finished" and text.endswith("7") and "7" not in text[:-1]) or (s.status == "truncated" and "7" not in text)
+        assert (s.status == "finished" and text.endswith("7") and "7" not in text[:-1]) or (
+            s.status == "truncated" and "7" not in text
+        )
 
 
 def test_kept_context_survives_leaving_and_reordered_sequences():
@@ -285,7 +319,9 @@ def test_kept_context_survives_leaving_and_reordered_sequences():
     runner = ModelRunner(m.config, block_size=4, hf_model=m)
     runner.allocate_kv(128)
     bm = BlockManager(128, 4)
-    seqs = [Sequence(f"s{i}", p, SamplingParams(), 0) for i, p in enumerate(prompts([5, 9, 3, 7, 6]))]
+    seqs = [
+        Sequence(f"s{i}", p, SamplingParams(), 0) for i, p in enumerate(prompts([5, 9, 3, 7, 6]))
+    ]
     for s in seqs:
         bm.allocate(s)
     runner.execute(seqs, [len(s) for s in seqs])
@@ -306,7 +342,10 @@ def test_kept_context_survives_leaving_and_reordered_sequences():
             reused += x.reuse
             out = runner.forward(x)
             for i, s in enumerate(live):
-                worst = max(worst, (out[i] - m(torch.tensor([s.token_ids])).logits[0, -1]).abs().max().item())
+                worst = max(
+                    worst,
+                    (out[i] - m(torch.tensor([s.token_ids])).logits[0, -1]).abs().max().item(),
+                )
                 s.num_computed = len(s)
     assert reused >= 6 and worst <= 1e-4
 
@@ -320,7 +359,16 @@ def test_lora_adapter_sync_merges_into_the_fused_weights():
     g = torch.Generator().manual_seed(3)
     for version in (1, 2):  # the second sync replaces the first adapter, it does not add to it
         a, b = torch.randn(4, w0.shape[1], generator=g), torch.randn(w0.shape[0], 4, generator=g)
-        eng.update_weights(iter([(mod + ".lora_A", a), (mod + ".lora_B", b), (mod + ".lora_scaling", torch.tensor(0.5))]), version)
+        eng.update_weights(
+            iter(
+                [
+                    (mod + ".lora_A", a),
+                    (mod + ".lora_B", b),
+                    (mod + ".lora_scaling", torch.tensor(0.5)),
+                ]
+            ),
+            version,
+        )
         with torch.no_grad():
             m.state_dict()[mod + ".weight"].copy_(w0 + 0.5 * b @ a)
         out = eng.generate(reqs(ps), greedy(10))
@@ -331,7 +379,9 @@ def test_lora_adapter_sync_merges_into_the_fused_weights():
 def test_weights_load_from_a_safetensors_checkpoint(arch, tmp_path):
     m = model(arch)
     m.save_pretrained(tmp_path)
-    runner = ModelRunner(m.config, block_size=4)  # no live model: weights by name from the checkpoint files
+    runner = ModelRunner(
+        m.config, block_size=4
+    )  # no live model: weights by name from the checkpoint files
     assert runner.load_safetensors(str(tmp_path)) > 0
     runner.allocate_kv(16)
     bm = BlockManager(16, 4)
@@ -340,4 +390,3 @@ def test_weights_load_from_a_safetensors_checkpoint(arch, tmp_path):
     with torch.no_grad():
         got = runner.execute([s], [len(s)], all_logits=True)
         assert (got - m(torch.tensor([s.token_ids])).logits[0]).abs().max() <= 1e-4
-

@@ -1,12 +1,24 @@
 """Sampler and speculative rejection step: exactness checked by chi-square tests. No model."""
+
 import itertools
 
 import pytest
 import torch
-from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.sampler import STREAM_DRAFT, SamplingTensors, draw, processed_logprobs, sample, uniform
+from hybridrl.rollout.sampler import (
+    STREAM_DRAFT,
+    SamplingTensors,
+    draw,
+    processed_logprobs,
+    sample,
+    uniform,
+)
 from hybridrl.rollout.spec_decode import accept_tokens
 
 torch.set_num_threads(1)
@@ -32,18 +44,25 @@ def tensors(rows, params, seeds=None, counters=None):
 def test_uniform_is_uniform_and_deterministic():
     s = torch.arange(200_000)
     u = uniform(s, torch.zeros_like(s), 0)
-    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert float(u.min()) > 0 and float(u.max()) < 1
     counts = torch.histc(u.float(), bins=20, min=0, max=1)
     assert chi2_pvalue(counts, torch.full((20,), 0.05)) > 1e-3
     assert torch.equal(u[:10], uniform(torch.arange(10), torch.zeros(10, dtype=torch.long), 0))
-    assert not torch.equal(u[:10], uniform(torch.arange(10), torch.zeros(10, dtype=torch.long), STREAM_DRAFT))
+    assert not torch.equal(
+        u[:10], uniform(torch.arange(10), torch.zeros(10, dtype=torch.long), STREAM_DRAFT)
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=5, top_p=0.9, temperature=0.7)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(top_k=3), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=5, top_p=0.9, temperature=0.7)],
+)
 def test_filters_match_transformers(kw):
     torch.manual_seed(0)
     logits = torch.randn(6, 11) * 2
-    p = SamplingParams(temperature=kw.get("temperature", 1.0), top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0))
+    p = SamplingParams(
+        temperature=kw.get("temperature", 1.0), top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0)
+    )
     p.min_p = kw.get("min_p", 0.0)
     ours = processed_logprobs(logits, tensors(6, p))
     ref = logits / p.temperature
@@ -99,8 +118,12 @@ def test_seeded_draw_independent_of_batch_composition():
 
 # --- speculative decoding: exact rejection sampling on a known Markov chain ------------------
 V, K = 4, 3
-P_CHAIN = torch.tensor([[0.6, 0.2, 0.1, 0.1], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25], [0.05, 0.05, 0.1, 0.8]])
-Q_CHAIN = torch.tensor([[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1]])
+P_CHAIN = torch.tensor(
+    [[0.6, 0.2, 0.1, 0.1], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25], [0.05, 0.05, 0.1, 0.8]]
+)
+Q_CHAIN = torch.tensor(
+    [[0.2, 0.5, 0.2, 0.1], [0.4, 0.4, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1]]
+)
 
 
 def spec_generate(n, length, rule="exact"):
@@ -123,13 +146,16 @@ def spec_generate(n, length, rule="exact"):
         if rule == "exact":
             tokens, n_acc = accept_tokens(X, LP, LQ, LP.clone(), st, base)
         else:  # the textbook shortcut: accept while the draft token is the target's argmax
-            ok = X == LP[:, :K].argmax(-1)
+            ok = LP[:, :K].argmax(-1) == X
             n_acc = ok.int().cumprod(1).sum(1)
-            y = draw(LP.gather(1, n_acc.view(-1, 1, 1).expand(-1, 1, V)).squeeze(1).exp(), uniform(st.seeds, base + n_acc, 0))
+            y = draw(
+                LP.gather(1, n_acc.view(-1, 1, 1).expand(-1, 1, V)).squeeze(1).exp(),
+                uniform(st.seeds, base + n_acc, 0),
+            )
             tokens = torch.cat([X, X[:, :1]], 1).scatter_(1, n_acc[:, None], y[:, None])
         for s, t, a in zip(seqs, tokens.tolist(), n_acc.tolist()):
             s.extend(t[: a + 1])
-    return torch.tensor([s[1: length + 1] for s in seqs])
+    return torch.tensor([s[1 : length + 1] for s in seqs])
 
 
 def chain_probs(length):
@@ -145,7 +171,7 @@ def chain_probs(length):
 
 def path_counts(toks, length):
     idx = sum(toks[:, i] * V ** (length - 1 - i) for i in range(length))
-    return torch.bincount(idx, minlength=V ** length)
+    return torch.bincount(idx, minlength=V**length)
 
 
 def test_speculative_rejection_sampling_is_exact():

@@ -1,4 +1,5 @@
 """Scheduler: continuous batching, token budget, chunked prefill, preemption. No model."""
+
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.scheduler import Scheduler

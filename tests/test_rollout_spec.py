@@ -1,16 +1,17 @@
 """Speculative decoding inside the engine: greedy equality, exact distribution on a real model, auto-off."""
+
 import copy
 import itertools
 
 import pytest
 import torch
+from test_rollout_engine import DEVICES
+from test_rollout_sampler import chi2_pvalue
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
 from hybridrl.rollout import GenerationRequest, SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
-from test_rollout_engine import DEVICES
-from test_rollout_sampler import chi2_pvalue
 
 torch.set_num_threads(1)
 
@@ -21,8 +22,15 @@ class Tok:
 
 def qwen(vocab, hidden, layers, seed, scale=1.0):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=2 * hidden, max_position_embeddings=64)
+    cfg = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+    )
     m = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
         m.model.embed_tokens.weight.mul_(scale)  # sharper next-token distributions
@@ -30,8 +38,17 @@ def qwen(vocab, hidden, layers, seed, scale=1.0):
 
 
 def rcfg(**kw):
-    return RolloutConfig(**{"backend": "native", "kv_cache_bytes": 16 << 20, "block_size": 4, "max_batch_size": 8192,
-                            "max_num_batched_tokens": 8192, "num_speculative_tokens": 3, **kw})
+    return RolloutConfig(
+        **{
+            "backend": "native",
+            "kv_cache_bytes": 16 << 20,
+            "block_size": 4,
+            "max_batch_size": 8192,
+            "max_num_batched_tokens": 8192,
+            "num_speculative_tokens": 3,
+            **kw,
+        }
+    )
 
 
 def test_greedy_speculative_equals_plain_greedy():
@@ -45,7 +62,10 @@ def test_greedy_speculative_equals_plain_greedy():
     spec_eng.engine.spec.auto = False  # speculate on every step, whatever it costs
     spec = spec_eng.generate(req, params)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
-    assert all(torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5) for a, b in zip(spec, plain))
+    assert all(
+        torch.allclose(torch.tensor(a.log_probs), torch.tensor(b.log_probs), atol=1e-5)
+        for a, b in zip(spec, plain)
+    )
     st = spec_eng.stats()
     assert st["engine/spec_steps"] > 0 and 0 <= st["engine/spec_acceptance"] <= 1
 
@@ -85,12 +105,19 @@ def test_speculative_sampling_matches_the_target_distribution_on_a_real_model(de
     st = eng.stats()
     assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] < 0.95
     toks = torch.tensor([s.response_ids for s in out])
-    counts = torch.bincount(sum(toks[:, i] * V ** (L - 1 - i) for i in range(L)), minlength=V ** L)
+    counts = torch.bincount(sum(toks[:, i] * V ** (L - 1 - i) for i in range(L)), minlength=V**L)
     # exact target probabilities of every 3-token continuation
     paths = torch.tensor(list(itertools.product(range(V), repeat=L)), device=device)
     with torch.no_grad():
-        logits = target(torch.cat([torch.tensor(prompt, device=device).expand(len(paths), -1), paths], 1)).logits
-    lp = torch.log_softmax(logits[:, len(prompt) - 1: -1], -1).gather(2, paths[:, :, None]).squeeze(2).sum(1)
+        logits = target(
+            torch.cat([torch.tensor(prompt, device=device).expand(len(paths), -1), paths], 1)
+        ).logits
+    lp = (
+        torch.log_softmax(logits[:, len(prompt) - 1 : -1], -1)
+        .gather(2, paths[:, :, None])
+        .squeeze(2)
+        .sum(1)
+    )
     assert chi2_pvalue(counts, lp.double().exp().cpu()) > 1e-3
 
 
@@ -134,7 +161,11 @@ def test_a_draft_that_did_not_follow_a_cached_prefix_prefills_it_itself():
     st = eng.stats()
     assert st["engine/prompt_tokens_computed"] == 2  # the shared blocks came from the prefix cache
     assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] == 1.0
-    with torch.no_grad():  # the greedy choices are not near-ties, so kernel rounding cannot flip an argmax
-        logits = target(torch.tensor([out.prompt_ids + out.response_ids])).logits[0, len(out.prompt_ids) - 1: -1]
+    with (
+        torch.no_grad()
+    ):  # the greedy choices are not near-ties, so kernel rounding cannot flip an argmax
+        logits = target(torch.tensor([out.prompt_ids + out.response_ids])).logits[
+            0, len(out.prompt_ids) - 1 : -1
+        ]
     top2 = logits.topk(2, -1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 1e-3

@@ -1,5 +1,6 @@
 """Stop strings against a real multi-character tokenizer: inside a token, across tokens, at a token's end, after
 short and long responses, in the native engine, the hf backend and the shared check."""
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -11,16 +12,32 @@ from hybridrl.rollout.stop import stop_hit
 
 torch.set_num_threads(1)
 STOP = "</ans>"
-FILLERS = {family: [f"{family}{i}" for i in range(13)] for family in "abc"}  # a0 a1 ... a12: one chain per case
-ENDS = {"a": ["x</ans>y"], "b": ["</", "ans>"], "c": ["z</ans>"]}  # inside a token, across two, at a token's end
-WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "w"] + [t for e in ENDS.values() for t in e] + [t for f in FILLERS.values() for t in f]
+FILLERS = {
+    family: [f"{family}{i}" for i in range(13)] for family in "abc"
+}  # a0 a1 ... a12: one chain per case
+ENDS = {
+    "a": ["x</ans>y"],
+    "b": ["</", "ans>"],
+    "c": ["z</ans>"],
+}  # inside a token, across two, at a token's end
+WORDS = (
+    ["<pad>", "<bos>", "<eos>", "<unk>", "w"]
+    + [t for e in ENDS.values() for t in e]
+    + [t for f in FILLERS.values() for t in f]
+)
 
 
 def tokenizer():
     tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(WORDS)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.decoder = decoders.Fuse()  # tokens concatenate: "a11" "x</ans>y" -> "a11x</ans>y"
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+    )
 
 
 def chain_model():
@@ -32,8 +49,16 @@ def chain_model():
         nxt.update({a: b for a, b in zip(path, path[1:])})
     nxt["w"] = "w"
     ids = {t: i for i, t in enumerate(WORDS)}
-    cfg = Qwen2Config(vocab_size=len(WORDS), hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=32, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     m = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
@@ -46,19 +71,27 @@ def chain_model():
     return m, ids
 
 
-CASES = [(family, start) for family in "abc" for start in (10, 0)]  # 2 or 12 filler tokens before the stop
+CASES = [
+    (family, start) for family in "abc" for start in (10, 0)
+]  # 2 or 12 filler tokens before the stop
 
 
 @pytest.mark.parametrize("backend", ["native", "hf"])
-@pytest.mark.parametrize("family,start", CASES, ids=[f"{f}-{'short' if s else 'long'}" for f, s in CASES])
+@pytest.mark.parametrize(
+    "family,start", CASES, ids=[f"{f}-{'short' if s else 'long'}" for f, s in CASES]
+)
 def test_a_stop_string_ends_the_response_at_the_token_that_completes_it(backend, family, start):
     tok = tokenizer()
     m, ids = chain_model()
-    eng = ROLLOUT_BACKENDS.get(backend)(m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4))
+    eng = ROLLOUT_BACKENDS.get(backend)(
+        m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
+    )
     params = SamplingParams(temperature=0, max_new_tokens=24, stop=(STOP,))
     prompt = [ids["<bos>"], ids[FILLERS[family][start]]]
     s = eng.generate([GenerationRequest("r", prompt, uid="u")], params)[0]
-    want = FILLERS[family][start + 1:] + ENDS[family]  # the completing token is kept, nothing after it
+    want = (
+        FILLERS[family][start + 1 :] + ENDS[family]
+    )  # the completing token is kept, nothing after it
     assert [WORDS[t] for t in s.response_ids] == want
     assert s.status == "finished" and len(s.log_probs) == len(s.versions) == len(want)
     text = tok.decode(s.response_ids)
@@ -69,9 +102,18 @@ def test_a_stop_string_ends_the_response_at_the_token_that_completes_it(backend,
 def test_without_a_stop_string_the_chain_runs_to_max_tokens(backend):
     tok = tokenizer()
     m, ids = chain_model()
-    eng = ROLLOUT_BACKENDS.get(backend)(m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4))
-    s = eng.generate([GenerationRequest("r", [ids["<bos>"], ids["a0"]])], SamplingParams(temperature=0, max_new_tokens=20, stop=("</nope>",)))[0]
-    assert s.status == "truncated" and len(s.response_ids) == 20 and WORDS[s.response_ids[12]] == "x</ans>y"
+    eng = ROLLOUT_BACKENDS.get(backend)(
+        m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
+    )
+    s = eng.generate(
+        [GenerationRequest("r", [ids["<bos>"], ids["a0"]])],
+        SamplingParams(temperature=0, max_new_tokens=20, stop=("</nope>",)),
+    )[0]
+    assert (
+        s.status == "truncated"
+        and len(s.response_ids) == 20
+        and WORDS[s.response_ids[12]] == "x</ans>y"
+    )
 
 
 def test_the_check_looks_at_the_response_only_and_finds_each_occurrence_at_its_last_token():

@@ -1,5 +1,6 @@
 """The supervised warm start stops on a held-out accuracy target (sft.target_accuracy), at the cap
 sft.max_steps with a warning, or after a fixed sft.steps; sft.json records which; the cache key covers it."""
+
 import json
 import logging
 
@@ -8,7 +9,13 @@ import pytest
 from hybridrl.config import Config, load_config
 from hybridrl.tasks import TASKS, Prompt
 from hybridrl.tasks.arithmetic import ArithmeticTask
-from hybridrl.trainers.sft import HeldoutCheck, ensure_warm_start, lr_factor, run_sft, warm_start_path
+from hybridrl.trainers.sft import (
+    HeldoutCheck,
+    ensure_warm_start,
+    lr_factor,
+    run_sft,
+    warm_start_path,
+)
 from hybridrl.workers.common import load_model, make_task
 
 
@@ -23,15 +30,34 @@ class SevenTask(ArithmeticTask):
 
 
 def cfg_for(tmp_path, *overrides: str) -> Config:
-    return load_config(Config, None, ["sft.batch_size=16", "sft.lr=3e-3", "sft.eval_size=32", "task.heldout_size=64",
-                                      "controller.num_threads=1", f"sft.checkpoint={tmp_path / 'ws'}", *overrides])
+    return load_config(
+        Config,
+        None,
+        [
+            "sft.batch_size=16",
+            "sft.lr=3e-3",
+            "sft.eval_size=32",
+            "task.heldout_size=64",
+            "controller.num_threads=1",
+            f"sft.checkpoint={tmp_path / 'ws'}",
+            *overrides,
+        ],
+    )
 
 
 def test_stops_at_the_target(tmp_path):
-    cfg = cfg_for(tmp_path, "task.name=test_sft_seven", "sft.target_accuracy=0.5", "sft.max_steps=200", "sft.eval_every=5")
+    cfg = cfg_for(
+        tmp_path,
+        "task.name=test_sft_seven",
+        "sft.target_accuracy=0.5",
+        "sft.max_steps=200",
+        "sft.eval_every=5",
+    )
     rec = json.loads((run_sft(cfg, tmp_path / "ws", progress=False) / "sft.json").read_text())
     assert rec["target_met"] is True and rec["accuracy"] >= 0.5, rec
-    assert rec["steps"] < 200 and rec["steps"] % 5 == 0, rec  # stopped at the first check that reached it
+    assert rec["steps"] < 200 and rec["steps"] % 5 == 0, (
+        rec
+    )  # stopped at the first check that reached it
     # at least one check fell short first, so "stopped at the first check that reached it" is tested, not vacuous
     assert len(rec["checks"]) >= 2 and rec["checks"][-1]["step"] == rec["steps"], rec
     assert all(c["accuracy"] < 0.5 for c in rec["checks"][:-1]), rec
@@ -45,12 +71,16 @@ def test_cap_stops_with_a_warning(tmp_path, caplog):
     rec = json.loads((tmp_path / "ws" / "sft.json").read_text())
     assert path == str(tmp_path / "ws")
     assert rec["steps"] == 6 and rec["target_met"] is False, rec
-    assert [c["step"] for c in rec["checks"]] == [4, 6], rec  # every eval_every steps, and at the cap
+    assert [c["step"] for c in rec["checks"]] == [4, 6], (
+        rec
+    )  # every eval_every steps, and at the cap
     assert "reached the cap sft.max_steps=6 before sft.target_accuracy=1" in caplog.text
     assert "Raise sft.max_steps" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hybridrl.trainers.sft"):
-        ensure_warm_start(cfg, progress=False)  # cached: not retrained, but the miss is reported again
+        ensure_warm_start(
+            cfg, progress=False
+        )  # cached: not retrained, but the miss is reported again
     assert "reached the cap" in caplog.text
 
 
@@ -80,15 +110,32 @@ def test_check_is_held_out_and_deterministic(tmp_path):
 
 def test_cache_key_covers_the_stop_rule(tmp_path):
     base = load_config(Config, None, [])
-    paths = {str(warm_start_path(load_config(Config, None, o))) for o in (
-        [], ["sft.target_accuracy=0.5"], ["sft.max_steps=999"], ["sft.eval_every=7"], ["sft.eval_size=64"],
-        ["trainer.seed=1"], ["rollout.max_new_tokens=20"], ["sft.steps=300"])}
+    paths = {
+        str(warm_start_path(load_config(Config, None, o)))
+        for o in (
+            [],
+            ["sft.target_accuracy=0.5"],
+            ["sft.max_steps=999"],
+            ["sft.eval_every=7"],
+            ["sft.eval_size=64"],
+            ["trainer.seed=1"],
+            ["rollout.max_new_tokens=20"],
+            ["sft.steps=300"],
+        )
+    }
     assert len(paths) == 8 and str(warm_start_path(base)) in paths
-    fixed = [load_config(Config, None, ["sft.steps=300", o]) for o in ("rollout.max_new_tokens=20", "rollout.max_new_tokens=16")]
-    assert warm_start_path(fixed[0]) == warm_start_path(fixed[1])  # no check: the rollout settings do not matter
+    fixed = [
+        load_config(Config, None, ["sft.steps=300", o])
+        for o in ("rollout.max_new_tokens=20", "rollout.max_new_tokens=16")
+    ]
+    assert warm_start_path(fixed[0]) == warm_start_path(
+        fixed[1]
+    )  # no check: the rollout settings do not matter
 
 
 def test_lr_schedule_is_constant_until_the_cap_decays():
     assert lr_factor(0, 2000) == pytest.approx(1 / 20)
-    assert lr_factor(19, 2000) == 1.0 and lr_factor(1599, 2000) == 1.0  # a stop on the target lands here
+    assert (
+        lr_factor(19, 2000) == 1.0 and lr_factor(1599, 2000) == 1.0
+    )  # a stop on the target lands here
     assert lr_factor(1999, 2000) == pytest.approx(0.1, abs=0.01)

@@ -1,4 +1,5 @@
 """Tasks, the W1 character tokenizer and reward functions."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -10,12 +11,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from hybridrl.tasks import REWARDS, TASKS, Prompt, Task, build_char_tokenizer, compute_reward, encode_text
+from hybridrl.tasks import (
+    REWARDS,
+    TASKS,
+    Prompt,
+    Task,
+    build_char_tokenizer,
+    compute_reward,
+    encode_text,
+)
 from hybridrl.tasks.arithmetic import ArithmeticTask, exact_match
 from hybridrl.tasks.tokenizer import W1_CHARS, W1_VOCAB_SIZE
 
 TOK = build_char_tokenizer()
-W1_IDS = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{str(d): 3 + d for d in range(10)}, "+": 13, "-": 14, "=": 15, " ": 16}
+W1_IDS = {
+    "<pad>": 0,
+    "<bos>": 1,
+    "<eos>": 2,
+    **{str(d): 3 + d for d in range(10)},
+    "+": 13,
+    "-": 14,
+    "=": 15,
+    " ": 16,
+}
 
 
 # --- tokenizer ----------------------------------------------------------------
@@ -29,7 +47,16 @@ def test_w1_vocabulary_exact():
 def test_encode_one_id_per_char_and_bos():
     assert TOK("12+345=", add_special_tokens=False)["input_ids"] == [4, 5, 13, 6, 7, 8, 15]
     assert TOK("1 -0", add_special_tokens=False)["input_ids"] == [4, 16, 14, 3]
-    assert TOK("12+345=")["input_ids"] == [1, 4, 5, 13, 6, 7, 8, 15]  # special tokens on: <bos> prepended
+    assert TOK("12+345=")["input_ids"] == [
+        1,
+        4,
+        5,
+        13,
+        6,
+        7,
+        8,
+        15,
+    ]  # special tokens on: <bos> prepended
     assert TOK("", add_special_tokens=False)["input_ids"] == []
 
 
@@ -47,7 +74,10 @@ def test_roundtrip_random_strings(text):
     assert len(ids) == len(text)
     assert ids == encode_text(TOK, text)
     assert TOK.decode(ids, skip_special_tokens=True) == text
-    assert TOK.decode(encode_text(TOK, text, add_bos=True, add_eos=True), skip_special_tokens=True) == text
+    assert (
+        TOK.decode(encode_text(TOK, text, add_bos=True, add_eos=True), skip_special_tokens=True)
+        == text
+    )
 
 
 def test_encode_text_helper_and_unknown_chars():
@@ -82,7 +112,9 @@ def test_tokenizer_saved_next_to_a_model_reloads_with_the_same_vocabulary(tmp_pa
     from hybridrl.models.factory import build_model, load_model_and_tokenizer
 
     tok = build_char_tokenizer()
-    build_model("tiny", tok, 0).save_pretrained(tmp_path)  # config.json of a Qwen2 model beside the tokenizer
+    build_model("tiny", tok, 0).save_pretrained(
+        tmp_path
+    )  # config.json of a Qwen2 model beside the tokenizer
     tok.save_pretrained(tmp_path)
     model, loaded = load_model_and_tokenizer(str(tmp_path), "tiny", 0, None)
     assert len(loaded) == len(tok) == model.config.vocab_size and loaded.unk_token is None
@@ -108,7 +140,9 @@ def test_prompt_stream_deterministic_and_seed_dependent():
     t0, t0b, t1 = ArithmeticTask(seed=0), ArithmeticTask(seed=0), ArithmeticTask(seed=1)
     s0 = [t0.prompt(i) for i in range(200)]
     assert s0 == [t0b.prompt(i) for i in range(200)]
-    assert [t0.prompt(i) for i in reversed(range(200))] == s0[::-1]  # random access: resume mid-stream
+    assert [t0.prompt(i) for i in reversed(range(200))] == s0[
+        ::-1
+    ]  # random access: resume mid-stream
     assert [p.text for p in s0] != [t1.prompt(i).text for i in range(200)]
     assert len({p.uid for p in s0}) == 200
     assert s0[123].uid == "arith-000123"
@@ -200,7 +234,11 @@ def test_exact_match_cases(response, expected):
 def test_exact_match_unfinished_and_zero():
     assert exact_match(P, "357", finished=False) == 0.0
     zero = Prompt(uid="z", text="0+0=", answer="0", task_id="arith")
-    assert exact_match(zero, "0") == 1.0 and exact_match(zero, "00") == 0.0 and exact_match(zero, "") == 0.0
+    assert (
+        exact_match(zero, "0") == 1.0
+        and exact_match(zero, "00") == 0.0
+        and exact_match(zero, "") == 0.0
+    )
 
 
 def test_registry_lookup():
@@ -222,10 +260,12 @@ def test_compute_reward_float_and_dict():
 
     def two_args(prompt, response):  # no `finished`: called without it
         return 1
+
     assert compute_reward(two_args, P, "x", finished=False) == (1.0, {})
 
     def with_kwargs(prompt, response, **kw):
         return {"score": 0.5, "finished": kw["finished"], "length": len(response)}
+
     score, extras = compute_reward(with_kwargs, P, "abcd", finished=False)
     assert score == 0.5 and isinstance(score, float) and extras == {"finished": False, "length": 4}
 
@@ -246,5 +286,6 @@ def test_compute_reward_errors():
 
     def boom(p, r):
         raise RuntimeError("reward crashed")
+
     with pytest.raises(RuntimeError, match="reward crashed"):  # not swallowed
         compute_reward(boom, P, "")

@@ -1,4 +1,5 @@
 """Tests for hybridrl.telemetry: PhaseTimer, MetricsLogger, read_metrics, write_report."""
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,8 @@ def test_timer_splits_open_phase_and_rejects_reentry():
         clock.advance(1.0)
         assert timer.pop()["timing/a"] == pytest.approx(1.0)
         clock.advance(2.0)
-        with pytest.raises(RuntimeError):
-            with timer.phase("a"):
-                pass
+        with pytest.raises(RuntimeError), timer.phase("a"):
+            pass
     assert timer.pop()["timing/a"] == pytest.approx(2.0)
 
 
@@ -102,7 +102,9 @@ def test_logger_nonfinite_written_as_null(tmp_path):
     import torch
 
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
-        logger.log(0, {"a": float("nan"), "b": float("inf"), "c": np.float32(1.5), "d": torch.tensor(2)})
+        logger.log(
+            0, {"a": float("nan"), "b": float("inf"), "c": np.float32(1.5), "d": torch.tensor(2)}
+        )
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text) == {"step": 0, "a": None, "b": None, "c": 1.5, "d": 2}
@@ -130,7 +132,13 @@ def test_logger_resume_truncates_later_steps(tmp_path):
             logger.log(step, {"x": step})
     with MetricsLogger(tmp_path, tensorboard=False, resume_step=3) as logger:
         logger.log(4, {"x": 40})
-    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path)] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 40)]
+    assert [(r["step"], r["x"]) for r in read_metrics(tmp_path)] == [
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 3),
+        (4, 40),
+    ]
 
 
 def test_logger_resume_tensorboard_purges(tmp_path):
@@ -143,11 +151,19 @@ def test_logger_resume_tensorboard_purges(tmp_path):
         logger.log(4, {"x": 40})
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("x")] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 40)]
+    assert [(e.step, e.value) for e in acc.Scalars("x")] == [
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 3),
+        (4, 40),
+    ]
 
 
 def test_logger_appends_without_resume_and_survives_partial_line(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "x": 1}\n{"step": 1, "x"')  # crashed mid-write
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "x": 1}\n{"step": 1, "x"'
+    )  # crashed mid-write
     with pytest.warns(UserWarning):
         with MetricsLogger(tmp_path, tensorboard=False) as logger:
             logger.log(1, {"x": 2})
@@ -175,8 +191,12 @@ def _fake_run(tmp_path, steps=40, with_eval=True, with_timing=True):
         for step in range(steps):
             m = {"reward/mean": 0.2 + 0.6 * step / steps + 0.05 * math.sin(step)}
             if with_timing:
-                m |= {"timing/rollout": 2.0 + 0.1 * (step % 3), "timing/update": 1.0,
-                      "timing/ref": 0.3, "timing/step": 3.6}
+                m |= {
+                    "timing/rollout": 2.0 + 0.1 * (step % 3),
+                    "timing/update": 1.0,
+                    "timing/ref": 0.3,
+                    "timing/step": 3.6,
+                }
             if with_eval and step % 10 == 0:
                 m |= {"eval/accuracy": 0.3 + step / 100, "eval/greedy_accuracy": 0.35 + step / 100}
             logger.log(step, m)

@@ -1,4 +1,5 @@
 """End-to-end: the real driver, workers and tiny model, on both backends."""
+
 import json
 
 import pytest
@@ -8,14 +9,32 @@ from hybridrl.config import Config, load_config
 from hybridrl.trainers.sync import train
 
 TINY_RUN = [
-    "sft.steps=3", "sft.batch_size=16", "task.eval_size=16", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-    "actor.ppo_minibatch_size=4", "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=1",
-    "trainer.progress=false", "trainer.tensorboard=false", "controller.num_threads=1",
+    "sft.steps=3",
+    "sft.batch_size=16",
+    "task.eval_size=16",
+    "trainer.prompts_per_step=4",
+    "trainer.samples_per_prompt=2",
+    "actor.ppo_minibatch_size=4",
+    "trainer.total_steps=2",
+    "trainer.eval_every=1",
+    "trainer.save_every=1",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "controller.num_threads=1",
 ]
 
 
 def make_cfg(tmp_path, *extra) -> Config:
-    return load_config(Config, None, [*TINY_RUN, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}", *extra])
+    return load_config(
+        Config,
+        None,
+        [
+            *TINY_RUN,
+            f"sft.checkpoint={tmp_path / 'ws'}",
+            f"trainer.runs_dir={tmp_path / 'runs'}",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +54,29 @@ def test_two_steps_local_then_resume(tmp_path):
     summary = train(make_cfg(tmp_path))
     run_dir = tmp_path / "runs" / "arith_grpo"
     assert summary["steps"] == 2 and (run_dir / "report.png").stat().st_size > 0
-    assert {"accuracy_before", "accuracy_after", "greedy_accuracy_before", "greedy_accuracy_after", "wall_seconds"} <= set(summary)
+    assert {
+        "accuracy_before",
+        "accuracy_after",
+        "greedy_accuracy_before",
+        "greedy_accuracy_after",
+        "wall_seconds",
+    } <= set(summary)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ["reward/mean", "actor/kl_ref", "actor/clip_frac", "actor/entropy", "actor/grad_norm", "response/length_mean",
-                "timing/rollout", "timing/reward", "timing/reference", "timing/old_log_prob", "timing/update", "timing/weight_sync"]:
+    for key in [
+        "reward/mean",
+        "actor/kl_ref",
+        "actor/clip_frac",
+        "actor/entropy",
+        "actor/grad_norm",
+        "response/length_mean",
+        "timing/rollout",
+        "timing/reward",
+        "timing/reference",
+        "timing/old_log_prob",
+        "timing/update",
+        "timing/weight_sync",
+    ]:
         assert key in rows[1], key
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["step_000001", "step_000002"]
@@ -54,7 +91,9 @@ def test_two_steps_local_then_resume(tmp_path):
 
 def test_ray_first_step_matches_local(tmp_path, ray_cluster):
     local = train(make_cfg(tmp_path, "trainer.total_steps=1", "trainer.name=local"))
-    remote = train(make_cfg(tmp_path, "trainer.total_steps=2", "trainer.name=ray", "controller.backend=ray"))
+    remote = train(
+        make_cfg(tmp_path, "trainer.total_steps=2", "trainer.name=ray", "controller.backend=ray")
+    )
     assert remote["steps"] == 2
     a, b = first_step(tmp_path / "runs" / "local"), first_step(tmp_path / "runs" / "ray")
     assert a.keys() == b.keys()
@@ -65,20 +104,51 @@ def test_ray_first_step_matches_local(tmp_path, ray_cluster):
 
 def test_ppo_with_critic_runs_and_resumes(tmp_path):
     """gae creates the critic role from the warm start; its state is checkpointed and resumed."""
-    summary = train(make_cfg(tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01"))
+    summary = train(
+        make_cfg(
+            tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01"
+        )
+    )
     ckpt = tmp_path / "runs" / "ppo" / "checkpoints" / "step_000002"
-    assert (ckpt / "critic" / "train_state.pt").is_file() and (ckpt / "model" / "train_state.pt").is_file()
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "ppo" / "metrics.jsonl").read_text().splitlines()]
-    assert "critic/vf_loss" in rows[1] and "kl/coef" in rows[1] and "timing/critic_update" in rows[1]
-    resumed = train(make_cfg(tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01",
-                             "trainer.total_steps=3"), resume=True)
+    assert (ckpt / "critic" / "train_state.pt").is_file() and (
+        ckpt / "model" / "train_state.pt"
+    ).is_file()
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "ppo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert (
+        "critic/vf_loss" in rows[1] and "kl/coef" in rows[1] and "timing/critic_update" in rows[1]
+    )
+    resumed = train(
+        make_cfg(
+            tmp_path,
+            "algorithm.advantage=gae",
+            "trainer.name=ppo",
+            "algorithm.kl_reward_coef=0.01",
+            "trainer.total_steps=3",
+        ),
+        resume=True,
+    )
     assert resumed["resumed_from_step"] == 2 and summary["steps"] == 2
 
 
 def test_dynamic_sampling_and_gspo_run(tmp_path):
-    train(make_cfg(tmp_path, "algorithm.filter_groups=true", "algorithm.policy_loss=gspo", "algorithm.loss_agg=seq-mean-token-mean",
-                   "algorithm.overlong_buffer=4", "trainer.name=dapo", "trainer.total_steps=1"))
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "dapo" / "metrics.jsonl").read_text().splitlines()]
+    train(
+        make_cfg(
+            tmp_path,
+            "algorithm.filter_groups=true",
+            "algorithm.policy_loss=gspo",
+            "algorithm.loss_agg=seq-mean-token-mean",
+            "algorithm.overlong_buffer=4",
+            "trainer.name=dapo",
+            "trainer.total_steps=1",
+        )
+    )
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "dapo" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert rows[1]["rollout/sampling_rounds"] >= 1 and "actor/seq_ratio_mean" in rows[1]
 
 
@@ -104,6 +174,16 @@ def flaky_reward(prompt, response):
 
 
 def test_reward_function_that_raises_does_not_stop_the_run(tmp_path):
-    summary = train(make_cfg(tmp_path, f"task.reward_fn={__name__}:flaky_reward", "trainer.name=flaky", "trainer.total_steps=1"))
-    rows = [json.loads(line) for line in (tmp_path / "runs" / "flaky" / "metrics.jsonl").read_text().splitlines()]
+    summary = train(
+        make_cfg(
+            tmp_path,
+            f"task.reward_fn={__name__}:flaky_reward",
+            "trainer.name=flaky",
+            "trainer.total_steps=1",
+        )
+    )
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "flaky" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert summary["steps"] == 1 and rows[1]["reward/errors"] > 0

@@ -1,15 +1,16 @@
 """Driver pieces: dynamic sampling, reward shaping, the critic role."""
+
 import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
 from hybridrl.protocol import Batch
+from hybridrl.rollout import SamplingParams
 from hybridrl.trainers.collect import informative_rows
+from hybridrl.trainers.evaluate import collate, prompt_batch
 from hybridrl.trainers.roles import needs_critic
 from hybridrl.trainers.shaping import RewardShaper, overlong_penalty
-from hybridrl.workers import ActorWorker, CriticWorker, RolloutWorker
-from hybridrl.rollout import SamplingParams
-from hybridrl.trainers.evaluate import collate, prompt_batch
+from hybridrl.workers import CriticWorker, RolloutWorker
 from hybridrl.workers.common import make_task
 
 
@@ -29,11 +30,18 @@ def test_overlong_penalty_by_hand():
 def test_shaper_puts_score_on_last_token_and_penalises_kl():
     cfg = load_config(Config, None, ["algorithm.kl_reward_coef=0.5", "algorithm.kl_estimator=k1"])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    batch = Batch({"rewards": torch.tensor([1.0, 0.0]), "response_mask": mask,
-                   "old_log_probs": torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -2.0, -1.0]]),
-                   "ref_log_probs": torch.tensor([[-1.5, -1.0, 0.0], [-1.0, -1.0, -1.0]])})
+    batch = Batch(
+        {
+            "rewards": torch.tensor([1.0, 0.0]),
+            "response_mask": mask,
+            "old_log_probs": torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -2.0, -1.0]]),
+            "ref_log_probs": torch.tensor([[-1.5, -1.0, 0.0], [-1.0, -1.0, -1.0]]),
+        }
+    )
     out, metrics = RewardShaper(cfg.algorithm, max_new_tokens=16)(batch)
-    assert torch.allclose(out["token_level_scores"], torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert torch.allclose(
+        out["token_level_scores"], torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    )
     # k1 = old - ref: row0 [0.5, 0, -] ; row1 [0, -1, 0]; reward -= 0.5 * k1
     expect = torch.tensor([[-0.25, 1.0, 0.0], [0.0, 0.5, 0.0]])
     assert torch.allclose(out["token_level_rewards"], expect), out["token_level_rewards"]
@@ -41,9 +49,20 @@ def test_shaper_puts_score_on_last_token_and_penalises_kl():
 
 
 def test_gae_creates_a_critic_that_learns(tmp_path):
-    cfg = load_config(Config, None, ["algorithm.advantage=gae", "trainer.prompts_per_step=4", "trainer.samples_per_prompt=2",
-                                     "actor.ppo_minibatch_size=8", "critic.ppo_minibatch_size=8", "critic.ppo_epochs=4",
-                                     "rollout.max_new_tokens=6", "critic.lr=1e-2"])
+    cfg = load_config(
+        Config,
+        None,
+        [
+            "algorithm.advantage=gae",
+            "trainer.prompts_per_step=4",
+            "trainer.samples_per_prompt=2",
+            "actor.ppo_minibatch_size=8",
+            "critic.ppo_minibatch_size=8",
+            "critic.ppo_epochs=4",
+            "rollout.max_new_tokens=6",
+            "critic.lr=1e-2",
+        ],
+    )
     assert needs_critic(cfg) and not needs_critic(Config())
     pool = ResourcePool()
     rollout = WorkerGroup(RolloutWorker, pool, role="rollout", args=(cfg, None), num_threads=1)
@@ -51,7 +70,9 @@ def test_gae_creates_a_critic_that_learns(tmp_path):
     task = make_task(cfg)
     tok = task.tokenizer()
     prompts = prompt_batch([task.prompt(i) for i in range(4)], tok)
-    batch = collate(rollout.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=0)), tok.pad_token_id)
+    batch = collate(
+        rollout.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=0)), tok.pad_token_id
+    )
     values = critic.compute_values(batch)["values"]
     assert torch.equal(values, torch.zeros_like(values))  # zero-initialised head
     returns = torch.ones_like(values) * batch["response_mask"]
@@ -61,4 +82,6 @@ def test_gae_creates_a_critic_that_learns(tmp_path):
         last = critic.update_critic(train)[0]["critic/vf_loss"]
     assert last < first
     new_values = critic.compute_values(batch)["values"]
-    assert (new_values * batch["response_mask"]).sum() > 0 and torch.all(new_values[batch["response_mask"] == 0] == 0)
+    assert (new_values * batch["response_mask"]).sum() > 0 and torch.all(
+        new_values[batch["response_mask"] == 0] == 0
+    )

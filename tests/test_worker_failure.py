@@ -1,6 +1,7 @@
 """A rank that dies, a close that fails, a peer that never joins: real Ray actors in real 2-rank gloo
 groups. The driver must name the rank that died (not the peer that lost its connection), must not
 wait on survivors, and must tear every group down whatever failed. One Ray cluster for the module."""
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pytest
 import ray
+from controller_workers import (  # noqa: F401 (fixture)
+    CloseCountWorker,
+    CloseFailsWorker,
+    EchoWorker,
+    GlooWorker,
+    ray_cluster,
+)
 from ray.util import placement_group_table
 
-from controller_workers import CloseCountWorker, CloseFailsWorker, EchoWorker, GlooWorker, ray_cluster  # noqa: F401 (fixture)
 from hybridrl.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
 from hybridrl.controller.ray_backend import exit_cause
 from hybridrl.trainers.roles import Roles
-
-
 
 
 def actor_dead(actor) -> bool:
@@ -53,20 +58,36 @@ def kill_later(pid: int, after_s: float) -> threading.Thread:
     return thread
 
 
-def make_roles(train: ResourcePool, gen: ResourcePool, actor_cls=GlooWorker, reference_cls=GlooWorker,
-               backend: str = "ray") -> Roles:
+def make_roles(
+    train: ResourcePool,
+    gen: ResourcePool,
+    actor_cls=GlooWorker,
+    reference_cls=GlooWorker,
+    backend: str = "ray",
+) -> Roles:
     """actor and reference: two 2-rank groups on ``train`` (each its own gloo group for GlooWorker);
     rollout and reward: one 1-rank group on ``gen``."""
     groups = []
     try:
-        for cls, pool, role in ((actor_cls, train, "actor"), (reference_cls, train, "reference"), (EchoWorker, gen, "rollout")):
+        for cls, pool, role in (
+            (actor_cls, train, "actor"),
+            (reference_cls, train, "reference"),
+            (EchoWorker, gen, "rollout"),
+        ):
             groups.append(WorkerGroup(cls, pool, role=role, backend=backend))
     except BaseException:
         for group in groups:
             group.shutdown()
         raise
     actor, reference, side = groups
-    return Roles(actor=actor, reference=reference, rollout=side, reward=side, groups=groups, pools=[train, gen])
+    return Roles(
+        actor=actor,
+        reference=reference,
+        rollout=side,
+        reward=side,
+        groups=groups,
+        pools=[train, gen],
+    )
 
 
 def test_dead_rank_is_named_and_every_group_is_shut_down(ray_cluster):
@@ -96,12 +117,19 @@ def test_dead_rank_is_named_and_every_group_is_shut_down(ray_cluster):
     assert head.startswith(f"worker role 'actor' rank 1 died in total() (pid {pids[1]} on node ")
     assert "node id " in head and "killed by a signal" in head and "Connection closed" not in head
     # rank 0's own failure, if it reached the driver first, is told as a consequence of the death
-    assert "rank 0 failed too, most likely because its peer died" in detail or "rank 0: not awaited" in detail
-    with pytest.raises(WorkerDiedError, match=r"rank 1 died in total\(\)[^\n]*\n.*this one: pid\(\)"):
+    assert (
+        "rank 0 failed too, most likely because its peer died" in detail
+        or "rank 0: not awaited" in detail
+    )
+    with pytest.raises(
+        WorkerDiedError, match=r"rank 1 died in total\(\)[^\n]*\n.*this one: pid\(\)"
+    ):
         roles.actor.pid()  # the broken group takes no more calls
     with pytest.raises(WorkerDiedError, match="rank 1 died") as shut:
         roles.shutdown()
-    assert "reference" not in " ".join(getattr(shut.value, "__notes__", []))  # its close (a barrier) went through
+    assert "reference" not in " ".join(
+        getattr(shut.value, "__notes__", [])
+    )  # its close (a barrier) went through
     assert all(actor_dead(a) for a in others)
     assert all(process_gone(pid) for pid in other_pids + [pids[0]])
     assert {placement_group_table(pg)["state"] for pg in pgs} == {"REMOVED"}
@@ -120,7 +148,9 @@ def test_busy_survivor_is_not_awaited(ray_cluster, monkeypatch):
             pids = group.pid()
             killer = kill_later(pids[1], after_s=2.0)
             start = time.monotonic()
-            with pytest.raises(WorkerDiedError, match=r"^worker role 'actor' rank 1 died in total\(\)") as info:
+            with pytest.raises(
+                WorkerDiedError, match=r"^worker role 'actor' rank 1 died in total\(\)"
+            ) as info:
                 group.total(1.0, late_rank=0, delay_s=60.0)
             assert time.monotonic() - start < 30.0
             assert "rank 0: not awaited" in str(info.value)
@@ -134,7 +164,13 @@ def test_busy_survivor_is_not_awaited(ray_cluster, monkeypatch):
 
 def test_shutdown_closes_every_role_past_a_failing_close_local():
     """Local backend: the roles after the failing one are still closed and their groups stopped."""
-    roles = make_roles(ResourcePool("t", workers_per_node=2), ResourcePool("g"), CloseFailsWorker, CloseCountWorker, "local")
+    roles = make_roles(
+        ResourcePool("t", workers_per_node=2),
+        ResourcePool("g"),
+        CloseFailsWorker,
+        CloseCountWorker,
+        "local",
+    )
     reference = roles.reference.workers
     with pytest.raises(WorkerError, match="close failed on purpose"):
         roles.shutdown()
@@ -154,7 +190,9 @@ def test_process_group_timeout_bounds_a_missing_peer(monkeypatch):
     monkeypatch.setenv("HYBRIDRL_PG_TIMEOUT_S", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    ctx = WorkerContext(rank=0, world_size=2, role="actor", pool="p", master_port=find_free_port("127.0.0.1"))
+    ctx = WorkerContext(
+        rank=0, world_size=2, role="actor", pool="p", master_port=find_free_port("127.0.0.1")
+    )
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="[Tt]imed out"):
         init_distributed(ctx)
@@ -165,10 +203,18 @@ def test_process_group_timeout_bounds_a_missing_peer(monkeypatch):
 
 
 def test_exit_cause_in_plain_words():
-    sigkill = ("The actor died unexpectedly before finishing this task.\n\tclass_name: _WorkerHost\n\tpid: 7\n"
-               "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
-               "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: ...")
-    assert exit_cause(sigkill) == ("its process vanished (killed by a signal such as SIGKILL or the OOM killer, or crashed) "
-                                   "[Ray: SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2. End of file.]")
-    assert exit_cause("The actor is dead because its node has died. Node Id: ab").startswith("its node was lost")
-    assert exit_cause("Task was killed due to the node running low on memory.").startswith("out of memory")
+    sigkill = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: _WorkerHost\n\tpid: 7\n"
+        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+        "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: ..."
+    )
+    assert exit_cause(sigkill) == (
+        "its process vanished (killed by a signal such as SIGKILL or the OOM killer, or crashed) "
+        "[Ray: SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2. End of file.]"
+    )
+    assert exit_cause("The actor is dead because its node has died. Node Id: ab").startswith(
+        "its node was lost"
+    )
+    assert exit_cause("Task was killed due to the node running low on memory.").startswith(
+        "out of memory"
+    )

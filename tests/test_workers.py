@@ -1,6 +1,7 @@
 """The real worker classes (rollout, reward, reference, actor) in the local backend with the real tiny
 model: log-prob alignment between rollout and training layout, weight sync, reward errors,
 policy updates and exact gradient accumulation over micro-batches."""
+
 from __future__ import annotations
 
 import os
@@ -44,7 +45,9 @@ def make_cfg(**actor) -> Config:
 
 
 def group(cls, cfg, role):
-    return WorkerGroup(cls, ResourcePool(), role=role, backend="local", args=(cfg, None), num_threads=1)
+    return WorkerGroup(
+        cls, ResourcePool(), role=role, backend="local", args=(cfg, None), num_threads=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,14 @@ def actor(cfg):
 
 
 def sampled(cfg, seed=0):
-    return SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=cfg.rollout.max_new_tokens,
-                          n=cfg.trainer.samples_per_prompt, seed=seed)
+    return SamplingParams(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        n=cfg.trainer.samples_per_prompt,
+        seed=seed,
+    )
 
 
 def greedy(cfg):
@@ -85,7 +94,9 @@ def greedy(cfg):
 def assert_logp_match(batch, logp):
     mask = batch["response_mask"].bool()
     diff = (batch["rollout_log_probs"] - logp).abs()[mask]
-    assert diff.max().item() <= ATOL_LOGP, f"max |rollout - actor| log-prob = {diff.max().item():.3g}"
+    assert diff.max().item() <= ATOL_LOGP, (
+        f"max |rollout - actor| log-prob = {diff.max().item():.3g}"
+    )
     assert (logp[~mask] == 0).all()
 
 
@@ -99,7 +110,9 @@ def test_rollout_samples_and_logprob_alignment(cfg, tokenizer, prompts, rollout,
     assert sorted(s.uid for s in flat) == sorted(uids * G)
     for s in flat:
         i = uids.index(s.uid)
-        assert s.prompt_ids == prompts["prompt_ids"][i] and s.prompt_ids[0] == tokenizer.bos_token_id
+        assert (
+            s.prompt_ids == prompts["prompt_ids"][i] and s.prompt_ids[0] == tokenizer.bos_token_id
+        )
         assert len(s.response_ids) == len(s.log_probs) == len(s.versions) >= 1
         assert s.versions == [0] * len(s.response_ids)
         assert all(lp <= 0 and math.isfinite(lp) for lp in s.log_probs)
@@ -162,7 +175,9 @@ def test_update_weights_syncs_rollout_to_actor(cfg, tokenizer, prompts):
     loaded = rollout.update_weights(buckets, 7)
     assert loaded == [len(names)]
     live = rollout.workers[0].engine._weight_tensors()  # the engine's weights by transformers name
-    assert len(set(live) & {n for n, _ in model.named_parameters()}) >= len(names) - 1  # all but a tied lm_head
+    assert (
+        len(set(live) & {n for n, _ in model.named_parameters()}) >= len(names) - 1
+    )  # all but a tied lm_head
     for name, p in model.named_parameters():
         if name in live:
             assert torch.equal(live[name].reshape(p.shape), p), name
@@ -182,14 +197,25 @@ def hand_batch(tokenizer, responses: list[tuple[str, str, str]]):
     for i, (text, answer, resp) in enumerate(responses):
         p = Prompt(uid=f"p{i}", text=text, answer=answer, task_id="arith")
         ids = tokenizer(resp, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        samples.append(Sample(tokenizer(text)["input_ids"], ids, [-0.1] * len(ids), [0] * len(ids), uid=p.uid,
-                              task_id="arith", extra={"prompt": p}))
+        samples.append(
+            Sample(
+                tokenizer(text)["input_ids"],
+                ids,
+                [-0.1] * len(ids),
+                [0] * len(ids),
+                uid=p.uid,
+                task_id="arith",
+                extra={"prompt": p},
+            )
+        )
     return samples_to_batch(samples, tokenizer.pad_token_id)
 
 
 def test_reward_exact_match(cfg, tokenizer):
     reward = group(RewardWorker, cfg, "reward")
-    batch = hand_batch(tokenizer, [("1+2=", "3", "3"), ("10+5=", "15", "16"), ("400+600=", "1000", "1000")])
+    batch = hand_batch(
+        tokenizer, [("1+2=", "3", "3"), ("10+5=", "15", "16"), ("400+600=", "1000", "1000")]
+    )
     out = reward.score(batch)
     assert out["rewards"].tolist() == [1.0, 0.0, 1.0]
     assert out["reward_errors"].tolist() == [0.0, 0.0, 0.0]
@@ -235,7 +261,13 @@ def test_update_policy_metrics_and_weights_change(cfg, train_batch):
     actor = group(ActorWorker, cfg, "actor")
     before = params_of(actor)
     (metrics,) = actor.update_policy(train_batch)
-    for key in ("actor/pg_loss", "actor/kl_ref", "actor/entropy", "actor/clip_frac", "actor/grad_norm"):
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_ref",
+        "actor/entropy",
+        "actor/clip_frac",
+        "actor/grad_norm",
+    ):
         assert key in metrics and math.isfinite(metrics[key]), key
     assert metrics["actor/grad_norm"] > 0
     assert metrics["actor/entropy"] > 0
@@ -274,7 +306,9 @@ def test_micro_batching_is_exact_gradient_accumulation(train_batch):
     # the gradient of every optimizer step is the same token-mean, up to float32 rounding
     assert len(g_one) == len(g_many) == 2
     for step, (a, b) in enumerate(zip(g_one, g_many)):
-        tol = 1e-5 if step == 0 else 1e-4  # later steps start from weights that AdamW's rounding moved (see below)
+        tol = (
+            1e-5 if step == 0 else 1e-4
+        )  # later steps start from weights that AdamW's rounding moved (see below)
         for n in a:
             scale = a[n].abs().max().item()
             assert (a[n] - b[n]).abs().max().item() <= tol * scale + 1e-12, (step, n)
@@ -285,7 +319,13 @@ def test_micro_batching_is_exact_gradient_accumulation(train_batch):
     p_one, p_many = params_of(one), params_of(many)
     worst = max((p_one[n] - p_many[n]).abs().max().item() for n in p_one)
     assert worst <= 0.1 * one.workers[0].cfg.actor.lr, f"max weight difference {worst:.3g}"
-    for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy", "actor/grad_norm", "actor/clip_frac"):
+    for k in (
+        "actor/pg_loss",
+        "actor/kl_ref",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/clip_frac",
+    ):
         assert m_one[k] == pytest.approx(m_many[k], rel=1e-4, abs=1e-6), k
 
 
@@ -297,12 +337,23 @@ def test_length_buckets_and_trimming_leave_log_probs_unchanged(cfg):
 
     model, _ = load_model_and_tokenizer(None, "tiny", 0, make_task(cfg).tokenizer())
     g = torch.Generator().manual_seed(0)
-    samples = [Sample([1] + torch.randint(3, 17, (p,), generator=g).tolist(), torch.randint(3, 17, (r,), generator=g).tolist(),
-                      [0.0] * r, [0] * r) for p, r in [(3, 40), (9, 2), (5, 1), (2, 17), (7, 3), (4, 40)]]
+    samples = [
+        Sample(
+            [1] + torch.randint(3, 17, (p,), generator=g).tolist(),
+            torch.randint(3, 17, (r,), generator=g).tolist(),
+            [0.0] * r,
+            [0] * r,
+        )
+        for p, r in [(3, 40), (9, 2), (5, 1), (2, 17), (7, 3), (4, 40)]
+    ]
     batch = samples_to_batch(samples, pad_id=0)
     with torch.no_grad():
         whole = response_log_probs(model.eval(), batch)[0]
     for budget in (1, 60, 1 << 20):
         assert torch.allclose(batch_log_probs(model, batch, budget), whole, atol=1e-5), budget
     mbs, order = micro_batches(batch, 60)
-    assert sorted(order.tolist()) == list(range(6)) and len(mbs) == 4 and mbs[0]["input_ids"].shape[1] < 20  # 3 short rows
+    assert (
+        sorted(order.tolist()) == list(range(6))
+        and len(mbs) == 4
+        and mbs[0]["input_ids"].shape[1] < 20
+    )  # 3 short rows

@@ -3,15 +3,41 @@ KL estimators.
 
 Adding an algorithm is a decorated function; the driver never branches on names.
 """
-from hybridrl.algorithms.advantages import ADVANTAGES, compute_advantages, group_normalise, masked_whiten, token_level_scores
-from hybridrl.algorithms.aggregation import LOSS_AGG, AggTotals, agg_totals, aggregate
-from hybridrl.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, apply_kl_penalty, kl_penalty
-from hybridrl.algorithms.losses import POLICY_LOSSES, masked_mean, value_loss
+
 from hybridrl.algorithms import losses_more  # noqa: F401  (registers cispo, gmpo, clip_cov, kl_cov, sapo)
+from hybridrl.algorithms.advantages import (
+    ADVANTAGES,
+    compute_advantages,
+    group_normalise,
+    masked_whiten,
+    token_level_scores,
+)
+from hybridrl.algorithms.aggregation import LOSS_AGG, AggTotals, agg_totals, aggregate
+from hybridrl.algorithms.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+)
+from hybridrl.algorithms.losses import POLICY_LOSSES, masked_mean, value_loss
 
 __all__ = [
-    "ADVANTAGES", "KL_ESTIMATORS", "LOSS_AGG", "POLICY_LOSSES",
-    "AdaptiveKLController", "AggTotals", "FixedKLController",
-    "agg_totals", "aggregate", "apply_kl_penalty", "compute_advantages", "group_normalise", "kl_penalty",
-    "masked_mean", "masked_whiten", "token_level_scores", "value_loss",
+    "ADVANTAGES",
+    "KL_ESTIMATORS",
+    "LOSS_AGG",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "AggTotals",
+    "FixedKLController",
+    "agg_totals",
+    "aggregate",
+    "apply_kl_penalty",
+    "compute_advantages",
+    "group_normalise",
+    "kl_penalty",
+    "masked_mean",
+    "masked_whiten",
+    "token_level_scores",
+    "value_loss",
 ]

@@ -17,6 +17,7 @@ its name: ``needs_values`` (the critic role and a ``values`` column),
 ``needs_greedy_baseline`` (one greedy sample per prompt, scored, as a per-row
 ``baseline_rewards`` column) and ``min_group_size`` (checked at config time).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -57,7 +58,9 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
     return out
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True
+) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) with the mean and the unbiased variance over valid tokens; 0 on padding.
 
     As veRL's ``masked_whiten`` (Bessel-corrected variance, eps inside the sqrt). ``shift_mean=False``
@@ -93,7 +96,9 @@ def _groups(uids: list) -> dict:
     return groups
 
 
-def group_normalise(scores: torch.Tensor, uids: list, norm_by_std: bool, eps: float = 1e-6) -> torch.Tensor:
+def group_normalise(
+    scores: torch.Tensor, uids: list, norm_by_std: bool, eps: float = 1e-6
+) -> torch.Tensor:
     """(score - group mean) [/ (group std + eps)] per uid.
 
     Conventions follow veRL's ``core_algos``: the std is the unbiased one,
@@ -145,7 +150,9 @@ def grpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
 
     ``cfg.norm_adv_by_std=False`` drops the std division (Dr.GRPO, Liu et al. 2503.20783).
     """
-    adv = group_normalise(_sequence_scores(batch), batch["uid"], getattr(cfg, "norm_adv_by_std", True))
+    adv = group_normalise(
+        _sequence_scores(batch), batch["uid"], getattr(cfg, "norm_adv_by_std", True)
+    )
     return {"advantages": _broadcast(adv, batch["response_mask"])}
 
 
@@ -251,15 +258,19 @@ def remax_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     Also returns ``returns`` (G).
     """
     if "baseline_rewards" not in batch:
-        raise KeyError("remax needs a (B,) 'baseline_rewards' column (the greedy response's reward per row); "
-                       "the trainer adds it for estimators with needs_greedy_baseline = True")
+        raise KeyError(
+            "remax needs a (B,) 'baseline_rewards' column (the greedy response's reward per row); "
+            "the trainer adds it for estimators with needs_greedy_baseline = True"
+        )
     m = _bool(batch["response_mask"])
     returns = discounted_returns(batch["token_level_rewards"], m, 1.0)
     base = batch["baseline_rewards"].to(returns.dtype)
     return {"advantages": _masked(returns - base.unsqueeze(-1), m), "returns": returns}
 
 
-remax_advantage.needs_greedy_baseline = True  # the trainer generates and scores one greedy response per prompt
+remax_advantage.needs_greedy_baseline = (
+    True  # the trainer generates and scores one greedy response per prompt
+)
 
 
 @ADVANTAGES.register("grpo_passk")
@@ -277,8 +288,10 @@ def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     out = torch.zeros_like(sd)
     for uid, rows in _groups(batch["uid"]).items():
         if len(rows) < 2:
-            raise ValueError(f"grpo_passk needs at least 2 samples per group; group {uid!r} has {len(rows)} "
-                             "(set trainer.samples_per_prompt >= 2)")
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per group; group {uid!r} has {len(rows)} "
+                "(set trainer.samples_per_prompt >= 2)"
+            )
         idx = torch.tensor(rows, device=sd.device)
         s = sd[idx]
         top = torch.topk(s, 2)
@@ -289,7 +302,9 @@ def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     return {"advantages": _broadcast(out.to(scores.dtype), batch["response_mask"])}
 
 
-grpo_passk_advantage.min_group_size = 2  # checked against trainer.samples_per_prompt when the config loads
+grpo_passk_advantage.min_group_size = (
+    2  # checked against trainer.samples_per_prompt when the config loads
+)
 
 
 @ADVANTAGES.register("opo")
@@ -309,7 +324,11 @@ def opo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
         if len(rows) > 1:
             idx = torch.tensor(rows, device=sd.device)
             total = lengths[idx].sum()
-            base = (lengths[idx] * sd[idx]).sum() / total if total > 0 else torch.zeros((), dtype=sd.dtype)
+            base = (
+                (lengths[idx] * sd[idx]).sum() / total
+                if total > 0
+                else torch.zeros((), dtype=sd.dtype)
+            )
             out[idx] = sd[idx] - base
     return {"advantages": _broadcast(out.to(scores.dtype), mask)}
 

@@ -5,6 +5,7 @@ being aggregated, so every mode is a sum of per-row terms divided by a mini-batc
 the micro-batch results of gradient accumulation add up exactly to the mini-batch loss.
 Padded positions never contribute; the seq-mean modes average over non-empty rows (veRL).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,11 @@ class AggTotals:
 def agg_totals(mask: torch.Tensor, norm_len: float | None = None) -> AggTotals:
     """Totals of a mini-batch's ``response_mask``; ``norm_len`` None: the mask's width (veRL's default)."""
     m = mask.bool() if mask.dtype != torch.bool else mask
-    return AggTotals(n_tokens=float(m.sum().item()), n_seqs=float(m.any(-1).sum().item()),
-                     norm_len=float(mask.shape[-1] if norm_len is None else norm_len))
+    return AggTotals(
+        n_tokens=float(m.sum().item()),
+        n_seqs=float(m.any(-1).sum().item()),
+        norm_len=float(mask.shape[-1] if norm_len is None else norm_len),
+    )
 
 
 def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +66,9 @@ def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotal
 
 
 @LOSS_AGG.register("seq-mean-token-sum-norm")
-def seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
+def seq_mean_token_sum_norm(
+    loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals
+) -> torch.Tensor:
     """sum over valid tokens / (n_seqs * norm_len) (Dr.GRPO, Liu et al. 2503.20783).
 
     Differs from veRL, which divides by norm_len only (its scale then grows with the batch size);

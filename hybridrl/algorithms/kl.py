@@ -6,6 +6,7 @@ as veRL's low_var_kl), abs = |log_ratio|; k1+, k2+, k3+: the value of k1 / k2 / 
 (straight-through, veRL's "+" modes). As a reward penalty: ``apply_kl_penalty`` with a fixed or adaptive coefficient
 (Ziegler et al. 1909.08593); as a loss term: the actor aggregates ``kl_penalty(...)`` itself.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,9 +42,13 @@ def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # Straight-through ("+") estimators, as veRL's k1+ / k2+ / k3+: the value of the named estimator with the
 # gradient of k2. As a loss term, E[grad k2] = grad KL(pi || ref) for samples from pi (the on-policy
 # case), while the gradients of k1 and k3 are biased; the value keeps the chosen estimator's reading.
-def _straight_through(value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+def _straight_through(
+    value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor
+) -> torch.Tensor:
     grad_path = k2(logp, ref_logp)
-    return value.detach() + (grad_path - grad_path.detach())  # (g - g) is exactly 0: the value is unchanged
+    return value.detach() + (
+        grad_path - grad_path.detach()
+    )  # (g - g) is exactly 0: the value is unchanged
 
 
 @KL_ESTIMATORS.register("k1+")
@@ -53,7 +58,9 @@ def k1_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k2+")
 def k2_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return _straight_through(k2(logp, ref_logp), logp, ref_logp)  # the same as k2, value and gradient
+    return _straight_through(
+        k2(logp, ref_logp), logp, ref_logp
+    )  # the same as k2, value and gradient
 
 
 @KL_ESTIMATORS.register("k3+")
@@ -84,7 +91,9 @@ class AdaptiveKLController:
 
     def __init__(self, init_coef: float, target: float, horizon: float):
         if target <= 0 or horizon <= 0:
-            raise ValueError(f"AdaptiveKLController needs target > 0 and horizon > 0, got {target}, {horizon}")
+            raise ValueError(
+                f"AdaptiveKLController needs target > 0 and horizon > 0, got {target}, {horizon}"
+            )
         self.value, self.target, self.horizon = float(init_coef), float(target), float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -92,7 +101,9 @@ class AdaptiveKLController:
         self.value *= 1.0 + err * n_steps / self.horizon
 
 
-def apply_kl_penalty(batch: Batch, coef: float, estimator: str) -> tuple[torch.Tensor, dict[str, float]]:
+def apply_kl_penalty(
+    batch: Batch, coef: float, estimator: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """token_level_rewards = token_level_scores - coef * kl(old_log_probs, ref_log_probs), 0 on padding.
 
     Metrics: ``kl/penalty_mean`` = mean over non-empty rows of the per-sequence SUMMED KL (nats per response,
@@ -104,7 +115,11 @@ def apply_kl_penalty(batch: Batch, coef: float, estimator: str) -> tuple[torch.T
     scores = batch["token_level_scores"]
     zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
     with torch.no_grad():
-        kl = torch.where(m, kl_penalty(estimator, batch["old_log_probs"], batch["ref_log_probs"]).to(scores.dtype), zero)
+        kl = torch.where(
+            m,
+            kl_penalty(estimator, batch["old_log_probs"], batch["ref_log_probs"]).to(scores.dtype),
+            zero,
+        )
         rewards = torch.where(m, scores - coef * kl, zero)
         rows = m.any(-1)
         per_seq = kl.sum(-1)[rows]

@@ -10,6 +10,7 @@ so a stale or broken sample cannot produce inf/NaN, in the loss or in its gradie
 cfg fields (read with getattr): ``clip_ratio_low``, ``clip_ratio_high`` (0.2 each), ``clip_ratio_c``
 (3.0; dual clip for A < 0, None or 0 disables), ``behav_imp_weight_cap`` (None).
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,7 +20,9 @@ from hybridrl.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 LOG_RATIO_CLAMP = 20.0  # a stale or broken sample cannot produce inf/NaN
-GSPO_TOKEN_LOG_RATIO_MAX = 10.0  # gspo_token: veRL's upper bound on the token-level combined log-ratio
+GSPO_TOKEN_LOG_RATIO_MAX = (
+    10.0  # gspo_token: veRL's upper bound on the token-level combined log-ratio
+)
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -64,7 +67,9 @@ def _log_ratio(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return _zero_pad(a - b, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, c: float | None):
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, c: float | None
+):
     """Per-token PPO loss max(-A r, -A clip(r, 1-low, 1+high)), then, for A < 0, min(that, -A c) (dual clip).
 
     Returns the loss and the boolean indicators (clipped low, clipped high, dual-clipped).
@@ -85,7 +90,9 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high:
     return loss, clipped_low, clipped_high, dual.detach()
 
 
-def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask, low, high, dual) -> dict[str, float]:
+def _ratio_metrics(
+    log_ratio: torch.Tensor, ratio: torch.Tensor, mask, low, high, dual
+) -> dict[str, float]:
     m = _bool(mask)
     f = ratio.dtype
     lo, hi = masked_mean(low.to(f), m).item(), masked_mean(high.to(f), m).item()
@@ -202,15 +209,22 @@ def gspo_token_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, d
     loss = _zero_pad(loss, m)
     with torch.no_grad():
         s = torch.exp(seq_lr)
-        metrics = _seq_metrics(s, _log_ratio(logp, old, m), m, torch.zeros_like(s, dtype=torch.bool),
-                               torch.zeros_like(s, dtype=torch.bool))
+        metrics = _seq_metrics(
+            s,
+            _log_ratio(logp, old, m),
+            m,
+            torch.zeros_like(s, dtype=torch.bool),
+            torch.zeros_like(s, dtype=torch.bool),
+        )
         f = logp.dtype
         # clipping is decided per token here (the sign of A_t can vary along a sequence)
         metrics["actor/clip_frac_low"] = masked_mean(cl_t.to(f), m).item()
         metrics["actor/clip_frac_high"] = masked_mean(ch_t.to(f), m).item()
         metrics["actor/clip_frac"] = masked_mean((cl_t | ch_t).to(f), m).item()
         rows = m.any(-1)
-        metrics["actor/seq_clip_frac"] = ((cl_t | ch_t) & m).any(-1)[rows].to(f).mean().item() if rows.any() else 0.0
+        metrics["actor/seq_clip_frac"] = (
+            ((cl_t | ch_t) & m).any(-1)[rows].to(f).mean().item() if rows.any() else 0.0
+        )
     return loss, metrics
 
 
@@ -246,14 +260,21 @@ def decoupled_ppo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor
             "actor/behav_weight_mean": masked_mean(w, m).item(),
             "actor/behav_weight_max": _masked_max(w, m),
             "actor/behav_capped_frac": masked_mean((m & ~keep).to(f), m).item(),
-            "actor/behav_approx_kl": masked_mean(-behav_lr, m).item(),  # k1 of mu vs prox: mean(mu - prox)
+            "actor/behav_approx_kl": masked_mean(
+                -behav_lr, m
+            ).item(),  # k1 of mu vs prox: mean(mu - prox)
         }
     return loss, metrics
 
 
 # --- critic -------------------------------------------------------------------------------------------
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None) -> tuple[torch.Tensor, dict[str, float]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss (as veRL / TRL): 0.5 max((V - G)^2, (clip(V, V_old - c, V_old + c) - G)^2), 0 on padding.
 
     ``clip`` None or 0 disables the clipped branch (0.5 (V - G)^2). vf_clip_frac = share of valid tokens
@@ -274,6 +295,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         clipped = torch.zeros_like(m)
     loss = _zero_pad(loss, m)
     with torch.no_grad():
-        metrics = {"critic/vf_clip_frac": masked_mean(clipped.to(v.dtype), m).item(),
-                   "critic/vpred_mean": masked_mean(v.detach(), m).item()}
+        metrics = {
+            "critic/vf_clip_frac": masked_mean(clipped.to(v.dtype), m).item(),
+            "critic/vpred_mean": masked_mean(v.detach(), m).item(),
+        }
     return loss, metrics

@@ -9,14 +9,24 @@ Clip-Cov and KL-Cov pick tokens by a statistic of the batch they see (the covari
 advantage, centred by the batch's means, and a share of its tokens). Here, as in veRL, that batch is the
 micro-batch, so those two losses, unlike the others, depend on ``actor.micro_batch_tokens``.
 """
+
 from __future__ import annotations
 
 import zlib
 
 import torch
 
-from hybridrl.algorithms.losses import (POLICY_LOSSES, _bool, _clipped_surrogate, _log_ratio, _masked_max, _masked_min,
-                                        _ratio_metrics, _zero_pad, masked_mean)
+from hybridrl.algorithms.losses import (
+    POLICY_LOSSES,
+    _bool,
+    _clipped_surrogate,
+    _log_ratio,
+    _masked_max,
+    _masked_min,
+    _ratio_metrics,
+    _zero_pad,
+    masked_mean,
+)
 from hybridrl.protocol import Batch
 
 
@@ -31,7 +41,9 @@ def _positive(cfg, name: str, default: float) -> float:
 def _share(cfg, name: str, default: float) -> float:
     value = getattr(cfg, name, default)
     if value is None or not 0 < value <= 1:
-        raise ValueError(f"algorithm.{name} must be in (0, 1] (a share of the valid tokens), got {value!r}")
+        raise ValueError(
+            f"algorithm.{name} must be in (0, 1] (a share of the valid tokens), got {value!r}"
+        )
     return float(value)
 
 
@@ -43,7 +55,9 @@ def _inputs(logp: torch.Tensor, mb: Batch):
     return m, log_ratio, torch.exp(log_ratio), adv
 
 
-def _kl_and_ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
+def _kl_and_ratio_metrics(
+    log_ratio: torch.Tensor, ratio: torch.Tensor, m: torch.Tensor
+) -> dict[str, float]:
     return {
         "actor/approx_kl_old": masked_mean(-log_ratio, m).item(),
         "actor/approx_kl_old_k3": masked_mean(torch.expm1(log_ratio) - log_ratio, m).item(),
@@ -53,7 +67,9 @@ def _kl_and_ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, m: torch
     }
 
 
-def _clip_metrics(low: torch.Tensor, high: torch.Tensor, m: torch.Tensor, dtype) -> dict[str, float]:
+def _clip_metrics(
+    low: torch.Tensor, high: torch.Tensor, m: torch.Tensor, dtype
+) -> dict[str, float]:
     return {
         "actor/clip_frac_low": masked_mean(low.to(dtype), m).item(),
         "actor/clip_frac_high": masked_mean(high.to(dtype), m).item(),
@@ -75,7 +91,9 @@ def cispo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[s
     low = getattr(cfg, "cispo_clip_low", None)
     high = getattr(cfg, "cispo_clip_high", 0.28)
     if low is not None and not 0 <= low <= 1:
-        raise ValueError(f"algorithm.cispo_clip_low must be in [0, 1] or null (no lower bound), got {low!r}")
+        raise ValueError(
+            f"algorithm.cispo_clip_low must be in [0, 1] or null (no lower bound), got {low!r}"
+        )
     if high is None or high < 0:
         raise ValueError(f"algorithm.cispo_clip_high must be >= 0, got {high!r}")
     m, log_ratio, ratio, adv = _inputs(logp, mb)
@@ -115,13 +133,17 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     loss = _zero_pad((-adv_seq * seq_ratio).unsqueeze(-1).expand(m.shape), m)
     with torch.no_grad():
         f = logp.dtype
-        metrics = _clip_metrics((sgn < 0) & (log_ratio < -lo) & m, (sgn > 0) & (log_ratio > hi) & m, m, f)
+        metrics = _clip_metrics(
+            (sgn < 0) & (log_ratio < -lo) & m, (sgn > 0) & (log_ratio > hi) & m, m, f
+        )
         metrics |= _kl_and_ratio_metrics(log_ratio, ratio, m)
         rows = m.any(-1)
         sr = seq_ratio[rows]
-        metrics |= {"actor/seq_ratio_mean": sr.mean().item() if rows.any() else 0.0,
-                    "actor/seq_ratio_max": sr.max().item() if rows.any() else 0.0,
-                    "actor/seq_ratio_min": sr.min().item() if rows.any() else 0.0}
+        metrics |= {
+            "actor/seq_ratio_mean": sr.mean().item() if rows.any() else 0.0,
+            "actor/seq_ratio_max": sr.max().item() if rows.any() else 0.0,
+            "actor/seq_ratio_min": sr.min().item() if rows.any() else 0.0,
+        }
     return loss, metrics
 
 
@@ -143,8 +165,12 @@ def _derived_generator(mb: Batch, cfg) -> torch.Generator:
     a re-run or a resumed run cuts the same tokens, different micro-batches get different draws, and the
     global RNG is left alone."""
     m = _bool(mb["response_mask"])
-    data = torch.stack([_zero_pad(mb["old_log_probs"], m).double(), _zero_pad(mb["advantages"], m).double()])
-    seed = zlib.crc32(data.cpu().numpy().tobytes(), int(getattr(cfg, "clip_cov_seed", 0)) & 0xFFFFFFFF)
+    data = torch.stack(
+        [_zero_pad(mb["old_log_probs"], m).double(), _zero_pad(mb["advantages"], m).double()]
+    )
+    seed = zlib.crc32(
+        data.cpu().numpy().tobytes(), int(getattr(cfg, "clip_cov_seed", 0)) & 0xFFFFFFFF
+    )
     return torch.Generator().manual_seed(seed)
 
 
@@ -160,8 +186,9 @@ def _random_subset(candidates: torch.Tensor, k: int, generator: torch.Generator)
 
 
 @POLICY_LOSSES.register("clip_cov")
-def clip_cov_loss(logp: torch.Tensor, mb: Batch, cfg, generator: torch.Generator | None = None
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
+def clip_cov_loss(
+    logp: torch.Tensor, mb: Batch, cfg, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (Cui et al. 2505.22617, "The Entropy Mechanism of RL for Reasoning LMs").
 
     Per valid token, cov_t = (A_t - mean A)(logp_t - mean logp) over the micro-batch's valid tokens. Among
@@ -185,11 +212,15 @@ def clip_cov_loss(logp: torch.Tensor, mb: Batch, cfg, generator: torch.Generator
         if generator is None:
             generator = _derived_generator(mb, cfg)
         cut = _random_subset(candidates, _n_selected(share, m), generator)
-    loss = _zero_pad(torch.where(cut, torch.zeros((), dtype=loss.dtype, device=loss.device), loss), m)
+    loss = _zero_pad(
+        torch.where(cut, torch.zeros((), dtype=loss.dtype, device=loss.device), loss), m
+    )
     with torch.no_grad():
         metrics = _ratio_metrics(log_ratio, ratio, m, cl & m, ch & m, dual)
-        metrics |= {"actor/cov_clip_frac": masked_mean(cut.to(logp.dtype), m).item(),
-                    "actor/cov_mean": masked_mean(cov, m).item()}
+        metrics |= {
+            "actor/cov_clip_frac": masked_mean(cut.to(logp.dtype), m).item(),
+            "actor/cov_mean": masked_mean(cov, m).item(),
+        }
     return loss, metrics
 
 
@@ -213,13 +244,17 @@ def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[
         if k:
             top = cov.masked_fill(~m, float("-inf")).flatten().topk(k).indices
             picked.view(-1)[top] = True
-    penalty = torch.where(picked, coef * log_ratio.abs(), torch.zeros((), dtype=logp.dtype, device=logp.device))
+    penalty = torch.where(
+        picked, coef * log_ratio.abs(), torch.zeros((), dtype=logp.dtype, device=logp.device)
+    )
     loss = _zero_pad(-adv * ratio + penalty, m)
     with torch.no_grad():
         metrics = _kl_and_ratio_metrics(log_ratio, ratio, m)
-        metrics |= {"actor/kl_cov_frac": masked_mean(picked.to(logp.dtype), m).item(),
-                    "actor/kl_cov_abs": masked_mean(log_ratio.abs(), picked).item(),
-                    "actor/cov_mean": masked_mean(cov, m).item()}
+        metrics |= {
+            "actor/kl_cov_frac": masked_mean(picked.to(logp.dtype), m).item(),
+            "actor/kl_cov_abs": masked_mean(log_ratio.abs(), picked).item(),
+            "actor/cov_mean": masked_mean(cov, m).item(),
+        }
     return loss, metrics
 
 
@@ -244,5 +279,8 @@ def sapo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     with torch.no_grad():
         w = 4.0 * s * (1.0 - s)
         metrics = _kl_and_ratio_metrics(log_ratio, ratio, m)
-        metrics |= {"actor/gate_weight_mean": masked_mean(w, m).item(), "actor/gate_weight_min": _masked_min(w, m)}
+        metrics |= {
+            "actor/gate_weight_mean": masked_mean(w, m).item(),
+            "actor/gate_weight_min": _masked_min(w, m),
+        }
     return loss, metrics

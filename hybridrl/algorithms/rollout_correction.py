@@ -18,6 +18,7 @@ metrics are logged whenever both log-probs exist, with the correction on or off 
 that takes the old log-probs from the update's own forward, ``trainers/learn.py``; the weights, an input of
 the loss, keep the separate pass).
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,11 @@ def _token_level(old: torch.Tensor, rollout: torch.Tensor, m: torch.Tensor) -> t
 
 
 def _sequence_level(old: torch.Tensor, rollout: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    seq = torch.where(m, old - rollout, 0.0).sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq = (
+        torch.where(m, old - rollout, 0.0)
+        .sum(-1, keepdim=True)
+        .clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    )
     return torch.where(m, seq.expand_as(old), 0.0)
 
 
@@ -69,7 +74,9 @@ def lower_threshold(cfg) -> float:
     return 1.0 / cfg.rollout_is_threshold if lower is None else lower
 
 
-def importance_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cfg) -> tuple[torch.Tensor, dict[str, float]]:
+def importance_weights(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cfg
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The detached weights (B, R) of ``cfg.rollout_is`` / ``rollout_is_mode`` (0 on padding and on dropped
     tokens) and their metrics: the raw ρ's mean and max over valid tokens, the mean weight used, and the
     share of valid tokens truncated (ρ > upper, truncate mode) or dropped (mask mode)."""
@@ -90,7 +97,9 @@ def importance_weights(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Ten
     return weights.detach(), metrics
 
 
-def mismatch_metrics(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """The train-rollout gap on valid tokens: mean and max |old - rollout|, and KL(rollout || train)
     estimated from the rollout's own samples (k1 = mean(μ - old); k3 = mean(r - 1 - log r), r = old/μ, >= 0)."""
     m = mask.bool()
@@ -132,17 +141,27 @@ def validate(cfg) -> None:
     """Reject, at config time, switch combinations that cannot work (``cfg`` is the whole Config)."""
     alg = cfg.algorithm
     if alg.rollout_is is not None and alg.policy_loss in BEHAVIOUR_WEIGHTED_LOSSES:
-        raise ValueError(f"algorithm.rollout_is with policy_loss {alg.policy_loss}: that loss already weights each token by "
-                         "pi_prox/pi_rollout; use one of the two (e.g. policy_loss=ppo_clip)")
+        raise ValueError(
+            f"algorithm.rollout_is with policy_loss {alg.policy_loss}: that loss already weights each token by "
+            "pi_prox/pi_rollout; use one of the two (e.g. policy_loss=ppo_clip)"
+        )
     if alg.rollout_bypass and alg.rollout_is is not None:
-        raise ValueError("algorithm.rollout_bypass with rollout_is: the old policy is then the rollout's, so every weight "
-                         "would be 1; turn one of them off")
+        raise ValueError(
+            "algorithm.rollout_bypass with rollout_is: the old policy is then the rollout's, so every weight "
+            "would be 1; turn one of them off"
+        )
     if alg.rollout_bypass and alg.policy_loss in BEHAVIOUR_WEIGHTED_LOSSES:
-        raise ValueError(f"algorithm.rollout_bypass with policy_loss {alg.policy_loss}: the proximal policy would be the "
-                         "behaviour policy (weight 1); use ppo_clip, or recompute the proximal log-probs")
+        raise ValueError(
+            f"algorithm.rollout_bypass with policy_loss {alg.policy_loss}: the proximal policy would be the "
+            "behaviour policy (weight 1); use ppo_clip, or recompute the proximal log-probs"
+        )
     if alg.rollout_is_threshold_lower is not None and alg.rollout_is_mode != "mask":
-        raise ValueError("algorithm.rollout_is_threshold_lower applies to rollout_is_mode=mask only "
-                         f"(truncate caps at the upper threshold); got mode {alg.rollout_is_mode}")
+        raise ValueError(
+            "algorithm.rollout_is_threshold_lower applies to rollout_is_mode=mask only "
+            f"(truncate caps at the upper threshold); got mode {alg.rollout_is_mode}"
+        )
     if alg.rollout_is_mode == "mask" and lower_threshold(alg) >= alg.rollout_is_threshold:
-        raise ValueError(f"algorithm.rollout_is_threshold_lower ({lower_threshold(alg)}; null means 1/upper) must be below "
-                         f"rollout_is_threshold ({alg.rollout_is_threshold}) in mask mode")
+        raise ValueError(
+            f"algorithm.rollout_is_threshold_lower ({lower_threshold(alg)}; null means 1/upper) must be below "
+            f"rollout_is_threshold ({alg.rollout_is_threshold}) in mask mode"
+        )

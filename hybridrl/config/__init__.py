@@ -1,9 +1,17 @@
 """Configuration: dataclass schema (``schema.py``) + strict YAML/CLI loader (``loader.py``)."""
-from hybridrl.config.loader import ConfigError, apply_overrides, dump_yaml, from_dict, load_config, to_dict
+
+from hybridrl.config.loader import (
+    ConfigError,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_config,
+    to_dict,
+)
 from hybridrl.config.schema import (
     ActorConfig,
-    AsyncConfig,
     AlgorithmConfig,
+    AsyncConfig,
     Config,
     ControllerConfig,
     CriticConfig,
@@ -17,7 +25,23 @@ from hybridrl.config.schema import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "AsyncConfig", "Config", "ConfigError", "ControllerConfig", "CriticConfig", "FSDPConfig", "ModelConfig", "PoolConfig",
-    "RolloutConfig", "SFTConfig", "TaskConfig", "TrainerConfig", "apply_overrides", "dump_yaml", "from_dict",
-    "load_config", "to_dict",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "AsyncConfig",
+    "Config",
+    "ConfigError",
+    "ControllerConfig",
+    "CriticConfig",
+    "FSDPConfig",
+    "ModelConfig",
+    "PoolConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "TaskConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "dump_yaml",
+    "from_dict",
+    "load_config",
+    "to_dict",
 ]

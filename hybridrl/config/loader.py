@@ -18,6 +18,7 @@ Every problem raises :class:`ConfigError` with a one-line message naming the dot
 key, the bad value and what is allowed. YAML numbers like ``1e-3`` (a string in
 PyYAML's YAML 1.1) are read as floats, and duplicate keys in a mapping are rejected.
 """
+
 from __future__ import annotations
 
 import collections.abc
@@ -74,7 +75,8 @@ class _Loader(yaml.SafeLoader):
                     key = self.construct_object(key_node)
                     if key in seen:
                         raise yaml.constructor.ConstructorError(
-                            None, None, f"duplicate key {key!r}", key_node.start_mark)
+                            None, None, f"duplicate key {key!r}", key_node.start_mark
+                        )
                     seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -83,7 +85,9 @@ class _Dumper(yaml.SafeDumper):
     """``SafeDumper`` that quotes strings :class:`_Loader` would read as floats."""
 
     def represent_str(self, data: str) -> yaml.ScalarNode:
-        if "\x85" in data:  # PyYAML mangles NEL in single-quoted/plain scalars: use an escaped double-quoted one
+        if (
+            "\x85" in data
+        ):  # PyYAML mangles NEL in single-quoted/plain scalars: use an escaped double-quoted one
             return self.represent_scalar("tag:yaml.org,2002:str", data, style='"')
         return super().represent_str(data)
 
@@ -94,7 +98,9 @@ _Dumper.add_representer(str, _Dumper.represent_str)
 for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _SCI_FLOAT, list("-+0123456789."))
 
-_NUMERIC_STR = re.compile(r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
+_NUMERIC_STR = re.compile(
+    r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|inf|infinity|nan)", re.IGNORECASE
+)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -149,11 +155,13 @@ def _unknown_key(key: Any, names: list[str], path: str) -> ConfigError:
     close = difflib.get_close_matches(str(key), names, n=1)
     hint = f"; did you mean '{_join(path, close[0])}'?" if close else ""
     where = f"keys of {path}" if path else "top-level keys"
-    return ConfigError(f"unknown config key '{_join(path, key)}'{hint} ({where}: {', '.join(names)})")
+    return ConfigError(
+        f"unknown config key '{_join(path, key)}'{hint} ({where}: {', '.join(names)})"
+    )
 
 
 # ----------------------------------------------------------------------------- conversion
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -186,16 +194,23 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         for allowed in args:
             if value == allowed and type(value) is type(allowed):
                 return allowed
-        close = difflib.get_close_matches(value, [a for a in args if isinstance(a, str)], n=1) \
-            if isinstance(value, str) else []
+        close = (
+            difflib.get_close_matches(value, [a for a in args if isinstance(a, str)], n=1)
+            if isinstance(value, str)
+            else []
+        )
         raise _mismatch(tp, value, path, f"; did you mean {close[0]!r}?" if close else "")
     if tp is bool:
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif tp is float:
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-              or isinstance(value, str) and _NUMERIC_STR.fullmatch(value.strip()) is not None)
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            or isinstance(value, str)
+            and _NUMERIC_STR.fullmatch(value.strip()) is not None
+        )
         if ok:
             try:
                 return float(value)
@@ -208,7 +223,9 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise _mismatch(tp, value, path)
         if origin is tuple and args and args[-1] is not Ellipsis:  # fixed-length tuple[X, Y]
             if len(value) != len(args):
-                raise _Mismatch(path, f"{_key(path)} must be a list of {len(args)} items, got {_got(value)}")
+                raise _Mismatch(
+                    path, f"{_key(path)} must be a list of {len(args)} items, got {_got(value)}"
+                )
             items = [_convert(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
         else:
             item_tp = args[0] if args else Any
@@ -218,7 +235,10 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, Mapping):
             raise _mismatch(tp, value, path)
         key_tp, val_tp = args or (Any, Any)
-        return {_convert(key_tp, k, _join(path, k)): _convert(val_tp, v, _join(path, k)) for k, v in value.items()}
+        return {
+            _convert(key_tp, k, _join(path, k)): _convert(val_tp, v, _join(path, k))
+            for k, v in value.items()
+        }
     elif isinstance(tp, type):
         ok = isinstance(value, tp)
     else:
@@ -228,7 +248,12 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     return value
 
 
-_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
+_BOUNDS = {
+    "gt": (operator.gt, ">"),
+    "ge": (operator.ge, ">="),
+    "lt": (operator.lt, "<"),
+    "le": (operator.le, "<="),
+}
 
 
 def _check_metadata(meta: Mapping, value: Any, path: str) -> None:
@@ -238,11 +263,15 @@ def _check_metadata(meta: Mapping, value: Any, path: str) -> None:
     if isinstance(value, (list, tuple, Mapping)):
         items = value.items() if isinstance(value, Mapping) else enumerate(value)
         for k, item in items:
-            _check_metadata(meta, item, _join(path, k) if isinstance(value, Mapping) else f"{path}[{k}]")
+            _check_metadata(
+                meta, item, _join(path, k) if isinstance(value, Mapping) else f"{path}[{k}]"
+            )
         return
     choices = meta.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{_key(path)} must be one of {', '.join(map(repr, choices))}, got {_got(value)}")
+        raise ConfigError(
+            f"{_key(path)} must be one of {', '.join(map(repr, choices))}, got {_got(value)}"
+        )
     for name, (holds, symbol) in _BOUNDS.items():
         if name in meta and not holds(value, meta[name]):
             raise ConfigError(f"{_key(path)} must be {symbol} {meta[name]}, got {_short(value)}")
@@ -306,12 +335,16 @@ def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(p.strip() for p in parts):
-            raise ConfigError(f"invalid override {item!r}: expected KEY=VALUE with a dotted key, e.g. trainer.total_steps=20")
+            raise ConfigError(
+                f"invalid override {item!r}: expected KEY=VALUE with a dotted key, e.g. trainer.total_steps=20"
+            )
         parts = [p.strip() for p in parts]
         try:
             value = yaml.load(text, Loader=_Loader)
         except yaml.YAMLError as err:
-            raise ConfigError(f"cannot parse the value of override {item!r}: {_yaml_problem(err)}") from None
+            raise ConfigError(
+                f"cannot parse the value of override {item!r}: {_yaml_problem(err)}"
+            ) from None
         node = result
         for i, part in enumerate(parts[:-1]):
             child = node.get(part)
@@ -320,8 +353,10 @@ def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
             elif isinstance(child, Mapping):
                 child = dict(child)
             else:
-                raise ConfigError(f"cannot apply override {item!r}: '{'.'.join(parts[:i + 1])}' "
-                                  f"is {_got(child)}, not a mapping")
+                raise ConfigError(
+                    f"cannot apply override {item!r}: '{'.'.join(parts[: i + 1])}' "
+                    f"is {_got(child)}, not a mapping"
+                )
             node[part] = child
             node = child
         node[parts[-1]] = value
@@ -344,11 +379,15 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     if data is None:  # empty file or only comments
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file '{name}' must hold a mapping at the top level, got {_got(data)}")
+        raise ConfigError(
+            f"config file '{name}' must hold a mapping at the top level, got {_got(data)}"
+        )
     return data
 
 
-def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
+def load_config(
+    cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> T:
     """Read the YAML file at ``path`` (None: no file, all defaults), apply ``overrides``, validate, build ``cls``."""
     data = {} if path is None else _read_yaml(path)
     return from_dict(cls, apply_overrides(data, overrides))
@@ -356,4 +395,6 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
 
 def dump_yaml(obj: Any) -> str:
     """The (resolved) config as YAML, keys in field order; :func:`load_config` reads it back to an equal object."""
-    return yaml.dump(to_dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
+    return yaml.dump(
+        to_dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True
+    )

@@ -4,6 +4,7 @@ Field metadata drives validation (``ge``/``gt``/``le``/``lt``/``choices``) and
 the ``help`` text; ``validate()`` methods check relations between fields.
 Everything is checked before any work starts (see ``config/loader.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,14 +14,19 @@ from typing import Literal
 
 def _f(default, help: str, **checks):
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **checks})
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **checks}
+        )
     return field(default=default, metadata={"help": help, **checks})
 
 
 @dataclass
 class ModelConfig:
     name: Literal["tiny", "small"] = _f("tiny", "built-in Qwen2 size, used when path is null")
-    path: str | None = _f(None, "local transformers checkpoint directory (model + tokenizer) instead of a built-in size")
+    path: str | None = _f(
+        None,
+        "local transformers checkpoint directory (model + tokenizer) instead of a built-in size",
+    )
     seed: int = _f(0, "seed of the random initialisation of a built-in model")
 
     def validate(self) -> None:
@@ -29,7 +35,9 @@ class ModelConfig:
             if not p.is_dir():
                 raise ValueError(f"model.path {self.path!r} does not exist or is not a directory")
             if not (p / "config.json").is_file():
-                raise ValueError(f"model.path {self.path!r} holds no config.json (not a transformers checkpoint)")
+                raise ValueError(
+                    f"model.path {self.path!r} holds no config.json (not a transformers checkpoint)"
+                )
 
 
 @dataclass
@@ -46,8 +54,13 @@ class PoolConfig:
     workers_per_node: int = _f(1, "worker processes per node", ge=1)
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker (ray backend)", gt=0)
     gpus_per_worker: float = _f(0.0, "GPUs reserved per worker (ray backend)", ge=0)
-    resources: dict[str, float] = _f({}, "custom Ray resources reserved per worker, e.g. {node1: 0.01}: pins the pool to nodes offering them (ray backend)")
-    num_threads: int | None = _f(None, "torch threads of this pool's workers (null: controller.num_threads)", ge=1)
+    resources: dict[str, float] = _f(
+        {},
+        "custom Ray resources reserved per worker, e.g. {node1: 0.01}: pins the pool to nodes offering them (ray backend)",
+    )
+    num_threads: int | None = _f(
+        None, "torch threads of this pool's workers (null: controller.num_threads)", ge=1
+    )
 
 
 ROLES = ("actor", "reference", "rollout", "reward", "critic")
@@ -55,49 +68,98 @@ ROLES = ("actor", "reference", "rollout", "reward", "critic")
 
 @dataclass
 class ControllerConfig:
-    backend: Literal["local", "ray"] = _f("local", "local: every worker in the driver process; ray: Ray actors")
+    backend: Literal["local", "ray"] = _f(
+        "local", "local: every worker in the driver process; ray: Ray actors"
+    )
     ray_address: str | None = _f(None, "join this Ray cluster instead of starting a local one")
     num_threads: int = _f(2, "torch threads per worker process", ge=1)
-    pools: dict[str, PoolConfig] = field(default_factory=lambda: {"global": PoolConfig()}, metadata={"help": "resource pools by name"})
-    placement: dict[str, str] = _f({r: "global" for r in ROLES}, "role -> pool name (critic: used by gae only)")
-    pg_timeout_s: float = _f(600.0, "seconds a torch.distributed collective or rendezvous waits for a missing peer before it fails "
-                                    "(ray backend, world size > 1)", gt=0)
+    pools: dict[str, PoolConfig] = field(
+        default_factory=lambda: {"global": PoolConfig()},
+        metadata={"help": "resource pools by name"},
+    )
+    placement: dict[str, str] = _f(
+        {r: "global" for r in ROLES}, "role -> pool name (critic: used by gae only)"
+    )
+    pg_timeout_s: float = _f(
+        600.0,
+        "seconds a torch.distributed collective or rendezvous waits for a missing peer before it fails "
+        "(ray backend, world size > 1)",
+        gt=0,
+    )
 
     def validate(self) -> None:
         self.placement.setdefault("critic", self.placement.get("actor", "global"))
         missing = [r for r in ROLES if r not in self.placement]
         if missing:
-            raise ValueError(f"placement lacks role(s) {missing}; every role of {list(ROLES)} needs a pool")
+            raise ValueError(
+                f"placement lacks role(s) {missing}; every role of {list(ROLES)} needs a pool"
+            )
         for role, pool in self.placement.items():
             if role not in ROLES:
-                raise ValueError(f"placement names unknown role {role!r} (roles: {', '.join(ROLES)})")
+                raise ValueError(
+                    f"placement names unknown role {role!r} (roles: {', '.join(ROLES)})"
+                )
             if pool not in self.pools:
-                raise ValueError(f"placement.{role} names pool {pool!r}, which is not in pools ({', '.join(self.pools)})")
+                raise ValueError(
+                    f"placement.{role} names pool {pool!r}, which is not in pools ({', '.join(self.pools)})"
+                )
 
 
 @dataclass
 class RolloutConfig:
-    backend: str = _f("native", "rollout backend: native (paged-KV engine), hf (transformers generate) or a registered/dotted one")
+    backend: str = _f(
+        "native",
+        "rollout backend: native (paged-KV engine), hf (transformers generate) or a registered/dotted one",
+    )
     temperature: float = _f(1.0, "sampling temperature (0: greedy)", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = _f(0, "top-k sampling (0: off)", ge=0)
     max_new_tokens: int = _f(16, "longest response in tokens", ge=1)
-    max_batch_size: int = _f(512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1)
+    max_batch_size: int = _f(
+        512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1
+    )
     kv_cache_bytes: int = _f(256 << 20, "native: bytes of the paged KV-cache pool", ge=1)
     block_size: int = _f(16, "native: tokens per KV-cache block", ge=1)
-    max_num_batched_tokens: int = _f(4096, "native: token budget of one engine step (prefill + decode)", ge=1)
-    enable_prefix_caching: bool = _f(True, "native, vllm, sglang: share KV blocks of identical prompt prefixes")
-    draft_model_path: str | None = _f(None, "native: draft model checkpoint for speculative decoding (null: off)")
+    max_num_batched_tokens: int = _f(
+        4096, "native: token budget of one engine step (prefill + decode)", ge=1
+    )
+    enable_prefix_caching: bool = _f(
+        True, "native, vllm, sglang: share KV blocks of identical prompt prefixes"
+    )
+    draft_model_path: str | None = _f(
+        None, "native: draft model checkpoint for speculative decoding (null: off)"
+    )
     num_speculative_tokens: int = _f(4, "native: tokens the draft proposes per step", ge=1)
-    spec_max_batch: int = _f(32, "native: speculate only while at most this many sequences decode", ge=1)
-    dtype: Literal["auto", "fp32", "bf16"] = _f("auto", "native: dtype of the engine's weights and KV cache (log-probs stay fp32); "
-                                                  "auto: on a CPU bf16 when it has native bf16 matmuls and a measurement "
-                                                  "on the model says they pay, else fp32; on CUDA the model's dtype")
-    kv_cache_memory_fraction: float | None = _f(None, "native, CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)", gt=0, le=1)
-    engine_model_path: str | None = _f(None, "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and tokenizer are saved to a temporary directory)")
-    gpu_memory_utilization: float = _f(0.5, "vllm, sglang: share of GPU memory the engine takes for weights and KV cache (sglang: mem_fraction_static)", gt=0, le=1)
+    spec_max_batch: int = _f(
+        32, "native: speculate only while at most this many sequences decode", ge=1
+    )
+    dtype: Literal["auto", "fp32", "bf16"] = _f(
+        "auto",
+        "native: dtype of the engine's weights and KV cache (log-probs stay fp32); "
+        "auto: on a CPU bf16 when it has native bf16 matmuls and a measurement "
+        "on the model says they pay, else fp32; on CUDA the model's dtype",
+    )
+    kv_cache_memory_fraction: float | None = _f(
+        None,
+        "native, CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)",
+        gt=0,
+        le=1,
+    )
+    engine_model_path: str | None = _f(
+        None,
+        "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and tokenizer are saved to a temporary directory)",
+    )
+    gpu_memory_utilization: float = _f(
+        0.5,
+        "vllm, sglang: share of GPU memory the engine takes for weights and KV cache (sglang: mem_fraction_static)",
+        gt=0,
+        le=1,
+    )
     tensor_parallel_size: int = _f(1, "vllm, sglang: GPUs the engine shards the model over", ge=1)
-    engine_kwargs: dict = _f({}, "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine (e.g. {dtype: bfloat16})")
+    engine_kwargs: dict = _f(
+        {},
+        "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine (e.g. {dtype: bfloat16})",
+    )
 
 
 @dataclass
@@ -107,77 +169,171 @@ class ActorConfig:
     grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
     ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
     ppo_epochs: int = _f(1, "passes over each step's batch", ge=1)
-    micro_batch_tokens: int = _f(8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1)
-    reuse_old_log_probs: Literal["auto", "never"] = _f("auto", "auto: an on-policy step (ppo_epochs 1, one mini-batch) with no "
-                                                                "reader of the old log-probs before the update (algorithm."
-                                                                "kl_reward_coef 0, rollout_is null) takes them from the update's "
-                                                                "own forward, with no separate pass; never: always the pass")
+    micro_batch_tokens: int = _f(
+        8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1
+    )
+    reuse_old_log_probs: Literal["auto", "never"] = _f(
+        "auto",
+        "auto: an on-policy step (ppo_epochs 1, one mini-batch) with no "
+        "reader of the old log-probs before the update (algorithm."
+        "kl_reward_coef 0, rollout_is null) takes them from the update's "
+        "own forward, with no separate pass; never: always the pass",
+    )
     lora_rank: int = _f(0, "LoRA rank of the policy's adapters (0: train all weights)", ge=0)
     lora_alpha: float = _f(16.0, "LoRA scaling numerator (scale = alpha / rank)", gt=0)
     lora_dropout: float = _f(0.0, "dropout on the LoRA input", ge=0, lt=1)
-    lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                                        "module names that get adapters")
+    lora_target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "module names that get adapters",
+    )
 
 
-LOSS_AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES = [
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
 
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = _f("grpo", "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, remax, grpo_passk, "
-                             "opo (registry name or dotted path)")
-    policy_loss: str = _f("auto", "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo, cispo, gmpo, clip_cov, kl_cov, sapo "
-                              "(registry name or dotted path); "
-                              "auto: decoupled_ppo when trainer.mode is async, else ppo_clip")
+    advantage: str = _f(
+        "grpo",
+        "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, remax, grpo_passk, "
+        "opo (registry name or dotted path)",
+    )
+    policy_loss: str = _f(
+        "auto",
+        "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo, cispo, gmpo, clip_cov, kl_cov, sapo "
+        "(registry name or dotted path); "
+        "auto: decoupled_ppo when trainer.mode is async, else ppo_clip",
+    )
     norm_adv_by_std: bool = _f(True, "grpo, grpo_passk: divide by the group's std (false: Dr.GRPO)")
-    whiten_shift_mean: bool = _f(True, "reinforce_pp, reinforce_pp_baseline, gae: whitened advantages have mean 0 "
-                                       "(false: the batch mean is added back after scaling, as veRL's shift_mean=False)")
+    whiten_shift_mean: bool = _f(
+        True,
+        "reinforce_pp, reinforce_pp_baseline, gae: whitened advantages have mean 0 "
+        "(false: the batch mean is added back after scaling, as veRL's shift_mean=False)",
+    )
     gamma: float = _f(1.0, "discount (gae, reinforce_pp)", ge=0, le=1)
     lam: float = _f(1.0, "GAE lambda", ge=0, le=1)
     clip_ratio_low: float = _f(0.2, "clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
-    clip_ratio_high: float = _f(0.2, "clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher: larger than low)", ge=0)
-    clip_ratio_c: float | None = _f(3.0, "dual clip bound for negative advantages (null: off)", gt=1)
-    behav_imp_weight_cap: float | None = _f(None, "decoupled_ppo: cap of the behaviour importance weight (null: none)", gt=0)
-    cispo_clip_low: float | None = _f(None, "cispo: the detached IS weight is >= 1 - cispo_clip_low (null: no lower bound, "
-                                            "as the CISPO paper)", ge=0, le=1)
-    cispo_clip_high: float = _f(0.28, "cispo: the detached IS weight is <= 1 + cispo_clip_high", ge=0)
-    gmpo_log_clip_low: float = _f(0.4, "gmpo: token log-ratios are clipped at -gmpo_log_clip_low (log space; the paper's 0.4)", gt=0)
-    gmpo_log_clip_high: float = _f(0.4, "gmpo: token log-ratios are clipped at +gmpo_log_clip_high (log space)", gt=0)
-    clip_cov_ratio: float = _f(2e-4, "clip_cov: share of a micro-batch's valid tokens whose gradient is cut (at least one)", gt=0, le=1)
+    clip_ratio_high: float = _f(
+        0.2, "clip: ratio <= 1 + clip_ratio_high (DAPO clip-higher: larger than low)", ge=0
+    )
+    clip_ratio_c: float | None = _f(
+        3.0, "dual clip bound for negative advantages (null: off)", gt=1
+    )
+    behav_imp_weight_cap: float | None = _f(
+        None, "decoupled_ppo: cap of the behaviour importance weight (null: none)", gt=0
+    )
+    cispo_clip_low: float | None = _f(
+        None,
+        "cispo: the detached IS weight is >= 1 - cispo_clip_low (null: no lower bound, "
+        "as the CISPO paper)",
+        ge=0,
+        le=1,
+    )
+    cispo_clip_high: float = _f(
+        0.28, "cispo: the detached IS weight is <= 1 + cispo_clip_high", ge=0
+    )
+    gmpo_log_clip_low: float = _f(
+        0.4,
+        "gmpo: token log-ratios are clipped at -gmpo_log_clip_low (log space; the paper's 0.4)",
+        gt=0,
+    )
+    gmpo_log_clip_high: float = _f(
+        0.4, "gmpo: token log-ratios are clipped at +gmpo_log_clip_high (log space)", gt=0
+    )
+    clip_cov_ratio: float = _f(
+        2e-4,
+        "clip_cov: share of a micro-batch's valid tokens whose gradient is cut (at least one)",
+        gt=0,
+        le=1,
+    )
     clip_cov_lb: float = _f(1.0, "clip_cov: only tokens with covariance above this are candidates")
-    clip_cov_ub: float = _f(5.0, "clip_cov: only tokens with covariance below this are candidates (must be > clip_cov_lb)")
-    clip_cov_seed: int = _f(0, "clip_cov: seed of the random choice among candidates (mixed with a hash of the micro-batch)")
-    kl_cov_ratio: float = _f(2e-3, "kl_cov: share of a micro-batch's valid tokens, those of highest covariance, that get "
-                                   "the KL penalty (at least one)", gt=0, le=1)
-    kl_cov_coef: float = _f(1.0, "kl_cov: weight of |log pi - log pi_old| on the selected tokens", ge=0)
-    sapo_tau_pos: float = _f(1.0, "sapo: temperature of the soft gate for positive advantages", gt=0)
-    sapo_tau_neg: float = _f(1.05, "sapo: temperature of the soft gate for negative and zero advantages", gt=0)
+    clip_cov_ub: float = _f(
+        5.0,
+        "clip_cov: only tokens with covariance below this are candidates (must be > clip_cov_lb)",
+    )
+    clip_cov_seed: int = _f(
+        0,
+        "clip_cov: seed of the random choice among candidates (mixed with a hash of the micro-batch)",
+    )
+    kl_cov_ratio: float = _f(
+        2e-3,
+        "kl_cov: share of a micro-batch's valid tokens, those of highest covariance, that get "
+        "the KL penalty (at least one)",
+        gt=0,
+        le=1,
+    )
+    kl_cov_coef: float = _f(
+        1.0, "kl_cov: weight of |log pi - log pi_old| on the selected tokens", ge=0
+    )
+    sapo_tau_pos: float = _f(
+        1.0, "sapo: temperature of the soft gate for positive advantages", gt=0
+    )
+    sapo_tau_neg: float = _f(
+        1.05, "sapo: temperature of the soft gate for negative and zero advantages", gt=0
+    )
     loss_agg: str = _f("token-mean", "loss aggregation", choices=LOSS_AGG_MODES)
-    loss_agg_norm_len: int | None = _f(None, "seq-mean-token-sum-norm: the fixed length (null: rollout.max_new_tokens)", ge=1)
-    kl_coef: float = _f(0.001, "weight of the KL-to-reference loss term (the KL is always measured)", ge=0)
-    kl_estimator: str = _f("k3", "KL estimator of the loss term and the reward penalty: k1, k2, k3, abs; k1+, k2+, k3+ "
-                                 "(the value of k1/k2/k3 with the gradient of k2)")
-    kl_reward_coef: float = _f(0.0, "initial weight of the per-token KL penalty in the reward (0: off)", ge=0)
-    kl_ctrl: Literal["fixed", "adaptive"] = _f("fixed", "reward KL controller (adaptive: Ziegler et al. 2019)")
+    loss_agg_norm_len: int | None = _f(
+        None, "seq-mean-token-sum-norm: the fixed length (null: rollout.max_new_tokens)", ge=1
+    )
+    kl_coef: float = _f(
+        0.001, "weight of the KL-to-reference loss term (the KL is always measured)", ge=0
+    )
+    kl_estimator: str = _f(
+        "k3",
+        "KL estimator of the loss term and the reward penalty: k1, k2, k3, abs; k1+, k2+, k3+ "
+        "(the value of k1/k2/k3 with the gradient of k2)",
+    )
+    kl_reward_coef: float = _f(
+        0.0, "initial weight of the per-token KL penalty in the reward (0: off)", ge=0
+    )
+    kl_ctrl: Literal["fixed", "adaptive"] = _f(
+        "fixed", "reward KL controller (adaptive: Ziegler et al. 2019)"
+    )
     kl_target: float = _f(0.01, "adaptive KL controller: target KL per sequence", gt=0)
     kl_horizon: int = _f(10000, "adaptive KL controller: horizon in samples", ge=1)
     entropy_coef: float = _f(0.0, "entropy bonus weight", ge=0)
-    filter_groups: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts")
+    filter_groups: bool = _f(
+        False, "DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts"
+    )
     max_sampling_rounds: int = _f(4, "dynamic sampling: generate rounds per step at most", ge=1)
-    overlong_buffer: int = _f(0, "DAPO soft overlong punishment: length of the buffer before max_new_tokens (0: off)", ge=0)
+    overlong_buffer: int = _f(
+        0,
+        "DAPO soft overlong punishment: length of the buffer before max_new_tokens (0: off)",
+        ge=0,
+    )
     overlong_penalty: float = _f(1.0, "soft overlong punishment at max_new_tokens", ge=0)
-    rollout_is: Literal["token", "sequence"] | None = _f(None, "rollout correction: importance weight pi_old/pi_rollout per "
-                                                              "token or per sequence (null: off; see algorithms.md)")
-    rollout_is_mode: Literal["truncate", "mask"] = _f("truncate", "rollout correction: truncate (TIS: min(w, threshold)) or "
-                                                                  "mask (MIS: drop tokens/sequences with w outside [lower, threshold])")
-    rollout_is_threshold: float = _f(2.0, "rollout correction: upper bound of the importance weight", gt=0)
-    rollout_is_threshold_lower: float | None = _f(None, "rollout correction, mask mode: lower bound (null: 1/rollout_is_threshold)", ge=0)
-    rollout_bypass: bool = _f(False, "use the rollout's log-probs as the old policy: no old-log-prob forward")
+    rollout_is: Literal["token", "sequence"] | None = _f(
+        None,
+        "rollout correction: importance weight pi_old/pi_rollout per "
+        "token or per sequence (null: off; see algorithms.md)",
+    )
+    rollout_is_mode: Literal["truncate", "mask"] = _f(
+        "truncate",
+        "rollout correction: truncate (TIS: min(w, threshold)) or "
+        "mask (MIS: drop tokens/sequences with w outside [lower, threshold])",
+    )
+    rollout_is_threshold: float = _f(
+        2.0, "rollout correction: upper bound of the importance weight", gt=0
+    )
+    rollout_is_threshold_lower: float | None = _f(
+        None, "rollout correction, mask mode: lower bound (null: 1/rollout_is_threshold)", ge=0
+    )
+    rollout_bypass: bool = _f(
+        False, "use the rollout's log-probs as the old policy: no old-log-prob forward"
+    )
 
     def validate(self) -> None:
         if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ValueError(f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub}): "
-                             "the candidates of clip_cov have a covariance between the two")
+            raise ValueError(
+                f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub}): "
+                "the candidates of clip_cov have a covariance between the two"
+            )
 
 
 @dataclass
@@ -194,29 +350,59 @@ class CriticConfig:
 class FSDPConfig:
     """How trained roles (actor, critic) and the reference are sharded when their world size is > 1."""
 
-    strategy: Literal["fsdp2", "none"] = _f("fsdp2", "fsdp2: fully_shard per decoder layer + root; none: plain module (world size 1 only)")
-    sharding: Literal["full", "grad_op"] = _f("full", "full: ZeRO-3-like (params resharded after forward); grad_op: ZeRO-2-like")
-    mixed_precision: Literal["auto", "fp32", "bf16"] = _f("auto", "training and reference precision. GPU: auto/bf16 = bf16 params + "
-                                                            "fp32 reduce (FSDP2, world size > 1). CPU: bf16 = autocast with fp32 "
-                                                            "master weights and optimizer state; auto = bf16 when the CPU has "
-                                                            "native bf16 matmuls (amx_bf16, avx512_bf16) and a measurement on the "
-                                                            "model says they pay (>= 1.3x), else fp32")
-    cpu_offload: bool = _f(False, "keep sharded params, grads and optimizer states in CPU memory (GPU only)")
-    activation_checkpointing: bool = _f(False, "recompute each decoder layer's activations in backward")
+    strategy: Literal["fsdp2", "none"] = _f(
+        "fsdp2",
+        "fsdp2: fully_shard per decoder layer + root; none: plain module (world size 1 only)",
+    )
+    sharding: Literal["full", "grad_op"] = _f(
+        "full", "full: ZeRO-3-like (params resharded after forward); grad_op: ZeRO-2-like"
+    )
+    mixed_precision: Literal["auto", "fp32", "bf16"] = _f(
+        "auto",
+        "training and reference precision. GPU: auto/bf16 = bf16 params + "
+        "fp32 reduce (FSDP2, world size > 1). CPU: bf16 = autocast with fp32 "
+        "master weights and optimizer state; auto = bf16 when the CPU has "
+        "native bf16 matmuls (amx_bf16, avx512_bf16) and a measurement on the "
+        "model says they pay (>= 1.3x), else fp32",
+    )
+    cpu_offload: bool = _f(
+        False, "keep sharded params, grads and optimizer states in CPU memory (GPU only)"
+    )
+    activation_checkpointing: bool = _f(
+        False, "recompute each decoder layer's activations in backward"
+    )
 
 
 @dataclass
 class SFTConfig:
-    steps: int | None = _f(None, "fixed number of warm-start optimizer steps, no accuracy check (null: train until "
-                                 "target_accuracy is reached, at most max_steps)", ge=0)
-    target_accuracy: float = _f(0.4, "stop the warm start at the first check whose sampled (T = 1) accuracy on held-out "
-                                     "prompts reaches this; below 1 so that RL has room to gain", gt=0, le=1)
-    max_steps: int = _f(2000, "cap on warm-start steps when steps is null (a warning says the target was not reached)", ge=1)
+    steps: int | None = _f(
+        None,
+        "fixed number of warm-start optimizer steps, no accuracy check (null: train until "
+        "target_accuracy is reached, at most max_steps)",
+        ge=0,
+    )
+    target_accuracy: float = _f(
+        0.4,
+        "stop the warm start at the first check whose sampled (T = 1) accuracy on held-out "
+        "prompts reaches this; below 1 so that RL has room to gain",
+        gt=0,
+        le=1,
+    )
+    max_steps: int = _f(
+        2000,
+        "cap on warm-start steps when steps is null (a warning says the target was not reached)",
+        ge=1,
+    )
     eval_every: int = _f(10, "accuracy check every N warm-start steps (when steps is null)", ge=1)
-    eval_size: int = _f(256, "held-out prompts per accuracy check (those that no SFT batch so far contained)", ge=1)
+    eval_size: int = _f(
+        256, "held-out prompts per accuracy check (those that no SFT batch so far contained)", ge=1
+    )
     batch_size: int = _f(256, "examples per SFT step", ge=1)
     lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
-    checkpoint: str | None = _f(None, "warm-start checkpoint directory (null: a cache path derived from the model/task/sft config)")
+    checkpoint: str | None = _f(
+        None,
+        "warm-start checkpoint directory (null: a cache path derived from the model/task/sft config)",
+    )
     enabled: bool = _f(True, "run (or reuse) the warm start before RL")
 
 
@@ -224,15 +410,21 @@ class SFTConfig:
 class AsyncConfig:
     """Fully asynchronous training (``trainer.mode: async``, ``trainers/async_.py``)."""
 
-    max_staleness: int = _f(1, "a trained sample is at most this many weight versions old (0: on-policy)", ge=0)
+    max_staleness: int = _f(
+        1, "a trained sample is at most this many weight versions old (0: on-policy)", ge=0
+    )
     max_concurrent_prompts: int = _f(64, "prompt groups generating at once on a rollout rank", ge=1)
-    batch_timeout_s: float = _f(600.0, "the learner fails when no batch is ready for this long (a dead rollout)", gt=0)
+    batch_timeout_s: float = _f(
+        600.0, "the learner fails when no batch is ready for this long (a dead rollout)", gt=0
+    )
 
 
 @dataclass
 class TrainerConfig:
     name: str = _f("arith_grpo", "run name: outputs go to <runs_dir>/<name>")
-    mode: Literal["sync", "async"] = _f("sync", "sync: generate then train, in turn; async: at once (see asynchronous.*)")
+    mode: Literal["sync", "async"] = _f(
+        "sync", "sync: generate then train, in turn; async: at once (see asynchronous.*)"
+    )
     runs_dir: str = _f("runs", "parent directory of run outputs")
     total_steps: int = _f(200, "RL steps", ge=0)
     prompts_per_step: int = _f(32, "prompts per RL step", ge=1)
@@ -265,7 +457,9 @@ class Config:
 
     def __post_init__(self):
         if self.algorithm.policy_loss == "auto":
-            self.algorithm.policy_loss = "decoupled_ppo" if self.trainer.mode == "async" else "ppo_clip"
+            self.algorithm.policy_loss = (
+                "decoupled_ppo" if self.trainer.mode == "async" else "ppo_clip"
+            )
 
     @property
     def loss_norm_len(self) -> int:
@@ -277,8 +471,10 @@ class Config:
             for role in ("actor", "critic", "reference"):
                 pool = self.controller.pools[self.controller.placement[role]]
                 if pool.nodes * pool.workers_per_node > 1:
-                    raise ValueError(f"the {role} pool has {pool.nodes * pool.workers_per_node} workers: more than one rank of a "
-                                     "trained role needs one process per rank, i.e. controller.backend=ray")
+                    raise ValueError(
+                        f"the {role} pool has {pool.nodes * pool.workers_per_node} workers: more than one rank of a "
+                        "trained role needs one process per rank, i.e. controller.backend=ray"
+                    )
         if self.trainer.mode == "async":
             self._validate_async()
         self._validate_estimator()
@@ -294,7 +490,9 @@ class Config:
 
     def _validate_estimator(self) -> None:
         """What the advantage estimator declares it needs (attributes, not names) against the rest of the config."""
-        from hybridrl.algorithms.advantages import ADVANTAGES  # lazy: only the estimator's attributes are read
+        from hybridrl.algorithms.advantages import (
+            ADVANTAGES,  # lazy: only the estimator's attributes are read
+        )
 
         try:
             est = ADVANTAGES.get(self.algorithm.advantage)
@@ -302,22 +500,32 @@ class Config:
             return  # an unknown name is reported by the plug-in check, with the registered names
         name = self.algorithm.advantage
         if self.trainer.mode == "async" and getattr(est, "needs_greedy_baseline", False):
-            raise ValueError(f"algorithm.advantage={name} needs a greedy baseline response per prompt, which "
-                             "trainer.mode=async does not generate; use trainer.mode=sync")
+            raise ValueError(
+                f"algorithm.advantage={name} needs a greedy baseline response per prompt, which "
+                "trainer.mode=async does not generate; use trainer.mode=sync"
+            )
         least = getattr(est, "min_group_size", 1)
         if self.trainer.samples_per_prompt < least:
-            raise ValueError(f"algorithm.advantage={name} needs trainer.samples_per_prompt >= {least}, "
-                             f"got {self.trainer.samples_per_prompt}")
+            raise ValueError(
+                f"algorithm.advantage={name} needs trainer.samples_per_prompt >= {least}, "
+                f"got {self.trainer.samples_per_prompt}"
+            )
 
     def _validate_async(self) -> None:
         place = self.controller.placement
         apart = [r for r in ("reference", "critic") if place[r] != place["actor"]]
         if apart:
-            raise ValueError(f"trainer.mode=async fuses the trained roles into one learner: placement of {apart} must be "
-                             f"the actor's pool {place['actor']!r}")
+            raise ValueError(
+                f"trainer.mode=async fuses the trained roles into one learner: placement of {apart} must be "
+                f"the actor's pool {place['actor']!r}"
+            )
         if self.controller.backend == "ray" and place["rollout"] == place["actor"]:
-            raise ValueError("trainer.mode=async with controller.backend=ray: the rollout needs its own pool (rollout and "
-                             "training run at the same time); map placement.rollout to a pool other than the actor's")
+            raise ValueError(
+                "trainer.mode=async with controller.backend=ray: the rollout needs its own pool (rollout and "
+                "training run at the same time); map placement.rollout to a pool other than the actor's"
+            )
         if self.rollout.backend != "native":
-            raise ValueError(f"trainer.mode=async streams requests through the native engine; rollout.backend is "
-                             f"{self.rollout.backend!r}")
+            raise ValueError(
+                f"trainer.mode=async streams requests through the native engine; rollout.backend is "
+                f"{self.rollout.backend!r}"
+            )

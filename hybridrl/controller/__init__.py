@@ -5,6 +5,7 @@ instances of one class on a :class:`ResourcePool` (under the ``local`` or the
 
 Ray is imported only when the ``ray`` backend (or :func:`init_ray`) is used.
 """
+
 from hybridrl.controller.dispatch import Dispatch, register, registered_methods
 from hybridrl.controller.ray_backend import init_ray
 from hybridrl.controller.resource_pool import ResourcePool

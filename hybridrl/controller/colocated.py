@@ -10,6 +10,7 @@ The driver still sees one object per role: :class:`RoleView` exposes the ``@regi
 role's class, with their dispatch modes, on top of the fused group, so ``roles.actor.update_policy(b)``
 reads the same whether the actor is fused or not.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,16 +65,23 @@ class RoleView:
 
     def _proxy(self, name: str, mode: Dispatch):
         def proxy(*args, **kwargs):
-            calls = [(r, (self.role, name, *a), kw) for r, a, kw in plan(mode, self.world_size, args, kwargs)]
+            calls = [
+                (r, (self.role, name, *a), kw)
+                for r, a, kw in plan(mode, self.world_size, args, kwargs)
+            ]
             return collect(mode, self.group._run("call_role", calls))
 
         proxy.__name__ = proxy.__qualname__ = name
-        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks, fused] " + (getattr(self.cls, name).__doc__ or "")
+        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks, fused] " + (
+            getattr(self.cls, name).__doc__ or ""
+        )
         return proxy
 
     def apply_all(self, fn, *args, **kwargs) -> list:
         """``fn(role worker, *args, **kwargs)`` on every rank."""
-        return self.group._run("apply_role", plan(Dispatch.ONE_TO_ALL, self.world_size, (self.role, fn, *args), kwargs))
+        return self.group._run(
+            "apply_role", plan(Dispatch.ONE_TO_ALL, self.world_size, (self.role, fn, *args), kwargs)
+        )
 
     def shutdown(self) -> None:  # the fused group is shut down once, by its owner
         pass

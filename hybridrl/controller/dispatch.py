@@ -6,11 +6,13 @@ sets an attribute, so the method stays an ordinary method (callable directly,
 e.g. in a unit test). :func:`plan` turns the driver's arguments into one call
 per participating rank, :func:`collect` turns the results into one value.
 """
+
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
 from hybridrl.protocol import Batch
 
@@ -66,7 +68,9 @@ def plan(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> list[Ran
     if mode is Dispatch.DP_COMPUTE:
         if not args or not isinstance(args[0], Batch):
             got = type(args[0]).__name__ if args else "nothing"
-            raise TypeError(f"a DP_COMPUTE method takes a Batch as its first positional argument, got {got}")
+            raise TypeError(
+                f"a DP_COMPUTE method takes a Batch as its first positional argument, got {got}"
+            )
         chunks = args[0].chunk(world_size)
         return [(r, (chunks[r],) + tuple(args[1:]), kwargs) for r in range(world_size)]
     raise ValueError(f"unknown dispatch mode {mode!r}")

@@ -7,13 +7,19 @@ A backend (local or ray) offers the same three operations to WorkerGroup:
 (in the order of ``calls``) and ``shutdown()``. Here ``submit`` already runs
 the calls; under Ray it only issues them.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
 from hybridrl.controller.dispatch import RankCall
-from hybridrl.controller.worker import WorkerContext, WorkerError, describe_exception, find_free_port
+from hybridrl.controller.worker import (
+    WorkerContext,
+    WorkerError,
+    describe_exception,
+    find_free_port,
+)
 
 
 class LocalBackend:
@@ -25,13 +31,17 @@ class LocalBackend:
 
     def __init__(self, cls: type, contexts: list[WorkerContext], args: tuple, kwargs: dict):
         port = find_free_port("127.0.0.1")
-        self.contexts = [dataclasses.replace(c, master_addr="127.0.0.1", master_port=port) for c in contexts]
+        self.contexts = [
+            dataclasses.replace(c, master_addr="127.0.0.1", master_port=port) for c in contexts
+        ]
         self.workers = []
         for ctx in self.contexts:
             try:
                 self.workers.append(cls(ctx, *args, **kwargs))
             except Exception as exc:
-                raise WorkerError(ctx.role, ctx.rank, f"{cls.__name__}.__init__", describe_exception(exc)) from exc
+                raise WorkerError(
+                    ctx.role, ctx.rank, f"{cls.__name__}.__init__", describe_exception(exc)
+                ) from exc
 
     def submit(self, method: str, calls: list[RankCall]) -> list[Any]:
         results = []
@@ -40,7 +50,9 @@ class LocalBackend:
             try:
                 results.append(fn(*args, **kwargs))
             except Exception as exc:
-                raise WorkerError(self.contexts[rank].role, rank, method, describe_exception(exc)) from exc
+                raise WorkerError(
+                    self.contexts[rank].role, rank, method, describe_exception(exc)
+                ) from exc
         return results
 
     def gather(self, method: str, pending: list[Any]) -> list[Any]:

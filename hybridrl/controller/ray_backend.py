@@ -9,6 +9,7 @@ installed package (``hybridrl.*``, or a user package) are fine; for a class in
 a loose script or test module either start Ray with ``PYTHONPATH`` in
 ``runtime_env`` or call ``ray.cloudpickle.register_pickle_by_value(module)``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,13 @@ from typing import Any
 
 from hybridrl.controller.dispatch import RankCall
 from hybridrl.controller.resource_pool import ResourcePool
-from hybridrl.controller.worker import WorkerContext, WorkerDiedError, WorkerError, describe_exception, find_free_port
+from hybridrl.controller.worker import (
+    WorkerContext,
+    WorkerDiedError,
+    WorkerError,
+    describe_exception,
+    find_free_port,
+)
 
 # seconds to wait for a group's actors to start (process spawn + imports)
 START_TIMEOUT_S = 300.0
@@ -33,7 +40,9 @@ FORWARDED_ENV = ("HYBRIDRL_PG_TIMEOUT_S",)
 _PLAIN = (int, float, bool, str, bytes, type(None))
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None, runtime_env: dict | None = None) -> None:
+def init_ray(
+    address: str | None = None, num_cpus: int | None = None, runtime_env: dict | None = None
+) -> None:
     """Start a local Ray cluster (``address=None``) or join ``address``.
 
     A local cluster runs without dashboard, with token authentication off
@@ -44,7 +53,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, runtime_en
 
     if ray.is_initialized():
         return
-    opts: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, runtime_env=runtime_env)
+    opts: dict[str, Any] = dict(
+        include_dashboard=False, logging_level=logging.WARNING, runtime_env=runtime_env
+    )
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         opts["num_cpus"] = num_cpus
@@ -64,9 +75,16 @@ class _WorkerHost:
         """``(node id, node ip, a free port on that node, pid)``."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), find_free_port(), os.getpid()
+        return (
+            ray.get_runtime_context().get_node_id(),
+            ray.util.get_node_ip_address(),
+            find_free_port(),
+            os.getpid(),
+        )
 
-    def build(self, cls: type, ctx: WorkerContext, args: tuple, kwargs: dict, env: dict[str, str]) -> None:
+    def build(
+        self, cls: type, ctx: WorkerContext, args: tuple, kwargs: dict, env: dict[str, str]
+    ) -> None:
         os.environ.update(env)
         self.worker = cls(ctx, *args, **kwargs)
 
@@ -85,7 +103,15 @@ class RayBackend:
     whole group sits on one node, else rank 0's node IP.
     """
 
-    def __init__(self, cls: type, pool: ResourcePool, contexts: list[WorkerContext], args: tuple, kwargs: dict, env: dict[str, str]):
+    def __init__(
+        self,
+        cls: type,
+        pool: ResourcePool,
+        contexts: list[WorkerContext],
+        args: tuple,
+        kwargs: dict,
+        env: dict[str, str],
+    ):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -96,7 +122,12 @@ class RayBackend:
         self.dead: WorkerDiedError | None = None  # the first rank found dead: the group is broken
         threads = str(contexts[0].num_threads)
         forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        actor_env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **forwarded, **{k: str(v) for k, v in env.items()}}
+        actor_env = {
+            "OMP_NUM_THREADS": threads,
+            "MKL_NUM_THREADS": threads,
+            **forwarded,
+            **{k: str(v) for k, v in env.items()},
+        }
         host = ray.remote(_WorkerHost)
         self.actors = []
         for ctx in contexts:
@@ -104,7 +135,9 @@ class RayBackend:
             self.actors.append(
                 host.options(
                     **pool.actor_resources(),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=index
+                    ),
                     runtime_env={"env_vars": actor_env},
                 ).remote(contexts[0].num_threads)
             )
@@ -127,10 +160,17 @@ class RayBackend:
         self.where = where
         one_node = len({node for node, _, _, _ in where}) == 1
         addr, port = "127.0.0.1" if one_node else where[0][1], where[0][2]
-        self.contexts = [dataclasses.replace(c, master_addr=addr, master_port=port) for c in self.contexts]
+        self.contexts = [
+            dataclasses.replace(c, master_addr=addr, master_port=port) for c in self.contexts
+        ]
         pending = []
         for actor, ctx in zip(self.actors, self.contexts):
-            dist_env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(ctx.rank), "WORLD_SIZE": str(ctx.world_size)}
+            dist_env = {
+                "MASTER_ADDR": addr,
+                "MASTER_PORT": str(port),
+                "RANK": str(ctx.rank),
+                "WORLD_SIZE": str(ctx.world_size),
+            }
             pending.append((ctx.rank, actor.build.remote(cls, ctx, args, kwargs, dist_env)))
         self.gather(f"{cls.__name__}.__init__", pending)
 
@@ -140,10 +180,19 @@ class RayBackend:
         rank takes no more calls: its torch.distributed group is broken."""
         if self.dead is not None:
             d = self.dead
-            raise WorkerDiedError(d.role, d.rank, d.method, d.detail, d.where,
-                                  f"  the group takes no more calls (this one: {method}()); shut it down") from d
+            raise WorkerDiedError(
+                d.role,
+                d.rank,
+                d.method,
+                d.detail,
+                d.where,
+                f"  the group takes no more calls (this one: {method}()); shut it down",
+            ) from d
         calls = self._share(calls)
-        return [(rank, self.actors[rank].call.remote(method, *args, **kwargs)) for rank, args, kwargs in calls]
+        return [
+            (rank, self.actors[rank].call.remote(method, *args, **kwargs))
+            for rank, args, kwargs in calls
+        ]
 
     def gather(self, method: str, pending: list[tuple[int, Any]]) -> list[Any]:
         """The results in the order of ``pending``. A rank whose actor died is reported as soon as Ray
@@ -173,10 +222,18 @@ class RayBackend:
             return [results[ref] for _, ref in pending]
         rank = min(failed)
         err = failed[rank]
-        cause = err.cause if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, BaseException) else err
-        raise WorkerError(self.contexts[rank].role, rank, method, describe_exception(cause)) from err
+        cause = (
+            err.cause
+            if isinstance(err, ray.exceptions.RayTaskError) and isinstance(err.cause, BaseException)
+            else err
+        )
+        raise WorkerError(
+            self.contexts[rank].role, rank, method, describe_exception(cause)
+        ) from err
 
-    def _died(self, rank: int, method: str, err: BaseException, failed: dict, waiting: list, rank_of: dict) -> WorkerDiedError:
+    def _died(
+        self, rank: int, method: str, err: BaseException, failed: dict, waiting: list, rank_of: dict
+    ) -> WorkerDiedError:
         """The error naming dead ``rank``: where it ran, why it died, what its peers did meanwhile."""
         report = str(getattr(err, "error_msg", "") or err)
         if rank < len(self.where):
@@ -184,12 +241,26 @@ class RayBackend:
         else:  # died before it could say where it runs: Ray's report names pid and ip
             node_id, found = "?", dict(re.findall(r"^\t(pid|ip): (\S+)$", report, re.M))
             pid, ip = found.get("pid", "?"), found.get("ip", "?")
-        lines = [f"  rank {r} failed too, most likely because its peer died: {_first_line(describe_exception(_cause(e)))}"
-                 for r, e in sorted(failed.items())]
-        lines += [f"  rank {rank_of[ref]}: not awaited (it may be blocked in a collective with the dead rank)" for ref in waiting]
-        lines += [f"  node id {node_id}; Ray's report:", *("    " + line.strip() for line in report.splitlines() if line.strip())]
-        return WorkerDiedError(self.contexts[rank].role, rank, method, exit_cause(report),
-                               f"pid {pid} on node {ip}, node id {node_id[:12]}", "\n".join(lines))
+        lines = [
+            f"  rank {r} failed too, most likely because its peer died: {_first_line(describe_exception(_cause(e)))}"
+            for r, e in sorted(failed.items())
+        ]
+        lines += [
+            f"  rank {rank_of[ref]}: not awaited (it may be blocked in a collective with the dead rank)"
+            for ref in waiting
+        ]
+        lines += [
+            f"  node id {node_id}; Ray's report:",
+            *("    " + line.strip() for line in report.splitlines() if line.strip()),
+        ]
+        return WorkerDiedError(
+            self.contexts[rank].role,
+            rank,
+            method,
+            exit_cause(report),
+            f"pid {pid} on node {ip}, node id {node_id[:12]}",
+            "\n".join(lines),
+        )
 
     def _share(self, calls: list[RankCall]) -> list[RankCall]:
         if len(calls) < 2:
@@ -207,7 +278,10 @@ class RayBackend:
                 refs[id(x)] = self._ray.put(x)
             return refs[id(x)]
 
-        return [(r, tuple(share(a) for a in args), {k: share(v) for k, v in kwargs.items()}) for r, args, kwargs in calls]
+        return [
+            (r, tuple(share(a) for a in args), {k: share(v) for k, v in kwargs.items()})
+            for r, args, kwargs in calls
+        ]
 
     def shutdown(self) -> None:
         """Kill every actor, dead or alive; a kill that fails does not spare the others (the first
@@ -235,7 +309,9 @@ def _first_line(text: str, limit: int = 200) -> str:
 def exit_cause(report: str) -> str:
     """A short cause of an actor's death from Ray's report (``ActorDiedError`` text), in plain words
     first. Ray cannot name a signal: a process that vanished shows as a dropped connection."""
-    text = " ".join(line.strip() for line in report.splitlines() if line.strip() and not line.startswith("\t"))
+    text = " ".join(
+        line.strip() for line in report.splitlines() if line.strip() and not line.startswith("\t")
+    )
     text = re.split(r" (?:Some common causes|There are some potential root causes)", text)[0]
     text = text.replace("The actor died unexpectedly before finishing this task. ", "")
     found = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*)", text)
@@ -245,7 +321,9 @@ def exit_cause(report: str) -> str:
         plain = "out of memory"
     elif "ray.kill" in low:
         plain = "killed by ray.kill"
-    elif "node" in low and ("has died" in low or "node died" in low or "is dead because its node" in low):
+    elif "node" in low and (
+        "has died" in low or "node died" in low or "is dead because its node" in low
+    ):
         plain = "its node was lost"
     elif "connection error" in low or "end of file" in low:
         plain = "its process vanished (killed by a signal such as SIGKILL or the OOM killer, or crashed)"

@@ -22,6 +22,7 @@ groups fit on one pool.
 ``{"node1": 0.01}`` per worker only lands on nodes started with a ``node1``
 resource (how a pool is pinned to a node or a kind of machine).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,16 +40,26 @@ class ResourcePool:
     cpus_per_worker: float = 1
     gpus_per_worker: float = 0
     max_colocate: int = 8  # how many WorkerGroups may share this pool (ray)
-    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker (node pinning)
-    _placement_groups: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
+    resources: dict[str, float] = field(
+        default_factory=dict
+    )  # custom Ray resources per worker (node pinning)
+    _placement_groups: list[Any] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self):
         if self.nodes < 1 or self.workers_per_node < 1:
             raise ValueError(f"pool {self.name!r}: nodes and workers_per_node must be >= 1")
-        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0 or self.cpus_per_worker + self.gpus_per_worker <= 0:
+        if (
+            self.cpus_per_worker < 0
+            or self.gpus_per_worker < 0
+            or self.cpus_per_worker + self.gpus_per_worker <= 0
+        ):
             raise ValueError(f"pool {self.name!r}: each worker needs some CPU or GPU")
         if any(v <= 0 for v in self.resources.values()):
-            raise ValueError(f"pool {self.name!r}: custom resources must be > 0, got {self.resources}")
+            raise ValueError(
+                f"pool {self.name!r}: custom resources must be > 0, got {self.resources}"
+            )
         if self.max_colocate < 1:
             raise ValueError(f"pool {self.name!r}: max_colocate must be >= 1")
 
@@ -85,7 +96,11 @@ class ResourcePool:
         from ray.util.placement_group import placement_group, remove_placement_group
 
         pgs = [
-            placement_group([self.bundle()] * self.workers_per_node, strategy="STRICT_PACK", name=f"{self.name}-node{n}")
+            placement_group(
+                [self.bundle()] * self.workers_per_node,
+                strategy="STRICT_PACK",
+                name=f"{self.name}-node{n}",
+            )
             for n in range(self.nodes)
         ]
         try:

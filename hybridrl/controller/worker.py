@@ -2,6 +2,7 @@
 :class:`Worker`, the base class of every role (actor, reference, rollout,
 reward ...). The same class runs unchanged under the ``local`` and ``ray``
 backends."""
+
 from __future__ import annotations
 
 import socket
@@ -46,7 +47,9 @@ class Worker:
 
     def __init__(self, ctx: WorkerContext):
         if not isinstance(ctx, WorkerContext):
-            raise TypeError(f"{type(self).__name__} expects a WorkerContext first, got {type(ctx).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} expects a WorkerContext first, got {type(ctx).__name__}"
+            )
         self.ctx = ctx
         if ctx.num_threads:
             torch.set_num_threads(ctx.num_threads)
@@ -96,10 +99,16 @@ class WorkerDiedError(WorkerError):
     group's torch.distributed group is broken from then on: every later call into the group raises this.
     """
 
-    def __init__(self, role: str, rank: int, method: str, cause: str, where: str = "", detail: str = ""):
+    def __init__(
+        self, role: str, rank: int, method: str, cause: str, where: str = "", detail: str = ""
+    ):
         self.role, self.rank, self.method, self.detail = role, rank, method, cause
         self.where, self.report = where, detail
-        head = f"worker role {role!r} rank {rank} died in {method}()" + (f" ({where})" if where else "") + f": {cause}"
+        head = (
+            f"worker role {role!r} rank {rank} died in {method}()"
+            + (f" ({where})" if where else "")
+            + f": {cause}"
+        )
         RuntimeError.__init__(self, head + (f"\n{detail}" if detail else ""))
 
     def __reduce__(self):

@@ -8,6 +8,7 @@ of the group of the same name that dispatches per its mode::
     actor = WorkerGroup(ActorWorker, pool, role="actor", backend="ray", args=(cfg,))
     batch = batch | actor.compute_log_prob(batch)   # DP_COMPUTE: split, run, concat
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -60,11 +61,20 @@ class WorkerGroup:
         self._methods = registered_methods(cls)
         clash = sorted(n for n in self._methods if hasattr(WorkerGroup, n))
         if clash:
-            raise ValueError(f"{cls.__name__}: registered method(s) {clash} clash with WorkerGroup attributes")
+            raise ValueError(
+                f"{cls.__name__}: registered method(s) {clash} clash with WorkerGroup attributes"
+            )
         if backend == "ray" and num_threads is None:
             num_threads = 1
         contexts = [
-            WorkerContext(rank=r, world_size=pool.world_size, role=role, pool=pool.name, num_threads=num_threads, seed=seed)
+            WorkerContext(
+                rank=r,
+                world_size=pool.world_size,
+                role=role,
+                pool=pool.name,
+                num_threads=num_threads,
+                seed=seed,
+            )
             for r in range(pool.world_size)
         ]
         if backend == "local":
@@ -72,7 +82,9 @@ class WorkerGroup:
         else:
             from hybridrl.controller.ray_backend import RayBackend
 
-            self._backend = RayBackend(cls, pool, contexts, tuple(args), dict(kwargs or {}), dict(env or {}))
+            self._backend = RayBackend(
+                cls, pool, contexts, tuple(args), dict(kwargs or {}), dict(env or {})
+            )
         for name, mode in self._methods.items():
             setattr(self, name, self._proxy(name, mode))
 
@@ -105,7 +117,9 @@ class WorkerGroup:
             return collect(mode, self._run(name, plan(mode, self.world_size, args, kwargs)))
 
         proxy.__name__ = proxy.__qualname__ = name
-        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks] " + (getattr(self.cls, name).__doc__ or "")
+        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks] " + (
+            getattr(self.cls, name).__doc__ or ""
+        )
         return proxy
 
     def _run(self, name: str, calls: list) -> list:
@@ -148,7 +162,7 @@ class WorkerGroup:
         is killed, busy or dead; a kill that fails is raised only after the others were tried."""
         self._backend.shutdown()
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc) -> None:

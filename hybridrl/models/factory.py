@@ -4,20 +4,39 @@ Built-in sizes are W1's Qwen2 configs (docs/workloads.md), randomly initialised
 from a seed (no download); ``model.path`` loads any local transformers
 causal-LM checkpoint together with its tokenizer.
 """
+
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.utils import logging as hf_logging
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 log = logging.getLogger(__name__)
 
 SIZES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512),
-    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+    ),
+    "small": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+    ),
 }
 
 
@@ -55,15 +74,31 @@ def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokeni
         return build_model(size, task_tokenizer, seed), task_tokenizer
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model path {str(p)!r} holds no transformers checkpoint (config.json missing)")
-    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True) if (p / "tokenizer_config.json").exists() else task_tokenizer
+        raise FileNotFoundError(
+            f"model path {str(p)!r} holds no transformers checkpoint (config.json missing)"
+        )
+    tokenizer = (
+        AutoTokenizer.from_pretrained(p, local_files_only=True)
+        if (p / "tokenizer_config.json").exists()
+        else task_tokenizer
+    )
     if tokenizer is None:
-        raise FileNotFoundError(f"model path {str(p)!r} has no tokenizer and the task provides none")
+        raise FileNotFoundError(
+            f"model path {str(p)!r} has no tokenizer and the task provides none"
+        )
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none; padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
-    if len(tokenizer) > model.config.vocab_size:  # e.g. a default unk token added on reload: its id has no embedding
-        log.warning("%s: the tokenizer has %d tokens, the model's vocabulary %d rows; ids from %d on would fail "
-                    "(added tokens: %s)", p, len(tokenizer), model.config.vocab_size, model.config.vocab_size,
-                    sorted(t for t, i in tokenizer.get_vocab().items() if i >= model.config.vocab_size))
+    if (
+        len(tokenizer) > model.config.vocab_size
+    ):  # e.g. a default unk token added on reload: its id has no embedding
+        log.warning(
+            "%s: the tokenizer has %d tokens, the model's vocabulary %d rows; ids from %d on would fail "
+            "(added tokens: %s)",
+            p,
+            len(tokenizer),
+            model.config.vocab_size,
+            model.config.vocab_size,
+            sorted(t for t, i in tokenizer.get_vocab().items() if i >= model.config.vocab_size),
+        )
     return model, tokenizer

@@ -25,12 +25,13 @@ LoRA adapter entries only; an unknown name or a missing weight raises
 stay loaded, so the engine then refuses to generate until a sync succeeds
 instead of serving a half-updated model.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -39,9 +40,15 @@ from hybridrl.registry import Registry
 
 ROLLOUT_BACKENDS = Registry("rollout backend")  # name -> cls(model, tokenizer, cfg: RolloutConfig)
 
-LORA_A, LORA_B, LORA_SCALING = ".lora_A", ".lora_B", ".lora_scaling"  # adapter entries of a weight sync
+LORA_A, LORA_B, LORA_SCALING = (
+    ".lora_A",
+    ".lora_B",
+    ".lora_scaling",
+)  # adapter entries of a weight sync
 _LORA_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING)
-_IGNORED = ("rotary_emb.inv_freq",)  # buffers some checkpoints carry; computed from the config, never synced
+_IGNORED = (
+    "rotary_emb.inv_freq",
+)  # buffers some checkpoints carry; computed from the config, never synced
 _SHOWN = 5  # names quoted in a sync error
 
 
@@ -61,7 +68,9 @@ class SyncCheck:
             groups[(t.data_ptr(), tuple(t.shape), t.stride())].append(name)
         self.groups = [sorted(g) for g in groups.values()]
 
-    def stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def stream(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         full: set[str] = set()
         unknown: list[str] = []
         adapters = False
@@ -81,18 +90,26 @@ class SyncCheck:
     def _verify(self, full: set[str], unknown: list[str], adapters: bool) -> None:
         problems = []
         if unknown:
-            problems.append(f"{len(unknown)} name(s) the rollout model does not have: {unknown[:_SHOWN]}")
+            problems.append(
+                f"{len(unknown)} name(s) the rollout model does not have: {unknown[:_SHOWN]}"
+            )
         if not full and not adapters:
             problems.append("no tensors at all")
         elif full and self.groups:
             missing = sorted(g[0] for g in self.groups if full.isdisjoint(g))
             if missing:
-                problems.append(f"{len(missing)} of its {len(self.groups)} weights missing: {missing[:_SHOWN]}")
+                problems.append(
+                    f"{len(missing)} of its {len(self.groups)} weights missing: {missing[:_SHOWN]}"
+                )
         if problems:
             example = sorted(self.known)[:3] if self.known else []
-            raise WeightSyncError("update_weights: " + "; ".join(problems) + ". A sync must carry every weight of the "
-                                  f"model by its transformers name (e.g. {example}), or LoRA adapter entries "
-                                  f"(<module>{LORA_A}, {LORA_B}, {LORA_SCALING}) only")
+            raise WeightSyncError(
+                "update_weights: "
+                + "; ".join(problems)
+                + ". A sync must carry every weight of the "
+                f"model by its transformers name (e.g. {example}), or LoRA adapter entries "
+                f"(<module>{LORA_A}, {LORA_B}, {LORA_SCALING}) only"
+            )
 
 
 @dataclass
@@ -105,7 +122,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     min_p: float = 0.0
-    stop: tuple[str, ...] = ()  # stop strings: the response ends with the token that completes one (rollout/stop.py)
+    stop: tuple[
+        str, ...
+    ] = ()  # stop strings: the response ends with the token that completes one (rollout/stop.py)
     ignore_eos: bool = False
     return_raw_log_probs: bool = False
 
@@ -130,17 +149,25 @@ class RolloutEngine(ABC):
         self.version = 0
         self.paused = False
         self._aborted: set[str] = set()
-        self._lora_base: dict[str, torch.Tensor] = {}  # "<module>.weight" -> its base value (adapted modules)
-        self._sync_failure: str | None = None  # why the last weight sync failed (the weights may be half-updated)
+        self._lora_base: dict[
+            str, torch.Tensor
+        ] = {}  # "<module>.weight" -> its base value (adapted modules)
+        self._sync_failure: str | None = (
+            None  # why the last weight sync failed (the weights may be half-updated)
+        )
 
     @abstractmethod
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]: ...
+    def generate(
+        self, requests: list[GenerationRequest], params: SamplingParams
+    ) -> list[Sample]: ...
 
     @abstractmethod
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the live weights in place; return the number of tensors loaded."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> int:
         count = self.checked_sync(named_tensors, self._load_weights)
         self.version = version
         return count
@@ -151,13 +178,18 @@ class RolloutEngine(ABC):
         config = getattr(getattr(self, "model", None), "config", None)
         return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
 
-    def checked_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                     load: Callable[[Iterator[tuple[str, torch.Tensor]]], int]) -> int:
+    def checked_sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        load: Callable[[Iterator[tuple[str, torch.Tensor]]], int],
+    ) -> int:
         """``load`` the sync's stream (LoRA merged) after :class:`SyncCheck`; a failure is remembered, so
         :meth:`check_servable` refuses generation until a later sync succeeds."""
         try:
             live = self._weight_tensors()
-        except NotImplementedError:  # the backend cannot name its weights: unknown and missing names go unchecked
+        except (
+            NotImplementedError
+        ):  # the backend cannot name its weights: unknown and missing names go unchecked
             live = None
         check = SyncCheck(live, self._sync_aliases())
         try:
@@ -170,19 +202,25 @@ class RolloutEngine(ABC):
 
     def check_servable(self) -> None:
         if self._sync_failure is not None:
-            raise RuntimeError(f"{type(self).__name__}: the last weight sync failed, so the model may be half-updated; "
-                               f"complete a sync before generating ({self._sync_failure})")
+            raise RuntimeError(
+                f"{type(self).__name__}: the last weight sync failed, so the model may be half-updated; "
+                f"complete a sync before generating ({self._sync_failure})"
+            )
 
     # --- LoRA -------------------------------------------------------------------------------------------
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         """The live weights by transformers name (read to take the base copies of adapted modules)."""
         model = getattr(self, "model", None)
         if model is None:
-            raise NotImplementedError(f"{type(self).__name__}: LoRA sync needs _weight_tensors() (live weights by name)")
+            raise NotImplementedError(
+                f"{type(self).__name__}: LoRA sync needs _weight_tensors() (live weights by name)"
+            )
         return dict(model.named_parameters())
 
     @torch.no_grad()
-    def merge_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def merge_adapters(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The sync stream with adapter entries replaced by merged weights: full weights pass through as they
         come (the consumer loads each before asking for the next); the adapters are gathered and, once the
         stream is exhausted, every adapted module yields ``W = W_base + scale * B @ A`` (float32 math, cast to
@@ -214,9 +252,14 @@ class RolloutEngine(ABC):
             if wname not in self._lora_base:
                 self._lora_base[wname] = w.detach().clone()
             base = self._lora_base[wname]
-            a, b = parts[LORA_A].to(w.device, torch.float32), parts[LORA_B].to(w.device, torch.float32)
+            a, b = (
+                parts[LORA_A].to(w.device, torch.float32),
+                parts[LORA_B].to(w.device, torch.float32),
+            )
             if (b.shape[0], a.shape[1]) != tuple(w.shape) or b.shape[1] != a.shape[0]:
-                raise ValueError(f"LoRA sync: {module}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit {tuple(w.shape)}")
+                raise ValueError(
+                    f"LoRA sync: {module}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit {tuple(w.shape)}"
+                )
             yield wname, (base.float() + float(parts[LORA_SCALING]) * (b @ a)).to(w.dtype)
 
     def lora_base_bytes(self) -> int:

@@ -24,6 +24,7 @@ target KV is cached may hold no draft KV: each block records whether its draft
 KV is written too (``draft``), and a prefix hit counts as draft-computed only
 up to the first block without it; the draft prefills the rest itself.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,7 +33,9 @@ from collections import OrderedDict
 
 from hybridrl.rollout.sequence import Sequence
 
-NO_HASH = b""  # the parent digest of a sequence's first block, and the digest of an unregistered block
+NO_HASH = (
+    b""  # the parent digest of a sequence's first block, and the digest of an unregistered block
+)
 
 
 def block_hash(prev_hash: bytes, tokens: list[int]) -> bytes:
@@ -56,12 +59,16 @@ class Block:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+            raise ValueError(
+                f"need at least one block of at least one token (got {num_blocks} x {block_size})"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
+        self.free: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(num_blocks)
+        )  # LRU order
         self.hash_to_block: dict[int, int] = {}
         self.epoch = 0
 
@@ -106,7 +113,7 @@ class BlockManager:
             return hits, h
         bs = self.block_size
         for i in range((len(seq) - 1) // bs):  # full blocks that end before the last token
-            tokens = seq.token_ids[i * bs: (i + 1) * bs]
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(h, tokens)
             bid = self.hash_to_block.get(h)
             if bid is None or self.blocks[bid].token_ids != tuple(tokens):
@@ -131,10 +138,14 @@ class BlockManager:
             raise RuntimeError("allocate() without enough free blocks; call can_allocate() first")
         for bid in hits:
             self._ref(bid)
-        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        seq.block_table = hits + [
+            self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))
+        ]
         seq.num_computed = len(hits) * self.block_size
         draft = next((i for i, bid in enumerate(hits) if not self.blocks[bid].draft), len(hits))
-        seq.num_draft_computed = draft * self.block_size  # the draft prefills the hits it has no KV for
+        seq.num_draft_computed = (
+            draft * self.block_size
+        )  # the draft prefills the hits it has no KV for
         seq.num_hashed_blocks = len(hits)
         seq.num_draft_blocks = draft
         seq.last_hash = h
@@ -194,7 +205,7 @@ class BlockManager:
         for i in range(seq.num_hashed_blocks, done):
             bid = seq.block_table[i]
             block = self.blocks[bid]
-            tokens = seq.token_ids[i * bs: (i + 1) * bs]
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(seq.last_hash, tokens)
             if block.hash == NO_HASH:
                 block.hash, block.token_ids = h, tuple(tokens)

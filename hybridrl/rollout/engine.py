@@ -8,13 +8,15 @@ once. With a draft model, decode-only steps at small batch run speculatively
 (``spec_decode.py``). Every step holds ``lock``, so weight updates, aborts and
 memory release from other threads land between steps.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -30,32 +32,58 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model, cfg, *, eos_token_ids: Iterable[int] = (), tokenizer=None, draft_model=None,
-                 num_blocks: int | None = None, spec_max_batch: int | None = None):
+    def __init__(
+        self,
+        model,
+        cfg,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        tokenizer=None,
+        draft_model=None,
+        num_blocks: int | None = None,
+        spec_max_batch: int | None = None,
+    ):
         # rollout.dtype: the engine's weights and KV may be bf16 while the model it copies is fp32 (rollout/precision.py)
         self.device, self.dtype = next(model.parameters()).device, resolve_engine_dtype(cfg, model)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.runner = ModelRunner(model.config, device=self.device, dtype=self.dtype, block_size=cfg.block_size, hf_model=model)
+        self.runner = ModelRunner(
+            model.config,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=cfg.block_size,
+            hf_model=model,
+        )
         self.spec = None
         per_block = self.runner.bytes_per_block()
         if draft_model is not None:
             from hybridrl.rollout.spec_decode import SpecDecoder
 
-            draft_runner = ModelRunner(draft_model.config, device=self.device, dtype=self.dtype, block_size=cfg.block_size,
-                                       hf_model=draft_model)
+            draft_runner = ModelRunner(
+                draft_model.config,
+                device=self.device,
+                dtype=self.dtype,
+                block_size=cfg.block_size,
+                hf_model=draft_model,
+            )
             if spec_max_batch is None:
                 spec_max_batch = getattr(cfg, "spec_max_batch", 32)
             self.spec = SpecDecoder(self, draft_runner, cfg.num_speculative_tokens, spec_max_batch)
             per_block += draft_runner.bytes_per_block()
         budget = cfg.kv_cache_bytes
-        fraction = getattr(cfg, "kv_cache_memory_fraction", None)  # GPU: a share of the free device memory
+        fraction = getattr(
+            cfg, "kv_cache_memory_fraction", None
+        )  # GPU: a share of the free device memory
         if fraction and self.device.type == "cuda":
             budget = int(fraction * torch.cuda.mem_get_info(self.device)[0])
         elif fraction:
-            log.warning("rollout.kv_cache_memory_fraction applies on CUDA only; on %s the KV pool takes "
-                        "rollout.kv_cache_bytes = %d", self.device.type, budget)
+            log.warning(
+                "rollout.kv_cache_memory_fraction applies on CUDA only; on %s the KV pool takes "
+                "rollout.kv_cache_bytes = %d",
+                self.device.type,
+                budget,
+            )
         self.num_blocks = num_blocks or max(2, budget // per_block)
         self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, cfg.max_batch_size, cfg.max_num_batched_tokens)
@@ -92,22 +120,45 @@ class LLMEngine:
                 self.released = False
 
     # --- requests ---------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: Any, seed: int | None = None, tag: Any = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        seed: int | None = None,
+        tag: Any = None,
+    ) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         n = max(1, int(getattr(params, "n", 1)))
-        stops = (frozenset() if getattr(params, "ignore_eos", False) else self.eos_token_ids) | frozenset(params.stop_token_ids)
+        stops = (
+            frozenset() if getattr(params, "ignore_eos", False) else self.eos_token_ids
+        ) | frozenset(params.stop_token_ids)
         limit = self.runner.spec.max_positions
         max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
         if max_tokens <= 0:
-            raise ValueError(f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room below {limit} positions")
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room below {limit} positions"
+            )
         # a group enters as one sequence that forks its samples after the prompt; a group larger than the seats
         # (rollout.max_batch_size) enters in parts of at most that many samples, each part forking its own (the
         # later parts find the prompt's full blocks in the prefix cache), so sample i's seed stays derive_seed(seed, i)
         cap = self.scheduler.max_num_seqs
-        parts = [Sequence(request_id, prompt_ids, params, derive_seed(seed, start), sample_index=start,
-                          num_forks=min(cap, n - start) - 1, max_tokens=max_tokens, tag=tag, base_seed=seed, stop_ids=stops)
-                 for start in range(0, n, cap)]
+        parts = [
+            Sequence(
+                request_id,
+                prompt_ids,
+                params,
+                derive_seed(seed, start),
+                sample_index=start,
+                num_forks=min(cap, n - start) - 1,
+                max_tokens=max_tokens,
+                tag=tag,
+                base_seed=seed,
+                stop_ids=stops,
+            )
+            for start in range(0, n, cap)
+        ]
         self.stats_acc["prompt_tokens"] += n * len(prompt_ids)
         with self.lock:
             for seq in parts:
@@ -129,7 +180,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> int:
         """Load new weights in place between steps and invalidate the prefix cache. In-flight sequences
         (interrupted generation, asynchronous training) drop their KV, now stale, and continue from their
         tokens so far: their prompt and the tokens already generated are recomputed under the new weights,
@@ -162,8 +215,10 @@ class LLMEngine:
             if not batch.seqs:
                 if self.scheduler.running or not self.scheduler.waiting:
                     return 0
-                raise RuntimeError(f"a sequence of {len(self.scheduler.waiting[0])} tokens does not fit the KV pool "
-                                   f"({self.num_blocks} blocks of {self.bm.block_size}); raise rollout.kv_cache_bytes")
+                raise RuntimeError(
+                    f"a sequence of {len(self.scheduler.waiting[0])} tokens does not fit the KV pool "
+                    f"({self.num_blocks} blocks of {self.bm.block_size}); raise rollout.kv_cache_bytes"
+                )
             acc = self.stats_acc
             acc["steps"] += 1
             acc["kv_usage_sum"] += self.bm.usage()
@@ -189,7 +244,9 @@ class LLMEngine:
 
     def count_prompt_tokens(self, seqs: list[Sequence], qs: list[int]) -> None:
         self.stats_acc["prompt_tokens_computed"] += sum(
-            max(0, min(s.num_computed + q, s.num_prompt_tokens) - s.num_computed) for s, q in zip(seqs, qs))
+            max(0, min(s.num_computed + q, s.num_prompt_tokens) - s.num_computed)
+            for s, q in zip(seqs, qs)
+        )
 
     def complete(self, seqs: list[Sequence], qs: list[int], logits: torch.Tensor) -> int:
         """After a forward over ``qs[i]`` new tokens of each sequence (``logits``: each one's last token): advance
@@ -210,10 +267,19 @@ class LLMEngine:
             return 0
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        st = SamplingTensors.build([s.params for s in row_seqs], [s.seed for s in row_seqs], [len(s) for s in row_seqs], self.device)
+        st = SamplingTensors.build(
+            [s.params for s in row_seqs],
+            [s.seed for s in row_seqs],
+            [len(s) for s in row_seqs],
+            self.device,
+        )
         tokens, lps, raws = sample(logits, st)
-        self.append_tokens(row_seqs, [[t] for t in tokens.tolist()], [[x] for x in lps.tolist()],
-                           None if raws is None else [[x] for x in raws.tolist()])
+        self.append_tokens(
+            row_seqs,
+            [[t] for t in tokens.tolist()],
+            [[x] for x in lps.tolist()],
+            None if raws is None else [[x] for x in raws.tolist()],
+        )
         return len(row_seqs)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
@@ -230,8 +296,13 @@ class LLMEngine:
             self.scheduler.add(child)
         return child
 
-    def append_tokens(self, seqs: list[Sequence], tokens: list[list[int]], lps: list[list[float]],
-                      raws: list[list[float]] | None) -> None:
+    def append_tokens(
+        self,
+        seqs: list[Sequence],
+        tokens: list[list[int]],
+        lps: list[list[float]],
+        raws: list[list[float]] | None,
+    ) -> None:
         """Append each sequence's new tokens, stopping at a stop token/string or the token limit."""
         version = self.version
         done, statuses = [], []
@@ -270,17 +341,23 @@ class LLMEngine:
             "engine/tokens_per_s": a["tokens"] / a["seconds"] if a["seconds"] else 0.0,
             "engine/generated_tokens": a["tokens"],
             "engine/steps": a["steps"],
-            "engine/decode_tokens_per_s": a["decode_tokens"] / a["decode_seconds"] if a["decode_seconds"] else 0.0,
+            "engine/decode_tokens_per_s": a["decode_tokens"] / a["decode_seconds"]
+            if a["decode_seconds"]
+            else 0.0,
             "engine/kv_usage_mean": a["kv_usage_sum"] / a["steps"] if a["steps"] else 0.0,
             "engine/kv_usage_peak": a["kv_usage_peak"],
             "engine/prompt_tokens": a["prompt_tokens"],
             "engine/prompt_tokens_computed": a["prompt_tokens_computed"],
-            "engine/prefix_hit_rate": 1.0 - a["prompt_tokens_computed"] / a["prompt_tokens"] if a["prompt_tokens"] else 0.0,
+            "engine/prefix_hit_rate": 1.0 - a["prompt_tokens_computed"] / a["prompt_tokens"]
+            if a["prompt_tokens"]
+            else 0.0,
             "engine/preemptions": float(self.scheduler.num_preemptions) - a["preemptions_base"],
             "engine/interrupted": a["interrupted"],
         }
         if self.spec is not None:
-            out["engine/spec_acceptance"] = a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
+            out["engine/spec_acceptance"] = (
+                a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
+            )
             out["engine/spec_steps"] = a["spec_steps"]
         if reset:
             base = float(self.scheduler.num_preemptions)

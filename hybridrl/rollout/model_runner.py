@@ -10,11 +10,12 @@ block * block_size + offset; attention writes the new K/V at the sequences'
 slots and gathers each sequence's context through its block table into a
 reused buffer, then computes grouped-query attention without repeating K/V. Plain torch: CPU here, CUDA unchanged.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -40,19 +41,24 @@ class ModelSpec:
     max_positions: int
 
     @staticmethod
-    def from_config(cfg) -> "ModelSpec":
+    def from_config(cfg) -> ModelSpec:
         mt = getattr(cfg, "model_type", "")
         if mt not in ("qwen2", "qwen3", "llama"):
             raise ValueError(f"native rollout supports qwen2, qwen3 and llama models, not {mt!r}")
         heads = cfg.num_attention_heads
         return ModelSpec(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers, num_heads=heads,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
             num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size, rms_eps=cfg.rms_norm_eps,
+            intermediate_size=cfg.intermediate_size,
+            rms_eps=cfg.rms_norm_eps,
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attn_bias=True if mt == "qwen2" else bool(getattr(cfg, "attention_bias", False)),
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)), qk_norm=mt == "qwen3",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=mt == "qwen3",
             o_bias=mt != "qwen2" and bool(getattr(cfg, "attention_bias", False)),
             max_positions=getattr(cfg, "max_position_embeddings", 4096),
         )
@@ -62,7 +68,9 @@ def default_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
     rp = getattr(cfg, "rope_parameters", None) or {}
     rope_type = rp.get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} needs the live model's rotary embedding (pass hf_model)")
+        raise ValueError(
+            f"rope type {rope_type!r} needs the live model's rotary embedding (pass hf_model)"
+        )
     theta = rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
 
@@ -73,23 +81,41 @@ class StepInputs:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor
     slots: torch.Tensor  # (T,) cache slot of each new token
-    kv_blocks: torch.Tensor | None  # (B * nb,) block table of each sequence, padded with block 0 (masked); None: reuse
+    kv_blocks: (
+        torch.Tensor | None
+    )  # (B * nb,) block table of each sequence, padded with block 0 (masked); None: reuse
     bias: torch.Tensor  # (B, qmax, kmax) additive attention mask
     batch: int
     qmax: int
     kmax: int
-    q_pad_index: torch.Tensor | None  # (B * qmax,) flat token index per padded query (None: decode only)
+    q_pad_index: (
+        torch.Tensor | None
+    )  # (B * qmax,) flat token index per padded query (None: decode only)
     out_index: torch.Tensor | None  # (T,) padded row of each token
     last_index: torch.Tensor  # (B,) flat index of each sequence's last query token
-    reuse: bool = False  # decode step over (a subset of) the kept batch: the gathered context is still valid
+    reuse: bool = (
+        False  # decode step over (a subset of) the kept batch: the gathered context is still valid
+    )
     pos: torch.Tensor | None = None  # (B,) position of each new token (decode)
-    rows: torch.Tensor | None = None  # (B,) kept-buffer row of each sequence (None: row b is sequence b)
-    num_rows: int = 0  # rows of the kept buffers (>= B; the extra rows belong to sequences that left)
+    rows: torch.Tensor | None = (
+        None  # (B,) kept-buffer row of each sequence (None: row b is sequence b)
+    )
+    num_rows: int = (
+        0  # rows of the kept buffers (>= B; the extra rows belong to sequences that left)
+    )
 
 
 class ModelRunner:
-    def __init__(self, config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 block_size: int = 16, hf_model=None, keep_gathered: bool | None = None):
+    def __init__(
+        self,
+        config,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        block_size: int = 16,
+        hf_model=None,
+        keep_gathered: bool | None = None,
+    ):
         self.config = config
         self.spec = s = ModelSpec.from_config(config)
         self.device = torch.device(device)
@@ -101,24 +127,37 @@ class ModelRunner:
         qkv = self.q_size + 2 * self.kv_size
         self.layers = []
         for _ in range(s.num_layers):
-            self.layers.append(dict(
-                ln1=torch.ones(H, **kw), ln2=torch.ones(H, **kw),
-                wqkv=torch.zeros(qkv, H, **kw), bqkv=torch.zeros(qkv, **kw) if s.attn_bias else None,
-                qn=torch.ones(D, **kw) if s.qk_norm else None, kn=torch.ones(D, **kw) if s.qk_norm else None,
-                wo=torch.zeros(H, self.q_size, **kw), bo=torch.zeros(H, **kw) if s.o_bias else None,
-                wgu=torch.zeros(2 * I, H, **kw), bgu=torch.zeros(2 * I, **kw) if s.mlp_bias else None,
-                wd=torch.zeros(H, I, **kw), bd=torch.zeros(H, **kw) if s.mlp_bias else None,
-            ))
+            self.layers.append(
+                dict(
+                    ln1=torch.ones(H, **kw),
+                    ln2=torch.ones(H, **kw),
+                    wqkv=torch.zeros(qkv, H, **kw),
+                    bqkv=torch.zeros(qkv, **kw) if s.attn_bias else None,
+                    qn=torch.ones(D, **kw) if s.qk_norm else None,
+                    kn=torch.ones(D, **kw) if s.qk_norm else None,
+                    wo=torch.zeros(H, self.q_size, **kw),
+                    bo=torch.zeros(H, **kw) if s.o_bias else None,
+                    wgu=torch.zeros(2 * I, H, **kw),
+                    bgu=torch.zeros(2 * I, **kw) if s.mlp_bias else None,
+                    wd=torch.zeros(H, I, **kw),
+                    bd=torch.zeros(H, **kw) if s.mlp_bias else None,
+                )
+            )
         self.embed = torch.zeros(s.vocab_size, H, **kw)
         self.lm_head = self.embed if s.tie_word_embeddings else torch.zeros(s.vocab_size, H, **kw)
         self.norm = torch.ones(H, **kw)
         self._targets = self._name_map()
         rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
         if rot is not None:
-            inv_freq, scaling = rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+            inv_freq, scaling = (
+                rot.inv_freq.detach().float().cpu(),
+                float(getattr(rot, "attention_scaling", 1.0)),
+            )
         else:
             inv_freq, scaling = default_inv_freq(config, D)
-        self._build_rope(inv_freq, scaling, s.max_positions + 64)  # + room for speculative lookahead
+        self._build_rope(
+            inv_freq, scaling, s.max_positions + 64
+        )  # + room for speculative lookahead
         self.k_cache = self.v_cache = None
         self.num_blocks = 0
         self._kbuf = self._vbuf = None
@@ -144,8 +183,8 @@ class ModelRunner:
             for name, t in (("weight", L["wqkv"]), ("bias", L["bqkv"])):
                 if t is not None:
                     m[p + f"self_attn.q_proj.{name}"] = t[:q]
-                    m[p + f"self_attn.k_proj.{name}"] = t[q:q + kv]
-                    m[p + f"self_attn.v_proj.{name}"] = t[q + kv:]
+                    m[p + f"self_attn.k_proj.{name}"] = t[q : q + kv]
+                    m[p + f"self_attn.v_proj.{name}"] = t[q + kv :]
             m[p + "self_attn.o_proj.weight"] = L["wo"]
             if L["bo"] is not None:
                 m[p + "self_attn.o_proj.bias"] = L["bo"]
@@ -192,23 +231,39 @@ class ModelRunner:
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], -1)
         self.cos_table = (emb.cos() * scaling).to(self.device, self.dtype)
-        half = inv_freq.shape[0]  # sin_table holds (-sin, sin) over the halves: the sign of rotate_half
-        self.sin_table = (emb.sin() * scaling * torch.cat([-torch.ones(half), torch.ones(half)])).to(self.device, self.dtype)
+        half = inv_freq.shape[
+            0
+        ]  # sin_table holds (-sin, sin) over the halves: the sign of rotate_half
+        self.sin_table = (
+            emb.sin() * scaling * torch.cat([-torch.ones(half), torch.ones(half)])
+        ).to(self.device, self.dtype)
 
     # --- KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.block_size * torch.finfo(self.dtype).bits // 8
+        return (
+            2
+            * s.num_layers
+            * s.num_kv_heads
+            * s.head_dim
+            * self.block_size
+            * torch.finfo(self.dtype).bits
+            // 8
+        )
 
     def allocate_kv(self, num_blocks: int) -> None:
         s = self.spec
         shape = (s.num_layers, s.num_kv_heads, num_blocks * self.block_size, s.head_dim)
-        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)  # zeros: masked slots stay finite
+        self.k_cache = torch.zeros(
+            shape, device=self.device, dtype=self.dtype
+        )  # zeros: masked slots stay finite
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.num_blocks = num_blocks
 
     def free_kv(self) -> None:
-        self.k_cache = self.v_cache = self._kbuf = self._vbuf = self._layer_bufs = self._last_batch = None
+        self.k_cache = self.v_cache = self._kbuf = self._vbuf = self._layer_bufs = (
+            self._last_batch
+        ) = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -217,8 +272,12 @@ class ModelRunner:
             return
         bs = self.block_size
         off = torch.arange(bs)
-        src = (torch.tensor([p[0] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
-        dst = (torch.tensor([p[1] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
+        src = (
+            (torch.tensor([p[0] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
+        )
+        dst = (
+            (torch.tensor([p[1] for p in pairs]).unsqueeze(1) * bs + off).flatten().to(self.device)
+        )
         for cache in (self.k_cache, self.v_cache):
             cache.index_copy_(2, dst, cache.index_select(2, src))
         self._last_batch = None
@@ -230,7 +289,7 @@ class ModelRunner:
         if all(q == 1 for q in num_tokens):
             return self._prepare_decode(seqs)
         starts = [s.num_computed for s in seqs]
-        ids = [t for s, st, q in zip(seqs, starts, num_tokens) for t in s.token_ids[st:st + q]]
+        ids = [t for s, st, q in zip(seqs, starts, num_tokens) for t in s.token_ids[st : st + q]]
         qmax = max(num_tokens)
         nb = (max(st + q for st, q in zip(starts, num_tokens)) + bs - 1) // bs
         kmax = nb * bs  # contexts are gathered whole blocks at a time
@@ -247,11 +306,19 @@ class ModelRunner:
         to = lambda t: t.to(dev, non_blocking=True)  # noqa: E731
         pos_d = to(pos)
         return StepInputs(
-            input_ids=to(torch.tensor(ids, dtype=torch.long)), cos=self.cos_table[pos_d].unsqueeze(1),
-            sin=self.sin_table[pos_d].unsqueeze(1), slots=to(bt[seq_idx, pos // bs] * bs + pos % bs),
-            kv_blocks=to(bt.flatten()), bias=to(self._causal_bias(starts_t.unsqueeze(1) + i, kmax)), batch=B, qmax=qmax,
-            kmax=kmax, q_pad_index=to((cu.unsqueeze(1) + i).flatten()), out_index=to(seq_idx * qmax + local),
-            last_index=to(cu + q_t - 1), num_rows=B,
+            input_ids=to(torch.tensor(ids, dtype=torch.long)),
+            cos=self.cos_table[pos_d].unsqueeze(1),
+            sin=self.sin_table[pos_d].unsqueeze(1),
+            slots=to(bt[seq_idx, pos // bs] * bs + pos % bs),
+            kv_blocks=to(bt.flatten()),
+            bias=to(self._causal_bias(starts_t.unsqueeze(1) + i, kmax)),
+            batch=B,
+            qmax=qmax,
+            kmax=kmax,
+            q_pad_index=to((cu.unsqueeze(1) + i).flatten()),
+            out_index=to(seq_idx * qmax + local),
+            last_index=to(cu + q_t - 1),
+            num_rows=B,
         )
 
     def _prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
@@ -271,11 +338,22 @@ class ModelRunner:
         ipt = ipt.to(dev, non_blocking=True)
         pos_d = ipt[1]
         return StepInputs(
-            input_ids=ipt[0], cos=self.cos_table[pos_d].unsqueeze(1), sin=self.sin_table[pos_d].unsqueeze(1),
-            slots=ipt[2], kv_blocks=None if reuse else self._block_table(seqs, nb).flatten().to(dev),
-            bias=self._causal_bias(qpos.unsqueeze(1), nb * bs).to(dev), batch=B, qmax=1, kmax=nb * bs,
-            q_pad_index=None, out_index=None, last_index=torch.arange(B, device=dev), reuse=reuse, pos=pos_d,
-            rows=None if rows is None else rows.to(dev), num_rows=num_rows,
+            input_ids=ipt[0],
+            cos=self.cos_table[pos_d].unsqueeze(1),
+            sin=self.sin_table[pos_d].unsqueeze(1),
+            slots=ipt[2],
+            kv_blocks=None if reuse else self._block_table(seqs, nb).flatten().to(dev),
+            bias=self._causal_bias(qpos.unsqueeze(1), nb * bs).to(dev),
+            batch=B,
+            qmax=1,
+            kmax=nb * bs,
+            q_pad_index=None,
+            out_index=None,
+            last_index=torch.arange(B, device=dev),
+            reuse=reuse,
+            pos=pos_d,
+            rows=None if rows is None else rows.to(dev),
+            num_rows=num_rows,
         )
 
     @staticmethod
@@ -318,7 +396,9 @@ class ModelRunner:
             setattr(self, name, buf)
         return buf[:numel]
 
-    def _gather_targets(self, li: int, numel: int, persistent: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_targets(
+        self, li: int, numel: int, persistent: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer ``li`` gathers its K/V context: its own kept buffers, or the shared scratch buffers."""
         if not persistent:
             return self._gather_buf("_kbuf", numel), self._gather_buf("_vbuf", numel)
@@ -326,12 +406,16 @@ class ModelRunner:
             self._layer_bufs = [None] * self.spec.num_layers
         if self._layer_bufs[li] is None or self._layer_bufs[li][0].numel() < numel:
             size = int(numel * 1.25) + 1
-            self._layer_bufs[li] = (torch.empty(size, device=self.device, dtype=self.dtype),
-                                    torch.empty(size, device=self.device, dtype=self.dtype))
+            self._layer_bufs[li] = (
+                torch.empty(size, device=self.device, dtype=self.dtype),
+                torch.empty(size, device=self.device, dtype=self.dtype),
+            )
         kb, vb = self._layer_bufs[li]
         return kb[:numel], vb[:numel]
 
-    def _attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: StepInputs) -> torch.Tensor:
+    def _attention(
+        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: StepInputs
+    ) -> torch.Tensor:
         s = self.spec
         KV, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         kc, vc = self.k_cache[li], self.v_cache[li]  # (KV, slots, D)
@@ -343,18 +427,37 @@ class ModelRunner:
         kbuf, vbuf = self._gather_targets(li, n, x.pos is not None and self.keep_gathered)
         if x.reuse:  # decode over the kept batch: its gathered context only lacks the new token
             rows = (torch.arange(B, device=k.device) if x.rows is None else x.rows) * kmax + x.pos
-            K = kbuf.view(KV, R * kmax, D).index_copy_(1, rows, k.transpose(0, 1)).view(KV, R, kmax, D)
-            V = vbuf.view(KV, R * kmax, D).index_copy_(1, rows, v.transpose(0, 1)).view(KV, R, kmax, D)
+            K = (
+                kbuf.view(KV, R * kmax, D)
+                .index_copy_(1, rows, k.transpose(0, 1))
+                .view(KV, R, kmax, D)
+            )
+            V = (
+                vbuf.view(KV, R * kmax, D)
+                .index_copy_(1, rows, v.transpose(0, 1))
+                .view(KV, R, kmax, D)
+            )
         else:
             kb, vb = kc.view(KV, -1, bsd), vc.view(KV, -1, bsd)  # (KV, blocks, block_size * D)
-            K = torch.index_select(kb, 1, x.kv_blocks, out=kbuf.view(KV, nb, bsd)).view(KV, B, kmax, D)
-            V = torch.index_select(vb, 1, x.kv_blocks, out=vbuf.view(KV, nb, bsd)).view(KV, B, kmax, D)
+            K = torch.index_select(kb, 1, x.kv_blocks, out=kbuf.view(KV, nb, bsd)).view(
+                KV, B, kmax, D
+            )
+            V = torch.index_select(vb, 1, x.kv_blocks, out=vbuf.view(KV, nb, bsd)).view(
+                KV, B, kmax, D
+            )
         if x.q_pad_index is None:  # decode: one query per sequence
             Q = q.view(B, KV, G, D).transpose(0, 1)
             if x.rows is not None:  # scatter into the kept rows
-                Q = torch.zeros(KV, R, G, D, device=q.device, dtype=q.dtype).index_copy_(1, x.rows, Q)
+                Q = torch.zeros(KV, R, G, D, device=q.device, dtype=q.dtype).index_copy_(
+                    1, x.rows, Q
+                )
         else:
-            Q = q[x.q_pad_index].view(B, qmax, KV, G, D).permute(2, 0, 3, 1, 4).reshape(KV, B, G * qmax, D)
+            Q = (
+                q[x.q_pad_index]
+                .view(B, qmax, KV, G, D)
+                .permute(2, 0, 3, 1, 4)
+                .reshape(KV, B, G * qmax, D)
+            )
         scores = torch.matmul(Q, K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))
         Bq = scores.shape[1]
         scores.view(KV, Bq, G, qmax, kmax).add_(x.bias.view(1, Bq, 1, qmax, kmax))
@@ -377,24 +480,32 @@ class ModelRunner:
         for li, L in enumerate(self.layers):
             qkv = F.linear(self._rms(h, L["ln1"]), L["wqkv"], L["bqkv"])
             qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
-            v = qkv[:, (H + KV) * D:].view(T, KV, D)
+            v = qkv[:, (H + KV) * D :].view(T, KV, D)
             if s.qk_norm:
                 qk = torch.cat([self._rms(qk[:, :H], L["qn"]), self._rms(qk[:, H:], L["kn"])], 1)
             # RoPE: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = flip of the halves times (-1, 1)
-            qk = torch.addcmul(qk * x.cos, qk.view(T, H + KV, 2, D // 2).flip(2).view(T, H + KV, D), x.sin)
-            h = self._add_linear(h, self._attention(li, qk[:, :H], qk[:, H:], v, x), L["wo"], L["bo"])
+            qk = torch.addcmul(
+                qk * x.cos, qk.view(T, H + KV, 2, D // 2).flip(2).view(T, H + KV, D), x.sin
+            )
+            h = self._add_linear(
+                h, self._attention(li, qk[:, :H], qk[:, H:], v, x), L["wo"], L["bo"]
+            )
             g, u = F.linear(self._rms(h, L["ln2"]), L["wgu"], L["bgu"]).chunk(2, -1)
             h = self._add_linear(h, F.silu(g).mul_(u), L["wd"], L["bd"])
         h = h[x.last_index if logits_index is None else logits_index]
         return F.linear(self._rms(h, self.norm), self.lm_head).float()
 
     @staticmethod
-    def _add_linear(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _add_linear(
+        h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    ) -> torch.Tensor:
         """The residual update h + a @ w^T (+ b), the addition fused into the matmul."""
         out = torch.addmm(h, a, w.t())
         return out if b is None else out.add_(b)
 
-    def execute(self, seqs: list[Sequence], num_tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+    def execute(
+        self, seqs: list[Sequence], num_tokens: list[int], all_logits: bool = False
+    ) -> torch.Tensor:
         x = self.prepare(seqs, num_tokens)
         idx = torch.arange(x.input_ids.shape[0], device=self.device) if all_logits else None
         return self.forward(x, idx)

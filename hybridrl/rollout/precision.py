@@ -6,6 +6,7 @@ given); on a CPU, :func:`hybridrl.training.precision.decide` with a forward-only
 bf16 where the CPU has native bf16 matmuls and they pay for this model's shape. ``fp32`` / ``bf16`` force it.
 Weights synced later (from an fp32 actor) are cast on load (``ModelRunner.load_weights`` copies in place).
 """
+
 from __future__ import annotations
 
 import logging

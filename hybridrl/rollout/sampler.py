@@ -18,10 +18,12 @@ the step, on preemption, or on the device's RNG state. A token is drawn by
 inverting the row's CDF with that one uniform, which is exact for any
 distribution.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from typing import Any
 
 import torch
 
@@ -42,7 +44,9 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.T
     h = _mix32(h ^ (seeds >> 32))
     h = _mix32(h ^ counters)
     h2 = _mix32(h ^ 0x5BD1E995)
-    return ((h >> 5).double() * 67108864.0 + (h2 >> 6).double() + 0.5) / 9007199254740992.0  # 53 bits
+    return (
+        (h >> 5).double() * 67108864.0 + (h2 >> 6).double() + 0.5
+    ) / 9007199254740992.0  # 53 bits
 
 
 @dataclass
@@ -60,13 +64,15 @@ class SamplingTensors:
     want_raw: bool = False
 
     @staticmethod
-    def for_params(params: Any, rows: int, device: torch.device) -> "SamplingTensors":
+    def for_params(params: Any, rows: int, device: torch.device) -> SamplingTensors:
         """``rows`` rows that all use ``params``, for filtering only (seeds and counters are zero)."""
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
         return SamplingTensors.build([params] * rows, zeros, zeros, device)
 
     @staticmethod
-    def build(params: Seq[Any], seeds: Seq[int], counters: Seq[int], device: torch.device) -> "SamplingTensors":
+    def build(
+        params: Seq[Any], seeds: Seq[int], counters: Seq[int], device: torch.device
+    ) -> SamplingTensors:
         """``params[i]`` is row i's SamplingParams (the same object repeated is the fast path)."""
         rows = len(params)
         p0 = params[0]
@@ -82,31 +88,73 @@ class SamplingTensors:
         greedy_vals = [t == 0 for t in temps]
         all_greedy = all(greedy_vals)
         greedy = None if not any(greedy_vals) else col(lambda p: p.temperature == 0, torch.bool)
-        temperature = col(lambda p: p.temperature if p.temperature > 0 else 1.0, torch.float32).unsqueeze(1)
-        top_k = col(lambda p: int(p.top_k or 0), torch.long) if any(int(p.top_k or 0) > 0 for p in plist) else None
-        top_p = col(lambda p: float(p.top_p), torch.float32).unsqueeze(1) if any(p.top_p < 1.0 for p in plist) else None
+        temperature = col(
+            lambda p: p.temperature if p.temperature > 0 else 1.0, torch.float32
+        ).unsqueeze(1)
+        top_k = (
+            col(lambda p: int(p.top_k or 0), torch.long)
+            if any(int(p.top_k or 0) > 0 for p in plist)
+            else None
+        )
+        top_p = (
+            col(lambda p: float(p.top_p), torch.float32).unsqueeze(1)
+            if any(p.top_p < 1.0 for p in plist)
+            else None
+        )
         min_ps = [float(getattr(p, "min_p", 0.0) or 0.0) for p in plist]
-        min_p = col(lambda p: float(getattr(p, "min_p", 0.0) or 0.0), torch.float32).unsqueeze(1) if any(m > 0 for m in min_ps) else None
+        min_p = (
+            col(lambda p: float(getattr(p, "min_p", 0.0) or 0.0), torch.float32).unsqueeze(1)
+            if any(m > 0 for m in min_ps)
+            else None
+        )
         want_raw = any(getattr(p, "return_raw_log_probs", False) for p in plist)
         return SamplingTensors(
-            temperature=temperature, greedy=greedy, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+            temperature=temperature,
+            greedy=greedy,
+            all_greedy=all_greedy,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
             seeds=torch.as_tensor(seeds, dtype=torch.long, device=device),
-            counters=torch.as_tensor(counters, dtype=torch.long, device=device), want_raw=want_raw,
+            counters=torch.as_tensor(counters, dtype=torch.long, device=device),
+            want_raw=want_raw,
         )
 
-    def repeat_rows(self, counts: torch.Tensor) -> "SamplingTensors":
+    def repeat_rows(self, counts: torch.Tensor) -> SamplingTensors:
         """Rows repeated ``counts[i]`` times (used by speculative decoding: k+1 positions per sequence)."""
+
         def rep(t):
             return None if t is None else t.repeat_interleave(counts, 0)
-        return SamplingTensors(rep(self.temperature), rep(self.greedy), self.all_greedy, rep(self.top_k), rep(self.top_p),
-                               rep(self.min_p), rep(self.seeds), rep(self.counters), self.want_raw)
 
-    def slice_rows(self, start: int, end: int) -> "SamplingTensors":
+        return SamplingTensors(
+            rep(self.temperature),
+            rep(self.greedy),
+            self.all_greedy,
+            rep(self.top_k),
+            rep(self.top_p),
+            rep(self.min_p),
+            rep(self.seeds),
+            rep(self.counters),
+            self.want_raw,
+        )
+
+    def slice_rows(self, start: int, end: int) -> SamplingTensors:
         """Rows ``start:end``."""
+
         def sl(t):
             return None if t is None else t[start:end]
-        return SamplingTensors(sl(self.temperature), sl(self.greedy), self.all_greedy, sl(self.top_k), sl(self.top_p),
-                               sl(self.min_p), sl(self.seeds), sl(self.counters), self.want_raw)
+
+        return SamplingTensors(
+            sl(self.temperature),
+            sl(self.greedy),
+            self.all_greedy,
+            sl(self.top_k),
+            sl(self.top_p),
+            sl(self.min_p),
+            sl(self.seeds),
+            sl(self.counters),
+            self.want_raw,
+        )
 
 
 @torch.no_grad()
@@ -141,7 +189,9 @@ def filter_mask(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor | Non
     return torch.isneginf(x)
 
 
-def _masked_log_softmax(scaled: torch.Tensor, drop: torch.Tensor | None, keep: torch.Tensor | None) -> torch.Tensor:
+def _masked_log_softmax(
+    scaled: torch.Tensor, drop: torch.Tensor | None, keep: torch.Tensor | None
+) -> torch.Tensor:
     if drop is None:
         return torch.log_softmax(scaled, -1)
     if keep is not None:
@@ -149,7 +199,9 @@ def _masked_log_softmax(scaled: torch.Tensor, drop: torch.Tensor | None, keep: t
     return torch.log_softmax(scaled.masked_fill(drop, float("-inf")), -1)
 
 
-def processed_logprobs(logits: torch.Tensor, st: SamplingTensors, keep: torch.Tensor | None = None) -> torch.Tensor:
+def processed_logprobs(
+    logits: torch.Tensor, st: SamplingTensors, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf).
 
     ``keep`` (R,) token ids, optional: each row's token stays in the support even if a filter drops it.
@@ -161,10 +213,14 @@ def processed_logprobs(logits: torch.Tensor, st: SamplingTensors, keep: torch.Te
     return _masked_log_softmax(scaled, filter_mask(scaled, st), keep)
 
 
-FILTER_CHUNK_ELEMENTS = 1 << 26  # the trainer filters this many logits at a time (bounds the sort's buffers)
+FILTER_CHUNK_ELEMENTS = (
+    1 << 26
+)  # the trainer filters this many logits at a time (bounds the sort's buffers)
 
 
-def filtered_log_softmax(logits: torch.Tensor, params: Any, tokens: torch.Tensor | None = None) -> torch.Tensor:
+def filtered_log_softmax(
+    logits: torch.Tensor, params: Any, tokens: torch.Tensor | None = None
+) -> torch.Tensor:
     """(..., V) log-probs of the distribution a request with SamplingParams-like ``params`` samples from:
     what :func:`sample` reports as the behaviour log-prob. Greedy (temperature 0): the raw log-softmax.
     ``tokens`` (...) optional: kept in the support (see :func:`processed_logprobs`). Differentiable; the
@@ -177,7 +233,10 @@ def filtered_log_softmax(logits: torch.Tensor, params: Any, tokens: torch.Tensor
     st = SamplingTensors.for_params(params, rows, flat.device)
     scaled = flat.float() / st.temperature
     chunk = max(1, FILTER_CHUNK_ELEMENTS // shape[-1])
-    masks = [filter_mask(scaled[i: i + chunk], st.slice_rows(i, i + chunk)) for i in range(0, rows, chunk)]
+    masks = [
+        filter_mask(scaled[i : i + chunk], st.slice_rows(i, i + chunk))
+        for i in range(0, rows, chunk)
+    ]
     drop = None if not masks or masks[0] is None else torch.cat(masks)
     keep = None if tokens is None else tokens.reshape(-1)
     return _masked_log_softmax(scaled, drop, keep).view(shape)
@@ -191,7 +250,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def sample(
+    logits: torch.Tensor, st: SamplingTensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Tokens (R,), their log-probs under the sampling distribution (R,), and raw log-probs (R,) or None."""
     raw = torch.log_softmax(logits.float(), -1) if (st.want_raw or st.greedy is not None) else None
     if st.all_greedy:

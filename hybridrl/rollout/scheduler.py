@@ -12,6 +12,7 @@ to be recomputed later (prefix caching often makes that cheap). A finished
 sequence leaves at once (:meth:`finish`), so a waiting one takes its place in
 the next step.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -24,7 +25,9 @@ from hybridrl.rollout.sequence import Sequence, Status
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)  # query tokens of each sequence in this step
+    num_tokens: list[int] = field(
+        default_factory=list
+    )  # query tokens of each sequence in this step
     lookahead: int = 0  # extra slots reserved for decoding sequences (speculative tokens)
 
     def __len__(self) -> int:
@@ -40,8 +43,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark: float = 0.01,
+    ):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,7 +81,9 @@ class Scheduler:
                 continue
             q = min(len(seq) - seq.num_computed, budget)
             need = seq.num_computed + q + (lookahead if q == 1 else 0)
-            if need > len(seq.block_table) * bs:  # needs a new block (a decode step usually does not)
+            if (
+                need > len(seq.block_table) * bs
+            ):  # needs a new block (a decode step usually does not)
                 while not self.bm.can_append(seq, need):
                     victim = self.running[-1]
                     self.preempt(victim)

@@ -27,13 +27,22 @@ and long proposals pay; where it is compute-bound (larger batches on a CPU),
 verifying k + 1 tokens per sequence costs almost k + 1 plain steps, so k shrinks
 or speculation stops.
 """
+
 from __future__ import annotations
 
 import time
 
 import torch
 
-from hybridrl.rollout.sampler import STREAM_ACCEPT, STREAM_DRAFT, STREAM_SAMPLE, SamplingTensors, draw, processed_logprobs, uniform
+from hybridrl.rollout.sampler import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_SAMPLE,
+    SamplingTensors,
+    draw,
+    processed_logprobs,
+    uniform,
+)
 
 
 class _View:
@@ -85,12 +94,16 @@ class SpecDecoder:
             return True
         if self.plain is None or self.verify is None:
             return self.plain is not None  # measure a plain step first, then a round
-        rate, self.k = max((B * self.expected_tokens(k) / (self.step_seconds(B * (k + 1)) + k * self.t_draft), k)
-                           for k in range(1, self.max_k + 1))
+        rate, self.k = max(
+            (B * self.expected_tokens(k) / (self.step_seconds(B * (k + 1)) + k * self.t_draft), k)
+            for k in range(1, self.max_k + 1)
+        )
         self.paying = rate >= B / max(self.step_seconds(B), 1e-9)
         if self.paying:
             return True
-        self.skipped += 1  # speculation does not pay here (low acceptance or compute-bound): probe now and then
+        self.skipped += (
+            1  # speculation does not pay here (low acceptance or compute-bound): probe now and then
+        )
         return self.skipped % self.probe_every == 0
 
     @staticmethod
@@ -98,7 +111,11 @@ class SpecDecoder:
         """Running average (weight 0.3 on the new value) of a number or a tuple of numbers."""
         if old is None:
             return new
-        return tuple(0.7 * o + 0.3 * n for o, n in zip(old, new)) if isinstance(new, tuple) else 0.7 * old + 0.3 * new
+        return (
+            tuple(0.7 * o + 0.3 * n for o, n in zip(old, new))
+            if isinstance(new, tuple)
+            else 0.7 * old + 0.3 * new
+        )
 
     def note_plain(self, tokens: int, seconds: float) -> None:
         self.plain = self._average(self.plain, (tokens, seconds))
@@ -135,13 +152,22 @@ class SpecDecoder:
             return eng._plain_step(batch)
         eng.count_prompt_tokens(rest, rest_q)
         B = len(seqs)
-        st = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], [len(s) for s in seqs], dev)
+        st = SamplingTensors.build(
+            [s.params for s in seqs], [s.seed for s in seqs], [len(s) for s in seqs], dev
+        )
         base = torch.tensor([len(s) for s in seqs], device=dev)  # position of x_1
         # 1. draft proposes k tokens (the first forward also catches up on tokens it has not seen, and prefills `rest`)
-        views = [_View(list(s.token_ids), s.num_draft_computed, s.block_table, s.seq_id) for s in seqs]
+        views = [
+            _View(list(s.token_ids), s.num_draft_computed, s.block_table, s.seq_id) for s in seqs
+        ]
         qs = [len(s) - s.num_draft_computed for s in seqs]
-        catch_up = [(_View(s.token_ids, s.num_draft_computed, s.block_table), s.num_computed + q - s.num_draft_computed)
-                    for s, q in zip(rest, rest_q)]
+        catch_up = [
+            (
+                _View(s.token_ids, s.num_draft_computed, s.block_table),
+                s.num_computed + q - s.num_draft_computed,
+            )
+            for s, q in zip(rest, rest_q)
+        ]
         for s, q in zip(rest, rest_q):
             s.num_draft_computed = s.num_computed + q
         proposals, q_logps = [], []
@@ -171,10 +197,17 @@ class SpecDecoder:
         LQ = torch.stack(q_logps, 1)  # (B, k, V)
         # 2. target scores the last token and the k proposals in one pass (with the prefill chunks of `rest`)
         xs = X.tolist()
-        tviews = [_View(s.token_ids + xs[b], s.num_computed, s.block_table) for b, s in enumerate(seqs)]
+        tviews = [
+            _View(s.token_ids + xs[b], s.num_computed, s.block_table) for b, s in enumerate(seqs)
+        ]
         T = B * (k + 1)
-        inp = eng.runner.prepare(tviews + [_View(s.token_ids, s.num_computed, s.block_table) for s in rest], [k + 1] * B + rest_q)
-        all_logits = eng.runner.forward(inp, torch.cat([torch.arange(T, device=dev), inp.last_index[B:]]))
+        inp = eng.runner.prepare(
+            tviews + [_View(s.token_ids, s.num_computed, s.block_table) for s in rest],
+            [k + 1] * B + rest_q,
+        )
+        all_logits = eng.runner.forward(
+            inp, torch.cat([torch.arange(T, device=dev), inp.last_index[B:]])
+        )
         logits = all_logits[:T].view(B, k + 1, -1)
         # 3. accept / reject
         rep = torch.full((B,), k + 1, device=dev)
@@ -215,7 +248,9 @@ class SpecDecoder:
         acc["spec_accepted"] += sum(n_list)
         self.alpha = self._average(self.alpha, sum(n_list) / (B * k))
         self.t_draft = self._average(self.t_draft, t_draft / k)
-        self.verify = self._average(self.verify, (T + sum(rest_q), time.perf_counter() - t0 - t_draft))
+        self.verify = self._average(
+            self.verify, (T + sum(rest_q), time.perf_counter() - t0 - t_draft)
+        )
         return sum(len(t) for t in out_t) + n_rest
 
 
@@ -227,7 +262,7 @@ def accept_tokens(X, LP, LQ, logits, st: SamplingTensors, base):
     dev = X.device
     if st.all_greedy:
         target_best = logits.argmax(-1)  # (B, k+1)
-        ok = X == target_best[:, :k]
+        ok = target_best[:, :k] == X
         n_acc = ok.int().cumprod(1).sum(1)
         return target_best, n_acc  # the argmax is the proposal where accepted, the correction after
     lp_x = LP[:, :k].gather(2, X.unsqueeze(2)).squeeze(2)
@@ -236,18 +271,26 @@ def accept_tokens(X, LP, LQ, logits, st: SamplingTensors, base):
     u = uniform(st.seeds.unsqueeze(1).expand(B, k), counters, STREAM_ACCEPT)
     ok = torch.log(u) < (lp_x - lq_x).double()  # u < p/q  <=>  accept with prob min(1, p/q)
     if st.greedy is not None:
-        ok = torch.where(st.greedy.unsqueeze(1), X == logits[:, :k].argmax(-1), ok)
+        ok = torch.where(st.greedy.unsqueeze(1), logits[:, :k].argmax(-1) == X, ok)
     n_acc = ok.int().cumprod(1).sum(1)  # (B,) accepted prefix length
     # the token after the accepted prefix: residual max(0, p - q) on rejection, p itself after k accepts
     idx = n_acc.clamp(max=k)
     p_next = LP.gather(1, idx.view(B, 1, 1).expand(B, 1, LP.shape[-1])).squeeze(1).exp()
-    q_next = LQ.gather(1, idx.clamp(max=k - 1).view(B, 1, 1).expand(B, 1, LQ.shape[-1])).squeeze(1).exp()
+    q_next = (
+        LQ.gather(1, idx.clamp(max=k - 1).view(B, 1, 1).expand(B, 1, LQ.shape[-1])).squeeze(1).exp()
+    )
     resid = (p_next - q_next).clamp_(min=0)
     use_resid = (n_acc < k).unsqueeze(1) & (resid.sum(-1, keepdim=True) > 0)
     dist = torch.where(use_resid, resid, p_next)
     y = draw(dist, uniform(st.seeds, base + idx, STREAM_SAMPLE))
     if st.greedy is not None:
-        y = torch.where(st.greedy, logits.gather(1, idx.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1).argmax(-1), y)
+        y = torch.where(
+            st.greedy,
+            logits.gather(1, idx.view(B, 1, 1).expand(B, 1, logits.shape[-1]))
+            .squeeze(1)
+            .argmax(-1),
+            y,
+        )
     tokens = torch.cat([X, X[:, :1]], 1)
     tokens.scatter_(1, idx.unsqueeze(1), y.unsqueeze(1))
     return tokens, n_acc

@@ -10,21 +10,28 @@ the policy sampled it and the trainer needs every token with its log-prob; nothi
 characters after the stop string stay in the decoded text (vLLM cuts them from its text output; we return
 token ids only).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 _REPLACEMENT = "\ufffd"  # what a window starting inside a multi-byte character decodes to
 
 
 def stop_hit(tokenizer, ids: Sequence[int], start: int, stops: Sequence[str]) -> bool:
     """Whether one of ``stops`` ends inside the last token of ``ids``, whose completion is ``ids[start:]``."""
-    need = max(len(s) for s in stops)  # one character more than an occurrence needs before the newest token
+    need = max(
+        len(s) for s in stops
+    )  # one character more than an occurrence needs before the newest token
     n = len(ids) - start
     m = min(n, need + 1)
     while True:
-        window = list(ids[len(ids) - m:])
-        if m >= n or len(tokenizer.decode(window[:-1], skip_special_tokens=False).lstrip(_REPLACEMENT)) >= need:
+        window = list(ids[len(ids) - m :])
+        if (
+            m >= n
+            or len(tokenizer.decode(window[:-1], skip_special_tokens=False).lstrip(_REPLACEMENT))
+            >= need
+        ):
             break
         m = min(n, 2 * m)  # tokens that decode to fewer characters (or none): widen the window
     text = tokenizer.decode(window, skip_special_tokens=False)

@@ -1,6 +1,15 @@
 """Tasks (prompt streams, held-out sets, warm-start examples) and reward functions."""
+
+from hybridrl.tasks import arithmetic, reverse  # noqa: F401  (register "arith", "reverse", "exact_match")
 from hybridrl.tasks.base import REWARDS, TASKS, Prompt, Task, compute_reward
 from hybridrl.tasks.tokenizer import build_char_tokenizer, encode_text
-from hybridrl.tasks import arithmetic, reverse  # noqa: F401  (register "arith", "reverse", "exact_match")
 
-__all__ = ["Prompt", "Task", "TASKS", "REWARDS", "compute_reward", "build_char_tokenizer", "encode_text"]
+__all__ = [
+    "Prompt",
+    "Task",
+    "TASKS",
+    "REWARDS",
+    "compute_reward",
+    "build_char_tokenizer",
+    "encode_text",
+]

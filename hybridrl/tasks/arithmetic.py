@@ -3,6 +3,7 @@
 Prompt ``"a+b="`` (the model sees ``<bos>`` first), a and b uniform integers
 in ``[0, max_operand]``; the answer is ``str(a + b)`` followed by ``<eos>``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +27,13 @@ class ArithmeticTask(Task):
     name = "arith"
     default_reward = "exact_match"
 
-    def __init__(self, seed: int = 0, max_operand: int = 999, heldout_size: int = 1024, heldout_seed: int = 2024):
+    def __init__(
+        self,
+        seed: int = 0,
+        max_operand: int = 999,
+        heldout_size: int = 1024,
+        heldout_seed: int = 2024,
+    ):
         if max_operand < 0:
             raise ValueError(f"max_operand must be >= 0, got {max_operand}")
         if heldout_size < 0:
@@ -56,7 +63,9 @@ class ArithmeticTask(Task):
         ``seed``); they may coincide with training prompts by chance."""
         if self._heldout is None:
             self._heldout = [
-                self._make(f"{self.name}-heldout-{i:04d}", *self._operands("heldout", self.heldout_seed, i))
+                self._make(
+                    f"{self.name}-heldout-{i:04d}", *self._operands("heldout", self.heldout_seed, i)
+                )
                 for i in range(self.heldout_size)
             ]
         return list(self._heldout)

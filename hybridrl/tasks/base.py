@@ -14,14 +14,15 @@ tokens skipped); ``finished`` is False when the sample never emitted ``<eos>``
 parameter named ``finished`` or ``**kwargs``), so a two-argument plug-in works.
 Reward functions are registered in :data:`REWARDS` or given by dotted path.
 """
+
 from __future__ import annotations
 
 import abc
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
@@ -60,7 +61,7 @@ class Task(abc.ABC):
         """The tokenizer the task's text is written for."""
 
 
-RewardFn = Callable[..., Union[float, Mapping[str, Any]]]
+RewardFn = Callable[..., float | Mapping[str, Any]]
 
 TASKS: Registry[type[Task]] = Registry("task")
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -78,7 +79,9 @@ def _accepts_finished(fn: Callable) -> bool:
     )
 
 
-def compute_reward(fn: RewardFn, prompt: Prompt, response: str, *, finished: bool = True) -> tuple[float, dict]:
+def compute_reward(
+    fn: RewardFn, prompt: Prompt, response: str, *, finished: bool = True
+) -> tuple[float, dict]:
     """Call a reward function and normalise its result to ``(score, extras)``.
 
     A float (or int / numpy / 0-d tensor) result gives ``(float(r), {})``; a
@@ -87,19 +90,27 @@ def compute_reward(fn: RewardFn, prompt: Prompt, response: str, *, finished: boo
     Exceptions raised by ``fn`` propagate (the reward worker handles them);
     a malformed result or a NaN score raises ``TypeError`` / ``ValueError``.
     """
-    result = fn(prompt, response, finished=finished) if _accepts_finished(fn) else fn(prompt, response)
+    result = (
+        fn(prompt, response, finished=finished) if _accepts_finished(fn) else fn(prompt, response)
+    )
     if isinstance(result, Mapping):
         if "score" not in result:
-            raise ValueError(f"reward function {_name(fn)} returned a dict without 'score': keys {sorted(result)}")
+            raise ValueError(
+                f"reward function {_name(fn)} returned a dict without 'score': keys {sorted(result)}"
+            )
         extras = {k: v for k, v in result.items() if k != "score"}
         raw = result["score"]
     else:
         extras, raw = {}, result
     if isinstance(raw, (str, bytes)) or not hasattr(raw, "__float__"):
-        raise TypeError(f"reward function {_name(fn)} returned score {raw!r} of type {type(raw).__name__}, not a number")
+        raise TypeError(
+            f"reward function {_name(fn)} returned score {raw!r} of type {type(raw).__name__}, not a number"
+        )
     score = float(raw)
     if math.isnan(score):
-        raise ValueError(f"reward function {_name(fn)} returned a NaN score for prompt {prompt.uid!r}")
+        raise ValueError(
+            f"reward function {_name(fn)} returned a NaN score for prompt {prompt.uid!r}"
+        )
     return score, extras
 
 

@@ -6,6 +6,7 @@ probability ``1 - long_frac`` uniform in ``short`` (1..16 digits), else uniform 
 (48..96 digits), so one in ten groups takes several times longer to generate than the rest: the
 stragglers that stall a synchronous trainer. The tokenizer is W1's with ``r`` and ``:`` added.
 """
+
 from __future__ import annotations
 
 from transformers import PreTrainedTokenizerFast
@@ -20,13 +21,22 @@ class ReverseTask(Task):
     name = "reverse"
     default_reward = "exact_match"
 
-    def __init__(self, seed: int = 0, heldout_size: int = 1024, heldout_seed: int = 2024, long_frac: float = 0.1,
-                 short: tuple[int, int] = (1, 16), long: tuple[int, int] = (48, 96)):
+    def __init__(
+        self,
+        seed: int = 0,
+        heldout_size: int = 1024,
+        heldout_seed: int = 2024,
+        long_frac: float = 0.1,
+        short: tuple[int, int] = (1, 16),
+        long: tuple[int, int] = (48, 96),
+    ):
         if not 0 <= long_frac <= 1:
             raise ValueError(f"long_frac must be in [0, 1], got {long_frac}")
         for label, (lo, hi) in (("short", short), ("long", long)):
             if not 1 <= lo <= hi:
-                raise ValueError(f"{label} length range must satisfy 1 <= low <= high, got ({lo}, {hi})")
+                raise ValueError(
+                    f"{label} length range must satisfy 1 <= low <= high, got ({lo}, {hi})"
+                )
         self.seed, self.heldout_size, self.heldout_seed = seed, heldout_size, heldout_seed
         self.long_frac, self.short, self.long = long_frac, tuple(short), tuple(long)
         self._heldout: list[Prompt] | None = None
@@ -52,8 +62,12 @@ class ReverseTask(Task):
     def heldout(self) -> list[Prompt]:
         """``heldout_size`` prompts from ``heldout_seed`` only, with the training length distribution."""
         if self._heldout is None:
-            self._heldout = [self._make(f"{self.name}-heldout-{i:04d}", self._digits("heldout", self.heldout_seed, i))
-                             for i in range(self.heldout_size)]
+            self._heldout = [
+                self._make(
+                    f"{self.name}-heldout-{i:04d}", self._digits("heldout", self.heldout_seed, i)
+                )
+                for i in range(self.heldout_size)
+            ]
         return list(self._heldout)
 
     def sft_example(self, index: int) -> tuple[str, str]:

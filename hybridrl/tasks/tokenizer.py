@@ -22,6 +22,7 @@ Behaviour:
 * ``tok.save_pretrained(d)`` / ``AutoTokenizer.from_pretrained(d)`` round-trip
   (the reloaded object is the same fast-tokenizer class under transformers 5).
 """
+
 from __future__ import annotations
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -39,7 +40,9 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
     chars = W1_CHARS + extra_chars
     dupes = sorted({c for c in chars if chars.count(c) > 1})
     if dupes:
-        raise ValueError(f"extra_chars {extra_chars!r} repeats characters already in the vocabulary: {dupes}")
+        raise ValueError(
+            f"extra_chars {extra_chars!r} repeats characters already in the vocabulary: {dupes}"
+        )
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for c in chars:
         vocab[c] = len(vocab)

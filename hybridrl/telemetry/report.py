@@ -4,6 +4,7 @@ Three panels: training reward per step (with a moving average), held-out
 accuracy (sampled vs greedy), and wall time per phase per step. A panel whose
 metrics are missing says "no data" instead of failing.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,11 @@ def _series(records: list[dict], key: str) -> dict[int, float]:
     out: dict[int, float] = {}
     for rec in records:
         value, step = rec.get(key), rec.get("step")
-        if isinstance(step, int) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if (
+            isinstance(step, int)
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+        ):
             if math.isfinite(value):
                 out[step] = float(value)
     return dict(sorted(out.items()))
@@ -46,7 +51,15 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def _no_data(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no data\n({what})", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.text(
+        0.5,
+        0.5,
+        f"no data\n({what})",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        color="gray",
+    )
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -58,10 +71,23 @@ def _plot_reward(ax, records: list[dict]) -> None:
         return _no_data(ax, REWARD_KEY)
     steps, values = list(series), list(series.values())
     window = max(1, min(50, len(values) // 10))
-    ax.plot(steps, values, color="tab:blue", alpha=0.35 if window > 1 else 1.0, lw=1,
-            marker="." if len(steps) < 50 else None, label=REWARD_KEY)
+    ax.plot(
+        steps,
+        values,
+        color="tab:blue",
+        alpha=0.35 if window > 1 else 1.0,
+        lw=1,
+        marker="." if len(steps) < 50 else None,
+        label=REWARD_KEY,
+    )
     if window > 1:
-        ax.plot(steps, _moving_average(values, window), color="tab:blue", lw=2, label=f"moving avg ({window})")
+        ax.plot(
+            steps,
+            _moving_average(values, window),
+            color="tab:blue",
+            lw=2,
+            label=f"moving avg ({window})",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
@@ -78,7 +104,7 @@ def _plot_eval(ax, records: list[dict]) -> None:
             all_values += series.values()
     if not all_values:
         return _no_data(ax, " / ".join(EVAL_KEYS))
-    if 0.0 <= min(all_values) and max(all_values) <= 1.0:
+    if min(all_values) >= 0.0 and max(all_values) <= 1.0:
         ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
     ax.set_ylabel("accuracy")
@@ -88,7 +114,9 @@ def _plot_eval(ax, records: list[dict]) -> None:
 
 def _plot_timing(ax, records: list[dict]) -> None:
     ax.set_title("Wall time per phase")
-    keys = sorted({k for r in records for k in r if k.startswith(TIMING_PREFIX) and k != STEP_TIME_KEY})
+    keys = sorted(
+        {k for r in records for k in r if k.startswith(TIMING_PREFIX) and k != STEP_TIME_KEY}
+    )
     per_key = {k: _series(records, k) for k in keys}
     per_key = {k: s for k, s in per_key.items() if s}
     if not per_key:
@@ -96,7 +124,10 @@ def _plot_timing(ax, records: list[dict]) -> None:
     steps = sorted({s for series in per_key.values() for s in series})
     # largest phases first; fold the tail into "other"
     ordered = sorted(per_key, key=lambda k: -sum(per_key[k].values()))
-    layers = [(k[len(TIMING_PREFIX):], [per_key[k].get(s, 0.0) for s in steps]) for k in ordered[:MAX_PHASES]]
+    layers = [
+        (k[len(TIMING_PREFIX) :], [per_key[k].get(s, 0.0) for s in steps])
+        for k in ordered[:MAX_PHASES]
+    ]
     if len(ordered) > MAX_PHASES:
         rest = ordered[MAX_PHASES:]
         layers.append(("other", [sum(per_key[k].get(s, 0.0) for k in rest) for s in steps]))
@@ -106,11 +137,20 @@ def _plot_timing(ax, records: list[dict]) -> None:
             ax.bar(steps, vals, bottom=bottom, label=name, width=0.8)
             bottom = [b + v for b, v in zip(bottom, vals)]
     else:
-        ax.stackplot(steps, *[vals for _, vals in layers], labels=[name for name, _ in layers], alpha=0.85)
+        ax.stackplot(
+            steps, *[vals for _, vals in layers], labels=[name for name, _ in layers], alpha=0.85
+        )
     top = max(sum(vals[i] for _, vals in layers) for i in range(len(steps)))
     step_time = _series(records, STEP_TIME_KEY)
     if step_time:
-        ax.plot(list(step_time), list(step_time.values()), color="black", lw=1, ls="--", label="step (total)")
+        ax.plot(
+            list(step_time),
+            list(step_time.values()),
+            color="black",
+            lw=1,
+            ls="--",
+            label="step (total)",
+        )
         top = max(top, max(step_time.values()))
     ax.set_ylim(0, top * 1.3 or 1.0)  # headroom for the legend
     ax.set_xlabel("step")

@@ -5,6 +5,7 @@ and (optionally) TensorBoard scalars in ``run_dir/tb``.
 line is ``{"step": <int>, "<name>": <number or null>, ...}``; non-finite
 numbers are written as ``null`` so that every line is strict JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,9 @@ import math
 import numbers
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -71,7 +73,9 @@ class MetricsLogger:
     Without ``resume_step`` an existing file is appended to.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(
+        self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
@@ -93,7 +97,11 @@ class MetricsLogger:
             return f.read(1) == b"\n"
 
     def _truncate_after(self, resume_step: int) -> None:
-        kept = [r for r in _parse_lines(self.path) if not (isinstance(r.get("step"), int) and r["step"] > resume_step)]
+        kept = [
+            r
+            for r in _parse_lines(self.path)
+            if not (isinstance(r.get("step"), int) and r["step"] > resume_step)
+        ]
         tmp = self.path.with_suffix(".jsonl.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             for rec in kept:
@@ -131,7 +139,7 @@ class MetricsLogger:
             self._tb.close()
             self._tb = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:

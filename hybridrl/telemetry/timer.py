@@ -11,12 +11,13 @@ Usage::
                 ...
         metrics.update(timer.pop())        # {"timing/rollout": s, ..., "timing/step": s}
 """
+
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 
 class PhaseTimer:

@@ -7,6 +7,7 @@ itself. The driver schedules and monitors: train version v, sync the weights (th
 interrupted between two engine steps and continues every sequence), log, evaluate, checkpoint. No
 trajectory passes through it; it only sees metrics and the trained prompts' ids (``trajectories.jsonl``).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,23 @@ def train(cfg: Config, resume: bool = False) -> dict:
     s = open_session(cfg, resume, learner=True)
     t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
     roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
-    buffer = make_buffer(cfg.controller.backend, batch_groups=t.prompts_per_step, max_staleness=cfg.asynchronous.max_staleness,
-                         cursor=state["prompt_cursor"], pending=state.get("pending_prompts", ()),
-                         trained_groups=state["step"] * t.prompts_per_step)
+    buffer = make_buffer(
+        cfg.controller.backend,
+        batch_groups=t.prompts_per_step,
+        max_staleness=cfg.asynchronous.max_staleness,
+        cursor=state["prompt_cursor"],
+        pending=state.get("pending_prompts", ()),
+        trained_groups=state["step"] * t.prompts_per_step,
+    )
     last = dict(state.get("last", state["before"]))
-    bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
-               desc=f"{cfg.algorithm.advantage} async", disable=not t.progress, dynamic_ncols=True)
+    bar = tqdm(
+        range(state["step"], t.total_steps),
+        initial=state["step"],
+        total=t.total_steps,
+        desc=f"{cfg.algorithm.advantage} async",
+        disable=not t.progress,
+        dynamic_ncols=True,
+    )
     trace = open(s.run_dir / "trajectories.jsonl", "a")
     try:
         roles.rollout.start_stream(buffer, s.params, t.seed)
@@ -40,21 +52,47 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 roles.sync_weights(step + 1)
             done, now = step + 1, time.perf_counter()
             samples = len(out["staleness"])
-            metrics = out["metrics"] | roles.rollout.stats() | buffer.stats() | {
-                "async/samples_per_s": samples / (now - tick), "async/trainer_idle_frac": 1 - out["busy_s"] / (now - tick)}
-            trace.write(json.dumps({"step": done, "uids": out["uids"], "staleness": out["staleness"]}) + "\n")
+            metrics = (
+                out["metrics"]
+                | roles.rollout.stats()
+                | buffer.stats()
+                | {
+                    "async/samples_per_s": samples / (now - tick),
+                    "async/trainer_idle_frac": 1 - out["busy_s"] / (now - tick),
+                }
+            )
+            trace.write(
+                json.dumps({"step": done, "uids": out["uids"], "staleness": out["staleness"]})
+                + "\n"
+            )
             if s.due(t.eval_every, done):
                 with timer.phase("eval"):
                     last = s.evaluate()
                 metrics |= last
             s.logger.log(done, metrics | timer.pop())
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}",
-                            stale=f"{metrics['async/staleness_mean']:.2f}")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                acc=f"{last['eval/accuracy']:.3f}",
+                stale=f"{metrics['async/staleness_mean']:.2f}",
+            )
             if s.due(t.save_every, done):
                 trace.flush()
-                save_checkpoint(s.run_dir, done, roles, state | buffer.state() | {
-                    "step": done, "last": last, "kl_reward_coef": roles.learner.kl_reward_coef()}, cfg)
-            tick = time.perf_counter()  # evaluation and checkpoints do not count as the learner's idleness
+                save_checkpoint(
+                    s.run_dir,
+                    done,
+                    roles,
+                    state
+                    | buffer.state()
+                    | {
+                        "step": done,
+                        "last": last,
+                        "kl_reward_coef": roles.learner.kl_reward_coef(),
+                    },
+                    cfg,
+                )
+            tick = (
+                time.perf_counter()
+            )  # evaluation and checkpoints do not count as the learner's idleness
     finally:  # stop generating first, so nothing writes into a closing buffer
         try:
             roles.rollout.stop_stream()

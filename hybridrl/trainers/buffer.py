@@ -25,6 +25,7 @@ Resume: :meth:`state` holds the prompt cursor and the prompts admitted but not y
 (generating or waiting); a resumed buffer hands those out again first, so no prompt is skipped
 and no trajectory is trained twice.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,8 +49,14 @@ class Group:
 
 
 class TrajectoryBuffer:
-    def __init__(self, batch_groups: int, max_staleness: int, cursor: int = 0, pending: list[int] | tuple = (),
-                 trained_groups: int = 0):
+    def __init__(
+        self,
+        batch_groups: int,
+        max_staleness: int,
+        cursor: int = 0,
+        pending: list[int] | tuple = (),
+        trained_groups: int = 0,
+    ):
         self.B, self.k = batch_groups, max_staleness
         self.cursor = cursor  # next fresh prompt index
         self.retry = deque(pending)  # prompts admitted before a restart but never trained
@@ -61,7 +68,9 @@ class TrajectoryBuffer:
 
     # --- rollout side ---------------------------------------------------------------------------
     def capacity(self, version: int) -> int:
-        return (self.k + version + 1) * self.B - (self.consumed + len(self.ready) + len(self.running))
+        return (self.k + version + 1) * self.B - (
+            self.consumed + len(self.ready) + len(self.running)
+        )
 
     def admit(self, want: int, version: int) -> list[int]:
         """Up to ``want`` prompt indices the caller may start generating with weights ``version``."""
@@ -77,7 +86,9 @@ class TrajectoryBuffer:
     def put(self, group: Group) -> None:
         with self.cond:
             if self.running.pop(group.index, None) is None:
-                raise KeyError(f"group for prompt {group.index} was never admitted (or was put twice)")
+                raise KeyError(
+                    f"group for prompt {group.index} was never admitted (or was put twice)"
+                )
             self.ready.append(group)
             self.cond.notify_all()
 
@@ -86,8 +97,10 @@ class TrajectoryBuffer:
         """The batch for ``version``, or None while training now could force a later sample past its deadline."""
         if len(self.ready) < self.B:
             return None
-        self.ready.sort(key=lambda g: (g.admitted, g.finished_at))  # earliest deadline (admitted + k) first
-        left = sorted([g.admitted for g in self.ready[self.B:]] + list(self.running.values()))
+        self.ready.sort(
+            key=lambda g: (g.admitted, g.finished_at)
+        )  # earliest deadline (admitted + k) first
+        left = sorted([g.admitted for g in self.ready[self.B :]] + list(self.running.values()))
         # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due by t?
         if any(i + 1 > (adm + self.k - version) * self.B for i, adm in enumerate(left)):
             return None
@@ -96,27 +109,37 @@ class TrajectoryBuffer:
     def get_batch(self, version: int, timeout: float) -> list[Group]:
         """The ``B`` groups to train weights ``version`` on (blocks until they are ready)."""
         with self.cond:
-            if not self.cond.wait_for(lambda: self.closed or self._pick(version) is not None, timeout):
+            if not self.cond.wait_for(
+                lambda: self.closed or self._pick(version) is not None, timeout
+            ):
                 raise TimeoutError(
                     f"no training batch for version {version} within {timeout:.0f} s ({len(self.ready)} groups ready, "
-                    f"{len(self.running)} generating, B = {self.B}): is the rollout alive? (asynchronous.batch_timeout_s)")
+                    f"{len(self.running)} generating, B = {self.B}): is the rollout alive? (asynchronous.batch_timeout_s)"
+                )
             if self.closed:
                 raise RuntimeError(f"the trajectory buffer was closed: {self.closed}")
-            batch, self.ready = self.ready[: self.B], self.ready[self.B:]
+            batch, self.ready = self.ready[: self.B], self.ready[self.B :]
             self.consumed += self.B
             return batch
 
     # --- control ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         with self.cond:
-            return {"async/buffer_groups": float(len(self.ready)), "async/running_groups": float(len(self.running)),
-                    "async/trained_groups": float(self.consumed)}
+            return {
+                "async/buffer_groups": float(len(self.ready)),
+                "async/running_groups": float(len(self.running)),
+                "async/trained_groups": float(self.consumed),
+            }
 
     def state(self) -> dict:
         """What a checkpoint needs: the cursor and the admitted-but-untrained prompts, oldest first."""
         with self.cond:
             pending = sorted(set(self.retry) | set(self.running) | {g.index for g in self.ready})
-            return {"prompt_cursor": self.cursor, "pending_prompts": pending, "trained_groups": self.consumed}
+            return {
+                "prompt_cursor": self.cursor,
+                "pending_prompts": pending,
+                "trained_groups": self.consumed,
+            }
 
     def close(self, reason: str = "the run ended") -> None:
         """Wake a waiting learner with an error, and admit nothing more."""
@@ -155,4 +178,6 @@ def make_buffer(backend: str, **kwargs) -> BufferHandle:
         return BufferHandle(TrajectoryBuffer(**kwargs))
     import ray
 
-    return BufferHandle(ray.remote(TrajectoryBuffer).options(max_concurrency=16, num_cpus=0).remote(**kwargs))
+    return BufferHandle(
+        ray.remote(TrajectoryBuffer).options(max_concurrency=16, num_cpus=0).remote(**kwargs)
+    )

@@ -6,6 +6,7 @@
 Written to a temporary directory and renamed when complete, so a crash
 mid-save leaves the previous checkpoint loadable; the last K are kept.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "trainer.json").is_file()]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX):]))
+    done = [
+        p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / "trainer.json").is_file()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:

@@ -7,6 +7,7 @@ An advantage estimator with ``needs_greedy_baseline = True`` (ReMax) also gets o
 prompt, generated and scored like the samples but never trained on: only its reward reaches the batch, as
 the per-row ``baseline_rewards`` column. What is generated is decided by that attribute, not by a name.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -27,7 +28,12 @@ def informative_rows(uids: list, rewards) -> list[int]:
     rows: dict = defaultdict(list)
     for i, uid in enumerate(uids):
         rows[uid].append(i)
-    return [i for idx in rows.values() if len(idx) > 1 and len(set(rewards[idx].tolist())) > 1 for i in idx]
+    return [
+        i
+        for idx in rows.values()
+        if len(idx) > 1 and len(set(rewards[idx].tolist())) > 1
+        for i in idx
+    ]
 
 
 def needs_greedy_baseline(cfg: Config) -> bool:
@@ -44,13 +50,19 @@ def greedy_baselines(roles, prompts: Batch, tokenizer, cfg: Config, params: Samp
     samples = [s for part in roles.rollout.generate(prompts, greedy) for s in part]
     batch = samples_to_batch(samples, tokenizer.pad_token_id)
     alg = cfg.algorithm
-    penalty = overlong_penalty(batch["response_mask"].sum(-1), cfg.rollout.max_new_tokens, alg.overlong_buffer,
-                               alg.overlong_penalty)
+    penalty = overlong_penalty(
+        batch["response_mask"].sum(-1),
+        cfg.rollout.max_new_tokens,
+        alg.overlong_buffer,
+        alg.overlong_penalty,
+    )
     rewards = roles.reward.score(batch)["rewards"].float() + penalty
     return dict(zip([s.uid for s in samples], rewards.tolist()))
 
 
-def collect(roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor: int, seed: int, timer) -> tuple[Batch, int, dict]:
+def collect(
+    roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor: int, seed: int, timer
+) -> tuple[Batch, int, dict]:
     """(scored batch, new prompt cursor, metrics); time goes to the ``rollout`` and ``reward`` phases of ``timer``."""
     t, alg = cfg.trainer, cfg.algorithm
     target = t.prompts_per_step * t.samples_per_prompt
@@ -59,17 +71,29 @@ def collect(roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor:
     rounds = alg.max_sampling_rounds if alg.filter_groups else 1
     baseline = needs_greedy_baseline(cfg)
     for rnd in range(rounds):
-        prompts = prompt_batch([task.prompt(cursor + i) for i in range(t.prompts_per_step)], tokenizer)
+        prompts = prompt_batch(
+            [task.prompt(cursor + i) for i in range(t.prompts_per_step)], tokenizer
+        )
         cursor += t.prompts_per_step
         with timer.phase("rollout"):
-            new = [s for part in roles.rollout.generate(prompts, replace(params, seed=seed * 1000 + rnd)) for s in part]
+            new = [
+                s
+                for part in roles.rollout.generate(prompts, replace(params, seed=seed * 1000 + rnd))
+                for s in part
+            ]
         with timer.phase("reward"):
             scored = roles.reward.score(samples_to_batch(new, tokenizer.pad_token_id))
         if baseline:
             with timer.phase("baseline"):
                 by_uid = greedy_baselines(roles, prompts, tokenizer, cfg, params)
-            scored = scored | Batch({"baseline_rewards": torch.tensor([by_uid[s.uid] for s in new])})
-        rows = informative_rows([s.uid for s in new], scored["rewards"]) if alg.filter_groups else list(range(len(new)))
+            scored = scored | Batch(
+                {"baseline_rewards": torch.tensor([by_uid[s.uid] for s in new])}
+            )
+        rows = (
+            informative_rows([s.uid for s in new], scored["rewards"])
+            if alg.filter_groups
+            else list(range(len(new)))
+        )
         other = sorted(set(range(len(new))) - set(rows))
         kept += [(new[i], scored.index([i])) for i in rows]
         filler += [(new[i], scored.index([i])) for i in other]
@@ -78,8 +102,13 @@ def collect(roles, task, tokenizer, cfg: Config, params: SamplingParams, cursor:
     informative = min(len(kept), target)
     # the cap was hit: fill with uninformative groups (zero advantage) so every step has the same shape
     chosen = (kept + filler)[:target]
-    batch = samples_to_batch([s for s, _ in chosen], tokenizer.pad_token_id) | Batch.concat([b for _, b in chosen])
-    metrics = {"rollout/sampling_rounds": rnd + 1, "rollout/informative_frac": informative / max(len(batch), 1)}
+    batch = samples_to_batch([s for s, _ in chosen], tokenizer.pad_token_id) | Batch.concat(
+        [b for _, b in chosen]
+    )
+    metrics = {
+        "rollout/sampling_rounds": rnd + 1,
+        "rollout/informative_frac": informative / max(len(batch), 1),
+    }
     if baseline:
         metrics["reward/greedy_baseline_mean"] = batch["baseline_rewards"].mean().item()
     return batch, cursor, metrics

@@ -5,6 +5,7 @@
 fraction answered correctly). :func:`model_accuracy` measures the same for a model in this process
 (the warm start's stopping check).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,7 +17,9 @@ from hybridrl.tasks import Prompt
 
 def prompt_batch(prompts: list[Prompt], tokenizer) -> Batch:
     """Meta ``prompt`` and ``prompt_ids`` (the tokenizer adds ``<bos>`` where it has one)."""
-    return Batch(meta={"prompt": prompts, "prompt_ids": [tokenizer(p.text)["input_ids"] for p in prompts]})
+    return Batch(
+        meta={"prompt": prompts, "prompt_ids": [tokenizer(p.text)["input_ids"] for p in prompts]}
+    )
 
 
 def collate(parts: list, pad_id: int) -> Batch:
@@ -31,15 +34,26 @@ class Evaluator:
         self.params = replace(params, n=1)
 
     def accuracy(self, greedy: bool) -> float:
-        params = replace(self.params, temperature=0.0) if greedy else replace(self.params, seed=self.seed)
-        batch = collate(self.roles.rollout.generate(self.batch, params), self.tokenizer.pad_token_id)
+        params = (
+            replace(self.params, temperature=0.0)
+            if greedy
+            else replace(self.params, seed=self.seed)
+        )
+        batch = collate(
+            self.roles.rollout.generate(self.batch, params), self.tokenizer.pad_token_id
+        )
         return self.roles.reward.score(batch)["rewards"].mean().item()
 
     def __call__(self) -> dict[str, float]:
-        return {"eval/accuracy": self.accuracy(greedy=False), "eval/greedy_accuracy": self.accuracy(greedy=True)}
+        return {
+            "eval/accuracy": self.accuracy(greedy=False),
+            "eval/greedy_accuracy": self.accuracy(greedy=True),
+        }
 
 
-def model_accuracy(model, tokenizer, prompts: list[Prompt], scorer, params: SamplingParams) -> float:
+def model_accuracy(
+    model, tokenizer, prompts: list[Prompt], scorer, params: SamplingParams
+) -> float:
     """Mean reward of one sample per prompt from ``model`` as it is now (the warm start's accuracy check).
 
     Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept between
@@ -52,8 +66,12 @@ def model_accuracy(model, tokenizer, prompts: list[Prompt], scorer, params: Samp
     try:
         engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
         batch = prompt_batch(prompts, tokenizer)
-        requests = [GenerationRequest(request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p})
-                    for p, ids in zip(batch["prompt"], batch["prompt_ids"])]
+        requests = [
+            GenerationRequest(
+                request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p}
+            )
+            for p, ids in zip(batch["prompt"], batch["prompt_ids"])
+        ]
         samples = engine.generate(requests, replace(params, n=1))
         return scorer(collate([samples], tokenizer.pad_token_id))["rewards"].mean().item()
     finally:
@@ -69,9 +87,15 @@ def evaluate_checkpoint(cfg) -> dict[str, float]:
     path = ensure_warm_start(cfg, cfg.trainer.progress)
     roles = build_roles(cfg, path, path)
     try:
-        params = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                                max_new_tokens=cfg.rollout.max_new_tokens)
+        params = SamplingParams(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+        )
         prompts = make_task(cfg).heldout()[: cfg.task.eval_size]
-        return Evaluator(roles, prompts, load_tokenizer(cfg, path), params, seed=cfg.trainer.seed + 10_000)()
+        return Evaluator(
+            roles, prompts, load_tokenizer(cfg, path), params, seed=cfg.trainer.seed + 10_000
+        )()
     finally:
         roles.shutdown()

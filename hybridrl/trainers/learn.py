@@ -6,6 +6,7 @@ metrics -> values -> token-level rewards -> advantages -> critic update -> polic
 ``actor`` / ``reference`` / ``critic`` are role handles (WorkerGroups or RoleViews, whose DP_COMPUTE
 methods return one result per rank) or the role workers themselves, called in-process.
 """
+
 from __future__ import annotations
 
 from hybridrl.algorithms import compute_advantages
@@ -25,11 +26,18 @@ def reuses_old_log_probs(cfg, batch_size: int) -> bool:
     loss). The train-rollout gap metrics read them after the update. ``rollout_bypass`` has no pass to skip;
     ``actor.reuse_old_log_probs: never`` keeps the pass (A/B tests)."""
     alg = cfg.algorithm
-    return (cfg.actor.reuse_old_log_probs == "auto" and is_single_pass(cfg.actor, batch_size)
-            and alg.kl_reward_coef == 0 and alg.rollout_is is None and not alg.rollout_bypass)
+    return (
+        cfg.actor.reuse_old_log_probs == "auto"
+        and is_single_pass(cfg.actor, batch_size)
+        and alg.kl_reward_coef == 0
+        and alg.rollout_is is None
+        and not alg.rollout_bypass
+    )
 
 
-def learn(actor, reference, critic, batch: Batch, shape, cfg, timer) -> tuple[Batch, dict[str, float]]:
+def learn(
+    actor, reference, critic, batch: Batch, shape, cfg, timer
+) -> tuple[Batch, dict[str, float]]:
     reuse = reuses_old_log_probs(cfg, len(batch))
     with timer.phase("reference"):
         batch |= reference.compute_ref_log_prob(batch)

@@ -1,4 +1,5 @@
 """Per-step metrics computed from a scored batch."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -15,7 +16,8 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s == "truncated" for s in batch["status"]) / len(batch),
-        "advantage/abs_mean": batch["advantages"].abs().sum().item() / max(batch["response_mask"].sum().item(), 1),
+        "advantage/abs_mean": batch["advantages"].abs().sum().item()
+        / max(batch["response_mask"].sum().item(), 1),
     }
 
 

@@ -1,4 +1,5 @@
 """The run directory ``<runs_dir>/<name>``: config, metrics, TensorBoard, checkpoints, report, summary."""
+
 from __future__ import annotations
 
 import json
@@ -29,5 +30,8 @@ def open_run_dir(cfg: Config, resume: bool) -> Path:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+    clean = {
+        k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+        for k, v in summary.items()
+    }
     (run_dir / "summary.json").write_text(json.dumps(clean, indent=1))

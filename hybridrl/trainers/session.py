@@ -1,5 +1,6 @@
 """What the synchronous and the asynchronous drivers share: start a run (warm start, resume, roles,
 evaluator, logger, the held-out evaluation before training) and end it (summary and report)."""
+
 from __future__ import annotations
 
 import logging
@@ -43,14 +44,23 @@ class Session:
         """Write ``summary.json`` and ``report.png``; returns the summary."""
         t, before = self.cfg.trainer, self.state["before"]
         summary = {
-            "accuracy_before": before["eval/accuracy"], "accuracy_after": last["eval/accuracy"],
-            "greedy_accuracy_before": before["eval/greedy_accuracy"], "greedy_accuracy_after": last["eval/greedy_accuracy"],
-            "steps": t.total_steps, "wall_seconds": time.perf_counter() - self.t_start, "run_dir": str(self.run_dir),
-            "warm_start": self.warm, "resumed_from_step": self.state["step"] if self.resumed else None, "mode": t.mode,
+            "accuracy_before": before["eval/accuracy"],
+            "accuracy_after": last["eval/accuracy"],
+            "greedy_accuracy_before": before["eval/greedy_accuracy"],
+            "greedy_accuracy_after": last["eval/greedy_accuracy"],
+            "steps": t.total_steps,
+            "wall_seconds": time.perf_counter() - self.t_start,
+            "run_dir": str(self.run_dir),
+            "warm_start": self.warm,
+            "resumed_from_step": self.state["step"] if self.resumed else None,
+            "mode": t.mode,
         }
         write_summary(self.run_dir, summary)
         a = self.cfg.algorithm
-        write_report(self.run_dir, title=f"{t.name}: {a.advantage} / {a.policy_loss} on {self.cfg.task.name} ({t.mode})")
+        write_report(
+            self.run_dir,
+            title=f"{t.name}: {a.advantage} / {a.policy_loss} on {self.cfg.task.name} ({t.mode})",
+        )
         return summary
 
 
@@ -61,12 +71,19 @@ def open_session(cfg: Config, resume: bool, learner: bool = False) -> Session:
     warm = ensure_warm_start(cfg, t.progress)
     found = latest_checkpoint(run_path(cfg)) if resume else None
     if resume and not found:
-        log.warning("--resume: no complete checkpoint under %s, starting a fresh run", run_path(cfg))
+        log.warning(
+            "--resume: no complete checkpoint under %s, starting a fresh run", run_path(cfg)
+        )
     run_dir = open_run_dir(cfg, resume=found is not None)
     state = found[1] if found else {"step": 0, "prompt_cursor": 0, "reference_path": warm}
     ckpt = found[0] if found else None
-    roles = build_roles(cfg, str(ckpt / "model") if ckpt else warm, state["reference_path"],
-                        str(ckpt / "critic") if ckpt and (ckpt / "critic").is_dir() else None, learner=learner)
+    roles = build_roles(
+        cfg,
+        str(ckpt / "model") if ckpt else warm,
+        state["reference_path"],
+        str(ckpt / "critic") if ckpt and (ckpt / "critic").is_dir() else None,
+        learner=learner,
+    )
     try:
         if ckpt:
             roles.actor.load_state(str(ckpt / "model"))
@@ -75,12 +92,32 @@ def open_session(cfg: Config, resume: bool, learner: bool = False) -> Session:
             roles.sync_weights(state["step"])
         task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
         r = cfg.rollout
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                                n=t.samples_per_prompt)
-        evaluate = Evaluator(roles, task.heldout()[: cfg.task.eval_size], tokenizer, params, seed=t.seed + 10_000)
+        params = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            n=t.samples_per_prompt,
+        )
+        evaluate = Evaluator(
+            roles, task.heldout()[: cfg.task.eval_size], tokenizer, params, seed=t.seed + 10_000
+        )
         logger = MetricsLogger(run_dir, t.tensorboard, resume_step=state["step"] if found else None)
-        s = Session(cfg, roles, task, tokenizer, params, evaluate, logger, PhaseTimer(), run_dir, state, found is not None, warm,
-                    t_start)
+        s = Session(
+            cfg,
+            roles,
+            task,
+            tokenizer,
+            params,
+            evaluate,
+            logger,
+            PhaseTimer(),
+            run_dir,
+            state,
+            found is not None,
+            warm,
+            t_start,
+        )
         if "before" not in state:
             with s.timer.phase("eval"):
                 state["before"] = evaluate()

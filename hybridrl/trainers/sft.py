@@ -11,6 +11,7 @@ it measures sampled (T = 1) accuracy on held-out prompts and stops at the first 
 The result is a transformers checkpoint cached under a path derived from the settings, so a second
 ``make train`` starts RL at once; its ``sft.json`` records the steps taken and the accuracy reached.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,28 +34,43 @@ from hybridrl.workers.common import load_model, make_task
 
 log = logging.getLogger(__name__)
 
-CHECK_SEED_OFFSET = 20_000  # the check's sampling seed is trainer.seed + this (RL's evaluation uses + 10_000)
+CHECK_SEED_OFFSET = (
+    20_000  # the check's sampling seed is trainer.seed + this (RL's evaluation uses + 10_000)
+)
 
 
 def warm_start_path(cfg: Config) -> Path:
     if cfg.sft.checkpoint:
         return Path(cfg.sft.checkpoint)
     digest = hashlib.sha256(json.dumps(cache_key(cfg), sort_keys=True).encode()).hexdigest()[:10]
-    return Path("checkpoints") / "warmstart" / f"{cfg.task.name}-{cfg.model.name if not cfg.model.path else 'custom'}-{digest}"
+    return (
+        Path("checkpoints")
+        / "warmstart"
+        / f"{cfg.task.name}-{cfg.model.name if not cfg.model.path else 'custom'}-{digest}"
+    )
 
 
 def cache_key(cfg: Config) -> dict:
     """Everything the warm start's weights depend on: the model, the task and its SFT stream (``trainer.seed``),
     the ``sft`` settings and, when it stops on accuracy, what the check generates and scores."""
-    key = {"model": to_dict(cfg.model), "task": cfg.task.name, "seed": cfg.trainer.seed,
-           "sft": {k: v for k, v in to_dict(cfg.sft).items() if k not in ("checkpoint", "enabled")}}
+    key = {
+        "model": to_dict(cfg.model),
+        "task": cfg.task.name,
+        "seed": cfg.trainer.seed,
+        "sft": {k: v for k, v in to_dict(cfg.sft).items() if k not in ("checkpoint", "enabled")},
+    }
     if cfg.sft.steps is None:
-        key["check"] = {"reward_fn": cfg.task.reward_fn, "heldout_size": cfg.task.heldout_size,
-                        "max_new_tokens": cfg.rollout.max_new_tokens}
+        key["check"] = {
+            "reward_fn": cfg.task.reward_fn,
+            "heldout_size": cfg.task.heldout_size,
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+        }
     return key
 
 
-def sft_batch(task, tokenizer, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+def sft_batch(
+    task, tokenizer, start: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """(input_ids, attention_mask, labels, prompt texts) with labels -100 except on the completion and ``<eos>``."""
     rows, labels, texts = [], [], []
     for i in range(start, start + size):
@@ -65,7 +81,12 @@ def sft_batch(task, tokenizer, start: int, size: int) -> tuple[torch.Tensor, tor
         labels.append([-100] * len(p) + c)
         texts.append(prompt)
     ids = pad_2d(rows, tokenizer.pad_token_id, torch.long)
-    return ids, pad_2d([[1] * len(r) for r in rows], 0, torch.long), pad_2d(labels, -100, torch.long), texts
+    return (
+        ids,
+        pad_2d([[1] * len(r) for r in rows], 0, torch.long),
+        pad_2d(labels, -100, torch.long),
+        texts,
+    )
 
 
 def lr_factor(step: int, total: int, warmup: int = 20, decay_frac: float = 0.2) -> float:
@@ -94,8 +115,12 @@ class HeldoutCheck:
         self.pool_texts = {p.text for p in self.pool}
         self.seen: set[str] = set()  # held-out prompt texts that appeared in an SFT batch
         self.scorer = Scorer(cfg, tokenizer)
-        self.params = SamplingParams(temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens, n=1,
-                                     seed=cfg.trainer.seed + CHECK_SEED_OFFSET)
+        self.params = SamplingParams(
+            temperature=1.0,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            n=1,
+            seed=cfg.trainer.seed + CHECK_SEED_OFFSET,
+        )
         self.seconds = 0.0
 
     def trained_on(self, texts: list[str]) -> None:
@@ -107,8 +132,10 @@ class HeldoutCheck:
 
         prompts = [p for p in self.pool if p.text not in self.seen][: self.size]
         if not prompts:
-            raise RuntimeError(f"warm start: every one of the task's {len(self.pool)} held-out prompts appeared in an SFT "
-                               "batch, so none is left to check accuracy on; raise task.heldout_size or set sft.steps")
+            raise RuntimeError(
+                f"warm start: every one of the task's {len(self.pool)} held-out prompts appeared in an SFT "
+                "batch, so none is left to check accuracy on; raise task.heldout_size or set sft.steps"
+            )
         t0 = time.perf_counter()
         acc = model_accuracy(model, self.tokenizer, prompts, self.scorer, self.params)
         self.seconds += time.perf_counter() - t0
@@ -118,11 +145,22 @@ class HeldoutCheck:
 def _train_step(model, opt, sched, ids, attn, labels, micro_batch_tokens: int) -> float:
     n_labels, lengths, loss = (labels[:, 1:] != -100).sum(), attn.sum(-1), 0.0
     opt.zero_grad(set_to_none=True)
-    for rows in length_buckets(lengths, micro_batch_tokens):  # similar lengths together, cut to the longest
+    for rows in length_buckets(
+        lengths, micro_batch_tokens
+    ):  # similar lengths together, cut to the longest
         w = int(lengths[rows].max())
-        logits = model(input_ids=ids[rows, :w], attention_mask=attn[rows, :w], use_cache=False).logits[:, :-1]
-        part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[rows, 1:w].reshape(-1), ignore_index=-100,
-                               reduction="sum") / n_labels
+        logits = model(
+            input_ids=ids[rows, :w], attention_mask=attn[rows, :w], use_cache=False
+        ).logits[:, :-1]
+        part = (
+            F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                labels[rows, 1:w].reshape(-1),
+                ignore_index=-100,
+                reduction="sum",
+            )
+            / n_labels
+        )
         part.backward()
         loss += part.item()
     opt.step()
@@ -143,11 +181,17 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, total))
     model.train()
     t0, losses, checks, met = time.perf_counter(), [], [], False
-    desc = "warm start (SFT)" if check is None else f"warm start (SFT, to {s.target_accuracy:.0%} sampled accuracy)"
+    desc = (
+        "warm start (SFT)"
+        if check is None
+        else f"warm start (SFT, to {s.target_accuracy:.0%} sampled accuracy)"
+    )
     bar = tqdm(range(total), desc=desc, disable=not progress, dynamic_ncols=True)
     for step in bar:
         ids, attn, labels, texts = sft_batch(task, tokenizer, step * s.batch_size, s.batch_size)
-        losses.append(_train_step(model, opt, sched, ids, attn, labels, cfg.actor.micro_batch_tokens))
+        losses.append(
+            _train_step(model, opt, sched, ids, attn, labels, cfg.actor.micro_batch_tokens)
+        )
         if check is None:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             continue
@@ -162,15 +206,30 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
                 break
     bar.close()
     seconds = time.perf_counter() - t0
-    record = {"steps": len(losses), "final_loss": losses[-1] if losses else None, "seconds": seconds}
+    record = {
+        "steps": len(losses),
+        "final_loss": losses[-1] if losses else None,
+        "seconds": seconds,
+    }
     if check is not None:
         last = checks[-1] if checks else {"accuracy": None, "prompts": 0}
-        record |= {"target_accuracy": s.target_accuracy, "accuracy": last["accuracy"], "target_met": met,
-                   "max_steps": s.max_steps, "check_prompts": last["prompts"], "check_seconds": check.seconds,
-                   "checks": checks}
+        record |= {
+            "target_accuracy": s.target_accuracy,
+            "accuracy": last["accuracy"],
+            "target_met": met,
+            "max_steps": s.max_steps,
+            "check_prompts": last["prompts"],
+            "check_seconds": check.seconds,
+            "checks": checks,
+        }
         if met:
-            log.info("warm start: sampled held-out accuracy %.3f >= sft.target_accuracy %.3f after %d steps (%.0f s)",
-                     last["accuracy"], s.target_accuracy, len(losses), seconds)
+            log.info(
+                "warm start: sampled held-out accuracy %.3f >= sft.target_accuracy %.3f after %d steps (%.0f s)",
+                last["accuracy"],
+                s.target_accuracy,
+                len(losses),
+                seconds,
+            )
         else:
             log.warning(_cap_message(cfg, last["accuracy"]))
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
@@ -187,8 +246,10 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
 def _cap_message(cfg: Config, accuracy: float | None) -> str:
     s = cfg.sft
     reached = "no check ran" if accuracy is None else f"sampled held-out accuracy is {accuracy:.3f}"
-    return (f"warm start: reached the cap sft.max_steps={s.max_steps} before sft.target_accuracy={s.target_accuracy:g} "
-            f"({reached}); RL starts from this weaker model. Raise sft.max_steps or sft.lr, or lower sft.target_accuracy.")
+    return (
+        f"warm start: reached the cap sft.max_steps={s.max_steps} before sft.target_accuracy={s.target_accuracy:g} "
+        f"({reached}); RL starts from this weaker model. Raise sft.max_steps or sft.lr, or lower sft.target_accuracy."
+    )
 
 
 def ensure_warm_start(cfg: Config, progress: bool = True) -> str | None:
@@ -200,6 +261,8 @@ def ensure_warm_start(cfg: Config, progress: bool = True) -> str | None:
         run_sft(cfg, path, progress)
     elif cfg.sft.steps is None and (path / "sft.json").is_file():
         record = json.loads((path / "sft.json").read_text())
-        if record.get("target_met") is False:  # a cached warm start that missed its target: say so on every run
+        if (
+            record.get("target_met") is False
+        ):  # a cached warm start that missed its target: say so on every run
             log.warning(_cap_message(cfg, record.get("accuracy")))
     return str(path)

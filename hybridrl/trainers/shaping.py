@@ -4,16 +4,24 @@ score at the last response token (+ DAPO's soft overlong punishment)
 minus, when ``algorithm.kl_reward_coef`` > 0, a per-token KL penalty whose
 weight a fixed or adaptive controller sets.
 """
+
 from __future__ import annotations
 
 import torch
 
-from hybridrl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_penalty, token_level_scores
+from hybridrl.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    token_level_scores,
+)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
 
 
-def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_len: int, buffer: int, factor: float
+) -> torch.Tensor:
     """DAPO (2503.14476) soft overlong punishment: 0 up to max_len - buffer, then linear down to -factor at max_len."""
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
@@ -24,13 +32,20 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
 class RewardShaper:
     def __init__(self, alg: AlgorithmConfig, max_new_tokens: int, kl_value: float | None = None):
         self.alg, self.max_len = alg, max_new_tokens
-        coef = alg.kl_reward_coef if kl_value is None else kl_value  # a resumed run continues the adaptive coefficient
-        self.kl = (AdaptiveKLController(coef, alg.kl_target, alg.kl_horizon) if alg.kl_ctrl == "adaptive"
-                   else FixedKLController(coef))
+        coef = (
+            alg.kl_reward_coef if kl_value is None else kl_value
+        )  # a resumed run continues the adaptive coefficient
+        self.kl = (
+            AdaptiveKLController(coef, alg.kl_target, alg.kl_horizon)
+            if alg.kl_ctrl == "adaptive"
+            else FixedKLController(coef)
+        )
 
     def __call__(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         lengths = batch["response_mask"].sum(-1)
-        penalty = overlong_penalty(lengths, self.max_len, self.alg.overlong_buffer, self.alg.overlong_penalty)
+        penalty = overlong_penalty(
+            lengths, self.max_len, self.alg.overlong_buffer, self.alg.overlong_penalty
+        )
         scores = token_level_scores(batch["rewards"] + penalty, batch["response_mask"])
         batch = batch | Batch({"token_level_scores": scores})
         metrics = {"reward/overlong_penalty": penalty.mean().item()}

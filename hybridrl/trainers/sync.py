@@ -7,6 +7,7 @@ the asynchronous learner). Which algorithm runs is decided by registries
 (``algorithm.advantage``, ``algorithm.policy_loss``, ``algorithm.loss_agg``),
 never by branches here; the critic exists only when the estimator needs values.
 """
+
 from __future__ import annotations
 
 from tqdm import tqdm
@@ -25,12 +26,22 @@ def train(cfg: Config, resume: bool = False) -> dict:
     t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
     shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens, state.get("kl_reward_coef"))
     last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
-    bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps, desc=cfg.algorithm.advantage,
-               disable=not t.progress, dynamic_ncols=True)
+    bar = tqdm(
+        range(state["step"], t.total_steps),
+        initial=state["step"],
+        total=t.total_steps,
+        desc=cfg.algorithm.advantage,
+        disable=not t.progress,
+        dynamic_ncols=True,
+    )
     try:
         for step in bar:
-            batch, cursor, metrics = collect(roles, s.task, s.tokenizer, cfg, s.params, cursor, seed=t.seed + step, timer=timer)
-            batch, learned = learn(roles.actor, roles.reference, roles.critic, batch, shape, cfg, timer)
+            batch, cursor, metrics = collect(
+                roles, s.task, s.tokenizer, cfg, s.params, cursor, seed=t.seed + step, timer=timer
+            )
+            batch, learned = learn(
+                roles.actor, roles.reference, roles.critic, batch, shape, cfg, timer
+            )
             with timer.phase("weight_sync"):
                 roles.sync_weights(step + 1)
             metrics |= learned | batch_metrics(batch) | roles.rollout.stats()
@@ -40,10 +51,23 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     last = s.evaluate()
                 metrics |= last
             s.logger.log(done, metrics | timer.pop())
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}")
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
+            )
             if s.due(t.save_every, done):
-                save_checkpoint(s.run_dir, done, roles, state | {"step": done, "last": last, "prompt_cursor": cursor,
-                                                                 "kl_reward_coef": shape.kl.value}, cfg)
+                save_checkpoint(
+                    s.run_dir,
+                    done,
+                    roles,
+                    state
+                    | {
+                        "step": done,
+                        "last": last,
+                        "prompt_cursor": cursor,
+                        "kl_reward_coef": shape.kl.value,
+                    },
+                    cfg,
+                )
     finally:  # a failed step still leaves the metrics flushed and the workers stopped
         s.logger.close()
         roles.shutdown()

@@ -23,6 +23,7 @@ the next sync, so syncs must not overlap (``Roles.sync_weights`` waits for the r
 LoRA: whatever the actor's ``weight_buckets`` yields (the adapter tensors, merged deltas or full weights)
 is what travels; nothing here knows about adapters.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,7 +31,7 @@ import mmap
 import os
 import uuid
 import warnings
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -55,7 +56,9 @@ def pack(bucket: list[Named]) -> tuple[list[tuple[str, str, tuple]], list[np.nda
 
 def unpack(packed) -> Iterator[Named]:
     meta, arrays = packed
-    with warnings.catch_warnings():  # object-store arrays are read-only; the engine only copies from them
+    with (
+        warnings.catch_warnings()
+    ):  # object-store arrays are read-only; the engine only copies from them
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for (name, dtype, shape), arr in zip(meta, arrays):
             yield name, torch.from_numpy(arr).view(getattr(torch, dtype)).view(shape)
@@ -108,7 +111,9 @@ _readers: dict[str, _Stage] = {}  # rollout side: mapped staging files by path
 
 
 _ALIGN = 64  # every tensor starts on a cache line, whatever the dtypes around it
-_rehomed: list | None = None  # the descriptor of a re-homed actor (its weights live in the staging file)
+_rehomed: list | None = (
+    None  # the descriptor of a re-homed actor (its weights live in the staging file)
+)
 
 
 def _aligned(n: int) -> int:
@@ -121,14 +126,20 @@ def _rehome(actor) -> list:
     named = list(dict(actor.model.named_parameters()).items())  # tied weights once
     total = sum(_aligned(p.numel() * p.element_size()) for _, p in named)
     release_stage(actor)
-    _writer = _Stage(os.path.join(SHM_DIR, f"hybridrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"), total, create=True)
+    _writer = _Stage(
+        os.path.join(SHM_DIR, f"hybridrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"),
+        total,
+        create=True,
+    )
     atexit.register(release_stage)
     meta, offset = [], 0
     with torch.no_grad():
         for name, p in named:
             nbytes = p.numel() * p.element_size()
             # its own storage object over the shared pages (checkpoints must not see one storage shared by all)
-            home = torch.frombuffer(_writer.map, dtype=p.dtype, count=p.numel(), offset=offset).view(p.shape)
+            home = torch.frombuffer(
+                _writer.map, dtype=p.dtype, count=p.numel(), offset=offset
+            ).view(p.shape)
             home.copy_(p.data)
             p.data = home
             meta.append((name, p.dtype, tuple(p.shape), offset, nbytes))
@@ -137,8 +148,12 @@ def _rehome(actor) -> list:
 
 
 def _can_rehome(actor) -> bool:
-    return (actor.world_size == 1 and getattr(actor, "lora", None) is None and SHM_DIR is not None
-            and all(p.device.type == "cpu" for p in actor.model.parameters()))
+    return (
+        actor.world_size == 1
+        and getattr(actor, "lora", None) is None
+        and SHM_DIR is not None
+        and all(p.device.type == "cpu" for p in actor.model.parameters())
+    )
 
 
 def publish_shared(actor, bucket_bytes: int = BUCKET_BYTES):
@@ -156,12 +171,16 @@ def publish_shared(actor, bucket_bytes: int = BUCKET_BYTES):
     total = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
     if _writer is None or _writer.nbytes < total:
         release_stage(actor)
-        _writer = _Stage(os.path.join(SHM_DIR, f"hybridrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"), total, create=True)
+        _writer = _Stage(
+            os.path.join(SHM_DIR, f"hybridrl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"),
+            total,
+            create=True,
+        )
         atexit.register(release_stage)
     for bucket in buckets:
         for name, t in bucket:
             nbytes = t.numel() * t.element_size()
-            _writer.buf[offset: offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
+            _writer.buf[offset : offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
             meta.append((name, t.dtype, tuple(t.shape), offset, nbytes))
             offset += nbytes
     return _writer.path, meta
@@ -176,7 +195,7 @@ def load_shared(rollout, desc, version: int) -> int:
             old.close()
         _readers.clear()
         stage = _readers[path] = _Stage(path, os.path.getsize(path), create=False)
-    items = ((n, stage.buf[o: o + b].view(dtype).view(shape)) for n, dtype, shape, o, b in meta)
+    items = ((n, stage.buf[o : o + b].view(dtype).view(shape)) for n, dtype, shape, o, b in meta)
     return rollout.update_weights([items], version)
 
 
@@ -213,11 +232,15 @@ def _broadcast_buckets(buckets: list[list[Named]]) -> Iterator[Named]:
     from hybridrl.training import distributed as D
 
     device = D._device_of_group()
-    meta = [[(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in b] for b in buckets]
+    meta = [
+        [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in b] for b in buckets
+    ]
     box = [meta]
     dist.broadcast_object_list(box, src=0)
     meta = box[0]
-    buf = torch.empty(max((sum(m[3] for m in b) for b in meta), default=0), dtype=torch.uint8, device=device)
+    buf = torch.empty(
+        max((sum(m[3] for m in b) for b in meta), default=0), dtype=torch.uint8, device=device
+    )
     for i, bucket_meta in enumerate(meta):
         size = sum(m[3] for m in bucket_meta)
         flat = buf[:size]
@@ -225,7 +248,7 @@ def _broadcast_buckets(buckets: list[list[Named]]) -> Iterator[Named]:
             offset = 0
             for _, t in buckets[i]:
                 nbytes = t.numel() * t.element_size()
-                flat[offset: offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
+                flat[offset : offset + nbytes].copy_(t.detach().reshape(-1).view(torch.uint8))
                 offset += nbytes
         dist.broadcast(flat, src=0)
         if D.rank() == 0:
@@ -233,7 +256,7 @@ def _broadcast_buckets(buckets: list[list[Named]]) -> Iterator[Named]:
             continue
         offset = 0
         for name, dtype, shape, nbytes in bucket_meta:
-            yield name, flat[offset: offset + nbytes].view(dtype).view(shape)
+            yield name, flat[offset : offset + nbytes].view(dtype).view(shape)
             offset += nbytes
 
 

@@ -11,6 +11,7 @@ group (reference counted); :func:`teardown_distributed` calls ``barrier()``
 before ``destroy_process_group()`` (without it, exit crashes
 about one run in five).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -83,19 +84,27 @@ def init_distributed(ctx, timeout_s: float | None = None) -> DistEnv:
         raise RuntimeError(
             f"role {ctx.role!r}: world size {ctx.world_size} needs one process per rank (backend 'ray', or a launcher "
             f"setting RANK/WORLD_SIZE); this process has RANK={env_rank} WORLD_SIZE={env_world}. "
-            "Use the ray backend or one worker for this role.")
+            "Use the ray backend or one worker for this role."
+        )
     backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
         if dist.get_rank() != ctx.rank or dist.get_world_size() != ctx.world_size:
-            raise RuntimeError(f"role {ctx.role!r} rank {ctx.rank}/{ctx.world_size}: this process already belongs to a "
-                               f"group as rank {dist.get_rank()}/{dist.get_world_size()}")
+            raise RuntimeError(
+                f"role {ctx.role!r} rank {ctx.rank}/{ctx.world_size}: this process already belongs to a "
+                f"group as rank {dist.get_rank()}/{dist.get_world_size()}"
+            )
         _users += 1
         return DistEnv(ctx.rank, ctx.world_size, device, dist.get_backend())
     addr = ctx.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = ctx.master_port or int(os.environ["MASTER_PORT"])
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=ctx.rank, world_size=ctx.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s or pg_timeout_s()),
-                            device_id=device if backend == "nccl" else None)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s or pg_timeout_s()),
+        device_id=device if backend == "nccl" else None,
+    )
     _users += 1
     return DistEnv(ctx.rank, ctx.world_size, device, backend)
 
@@ -126,7 +135,11 @@ def rank() -> int:
 
 
 def _device_of_group() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def all_reduce(values: list[float] | torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -26,15 +26,16 @@ Checkpoint layout written by :func:`save_sharded` at ``path``::
 written under ``.<name>.tmp`` and renamed when every rank is done, so a crash mid-save leaves
 whatever was at ``path`` before untouched and loadable.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,8 +62,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     layers = getattr(base, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
         return list(layers)
-    for module in model.modules():  # any other architecture: the longest ModuleList of identical blocks
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+    for (
+        module
+    ) in model.modules():  # any other architecture: the longest ModuleList of identical blocks
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 1
+            and len({type(m) for m in module}) == 1
+        ):
             return list(module)
     raise ValueError(f"{type(model).__name__}: found no list of decoder layers to shard")
 
@@ -70,11 +77,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every decoder layer in backward (only the layer inputs are kept: O(L) activations)."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        raise TypeError(f"{type(model).__name__} is not a transformers model: no per-layer activation checkpointing")
+        raise TypeError(
+            f"{type(model).__name__} is not a transformers model: no per-layer activation checkpointing"
+        )
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
 
@@ -100,11 +111,15 @@ def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
     prec = P.cpu_precision(cfg.mixed_precision, model, train=True, key="fsdp.mixed_precision")
     if cfg.mixed_precision == "auto" and D.world_size() > 1:
         if int(D.all_reduce([0.0 if prec.bf16 else 1.0], op="max")[0].item()) and prec.bf16:
-            prec = P.Precision(torch.float32, prec.reason + "; another rank measured less, so fp32 on every rank")
+            prec = P.Precision(
+                torch.float32, prec.reason + "; another rank measured less, so fp32 on every rank"
+            )
     return prec
 
 
-def prepare_model(model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable: bool = True) -> nn.Module:
+def prepare_model(
+    model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable: bool = True
+) -> nn.Module:
     """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder layer + root
     when the rank has a process group (world size > 1, or a launcher-made group of one: e.g. one GPU with
     CPU offload); no group: the module moved to ``env.device``, unwrapped. On a CPU the model is then marked
@@ -119,8 +134,13 @@ def prepare_model(model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable:
     model = _prepare(model, cfg, env, trainable)
     if prec is None:
         bf16 = cfg.mixed_precision in ("bf16", "auto") and is_sharded(model)
-        log.info("%s precision: %s (fsdp.mixed_precision=%s on %s)", what,
-                 "bf16 params + fp32 reduce" if bf16 else "fp32", cfg.mixed_precision, env.device.type)
+        log.info(
+            "%s precision: %s (fsdp.mixed_precision=%s on %s)",
+            what,
+            "bf16 params + fp32 reduce" if bf16 else "fp32",
+            cfg.mixed_precision,
+            env.device.type,
+        )
         return set_autocast(model, None)
     log.info(prec.describe(what))
     return set_autocast(model, torch.bfloat16 if prec.bf16 else None)
@@ -132,21 +152,30 @@ def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -
     if env.backend is None or (cfg.strategy == "none" and not env.distributed):
         return model.to(env.device)
     if cfg.strategy != "fsdp2":
-        raise ValueError(f"world size {env.world_size} needs fsdp.strategy 'fsdp2' (got {cfg.strategy!r})")
+        raise ValueError(
+            f"world size {env.world_size} needs fsdp.strategy 'fsdp2' (got {cfg.strategy!r})"
+        )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    offload = cfg.cpu_offload and env.device.type == "cuda"  # on a CPU-only rank everything is in CPU memory anyway
-    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(cfg, env.device),
-                  offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy())
+    offload = (
+        cfg.cpu_offload and env.device.type == "cuda"
+    )  # on a CPU-only rank everything is in CPU memory anyway
+    common = dict(
+        mesh=mesh,
+        mp_policy=mixed_precision_policy(cfg, env.device),
+        offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy(),
+    )
     reshard = cfg.sharding == "full"
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard, **common)
     # the root's parameters (embeddings, final norm, head) are used last in forward and first in backward:
     # keeping them gathered in between saves one all-gather (it costs the unsharded root until backward)
     fully_shard(model, reshard_after_forward=False, **common)
-    for module in model.modules():  # every unit: sum over ranks (losses carry the global normalisation)
+    for (
+        module
+    ) in model.modules():  # every unit: sum over ranks (losses carry the global normalisation)
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
@@ -161,7 +190,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: measure only); the norm before."""
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_norm or float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in model.parameters() if p.grad is not None], max_norm or float("inf")
+    )
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm.item())
@@ -177,12 +208,20 @@ def _full(p: torch.Tensor, device: torch.device) -> torch.Tensor:
         return p
     local = p.to_local()
     if local.device != device:  # CPU-offloaded shard: gather on the compute device
-        p = DTensor.from_local(local.to(device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        p = DTensor.from_local(
+            local.to(device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
     return p.full_tensor()
 
 
-def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 64 << 20, *, dtype: torch.dtype | None = None,
-                        device: torch.device | None = None, dst: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_weight_buckets(
+    model: nn.Module,
+    bucket_bytes: int = 64 << 20,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    dst: int = 0,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one tensor).
 
     Every rank must iterate to the end (each sharded parameter is one all-gather); rank ``dst`` gets the
@@ -192,14 +231,21 @@ def iter_weight_buckets(model: nn.Module, bucket_bytes: int = 64 << 20, *, dtype
     """
     sharded = is_sharded(model)
     device = device or next(model.parameters()).device
-    if sharded and device.type == "cpu" and torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if (
+        sharded
+        and device.type == "cpu"
+        and torch.cuda.is_available()
+        and dist.get_backend() == "nccl"
+    ):
         device = torch.device("cuda", torch.cuda.current_device())
     keep = D.rank() == dst
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, p in model.named_parameters():
         full = _full(p, device)
-        nbytes = full.numel() * (full.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+        nbytes = full.numel() * (
+            full.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
+        )
         if size and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
@@ -218,7 +264,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if not is_sharded(model):
         return {k: v.detach() for k, v in model.state_dict().items()}
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return sd if D.rank() == 0 else {}
 
 
@@ -253,7 +301,10 @@ def _quiet_single_process():
 
 
 def _states(model: nn.Module, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
@@ -261,7 +312,9 @@ def _states(model: nn.Module, optimizer) -> dict:
     return state
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer=None, extra: dict | None = None) -> Path:
+def save_sharded(
+    path: str | Path, model: nn.Module, optimizer=None, extra: dict | None = None
+) -> Path:
     """Every rank writes its shards of model (+ optimizer) to ``path`` (one DCP checkpoint), rank 0 ``extra``.
 
     ``extra``: plain state (tensors, numbers, strings, lists, dicts): LR scheduler, RNG states, data
@@ -291,11 +344,16 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
     """Load model (+ optimizer) shards from a :func:`save_sharded` checkpoint, whatever the world size that
     wrote it (DCP reshards); returns the ``extra`` state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     path = Path(path)
     if not is_complete(path):
-        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint ({COMPLETE_MARK} missing)")
+        raise FileNotFoundError(
+            f"{path} is not a complete sharded checkpoint ({COMPLETE_MARK} missing)"
+        )
     state = _states(model, optimizer)
     with _quiet_single_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path))
@@ -306,8 +364,13 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
     return torch.load(extra, weights_only=True) if extra.is_file() else {}
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config_dir: str | Path | None = None,
-              dtype: torch.dtype | None = None) -> Path:
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    config_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write a transformers-format directory (config, safetensors weights, tokenizer when found) from a sharded
     checkpoint, in one process (no group needed).
 
@@ -320,9 +383,13 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config_dir: str | 
     ckpt = Path(checkpoint)
     shards = ckpt / "dcp" if is_complete(ckpt / "dcp") else ckpt
     if not is_complete(shards):
-        if any(ckpt.glob("*.safetensors")) and (ckpt / "config.json").is_file():  # single-process layout
+        if (
+            any(ckpt.glob("*.safetensors")) and (ckpt / "config.json").is_file()
+        ):  # single-process layout
             return _copy_hf(ckpt, Path(out_dir), dtype)
-        raise FileNotFoundError(f"{ckpt}: no complete sharded checkpoint (and no transformers weights)")
+        raise FileNotFoundError(
+            f"{ckpt}: no complete sharded checkpoint (and no transformers weights)"
+        )
     candidates = [Path(config_dir)] if config_dir else [ckpt, shards, ckpt.parent]
     cdir = next((c for c in candidates if (c / "config.json").is_file()), None)
     if cdir is None:
@@ -330,7 +397,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config_dir: str | 
     config = transformers.AutoConfig.from_pretrained(cdir, local_files_only=True)
     cls = _model_class(config)
     with torch.device("meta"):
-        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+        model = (
+            cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+        )
     model.to_empty(device="cpu")
     sd = model.state_dict()
     with _quiet_single_process():
@@ -345,7 +414,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, config_dir: str | 
     model.save_pretrained(out)
     for src in (ckpt, cdir):
         if (src / "tokenizer_config.json").is_file():
-            transformers.AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
+            transformers.AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(
+                out
+            )
             break
     return out
 

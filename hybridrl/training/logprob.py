@@ -19,6 +19,7 @@ that distribution's too (see docs/algorithms.md, "Filtered log-probs").
 Precision: the forward runs under the model's autocast mark (CPU bf16, ``training/precision.py``); its
 logits are cast to fp32 before any log-softmax, so log-probs, ratios and the KL are fp32 math.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,13 +33,21 @@ from hybridrl.training.precision import autocast
 
 def sampling_of(rollout_cfg) -> SamplingParams:
     """The filters of the rollout's sampling distribution (``rollout.*``), as the trainer applies them."""
-    return SamplingParams(temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
-                          min_p=getattr(rollout_cfg, "min_p", 0.0) or 0.0)  # a SamplingParams filter with no rollout.* key yet
+    return SamplingParams(
+        temperature=rollout_cfg.temperature,
+        top_p=rollout_cfg.top_p,
+        top_k=rollout_cfg.top_k,
+        min_p=getattr(rollout_cfg, "min_p", 0.0) or 0.0,
+    )  # a SamplingParams filter with no rollout.* key yet
 
 
 def _as_sampling(sampling) -> SamplingParams:
     """A number is a temperature without filters (0: the raw softmax, as for greedy rollouts)."""
-    return SamplingParams(temperature=float(sampling)) if isinstance(sampling, (int, float)) else sampling
+    return (
+        SamplingParams(temperature=float(sampling))
+        if isinstance(sampling, (int, float))
+        else sampling
+    )
 
 
 def length_buckets(lengths: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
@@ -64,10 +73,12 @@ def trim(mb: Batch) -> Batch:
     out = {}
     for key, t in mb.tensors.items():
         if key in ("input_ids", "attention_mask"):
-            out[key] = t[:, P - p: P + r]
+            out[key] = t[:, P - p : P + r]
         elif key == "prompts":
-            out[key] = t[:, P - p:]
-        elif t.dim() >= 2 and t.shape[1] == R:  # response-shaped: log-probs, masks, advantages, versions ...
+            out[key] = t[:, P - p :]
+        elif (
+            t.dim() >= 2 and t.shape[1] == R
+        ):  # response-shaped: log-probs, masks, advantages, versions ...
             out[key] = t[:, :r]
         else:
             out[key] = t
@@ -78,9 +89,13 @@ def micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.T
     """``(micro-batches, order)``: rows grouped by length (:func:`length_buckets`) and trimmed
     (:func:`trim`); ``order`` lists the rows in the order the micro-batches hold them."""
     P = batch["prompts"].shape[1]
-    lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(-1)  # padded width bound
+    lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(
+        -1
+    )  # padded width bound
     groups = length_buckets(lengths, token_budget)
-    return [trim(batch.index(idx)) for idx in groups], torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long)
+    return [trim(batch.index(idx)) for idx in groups], torch.cat(groups) if groups else torch.zeros(
+        0, dtype=torch.long
+    )
 
 
 def dummy_micro_batch(batch: Batch) -> Batch:
@@ -90,13 +105,18 @@ def dummy_micro_batch(batch: Batch) -> Batch:
         mb = batch.index(slice(0, 1))
         tensors = dict(mb.tensors)
     else:
-        tensors = {k: torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype) for k, t in batch.tensors.items()}
+        tensors = {
+            k: torch.zeros((1,) + tuple(t.shape[1:]), dtype=t.dtype)
+            for k, t in batch.tensors.items()
+        }
         tensors["attention_mask"] = torch.ones_like(tensors["attention_mask"])
     tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
     return Batch(tensors)
 
 
-def dp_micro_batches(batch: Batch, token_budget: int, pad_from: Batch | None = None) -> tuple[list[Batch], int, torch.Tensor]:
+def dp_micro_batches(
+    batch: Batch, token_budget: int, pad_from: Batch | None = None
+) -> tuple[list[Batch], int, torch.Tensor]:
     """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with dummies (made
     from ``pad_from``, default ``batch``) to the largest count over the ranks (a collective when the world size
     is > 1; world size 1: no padding)."""
@@ -104,11 +124,15 @@ def dp_micro_batches(batch: Batch, token_budget: int, pad_from: Batch | None = N
     n = len(mbs)
     if D.world_size() > 1:
         most = int(D.all_reduce([n], op="max")[0].item())
-        mbs = mbs + [dummy_micro_batch(batch if pad_from is None else pad_from) for _ in range(most - n)]
+        mbs = mbs + [
+            dummy_micro_batch(batch if pad_from is None else pad_from) for _ in range(most - n)
+        ]
     return mbs, n, order
 
 
-def response_log_probs(model, mb: Batch, sampling: SamplingParams | float = 1.0, with_entropy: bool = False):
+def response_log_probs(
+    model, mb: Batch, sampling: SamplingParams | float = 1.0, with_entropy: bool = False
+):
     """(log_probs, entropy or None), each (B, R), zero where ``response_mask`` is 0, under the distribution
     ``sampling`` describes (a SamplingParams, or a bare temperature)."""
     input_ids, attn = mb["input_ids"], mb["attention_mask"]
@@ -116,8 +140,12 @@ def response_log_probs(model, mb: Batch, sampling: SamplingParams | float = 1.0,
     resp_len = responses.shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     with autocast(model):  # bf16 matmuls when the model is marked for it (training/precision.py)
-        logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
-    logits = logits[:, -resp_len - 1 : -1].float()  # the loss math (log-softmax, ratios, KL) stays fp32
+        logits = model(
+            input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False
+        ).logits
+    logits = logits[
+        :, -resp_len - 1 : -1
+    ].float()  # the loss math (log-softmax, ratios, KL) stays fp32
     logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
     mask = mb["response_mask"].bool()
     zero = torch.zeros((), dtype=logp_all.dtype, device=logp_all.device)
@@ -150,10 +178,14 @@ def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
     for i, mb in enumerate(mbs):
         part = fn(model, mb.to(device) if device.type != "cpu" else mb)
         if i < n_real:  # back to the batch's rows and full response width
-            out[order[row: row + part.shape[0]], : part.shape[1]] = part.float().cpu()
+            out[order[row : row + part.shape[0]], : part.shape[1]] = part.float().cpu()
             row += part.shape[0]
     return out
 
 
-def batch_log_probs(model, batch: Batch, token_budget: int, sampling: SamplingParams | float = 1.0) -> torch.Tensor:
-    return batch_map(model, batch, token_budget, lambda m, mb: response_log_probs(m, mb, sampling)[0])
+def batch_log_probs(
+    model, batch: Batch, token_budget: int, sampling: SamplingParams | float = 1.0
+) -> torch.Tensor:
+    return batch_map(
+        model, batch, token_budget, lambda m, mb: response_log_probs(m, mb, sampling)[0]
+    )

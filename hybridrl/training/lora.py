@@ -26,13 +26,14 @@ Checkpoint of a LoRA actor at ``path`` (every rank calls; the gathers are collec
 ``load_lora_state`` reloads the base weights from where they came from (the actor may have been built
 from ``path``, i.e. the merged model), then the adapter, optimizer and RNG: resume is exact.
 """
+
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -63,8 +64,12 @@ def lora_settings(cfg) -> LoraSettings | None:
     rank = int(getattr(a, "lora_rank", 0) or 0)
     if rank <= 0:
         return None
-    return LoraSettings(rank=rank, alpha=float(getattr(a, "lora_alpha", 16.0)), dropout=float(getattr(a, "lora_dropout", 0.0)),
-                        targets=tuple(getattr(a, "lora_target_modules", None) or DEFAULT_TARGETS))
+    return LoraSettings(
+        rank=rank,
+        alpha=float(getattr(a, "lora_alpha", 16.0)),
+        dropout=float(getattr(a, "lora_dropout", 0.0)),
+        targets=tuple(getattr(a, "lora_target_modules", None) or DEFAULT_TARGETS),
+    )
 
 
 def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
@@ -75,14 +80,24 @@ def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
 
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=list(s.targets),
-                        bias="none", task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=s.rank,
+        lora_alpha=s.alpha,
+        lora_dropout=s.dropout,
+        target_modules=list(s.targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
     if any(getattr(m, "fan_in_fan_out", False) for m in peft_model.modules()):
-        raise NotImplementedError("LoRA on Conv1D (fan_in_fan_out) layers is not supported: target nn.Linear modules")
+        raise NotImplementedError(
+            "LoRA on Conv1D (fan_in_fan_out) layers is not supported: target nn.Linear modules"
+        )
     return peft_model
 
 
@@ -96,7 +111,7 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def hf_name(peft_name: str) -> str:
     """A PEFT parameter name in the base model's own (transformers) naming."""
-    name = peft_name[len(_PEFT_PREFIX):] if peft_name.startswith(_PEFT_PREFIX) else peft_name
+    name = peft_name[len(_PEFT_PREFIX) :] if peft_name.startswith(_PEFT_PREFIX) else peft_name
     return name.replace(".base_layer.", ".")
 
 
@@ -126,7 +141,11 @@ def _gather_device(model: nn.Module) -> torch.device:
     from hybridrl.training.fsdp import is_sharded
 
     device = next(model.parameters()).device
-    if is_sharded(model) and torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+    if (
+        is_sharded(model)
+        and torch.cuda.is_available()
+        and torch.distributed.get_backend() == "nccl"
+    ):
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
@@ -145,7 +164,9 @@ def iter_full(model: nn.Module, which: str = "all") -> Iterator[tuple[str, torch
         yield name, (full.cpu() if sharded else full)
 
 
-def bucketed(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, keep: bool) -> Iterator[list]:
+def bucketed(
+    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, keep: bool
+) -> Iterator[list]:
     bucket, size = [], 0
     for name, t in items:
         nbytes = t.numel() * t.element_size()
@@ -167,11 +188,15 @@ def _adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield module + (LORA_A if tag == "A" else LORA_B), full.detach()
         if module not in done:
             done.add(module)
-            yield module + LORA_SCALING, torch.tensor(_scaling(modules[module]), dtype=torch.float32)
+            yield (
+                module + LORA_SCALING,
+                torch.tensor(_scaling(modules[module]), dtype=torch.float32),
+            )
 
 
-def lora_weight_buckets(model: nn.Module, bucket_bytes: int = 64 << 20, *, with_base: bool = False,
-                        dst: int = 0) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def lora_weight_buckets(
+    model: nn.Module, bucket_bytes: int = 64 << 20, *, with_base: bool = False, dst: int = 0
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The adapters as buckets of at most ``bucket_bytes`` (see the module doc for the names); ``with_base``:
     the full base weights (transformers names) first. Every rank iterates; rank ``dst`` gets the tensors."""
     keep = D.rank() == dst
@@ -217,15 +242,25 @@ def _plain_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def save_lora_checkpoint(path: str | Path, model: nn.Module, optimizer, generator: torch.Generator, tokenizer=None, *,
-                         base_source: str | None = None) -> None:
+def save_lora_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer,
+    generator: torch.Generator,
+    tokenizer=None,
+    *,
+    base_source: str | None = None,
+) -> None:
     """The layout of the module doc; every rank calls. ``base_source``: where the base weights came from
     (a transformers directory, or None for the built-in model from ``model.name`` / ``model.seed``)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     from hybridrl.training.fsdp import _quiet_single_process, _replace_dir
-
-    import torch.distributed.checkpoint as dcp
 
     path = Path(path)
     merged = merged_weights(model)  # collective
@@ -235,7 +270,9 @@ def save_lora_checkpoint(path: str | Path, model: nn.Module, optimizer, generato
         plain = _plain_model(model)
         plain.save_pretrained(path, state_dict=merged)
         config = json.loads((path / "config.json").read_text())
-        config["architectures"] = [next(c for c in type(plain).__mro__ if "FSDP" not in c.__name__).__name__]
+        config["architectures"] = [
+            next(c for c in type(plain).__mro__ if "FSDP" not in c.__name__).__name__
+        ]
         (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
@@ -248,8 +285,10 @@ def save_lora_checkpoint(path: str | Path, model: nn.Module, optimizer, generato
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     D.barrier()
-    state = {"adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
-             "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
     with _quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     if D.rank() == 0:
@@ -270,28 +309,38 @@ def base_source_of(path: str | Path) -> str | None:
     return cfg.get("base_model_name_or_path") or None
 
 
-def load_lora_state(path: str | Path, model: nn.Module, optimizer, generator: torch.Generator, base_model: nn.Module) -> None:
+def load_lora_state(
+    path: str | Path, model: nn.Module, optimizer, generator: torch.Generator, base_model: nn.Module
+) -> None:
     """Base weights from ``base_model`` (a plain transformers model: the checkpoint's base, see
     :func:`base_source_of`), then the adapter, optimizer and RNG of a :func:`save_lora_checkpoint`
     directory; every rank calls."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from hybridrl.training.fsdp import _quiet_single_process
 
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     if not is_lora_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a complete LoRA checkpoint ({STATE_DIR}/.metadata missing)")
+        raise FileNotFoundError(
+            f"{path} is not a complete LoRA checkpoint ({STATE_DIR}/.metadata missing)"
+        )
     base_sd = dict(base_model.named_parameters())
     full = {}
     for name, _ in model.named_parameters():
         if _adapter_parts(name) is None:
             full[name] = base_sd[hf_name(name)].detach()
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
-    state = {"adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
-             "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
     with _quiet_single_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path / STATE_DIR))
     set_model_state_dict(model, state["adapter"], options=StateDictOptions(strict=False))

@@ -58,6 +58,7 @@ malloc the process RSS peak is 1.3-2.6x higher (heap fragmentation after the
 mmap threshold rises; bench/memory.py), with the threshold pinned
 (``MALLOC_MMAP_THRESHOLD_=131072``) it is within a few percent.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,22 +77,26 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 @dataclass
 class Layout:
     world_size: int = 1
-    sharding: str = "none"          # none | optim (ZeRO-1) | grad_op (ZeRO-2) | full (ZeRO-3)
-    param_dtype: str = "fp32"       # fp32 | bf16
-    master_fp32: bool = True        # with bf16 params: keep an fp32 master copy (mixed precision)
+    sharding: str = "none"  # none | optim (ZeRO-1) | grad_op (ZeRO-2) | full (ZeRO-3)
+    param_dtype: str = "fp32"  # fp32 | bf16
+    master_fp32: bool = True  # with bf16 params: keep an fp32 master copy (mixed precision)
     cpu_offload: bool = False
     lora_rank: int = 0
     activation_checkpointing: bool = False
     micro_batch_tokens: int = 8192
-    seq_len: int | None = None      # padded row width; default min(micro_batch_tokens, max positions)
+    seq_len: int | None = None  # padded row width; default min(micro_batch_tokens, max positions)
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.sharding not in SHARDING:
-            raise ValueError(f"sharding must be one of {', '.join(SHARDING)}, got {self.sharding!r}")
+            raise ValueError(
+                f"sharding must be one of {', '.join(SHARDING)}, got {self.sharding!r}"
+            )
         if self.param_dtype not in DTYPE_BYTES:
-            raise ValueError(f"param_dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.param_dtype!r}")
+            raise ValueError(
+                f"param_dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.param_dtype!r}"
+            )
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank must be >= 0, got {self.lora_rank}")
         if self.micro_batch_tokens < 1:
@@ -103,6 +108,7 @@ class Layout:
 @dataclass
 class Shape:
     """The dimensions of a dense decoder-only transformer that the estimate needs."""
+
     layers: int
     hidden: int
     intermediate: int
@@ -116,27 +122,46 @@ class Shape:
     max_positions: int
 
     @classmethod
-    def from_config(cls, cfg) -> "Shape":
-        get = lambda *names, default=None: next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
+    def from_config(cls, cfg) -> Shape:
+        get = lambda *names, default=None: next(
+            (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
+        )
         if get("num_experts", "num_local_experts", "n_routed_experts"):
-            raise ValueError("mixture-of-experts configs are not supported by the estimator (dense decoders only)")
+            raise ValueError(
+                "mixture-of-experts configs are not supported by the estimator (dense decoders only)"
+            )
         h, L, H = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads")
         I, V = get("intermediate_size"), get("vocab_size")
         if None in (h, L, H, I, V):
-            raise ValueError("config lacks hidden_size / num_hidden_layers / num_attention_heads / intermediate_size / vocab_size")
+            raise ValueError(
+                "config lacks hidden_size / num_hidden_layers / num_attention_heads / intermediate_size / vocab_size"
+            )
         model_type = getattr(cfg, "model_type", "")
         attn_bias = get("attention_bias", default=None)
-        return cls(layers=L, hidden=h, intermediate=I, heads=H, kv_heads=get("num_key_value_heads", default=H),
-                   head_dim=get("head_dim", default=h // H), vocab=V,
-                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                   qkv_bias=bool(attn_bias) if attn_bias is not None else model_type == "qwen2",
-                   o_bias=bool(attn_bias) if attn_bias is not None else False,
-                   max_positions=get("max_position_embeddings", default=4096))
+        return cls(
+            layers=L,
+            hidden=h,
+            intermediate=I,
+            heads=H,
+            kv_heads=get("num_key_value_heads", default=H),
+            head_dim=get("head_dim", default=h // H),
+            vocab=V,
+            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=bool(attn_bias) if attn_bias is not None else model_type == "qwen2",
+            o_bias=bool(attn_bias) if attn_bias is not None else False,
+            max_positions=get("max_position_embeddings", default=4096),
+        )
 
     def layer_params(self) -> int:
         h, d = self.hidden, self.head_dim
         q, kv = self.heads * d, self.kv_heads * d
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
+        attn = (
+            h * q
+            + 2 * h * kv
+            + q * h
+            + (q + 2 * kv if self.qkv_bias else 0)
+            + (h if self.o_bias else 0)
+        )
         return attn + 3 * h * self.intermediate + 2 * h
 
     def params(self) -> int:
@@ -146,7 +171,15 @@ class Shape:
     def lora_params(self, r: int) -> int:
         h, I = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        dims = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, I), "up": (h, I), "down": (I, h)}
+        dims = {
+            "q": (h, q),
+            "k": (h, kv),
+            "v": (h, kv),
+            "o": (q, h),
+            "gate": (h, I),
+            "up": (h, I),
+            "down": (I, h),
+        }
         return self.layers * sum(r * (i + o) for i, o in (dims[t] for t in LORA_TARGETS))
 
 
@@ -160,7 +193,11 @@ def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
     per_layer = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * I + 7 * a * lay.lora_rank
     head = norm + a * s.vocab + 3 * 4 * s.vocab
     backward = a * (h + I)
-    layers = n * (s.layers * a * h + per_layer) if lay.activation_checkpointing else n * s.layers * per_layer
+    layers = (
+        n * (s.layers * a * h + per_layer)
+        if lay.activation_checkpointing
+        else n * s.layers * per_layer
+    )
     return {"layers": layers, "head": n * head, "backward": n * backward}
 
 
@@ -183,7 +220,9 @@ def estimate(model, layout: Layout | None = None) -> dict:
         shape = Shape.from_config(model)
         psi = shape.params()
     if lay.lora_rank and shape is None:
-        raise ValueError("a LoRA estimate needs a model config (the adapter sizes depend on the layer shapes)")
+        raise ValueError(
+            "a LoRA estimate needs a model config (the adapter sizes depend on the layer shapes)"
+        )
     trainable = shape.lora_params(lay.lora_rank) if lay.lora_rank else psi
     N, p = lay.world_size, DTYPE_BYTES[lay.param_dtype]
     mixed = lay.param_dtype != "fp32" and lay.master_fp32
@@ -194,8 +233,11 @@ def estimate(model, layout: Layout | None = None) -> dict:
     weights = math.ceil((p * psi + p * adapters) / shard_w)
     gradients = math.ceil(p * trainable / shard_g)
     state_bytes = 4 if mixed else p
-    opt = {"master": math.ceil((4 * trainable if mixed else 0) / shard_o),
-           "m": math.ceil(state_bytes * trainable / shard_o), "v": math.ceil(state_bytes * trainable / shard_o)}
+    opt = {
+        "master": math.ceil((4 * trainable if mixed else 0) / shard_o),
+        "m": math.ceil(state_bytes * trainable / shard_o),
+        "v": math.ceil(state_bytes * trainable / shard_o),
+    }
     optimizer = sum(opt.values())
     acts = workspace = None
     breakdown = {"optimizer": opt}
@@ -205,18 +247,35 @@ def estimate(model, layout: Layout | None = None) -> dict:
         breakdown["activations"] = parts
         workspace = 3 * p * shape.layer_params() if lay.sharding == "full" and N > 1 else 0
     where_states = "cpu" if lay.cpu_offload else "accelerator"
-    device = {"weights": where_states, "gradients": where_states, "optimizer": where_states,
-              "activations": "accelerator", "workspace": "accelerator"}
-    terms = {"weights": weights, "gradients": gradients, "optimizer": optimizer,
-             "activations": acts or 0, "workspace": workspace or 0}
+    device = {
+        "weights": where_states,
+        "gradients": where_states,
+        "optimizer": where_states,
+        "activations": "accelerator",
+        "workspace": "accelerator",
+    }
+    terms = {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer": optimizer,
+        "activations": acts or 0,
+        "workspace": workspace or 0,
+    }
     return {
-        "n_params": psi, "trainable_params": trainable, "layout": asdict(lay),
-        "weights": weights, "gradients": gradients, "optimizer": optimizer,
-        "states": weights + gradients + optimizer, "activations": acts, "workspace": workspace,
+        "n_params": psi,
+        "trainable_params": trainable,
+        "layout": asdict(lay),
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer": optimizer,
+        "states": weights + gradients + optimizer,
+        "activations": acts,
+        "workspace": workspace,
         "total": sum(terms.values()),
         "device_total": sum(v for k, v in terms.items() if device[k] == "accelerator"),
         "host_total": sum(v for k, v in terms.items() if device[k] == "cpu"),
-        "device": device, "breakdown": breakdown,
+        "device": device,
+        "breakdown": breakdown,
     }
 
 
@@ -231,29 +290,52 @@ def human(n: int | None) -> str:
 
 def format_table(result: dict) -> str:
     lay = result["layout"]
-    head = (f"params {result['n_params']:,} (trainable {result['trainable_params']:,}); "
-            f"world {lay['world_size']}, sharding {lay['sharding']}, {lay['param_dtype']}"
-            f"{' + fp32 master' if lay['param_dtype'] != 'fp32' and lay['master_fp32'] else ''}, "
-            f"offload {'on' if lay['cpu_offload'] else 'off'}, LoRA r={lay['lora_rank']}, "
-            f"AC {'on' if lay['activation_checkpointing'] else 'off'}, micro-batch {lay['micro_batch_tokens']} tokens")
+    head = (
+        f"params {result['n_params']:,} (trainable {result['trainable_params']:,}); "
+        f"world {lay['world_size']}, sharding {lay['sharding']}, {lay['param_dtype']}"
+        f"{' + fp32 master' if lay['param_dtype'] != 'fp32' and lay['master_fp32'] else ''}, "
+        f"offload {'on' if lay['cpu_offload'] else 'off'}, LoRA r={lay['lora_rank']}, "
+        f"AC {'on' if lay['activation_checkpointing'] else 'off'}, micro-batch {lay['micro_batch_tokens']} tokens"
+    )
     rows = [("term", "bytes/device", "where")]
     opt = result["breakdown"]["optimizer"]
     for key in ("weights", "gradients", "optimizer"):
         rows.append((key, human(result[key]), result["device"][key]))
     rows += [(f"  {k}", human(v), "") for k, v in opt.items() if v]
-    rows.append(("activations", human(result["activations"]), "accelerator" if result["activations"] is not None else "(needs a config)"))
+    rows.append(
+        (
+            "activations",
+            human(result["activations"]),
+            "accelerator" if result["activations"] is not None else "(needs a config)",
+        )
+    )
     for k, v in result["breakdown"].get("activations", {}).items():
         rows.append((f"  {k}", human(v), ""))
     if result["workspace"]:
         rows.append(("workspace", human(result["workspace"]), "accelerator"))
-    rows += [("states", human(result["states"]), ""), ("total", human(result["total"]), ""),
-             ("  on device", human(result["device_total"]), ""), ("  on host", human(result["host_total"]), "")]
+    rows += [
+        ("states", human(result["states"]), ""),
+        ("total", human(result["total"]), ""),
+        ("  on device", human(result["device_total"]), ""),
+        ("  on host", human(result["host_total"]), ""),
+    ]
     w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
     lines = [head] + [f"{a:<{w0}}  {b:>{w1}}  {c}".rstrip() for a, b, c in rows]
     return "\n".join(lines)
 
 
-_SUFFIX = {"k": 1e3, "K": 1e3, "m": 1e6, "M": 1e6, "b": 1e9, "B": 1e9, "g": 1e9, "G": 1e9, "t": 1e12, "T": 1e12}
+_SUFFIX = {
+    "k": 1e3,
+    "K": 1e3,
+    "m": 1e6,
+    "M": 1e6,
+    "b": 1e9,
+    "B": 1e9,
+    "g": 1e9,
+    "G": 1e9,
+    "t": 1e12,
+    "T": 1e12,
+}
 
 
 def resolve_model(spec: str):
@@ -272,7 +354,9 @@ def resolve_model(spec: str):
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"model {spec!r} is not a built-in size, a parameter count or a config path")
+        raise ValueError(
+            f"model {spec!r} is not a built-in size, a parameter count or a config path"
+        )
     from transformers import AutoConfig, PretrainedConfig
 
     try:
@@ -291,18 +375,39 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = _Parser(prog="hybridrl memory", description="Estimate the training memory per device (ZeRO formulas).")
-    p.add_argument("model", help="tiny | small | a config.json or checkpoint directory | a parameter count (7e9, 70B)")
+    p = _Parser(
+        prog="hybridrl memory",
+        description="Estimate the training memory per device (ZeRO formulas).",
+    )
+    p.add_argument(
+        "model",
+        help="tiny | small | a config.json or checkpoint directory | a parameter count (7e9, 70B)",
+    )
     p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--sharding", choices=SHARDING, default="none",
-                   help="none, optim (ZeRO-1), grad_op (ZeRO-2), full (ZeRO-3)")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="parameter/compute dtype")
+    p.add_argument(
+        "--sharding",
+        choices=SHARDING,
+        default="none",
+        help="none, optim (ZeRO-1), grad_op (ZeRO-2), full (ZeRO-3)",
+    )
+    p.add_argument(
+        "--dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="parameter/compute dtype"
+    )
     p.add_argument("--no-master", action="store_true", help="bf16 without an fp32 master copy")
-    p.add_argument("--offload", action="store_true", help="weights, gradients and optimizer states in host memory")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="weights, gradients and optimizer states in host memory",
+    )
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=None, help="padded row width (default min(tokens, max positions))")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="padded row width (default min(tokens, max positions))",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     return p.parse_args(argv)
 
@@ -311,10 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     """``hybridrl memory MODEL [flags]``: print the table; 2 and one line on stderr for bad input."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-        layout = Layout(world_size=args.world_size, sharding=args.sharding, param_dtype=args.dtype,
-                        master_fp32=not args.no_master, cpu_offload=args.offload, lora_rank=args.lora_rank,
-                        activation_checkpointing=args.activation_checkpointing,
-                        micro_batch_tokens=args.micro_batch_tokens, seq_len=args.seq_len)
+        layout = Layout(
+            world_size=args.world_size,
+            sharding=args.sharding,
+            param_dtype=args.dtype,
+            master_fp32=not args.no_master,
+            cpu_offload=args.offload,
+            lora_rank=args.lora_rank,
+            activation_checkpointing=args.activation_checkpointing,
+            micro_batch_tokens=args.micro_batch_tokens,
+            seq_len=args.seq_len,
+        )
         result = estimate(resolve_model(args.model), layout)
     except ValueError as e:
         print(f"hybridrl memory: error: {e}", file=sys.stderr)

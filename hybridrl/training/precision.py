@@ -19,16 +19,17 @@ fp32 log-probs (``rollout/precision.py``).
 ``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to without measuring: for reproducible
 runs and for the test suite, whose exactness checks compare with fp32 references.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -38,7 +39,9 @@ log = logging.getLogger(__name__)
 MIN_SPEEDUP = 1.3  # below this the gain is within run-to-run noise on a shared machine; fp32 is then the safer choice
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 matmul instructions, best first
 ENV_OVERRIDE = "HYBRIDRL_AUTO_PRECISION"
-PROBE_TOKENS = 256  # a micro-batch's worth for W1; the probe then takes 0.1-0.5 s for the built-in sizes
+PROBE_TOKENS = (
+    256  # a micro-batch's worth for W1; the probe then takes 0.1-0.5 s for the built-in sizes
+)
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,19 @@ def cpu_bf16_support(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
         text = Path(cpuinfo).read_text()
     except OSError:
         return None
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
     return next((f for f in BF16_FLAGS if f in flags), None)
 
 
-def best_times(fns: dict[str, Callable[[], object]], budget_s: float = 0.2, min_reps: int = 3,
-               max_reps: int = 25) -> dict[str, float]:
+def best_times(
+    fns: dict[str, Callable[[], object]],
+    budget_s: float = 0.2,
+    min_reps: int = 3,
+    max_reps: int = 25,
+) -> dict[str, float]:
     """Fewest CPU seconds of each function (this process's CPU time, ``time.process_time``), run alternately
     (after one warm-up each) for about ``budget_s`` of it (at least ``min_reps`` rounds). CPU time, not wall time:
     on a shared machine the wall time of a run mostly measures the other processes (with the load at 4 per core
@@ -135,7 +145,10 @@ def model_speedup(model: nn.Module, train: bool) -> float:
     h = torch.randn(PROBE_TOKENS // 32, 32, hidden, requires_grad=train)
 
     def step(bf16: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), torch.set_grad_enabled(train):
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+            torch.set_grad_enabled(train),
+        ):
             out = run(h)
         if train:
             out.float().sum().backward()
@@ -155,9 +168,15 @@ class _SpeedupCache:
 
     def get(self, model: nn.Module, train: bool) -> float:
         c = getattr(model, "config", None)
-        key = (getattr(c, "model_type", None), getattr(c, "hidden_size", None),
-               getattr(c, "intermediate_size", None), getattr(c, "num_attention_heads", None),
-               getattr(c, "num_key_value_heads", None), train, torch.get_num_threads())
+        key = (
+            getattr(c, "model_type", None),
+            getattr(c, "hidden_size", None),
+            getattr(c, "intermediate_size", None),
+            getattr(c, "num_attention_heads", None),
+            getattr(c, "num_key_value_heads", None),
+            train,
+            torch.get_num_threads(),
+        )
         if key not in self._seen:
             self._seen[key] = model_speedup(model, train)
         return self._seen[key]
@@ -167,8 +186,15 @@ SPEEDUPS = _SpeedupCache()
 
 
 # --- the decision -------------------------------------------------------------------------------------------
-def decide(setting: str, *, support: Callable[[], str | None], speedup: Callable[[], float],
-           key: str = "fsdp.mixed_precision", env: str | None = None, threshold: float = MIN_SPEEDUP) -> Precision:
+def decide(
+    setting: str,
+    *,
+    support: Callable[[], str | None],
+    speedup: Callable[[], float],
+    key: str = "fsdp.mixed_precision",
+    env: str | None = None,
+    threshold: float = MIN_SPEEDUP,
+) -> Precision:
     """The CPU compute precision for ``setting`` (``auto``, ``fp32``, ``bf16``). ``support()`` names the CPU's
     native bf16 instruction set (or None) and ``speedup()`` measures bf16's gain; both are called only when
     ``auto`` needs them. ``env``: the ``HYBRIDRL_AUTO_PRECISION`` value, which fixes what ``auto`` means."""
@@ -178,26 +204,45 @@ def decide(setting: str, *, support: Callable[[], str | None], speedup: Callable
         return Precision(torch.float32, f"{key}=fp32")
     if setting == "bf16":
         found = support()
-        note = f"CPU {found}" if found else "this CPU has no native bf16 matmul (amx_bf16, avx512_bf16): expect it slower"
+        note = (
+            f"CPU {found}"
+            if found
+            else "this CPU has no native bf16 matmul (amx_bf16, avx512_bf16): expect it slower"
+        )
         return Precision(torch.bfloat16, f"{key}=bf16; {note}")
     if env:
         if env not in ("fp32", "bf16"):
             raise ValueError(f"{ENV_OVERRIDE} must be fp32 or bf16, got {env!r}")
-        return Precision(torch.bfloat16 if env == "bf16" else torch.float32, f"{key}=auto, {ENV_OVERRIDE}={env}")
+        return Precision(
+            torch.bfloat16 if env == "bf16" else torch.float32, f"{key}=auto, {ENV_OVERRIDE}={env}"
+        )
     found = support()
     if found is None:
-        return Precision(torch.float32, f"{key}=auto: this CPU has no native bf16 matmul (amx_bf16, avx512_bf16)")
+        return Precision(
+            torch.float32, f"{key}=auto: this CPU has no native bf16 matmul (amx_bf16, avx512_bf16)"
+        )
     gain = speedup()
     if gain >= threshold:
-        return Precision(torch.bfloat16, f"{key}=auto: CPU {found}, bf16 measured {gain:.2f}x fp32 on one layer of this model")
-    return Precision(torch.float32, f"{key}=auto: CPU {found}, but bf16 measured only {gain:.2f}x fp32 on one layer of this model "
-                                    f"(needs {threshold:g}x)")
+        return Precision(
+            torch.bfloat16,
+            f"{key}=auto: CPU {found}, bf16 measured {gain:.2f}x fp32 on one layer of this model",
+        )
+    return Precision(
+        torch.float32,
+        f"{key}=auto: CPU {found}, but bf16 measured only {gain:.2f}x fp32 on one layer of this model "
+        f"(needs {threshold:g}x)",
+    )
 
 
 def cpu_precision(setting: str, model: nn.Module, *, train: bool, key: str) -> Precision:
     """:func:`decide` with this CPU's flags and a measurement on ``model`` (cached per process and shape)."""
-    return decide(setting, support=cpu_bf16_support, speedup=lambda: SPEEDUPS.get(model, train), key=key,
-                  env=os.environ.get(ENV_OVERRIDE) or None)
+    return decide(
+        setting,
+        support=cpu_bf16_support,
+        speedup=lambda: SPEEDUPS.get(model, train),
+        key=key,
+        env=os.environ.get(ENV_OVERRIDE) or None,
+    )
 
 
 # --- autocast -------------------------------------------------------------------------------------------------

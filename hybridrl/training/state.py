@@ -14,6 +14,7 @@ role calls :func:`save_trainable` / :func:`load_trainable` (the sharded parts ar
 either layout loads. ``hybridrl.training.fsdp.export_hf(path, out)`` rebuilds a transformers directory
 from ``path/dcp`` alone.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,13 @@ from pathlib import Path
 import torch
 
 from hybridrl.training import distributed as D
-from hybridrl.training.fsdp import full_state_dict, is_complete, is_sharded, load_sharded, save_sharded
+from hybridrl.training.fsdp import (
+    full_state_dict,
+    is_complete,
+    is_sharded,
+    load_sharded,
+    save_sharded,
+)
 
 
 def _plain_class_name(model) -> str:
@@ -31,8 +38,16 @@ def _plain_class_name(model) -> str:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def save_trainable(path: str | Path, model, optimizer, generator: torch.Generator, tokenizer=None, *,
-                   hf_weights: bool = True, layout: str = "auto") -> None:
+def save_trainable(
+    path: str | Path,
+    model,
+    optimizer,
+    generator: torch.Generator,
+    tokenizer=None,
+    *,
+    hf_weights: bool = True,
+    layout: str = "auto",
+) -> None:
     path = Path(path)
     if layout not in ("auto", "dcp", "single"):
         raise ValueError(f"layout must be auto, dcp or single, got {layout!r}")
@@ -42,7 +57,10 @@ def save_trainable(path: str | Path, model, optimizer, generator: torch.Generato
         model.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
-        torch.save({"optimizer": optimizer.state_dict(), "shuffle_rng": generator.get_state()}, path / "train_state.pt")
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "shuffle_rng": generator.get_state()},
+            path / "train_state.pt",
+        )
         return
     if not is_sharded(model):
         if hf_weights:
@@ -58,7 +76,9 @@ def save_trainable(path: str | Path, model, optimizer, generator: torch.Generato
                 model.save_pretrained(path, state_dict=sd)
             else:
                 model.config.save_pretrained(path)
-            config = json.loads((path / "config.json").read_text())  # the class name, not FSDP's subclass
+            config = json.loads(
+                (path / "config.json").read_text()
+            )  # the class name, not FSDP's subclass
             config["architectures"] = [_plain_class_name(model)]
             (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         del sd
@@ -73,7 +93,11 @@ def _load_hf_weights(path: Path, model) -> None:
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
     saved = {}
     for name in files:
         saved |= load_file(path / name)
@@ -82,7 +106,9 @@ def _load_hf_weights(path: Path, model) -> None:
     unexpected = sorted(set(saved) - set(own))
     missing = sorted(k for k in set(own) - set(saved) if own[k].data_ptr() not in stored)
     if unexpected or missing:
-        raise ValueError(f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ValueError(
+            f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
     with torch.no_grad():
         for k, t in saved.items():
             own[k].copy_(t)
@@ -97,7 +123,9 @@ def load_trainable(path: str | Path, model, optimizer, generator: torch.Generato
         generator.set_state(extra["shuffle_rng"])
         return
     if is_sharded(model):
-        raise ValueError(f"{path} holds the single-process layout; a sharded model loads only {path / 'dcp'}")
+        raise ValueError(
+            f"{path} holds the single-process layout; a sharded model loads only {path / 'dcp'}"
+        )
     state = torch.load(path / "train_state.pt", weights_only=True)
     _load_hf_weights(path, model)
     optimizer.load_state_dict(state["optimizer"])

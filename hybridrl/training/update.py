@@ -18,10 +18,11 @@ Ranks with fewer micro-batches run dummy ones (no contribution) so that the
 collectives line up. Metrics are token-weighted means over the global
 mini-batch, identical on every rank.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +35,9 @@ from hybridrl.training.logprob import batch_map, dp_micro_batches, model_device
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
 
 
-def minibatch_rows(n_local: int, generator: torch.Generator, minibatch_size: int) -> list[torch.Tensor]:
+def minibatch_rows(
+    n_local: int, generator: torch.Generator, minibatch_size: int
+) -> list[torch.Tensor]:
     """This rank's rows (indices into its chunk of ``n_local`` rows) of each global mini-batch of one epoch.
 
     Rank r holds rows ``[offset_r, offset_r + n_local)`` of the global batch (DP_COMPUTE chunks are
@@ -82,8 +85,17 @@ def global_totals(mini: Batch, norm_len: float) -> AggTotals:
     return AggTotals(n_tokens=n_tokens, n_seqs=n_seqs, norm_len=t.norm_len)
 
 
-def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, section, *, generator: torch.Generator,
-                norm_len: float, prefix: str) -> dict[str, float]:
+def run_updates(
+    model,
+    optimizer,
+    batch: Batch,
+    loss_fn: LossFn,
+    section,
+    *,
+    generator: torch.Generator,
+    norm_len: float,
+    prefix: str,
+) -> dict[str, float]:
     """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in mini-batches of
     ``section.ppo_minibatch_size``, micro-batches under ``section.micro_batch_tokens``, gradients clipped at
     ``section.grad_clip`` (``section``: the role's config, ActorConfig or CriticConfig); metrics averaged
@@ -108,7 +120,9 @@ def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, section, *, gen
                     loss = loss * 0.0
                 loss.backward()
                 if i < n_real:
-                    share = float(mb["response_mask"].sum()) / n_tokens  # token-weighted mean over the mini-batch
+                    share = (
+                        float(mb["response_mask"].sum()) / n_tokens
+                    )  # token-weighted mean over the mini-batch
                     for k, v in metrics.items():
                         sums[k] += v * share
                 else:
@@ -117,7 +131,9 @@ def run_updates(model, optimizer, batch: Batch, loss_fn: LossFn, section, *, gen
             grad_norm += clip_grad_norm(model, grad_clip)
             optimizer.step()
             steps += 1
-    if D.world_size() > 1:  # each rank summed its tokens' shares: the sum over ranks is the global mean
+    if (
+        D.world_size() > 1
+    ):  # each rank summed its tokens' shares: the sum over ranks is the global mean
         keys = sorted(set().union(*D.all_gather_object(sorted(sums))))
         sums = dict(zip(keys, D.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
     out = {k: v / max(steps, 1) for k, v in sums.items()}

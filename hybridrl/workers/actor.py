@@ -21,6 +21,7 @@ sharding, the optimizer holds only the adapters, ``weight_buckets`` sends only t
 call after the actor is built or loaded also sends the base weights) and checkpoints hold the merged
 model, the PEFT adapter and the adapter + optimizer state.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,9 +31,9 @@ from hybridrl.algorithms.rollout_correction import weighted_policy_loss
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch
-from hybridrl.training.distributed import init_distributed, teardown_distributed
 from hybridrl.training import distributed as D
 from hybridrl.training import lora as L
+from hybridrl.training.distributed import init_distributed, teardown_distributed
 from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.training.logprob import response_log_probs, sampling_of
 from hybridrl.training.state import load_trainable, save_trainable
@@ -45,8 +46,10 @@ ROW = "update_row"  # a batch column: each row's index, so the update's forward 
 def dropout_in_training(model) -> bool:
     """Whether a training-mode forward is random (a dropout layer, or attention dropout in the config)."""
     config = getattr(model, "config", None)
-    return (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
-            or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0)
+    return (
+        any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+    )
 
 
 class ActorWorker(Worker):
@@ -56,24 +59,38 @@ class ActorWorker(Worker):
         self.dist = init_distributed(ctx)
         model, self.tokenizer = load_model(cfg, model_path)
         self.lora = L.lora_settings(cfg)
-        self.base_source = model_path  # where the (LoRA base) weights came from; None: built-in from model.seed
-        self._base_synced = False  # LoRA: the rollout has our base weights (first weight_buckets sends them)
+        self.base_source = (
+            model_path  # where the (LoRA base) weights came from; None: built-in from model.seed
+        )
+        self._base_synced = (
+            False  # LoRA: the rollout has our base weights (first weight_buckets sends them)
+        )
         if self.lora is not None:
             model = L.apply_lora(model, self.lora, seed=cfg.model.seed)
         self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
-        params = L.trainable_parameters(self.model) if self.lora is not None else self.model.parameters()
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay)
+        params = (
+            L.trainable_parameters(self.model) if self.lora is not None else self.model.parameters()
+        )
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
+        )
         self.policy_loss = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
-        self.sampling = sampling_of(cfg.rollout)  # log-probs under the rollout's filtered distribution
-        self._taken: torch.Tensor | None = None  # old log-probs of the running / last update given none
+        self.sampling = sampling_of(
+            cfg.rollout
+        )  # log-probs under the rollout's filtered distribution
+        self._taken: torch.Tensor | None = (
+            None  # old log-probs of the running / last update given none
+        )
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """π_old of every row, grouped as the next update's first epoch groups them (``first_epoch_map``)."""
         fn = lambda model, mb: response_log_probs(model, mb, self.sampling)[0]  # noqa: E731
-        return Batch({"old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)})
+        return Batch(
+            {"old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)}
+        )
 
     def _keep_old(self, mb: Batch, logp: torch.Tensor) -> torch.Tensor:
         """On-policy step: this forward's log-probs are the old policy's; note them at the micro-batch's rows
@@ -95,8 +112,11 @@ class ActorWorker(Worker):
         loss = self.aggregate(pg, mask, totals) + alg.kl_coef * self.aggregate(kl, mask, totals)
         if alg.entropy_coef:
             loss = loss - alg.entropy_coef * self.aggregate(entropy, mask, totals)
-        metrics |= {"actor/pg_loss": masked_mean(pg, mask).item(), "actor/kl_ref": masked_mean(kl, mask).item(),
-                    "actor/entropy": masked_mean(entropy, mask).item()}
+        metrics |= {
+            "actor/pg_loss": masked_mean(pg, mask).item(),
+            "actor/kl_ref": masked_mean(kl, mask).item(),
+            "actor/entropy": masked_mean(entropy, mask).item(),
+        }
         return loss, metrics
 
     @register(Dispatch.DP_COMPUTE)
@@ -116,16 +136,26 @@ class ActorWorker(Worker):
             else:
                 batch = batch | self.compute_log_prob(batch)
                 self._taken = batch["old_log_probs"]
-        metrics = run_updates(self.model, self.optimizer, batch, self._loss, self.cfg.actor, generator=self.shuffle,
-                              norm_len=self.cfg.loss_norm_len, prefix="actor")
+        metrics = run_updates(
+            self.model,
+            self.optimizer,
+            batch,
+            self._loss,
+            self.cfg.actor,
+            generator=self.shuffle,
+            norm_len=self.cfg.loss_norm_len,
+            prefix="actor",
+        )
         return metrics | {"actor/old_log_prob_reused": float(reuse)}
 
     def _check_single_pass(self, batch: Batch) -> None:
         total = sum(D.all_gather_ints(len(batch)))
         if not is_single_pass(self.cfg.actor, total):
-            raise ValueError(f"update_policy: a batch without old_log_probs needs one epoch over one mini-batch, got "
-                             f"ppo_epochs={self.cfg.actor.ppo_epochs}, ppo_minibatch_size={self.cfg.actor.ppo_minibatch_size} "
-                             f"for {total} rows; run compute_log_prob first")
+            raise ValueError(
+                f"update_policy: a batch without old_log_probs needs one epoch over one mini-batch, got "
+                f"ppo_epochs={self.cfg.actor.ppo_epochs}, ppo_minibatch_size={self.cfg.actor.ppo_minibatch_size} "
+                f"for {total} rows; run compute_log_prob first"
+            )
 
     @register(Dispatch.DP_COMPUTE)
     def old_log_probs_of_last_update(self, batch: Batch) -> Batch:
@@ -133,11 +163,15 @@ class ActorWorker(Worker):
         ``batch`` (the batch it trained on)."""
         old, self._taken = self._taken, None
         if old is None or len(old) != len(batch):
-            raise RuntimeError("old_log_probs_of_last_update: the last update_policy was not given a batch without old_log_probs")
+            raise RuntimeError(
+                "old_log_probs_of_last_update: the last update_policy was not given a batch without old_log_probs"
+            )
         return Batch({"old_log_probs": old})
 
     @register(Dispatch.ONE_TO_ALL)
-    def weight_buckets(self, bucket_bytes: int = 64 << 20, mode: str = "auto") -> list[list[tuple[str, torch.Tensor]]]:
+    def weight_buckets(
+        self, bucket_bytes: int = 64 << 20, mode: str = "auto"
+    ) -> list[list[tuple[str, torch.Tensor]]]:
         """The weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor). Every rank
         takes part in gathering the shards; rank 0 returns the buckets, the others ``[]``: the driver reads ``[0]``.
 
@@ -151,7 +185,9 @@ class ActorWorker(Worker):
             buckets = list(L.bucketed(merged.items(), bucket_bytes, keep=True))
         else:
             if mode not in ("auto", "adapter", "base"):
-                raise ValueError(f"weight_buckets: mode must be auto, adapter, base or merged, got {mode!r}")
+                raise ValueError(
+                    f"weight_buckets: mode must be auto, adapter, base or merged, got {mode!r}"
+                )
             with_base = mode == "base" or (mode == "auto" and not self._base_synced)
             buckets = list(L.lora_weight_buckets(self.model, bucket_bytes, with_base=with_base))
             self._base_synced |= with_base
@@ -162,7 +198,14 @@ class ActorWorker(Worker):
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded
         model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of ``training/lora.py``)."""
         if self.lora is not None:
-            L.save_lora_checkpoint(path, self.model, self.optimizer, self.shuffle, self.tokenizer, base_source=self.base_source)
+            L.save_lora_checkpoint(
+                path,
+                self.model,
+                self.optimizer,
+                self.shuffle,
+                self.tokenizer,
+                base_source=self.base_source,
+            )
         else:
             save_trainable(path, self.model, self.optimizer, self.shuffle, self.tokenizer)
 

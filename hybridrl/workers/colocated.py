@@ -11,6 +11,7 @@ Two phases, switched lazily by the next call:
 The rollout model's own weights stay on the device. On a CPU-only rank everything already lives in host
 memory: moving is skipped and only the KV pool is released / re-allocated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,11 @@ def move_training_state(part, device: torch.device) -> None:
     model = getattr(part, "model", None)
     if model is None:
         return
-    model.to(device)  # FSDP2 keeps the sharded parameters' identity, so the optimizer still refers to them
+    model.to(
+        device
+    )  # FSDP2 keeps the sharded parameters' identity, so the optimizer still refers to them
     optimizer = getattr(part, "optimizer", None)
-    for state in (optimizer.state.values() if optimizer is not None else ()):
+    for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
             if torch.is_tensor(value) and key != "step":  # Adam's step counter stays on the CPU
                 state[key] = value.to(device, non_blocking=True)
@@ -39,7 +42,10 @@ class ColocatedWorker(FusedWorker):
         super().__init__(ctx, parts)
         self.phase = "train"
         self.moves = 0  # device round trips of the training state (for tests / metrics)
-        dev = next((p.dist.device for r, p in self.parts.items() if r in TRAINED and hasattr(p, "dist")), None)
+        dev = next(
+            (p.dist.device for r, p in self.parts.items() if r in TRAINED and hasattr(p, "dist")),
+            None,
+        )
         self.device = dev or torch.device("cpu")
 
     def before_call(self, role: str) -> None:

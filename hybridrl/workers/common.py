@@ -1,4 +1,5 @@
 """What every role builds the same way: the task, the tokenizer and the model."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,4 +24,6 @@ def load_tokenizer(cfg: Config, model_path: str | None):
 
 def load_model(cfg: Config, model_path: str | None):
     """(model, tokenizer) from ``model_path``, or the built-in ``cfg.model.name`` from its seed."""
-    return load_model_and_tokenizer(model_path, cfg.model.name, cfg.model.seed, make_task(cfg).tokenizer())
+    return load_model_and_tokenizer(
+        model_path, cfg.model.name, cfg.model.seed, make_task(cfg).tokenizer()
+    )

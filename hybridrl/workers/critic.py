@@ -7,6 +7,7 @@ the saved one.
 The value of response token t is read at position P + t - 1, the state
 before the token is generated (the same alignment as the log-probs).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,12 +34,20 @@ def build_value_model(cfg: Config, model_path: str | None):
         config = model_size_config(cfg.model.name, load_tokenizer(cfg, None))
         config.num_labels, config.classifier_dropout = 1, 0.0
         torch.manual_seed(cfg.model.seed)
-        model, missing = AutoModelForTokenClassification.from_config(config), {"score.weight", "score.bias"}
+        model, missing = (
+            AutoModelForTokenClassification.from_config(config),
+            {"score.weight", "score.bias"},
+        )
     else:
         config = AutoConfig.from_pretrained(model_path, local_files_only=True)
         config.num_labels, config.classifier_dropout = 1, 0.0
         model, info = AutoModelForTokenClassification.from_pretrained(
-            model_path, config=config, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+            model_path,
+            config=config,
+            local_files_only=True,
+            dtype=torch.float32,
+            output_loading_info=True,
+        )
         missing = set(info["missing_keys"])
     with torch.no_grad():
         for name in ("weight", "bias"):
@@ -51,8 +60,15 @@ def build_value_model(cfg: Config, model_path: str | None):
 def response_values(model, mb: Batch) -> torch.Tensor:
     attn, resp_len = mb["attention_mask"], mb["responses"].shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    with autocast(model):  # bf16 matmuls when the model is marked for it; the values and the loss are fp32
-        out = model(input_ids=mb["input_ids"], attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    with autocast(
+        model
+    ):  # bf16 matmuls when the model is marked for it; the values and the loss are fp32
+        out = model(
+            input_ids=mb["input_ids"],
+            attention_mask=attn,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
     return out[:, -resp_len - 1 : -1, 0].float() * mb["response_mask"]
 
 
@@ -61,26 +77,44 @@ class CriticWorker(Worker):
         super().__init__(ctx)
         self.cfg = cfg
         self.dist = init_distributed(ctx)
-        self.model = prepare_model(build_value_model(cfg, model_path), fsdp_config_of(cfg), self.dist)
+        self.model = prepare_model(
+            build_value_model(cfg, model_path), fsdp_config_of(cfg), self.dist
+        )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 2)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
-        return Batch({"values": batch_map(self.model, batch, self.cfg.critic.micro_batch_tokens, response_values)})
+        return Batch(
+            {
+                "values": batch_map(
+                    self.model, batch, self.cfg.critic.micro_batch_tokens, response_values
+                )
+            }
+        )
 
     def _loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
         values = response_values(self.model, mb)
-        per_token, metrics = value_loss(values, mb["values"], mb["returns"], mask, self.cfg.critic.value_clip)
+        per_token, metrics = value_loss(
+            values, mb["values"], mb["returns"], mask, self.cfg.critic.value_clip
+        )
         loss = self.aggregate(per_token, mask, totals)
         return loss, metrics | {"critic/vf_loss": masked_mean(per_token.detach(), mask).item()}
 
     @register(Dispatch.DP_COMPUTE)
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        return run_updates(self.model, self.optimizer, batch, self._loss, self.cfg.critic, generator=self.shuffle,
-                           norm_len=self.cfg.loss_norm_len, prefix="critic")
+        return run_updates(
+            self.model,
+            self.optimizer,
+            batch,
+            self._loss,
+            self.cfg.critic,
+            generator=self.shuffle,
+            norm_len=self.cfg.loss_norm_len,
+            prefix="critic",
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

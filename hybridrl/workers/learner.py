@@ -9,6 +9,7 @@ possibly stale and mixed across versions), proximal = this step's recomputed ``o
 ``v`` before the update; on-policy, one epoch over one mini-batch, the update's own first forward, which
 runs those weights: ``trainers/learn.py``), current = the policy being updated.
 """
+
 from __future__ import annotations
 
 import time
@@ -26,7 +27,9 @@ from hybridrl.trainers.shaping import RewardShaper
 from hybridrl.training import distributed as D
 
 
-def staleness_metrics(batch: Batch, version: int, max_staleness: int) -> tuple[dict[str, float], list[int]]:
+def staleness_metrics(
+    batch: Batch, version: int, max_staleness: int
+) -> tuple[dict[str, float], list[int]]:
     """Per sample: staleness = ``version`` - the oldest version among its tokens; a histogram over
     0..max_staleness (``async/staleness_<k>``: fraction of samples), mean / max, and the fraction of
     partial samples (interrupted by a weight update: tokens of more than one version)."""
@@ -37,9 +40,15 @@ def staleness_metrics(batch: Batch, version: int, max_staleness: int) -> tuple[d
     newest = torch.where(mask, stamps, -1).max(-1).values
     lag = (version - oldest).tolist()
     n = max(len(lag), 1)
-    out = {f"async/staleness_{k}": sum(x == k for x in lag) / n for k in range(max(max_staleness, max(lag, default=0)) + 1)}
-    out |= {"async/staleness_mean": sum(lag) / n, "async/staleness_max": float(max(lag, default=0)),
-            "async/partial_frac": ((newest > oldest) & mask.any(-1)).float().mean().item()}
+    out = {
+        f"async/staleness_{k}": sum(x == k for x in lag) / n
+        for k in range(max(max_staleness, max(lag, default=0)) + 1)
+    }
+    out |= {
+        "async/staleness_mean": sum(lag) / n,
+        "async/staleness_max": float(max(lag, default=0)),
+        "async/partial_frac": ((newest > oldest) & mask.any(-1)).float().mean().item(),
+    }
     return out, lag
 
 
@@ -56,7 +65,11 @@ class RankView:
             return fn
 
         def call(batch, *args, **kwargs):
-            ((_, mine, kw),) = [c for c in plan(Dispatch.DP_COMPUTE, D.world_size(), (batch, *args), kwargs) if c[0] == D.rank()]
+            ((_, mine, kw),) = [
+                c
+                for c in plan(Dispatch.DP_COMPUTE, D.world_size(), (batch, *args), kwargs)
+                if c[0] == D.rank()
+            ]
             return collect(Dispatch.DP_COMPUTE, D.all_gather_object(fn(*mine, **kw)))
 
         return call
@@ -66,8 +79,10 @@ class LearnerWorker(FusedWorker):
     def __init__(self, ctx, parts, cfg):
         super().__init__(ctx, parts)
         self.cfg = cfg
-        self.actor, self.reference, self.critic = (RankView(self.parts[r]) if r in self.parts else None
-                                                   for r in ("actor", "reference", "critic"))
+        self.actor, self.reference, self.critic = (
+            RankView(self.parts[r]) if r in self.parts else None
+            for r in ("actor", "reference", "critic")
+        )
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.timer = PhaseTimer()
         self.pad_id = self.parts["actor"].tokenizer.pad_token_id
@@ -79,18 +94,31 @@ class LearnerWorker(FusedWorker):
         (time not spent waiting), the same on every rank."""
         t0 = time.perf_counter()
         with self.timer.phase("wait_batch"):
-            groups = buffer.get_batch(version, self.cfg.asynchronous.batch_timeout_s) if self.rank == 0 else None
+            groups = (
+                buffer.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
+                if self.rank == 0
+                else None
+            )
             groups = D.all_gather_object(groups)[0] if D.world_size() > 1 else groups
         waited = time.perf_counter() - t0
         samples = [s for g in groups for s in g.samples]
-        batch = samples_to_batch(samples, self.pad_id) | Batch({
-            "rewards": torch.tensor([r for g in groups for r in g.rewards]),
-            "reward_errors": torch.tensor([e for g in groups for e in g.errors])})
-        batch, metrics = learn(self.actor, self.reference, self.critic, batch, self.shape, self.cfg, self.timer)
+        batch = samples_to_batch(samples, self.pad_id) | Batch(
+            {
+                "rewards": torch.tensor([r for g in groups for r in g.rewards]),
+                "reward_errors": torch.tensor([e for g in groups for e in g.errors]),
+            }
+        )
+        batch, metrics = learn(
+            self.actor, self.reference, self.critic, batch, self.shape, self.cfg, self.timer
+        )
         stale, lag = staleness_metrics(batch, version, self.cfg.asynchronous.max_staleness)
         timing = {k: v for k, v in self.timer.pop().items() if k != "timing/step"}
-        return {"metrics": metrics | batch_metrics(batch) | stale | timing, "uids": [g.samples[0].uid for g in groups],
-                "staleness": lag, "busy_s": time.perf_counter() - t0 - waited}
+        return {
+            "metrics": metrics | batch_metrics(batch) | stale | timing,
+            "uids": [g.samples[0].uid for g in groups],
+            "staleness": lag,
+            "busy_s": time.perf_counter() - t0 - waited,
+        }
 
     @register(Dispatch.RANK_ZERO)
     def kl_reward_coef(self) -> float:

@@ -1,5 +1,6 @@
 """The reference role: a frozen copy of the initial policy, giving log-probs for the KL term (sharded with
 FSDP2 like the actor when its world size is > 1; no optimizer)."""
+
 from __future__ import annotations
 
 from hybridrl.config import Config
@@ -24,7 +25,13 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         # the same filtered distribution as the actor's: the KL to the reference is 0 at equal weights
         sampling = sampling_of(self.cfg.rollout)
-        return Batch({"ref_log_probs": batch_log_probs(self.model, batch, self.cfg.actor.micro_batch_tokens, sampling)})
+        return Batch(
+            {
+                "ref_log_probs": batch_log_probs(
+                    self.model, batch, self.cfg.actor.micro_batch_tokens, sampling
+                )
+            }
+        )
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:

@@ -3,6 +3,7 @@
 A reward function that raises is logged, the sample scores 0, and the
 ``reward_errors`` column counts it; the run goes on.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,7 +45,12 @@ class Scorer:
                 score = 0.0
                 errors.append(1.0)
                 if self._logged < 5:
-                    log.warning("reward function %s raised on prompt %s: %r (sample scored 0)", self.fn_name, prompt.uid, e)
+                    log.warning(
+                        "reward function %s raised on prompt %s: %r (sample scored 0)",
+                        self.fn_name,
+                        prompt.uid,
+                        e,
+                    )
                     self._logged += 1
             scores.append(score)
         return Batch({"rewards": torch.tensor(scores), "reward_errors": torch.tensor(errors)})

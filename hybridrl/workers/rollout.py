@@ -1,4 +1,5 @@
 """The rollout role: a rollout engine (``rollout.backend``) behind the worker interface."""
+
 from __future__ import annotations
 
 from hybridrl.config import Config
@@ -22,7 +23,9 @@ class RolloutWorker(Worker):
     def generate(self, prompts: Batch, params: SamplingParams) -> list[Sample]:
         """``prompts`` holds meta ``prompt`` (Prompt) and ``prompt_ids``; returns ``params.n`` samples per prompt."""
         requests = [
-            GenerationRequest(request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p})
+            GenerationRequest(
+                request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p}
+            )
             for p, ids in zip(prompts["prompt"], prompts["prompt_ids"])
         ]
         return self.engine.generate(requests, params)
@@ -47,8 +50,16 @@ class RolloutWorker(Worker):
         do not depend on which rank admitted the prompt."""
         if self.stream is not None:
             raise RuntimeError("the rollout stream is already running")
-        self.stream = RolloutStream(self.engine, buffer, make_task(self.cfg), self.tokenizer, Scorer(self.cfg, self.tokenizer),
-                                    params, seed, self.cfg.asynchronous.max_concurrent_prompts)
+        self.stream = RolloutStream(
+            self.engine,
+            buffer,
+            make_task(self.cfg),
+            self.tokenizer,
+            Scorer(self.cfg, self.tokenizer),
+            params,
+            seed,
+            self.cfg.asynchronous.max_concurrent_prompts,
+        )
         self.stream.start()
 
     @register(Dispatch.ONE_TO_ALL)

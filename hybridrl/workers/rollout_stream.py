@@ -8,6 +8,7 @@ driver. Weight updates arrive on another thread between engine steps (``update_w
 engine lock); the engine then drops its stale KV and continues every in-flight sequence, and each
 token keeps the version that produced it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,14 +26,34 @@ IDLE_SLEEP_S = 0.002
 
 
 class RolloutStream:
-    def __init__(self, engine, buffer, task, tokenizer, scorer, params: SamplingParams, seed: int, max_groups: int):
+    def __init__(
+        self,
+        engine,
+        buffer,
+        task,
+        tokenizer,
+        scorer,
+        params: SamplingParams,
+        seed: int,
+        max_groups: int,
+    ):
         for name in ("add", "step", "done", "take"):
             if not hasattr(engine, name):
-                raise ValueError(f"asynchronous training needs a rollout backend that streams requests (native); "
-                                 f"{type(engine).__name__} has no {name}()")
-        self.engine, self.buffer, self.task, self.tokenizer, self.scorer = engine, buffer, task, tokenizer, scorer
+                raise ValueError(
+                    f"asynchronous training needs a rollout backend that streams requests (native); "
+                    f"{type(engine).__name__} has no {name}()"
+                )
+        self.engine, self.buffer, self.task, self.tokenizer, self.scorer = (
+            engine,
+            buffer,
+            task,
+            tokenizer,
+            scorer,
+        )
         self.params, self.seed, self.max_groups = params, seed, max_groups
-        self.pending: list[tuple[GenerationRequest, int, int]] = []  # (request, prompt index, admission version)
+        self.pending: list[
+            tuple[GenerationRequest, int, int]
+        ] = []  # (request, prompt index, admission version)
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.idle_s = self.busy_s = 0.0
@@ -59,8 +80,13 @@ class RolloutStream:
         version = self.engine.version
         for index in self.buffer.admit(free, version):
             p = self.task.prompt(index)
-            req = GenerationRequest(request_id=p.uid, prompt_ids=self.tokenizer(p.text)["input_ids"], uid=p.uid,
-                                    task_id=p.task_id, extra={"prompt": p})
+            req = GenerationRequest(
+                request_id=p.uid,
+                prompt_ids=self.tokenizer(p.text)["input_ids"],
+                uid=p.uid,
+                task_id=p.task_id,
+                extra={"prompt": p},
+            )
             self.engine.add([req], replace(self.params, seed=derive_seed(self.seed, index)))
             self.pending.append((req, index, version))
 
@@ -72,7 +98,15 @@ class RolloutStream:
                 continue
             samples = self.engine.take(req, n)
             scored = self.scorer(samples_to_batch(samples, self.tokenizer.pad_token_id))
-            self.buffer.put(Group(index, version, samples, scored["rewards"].tolist(), scored["reward_errors"].tolist()))
+            self.buffer.put(
+                Group(
+                    index,
+                    version,
+                    samples,
+                    scored["rewards"].tolist(),
+                    scored["reward_errors"].tolist(),
+                )
+            )
             self.groups += 1
         self.pending = keep
 
@@ -91,13 +125,18 @@ class RolloutStream:
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through check()/stats()
             log.exception("rollout stream failed")
             self.error = e
-            self.buffer.close(f"the rollout stream failed: {e!r}")  # the learner stops waiting for data
+            self.buffer.close(
+                f"the rollout stream failed: {e!r}"
+            )  # the learner stops waiting for data
 
     def stats(self) -> dict[str, float]:
         """Since the last call: the idle fraction (no prompt admitted) and the groups generated."""
         total = self.idle_s + self.busy_s
-        out = {"async/rollout_idle_frac": self.idle_s / total if total else 0.0, "async/generated_groups": float(self.groups),
-               "async/inflight_groups": float(len(self.pending))}
+        out = {
+            "async/rollout_idle_frac": self.idle_s / total if total else 0.0,
+            "async/generated_groups": float(self.groups),
+            "async/inflight_groups": float(len(self.pending)),
+        }
         self.idle_s = self.busy_s = 0.0
         self.groups = 0
         return out

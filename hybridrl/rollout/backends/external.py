@@ -23,13 +23,14 @@ requests that have not been submitted yet (they come back as ``aborted``
 samples). Updating weights while ``generate`` runs in another thread is not
 supported.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import tempfile
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -41,7 +42,9 @@ from hybridrl.rollout.sequence import request_seed
 # engine finish reason -> Sample.status (None: the engine gave none, i.e. the request did not finish)
 STATUS = {"stop": "finished", "length": "truncated", "abort": "aborted", None: "aborted"}
 
-Output = tuple[list[int], list[float], "str | None"]  # (token ids, behaviour log-probs, finish reason) of one sample
+Output = tuple[
+    list[int], list[float], "str | None"
+]  # (token ids, behaviour log-probs, finish reason) of one sample
 
 
 def usable_backends() -> list[str]:
@@ -65,7 +68,9 @@ def import_engine(package: str, install: str):
         ) from e
 
 
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of the stream holding about ``bucket_bytes`` each (a larger tensor is a bucket alone)."""
     bucket, size = [], 0
     for name, t in named_tensors:
@@ -93,7 +98,11 @@ class ExternalRollout(RolloutEngine):
         self.model = model  # host mirror of the live weights (LoRA base copies); None: no LoRA sync
         self.tokenizer = tokenizer
         self._params = dict(model.named_parameters()) if model is not None else {}
-        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if model is not None else "auto"
+        self.dtype = (
+            str(next(model.parameters()).dtype).removeprefix("torch.")
+            if model is not None
+            else "auto"
+        )
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.model_path = self.cfg.engine_model_path or self._save(model, tokenizer)
         self._tokens, self._seconds, self._sync_seconds = 0, 0.0, 0.0
@@ -101,7 +110,9 @@ class ExternalRollout(RolloutEngine):
 
     def _save(self, model, tokenizer) -> str:
         if model is None:
-            raise ValueError(f"{self.package}: no model to save; set rollout.engine_model_path to a checkpoint directory")
+            raise ValueError(
+                f"{self.package}: no model to save; set rollout.engine_model_path to a checkpoint directory"
+            )
         self._tmp = tempfile.TemporaryDirectory(prefix=f"hybridrl-{self.package}-")
         model.save_pretrained(self._tmp.name)
         if tokenizer is not None:
@@ -112,7 +123,9 @@ class ExternalRollout(RolloutEngine):
     def _start(self, path: str):
         raise NotImplementedError
 
-    def _generate(self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams) -> list[list[Output]]:
+    def _generate(
+        self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams
+    ) -> list[list[Output]]:
         """``params.n`` outputs per request, in request order."""
         raise NotImplementedError
 
@@ -128,9 +141,14 @@ class ExternalRollout(RolloutEngine):
             raise RuntimeError("generate() called on a paused engine; call resume() first")
         self.check_servable()
         if params.return_raw_log_probs:
-            raise NotImplementedError(f"{self.package} backend: return_raw_log_probs is not supported (use rollout.backend=native)")
+            raise NotImplementedError(
+                f"{self.package} backend: return_raw_log_probs is not supported (use rollout.backend=native)"
+            )
         live = [(i, r) for i, r in enumerate(requests) if r.request_id not in self._aborted]
-        seeds = [None if params.seed is None else request_seed(params.seed, r.request_id) for _, r in live]
+        seeds = [
+            None if params.seed is None else request_seed(params.seed, r.request_id)
+            for _, r in live
+        ]
         version, t0 = self.version, time.perf_counter()
         outputs = self._generate([r for _, r in live], seeds, params) if live else []
         self._seconds += time.perf_counter() - t0
@@ -139,30 +157,46 @@ class ExternalRollout(RolloutEngine):
         for i, r in enumerate(requests):
             for ids, logps, reason in by_index.get(i, [([], [], "abort")] * max(1, params.n)):
                 if len(ids) != len(logps):
-                    raise RuntimeError(f"{self.package} returned {len(logps)} log-probs for {len(ids)} tokens (request {r.request_id!r})")
-                samples.append(Sample(
-                    prompt_ids=list(r.prompt_ids), response_ids=list(ids), log_probs=[float(x) for x in logps],
-                    versions=[version] * len(ids), status=STATUS.get(reason, "truncated"), uid=r.uid, task_id=r.task_id,
-                    extra=dict(r.extra),
-                ))
+                    raise RuntimeError(
+                        f"{self.package} returned {len(logps)} log-probs for {len(ids)} tokens (request {r.request_id!r})"
+                    )
+                samples.append(
+                    Sample(
+                        prompt_ids=list(r.prompt_ids),
+                        response_ids=list(ids),
+                        log_probs=[float(x) for x in logps],
+                        versions=[version] * len(ids),
+                        status=STATUS.get(reason, "truncated"),
+                        uid=r.uid,
+                        task_id=r.task_id,
+                        extra=dict(r.extra),
+                    )
+                )
                 self._tokens += len(ids)
         return samples
 
     # --- weights ------------------------------------------------------------------------------------
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         if self.model is None:
-            raise NotImplementedError(f"{self.package} backend: LoRA sync needs the in-memory model as a mirror")
+            raise NotImplementedError(
+                f"{self.package} backend: LoRA sync needs the in-memory model as a mirror"
+            )
         return self._params
 
     @torch.no_grad()
-    def _mirror(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _mirror(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Copy each tensor into the host mirror before the next is read (merge_adapters reads the mirror
         once the stream is exhausted, so every full weight must be in it by then)."""
         for name, t in named_tensors:
             if self.model is not None:
                 if name in self._params:
                     self._params[name].copy_(t)
-                elif not (name == "lm_head.weight" and getattr(self.model.config, "tie_word_embeddings", False)):
+                elif not (
+                    name == "lm_head.weight"
+                    and getattr(self.model.config, "tie_word_embeddings", False)
+                ):
                     raise KeyError(f"update_weights: the rollout model has no parameter {name!r}")
             yield name, t
 
@@ -179,8 +213,10 @@ class ExternalRollout(RolloutEngine):
 
     # --- statistics ---------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        out = {"engine/tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,
-               "engine/weight_sync_s": self._sync_seconds}
+        out = {
+            "engine/tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,
+            "engine/weight_sync_s": self._sync_seconds,
+        }
         self._tokens, self._seconds, self._sync_seconds = 0, 0.0, 0.0
         return out
 

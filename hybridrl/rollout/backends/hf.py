@@ -9,13 +9,20 @@ request uses ``derive_seed(request_seed(params.seed, request_id), j)``. The beha
 taken under the distribution it was drawn from. Stop strings end a sample at the token that completes one
 (``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect between ``generate`` calls.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
@@ -29,15 +36,26 @@ class _SeededDraw(LogitsProcessor):
     """The only processor: filters the raw scores as the native sampler does, draws each row's token with the
     row's own random stream, records its log-prob, and leaves only that token for greedy decoding to take."""
 
-    def __init__(self, params: SamplingParams, seeds: list[int], prompt_lens: list[int], width: int, device: torch.device):
+    def __init__(
+        self,
+        params: SamplingParams,
+        seeds: list[int],
+        prompt_lens: list[int],
+        width: int,
+        device: torch.device,
+    ):
         self.params = params
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
-        self.positions = torch.tensor(prompt_lens, dtype=torch.long, device=device) - width  # + width of input_ids
+        self.positions = (
+            torch.tensor(prompt_lens, dtype=torch.long, device=device) - width
+        )  # + width of input_ids
         self.log_probs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = filtered_log_softmax(scores, self.params)
-        tokens = draw(logp.exp(), uniform(self.seeds, self.positions + input_ids.shape[1], STREAM_SAMPLE))
+        tokens = draw(
+            logp.exp(), uniform(self.seeds, self.positions + input_ids.shape[1], STREAM_SAMPLE)
+        )
         self.log_probs.append(logp.gather(1, tokens[:, None]).squeeze(1))
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
@@ -52,7 +70,9 @@ class _StopStrings(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for row in range(input_ids.shape[0]):
-            if row not in self.ends and stop_hit(self.tokenizer, input_ids[row].tolist(), self.width, self.stops):
+            if row not in self.ends and stop_hit(
+                self.tokenizer, input_ids[row].tolist(), self.width, self.stops
+            ):
                 self.ends[row] = input_ids.shape[1] - self.width
             done[row] = row in self.ends
         return done
@@ -86,40 +106,68 @@ class HFRollout(RolloutEngine):
             raise RuntimeError("generate() called on a paused engine; call resume() first")
         self.check_servable()
         n = max(1, params.n)
-        out: list[Sample] = [self._aborted_sample(r) for r in requests if r.request_id in self._aborted for _ in range(n)]
+        out: list[Sample] = [
+            self._aborted_sample(r)
+            for r in requests
+            if r.request_id in self._aborted
+            for _ in range(n)
+        ]
         live = [r for r in requests if r.request_id not in self._aborted]
         per_call = max(1, self.max_batch_size // n)
         for start in range(0, len(live), per_call):
             out.extend(self._generate_chunk(live[start : start + per_call], params))
         return out
 
-    def _generate_chunk(self, reqs: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
+    def _generate_chunk(
+        self, reqs: list[GenerationRequest], params: SamplingParams
+    ) -> list[Sample]:
         t0 = time.perf_counter()
         tok, n = self.tokenizer, max(1, params.n)
         rows = [r for r in reqs for _ in range(n)]  # sample j of request i is row i * n + j
-        ids = pad_2d([r.prompt_ids for r in rows], tok.pad_token_id, torch.long, left=True).to(self.model.device)
-        attn = pad_2d([[1] * len(r.prompt_ids) for r in rows], 0, torch.long, left=True).to(self.model.device)
+        ids = pad_2d([r.prompt_ids for r in rows], tok.pad_token_id, torch.long, left=True).to(
+            self.model.device
+        )
+        attn = pad_2d([[1] * len(r.prompt_ids) for r in rows], 0, torch.long, left=True).to(
+            self.model.device
+        )
         width = ids.shape[1]
         processors = LogitsProcessorList()
         sampler = None
         if not params.greedy:
             seeds = []
             for r in reqs:
-                base = int(torch.randint(0, 2**62, (1,)).item()) if params.seed is None else request_seed(params.seed, r.request_id)
+                base = (
+                    int(torch.randint(0, 2**62, (1,)).item())
+                    if params.seed is None
+                    else request_seed(params.seed, r.request_id)
+                )
                 seeds += [derive_seed(base, j) for j in range(n)]
-            sampler = _SeededDraw(params, seeds, [len(r.prompt_ids) for r in rows], width, ids.device)
+            sampler = _SeededDraw(
+                params, seeds, [len(r.prompt_ids) for r in rows], width, ids.device
+            )
             processors.append(sampler)
         stops = as_tuple(params.stop)
         criteria = StoppingCriteriaList([_StopStrings(tok, stops, width)] if stops else [])
-        gen = GenerationConfig(max_new_tokens=params.max_new_tokens, eos_token_id=self._eos(params), pad_token_id=tok.pad_token_id,
-                               do_sample=False, output_scores=sampler is None, return_dict_in_generate=True)
+        gen = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=self._eos(params),
+            pad_token_id=tok.pad_token_id,
+            do_sample=False,
+            output_scores=sampler is None,
+            return_dict_in_generate=True,
+        )
         # the checkpoint's own generation defaults (repetition_penalty, suppress_tokens, min_new_tokens, ...) would
         # reshape the distribution before our draw, and the behaviour log-probs would no longer be the ones the
         # trainer recomputes; generate() fills unset fields of a passed config from the model's, so swap it out
         own, self.model.generation_config = self.model.generation_config, gen
         try:
-            res = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=gen, logits_processor=processors,
-                                      stopping_criteria=criteria)
+            res = self.model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                generation_config=gen,
+                logits_processor=processors,
+                stopping_criteria=criteria,
+            )
         finally:
             self.model.generation_config = own
         responses = res.sequences[:, width:]
@@ -134,25 +182,55 @@ class HFRollout(RolloutEngine):
     def _eos(self, params: SamplingParams) -> list[int]:
         return [self.tokenizer.eos_token_id, *params.stop_token_ids]
 
-    def _to_samples(self, rows: list[GenerationRequest], responses: torch.Tensor, logps: torch.Tensor, stop_ends: dict[int, int],
-                    params: SamplingParams, t0: float) -> list[Sample]:
+    def _to_samples(
+        self,
+        rows: list[GenerationRequest],
+        responses: torch.Tensor,
+        logps: torch.Tensor,
+        stop_ends: dict[int, int],
+        params: SamplingParams,
+        t0: float,
+    ) -> list[Sample]:
         eos = self._eos(params)
         samples = []
         for row, req in enumerate(rows):
             resp = responses[row].tolist()
-            ends = [e for e in (next((i + 1 for i, t in enumerate(resp) if t in eos), None), stop_ends.get(row)) if e]
+            ends = [
+                e
+                for e in (
+                    next((i + 1 for i, t in enumerate(resp) if t in eos), None),
+                    stop_ends.get(row),
+                )
+                if e
+            ]
             end = min(ends) if ends else len(resp)
-            samples.append(Sample(
-                prompt_ids=list(req.prompt_ids), response_ids=resp[:end], log_probs=logps[row, :end].tolist(),
-                versions=[self.version] * end, status="finished" if ends else "truncated", uid=req.uid,
-                task_id=req.task_id, extra=dict(req.extra),
-            ))
+            samples.append(
+                Sample(
+                    prompt_ids=list(req.prompt_ids),
+                    response_ids=resp[:end],
+                    log_probs=logps[row, :end].tolist(),
+                    versions=[self.version] * end,
+                    status="finished" if ends else "truncated",
+                    uid=req.uid,
+                    task_id=req.task_id,
+                    extra=dict(req.extra),
+                )
+            )
             self._tokens += end
         self._seconds += time.perf_counter() - t0
         return samples
 
     def _aborted_sample(self, r: GenerationRequest) -> Sample:
-        return Sample(list(r.prompt_ids), [], [], [], status="aborted", uid=r.uid, task_id=r.task_id, extra=dict(r.extra))
+        return Sample(
+            list(r.prompt_ids),
+            [],
+            [],
+            [],
+            status="aborted",
+            uid=r.uid,
+            task_id=r.task_id,
+            extra=dict(r.extra),
+        )
 
     def stats(self) -> dict[str, float]:
         tps = self._tokens / self._seconds if self._seconds else 0.0

@@ -8,11 +8,12 @@ version that produced it. Extra sampling options are read from the params
 object when present: ``min_p``, ``stop`` (strings), ``ignore_eos``,
 ``return_raw_log_probs`` (raw log-probs land in ``Sample.extra["raw_log_probs"]``).
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -27,18 +28,28 @@ def _load_draft(path: str, like):
     from transformers import AutoModelForCausalLM
 
     p = next(like.parameters())
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=p.dtype).to(p.device).eval()
+    return (
+        AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=p.dtype)
+        .to(p.device)
+        .eval()
+    )
 
 
 @ROLLOUT_BACKENDS.register("native")
 class NativeRollout(RolloutEngine):
-    def __init__(self, model, tokenizer, cfg: RolloutConfig | None = None, *, draft_model=None, **engine_kw):
+    def __init__(
+        self, model, tokenizer, cfg: RolloutConfig | None = None, *, draft_model=None, **engine_kw
+    ):
         super().__init__()
         cfg = cfg or RolloutConfig()
         if draft_model is None and cfg.draft_model_path:
             draft_model = _load_draft(cfg.draft_model_path, model)
-        eos = [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        self.engine = LLMEngine(model, cfg, eos_token_ids=eos, tokenizer=tokenizer, draft_model=draft_model, **engine_kw)
+        eos = (
+            [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        )
+        self.engine = LLMEngine(
+            model, cfg, eos_token_ids=eos, tokenizer=tokenizer, draft_model=draft_model, **engine_kw
+        )
         self.tokenizer = tokenizer
         self._unpaused = threading.Event()
         self._unpaused.set()
@@ -53,7 +64,9 @@ class NativeRollout(RolloutEngine):
         return [s for r in requests for s in self.take(r, n)]
 
     # the same, one piece at a time (asynchronous training streams requests through these)
-    def add(self, requests: list[GenerationRequest], params: SamplingParams) -> list[GenerationRequest]:
+    def add(
+        self, requests: list[GenerationRequest], params: SamplingParams
+    ) -> list[GenerationRequest]:
         """Queue the requests (not those aborted already); each is seeded from ``params.seed`` and its request id
         (:func:`request_seed`), so its tokens do not depend on the other requests of the call."""
         self.check_servable()
@@ -80,7 +93,9 @@ class NativeRollout(RolloutEngine):
     def take(self, r: GenerationRequest, n: int) -> list[Sample]:
         """The ``n`` samples of a request that is :meth:`done` (aborted ones padded as empty ``aborted`` samples)."""
         seqs = sorted(self.engine.finished.pop(r.request_id, []), key=lambda s: s.sample_index)
-        return [self._to_sample(r, s) for s in seqs] + [self._aborted_sample(r) for _ in range(n - len(seqs))]
+        return [self._to_sample(r, s) for s in seqs] + [
+            self._aborted_sample(r) for _ in range(n - len(seqs))
+        ]
 
     def _gone(self, rid: str) -> bool:
         """All sequences of an aborted request have left the engine."""
@@ -93,22 +108,45 @@ class NativeRollout(RolloutEngine):
         extra = dict(r.extra)
         if s.raw_log_probs:
             extra["raw_log_probs"] = list(s.raw_log_probs)
-        return Sample(prompt_ids=list(r.prompt_ids), response_ids=s.completion_ids, log_probs=list(s.log_probs),
-                      versions=list(s.versions), status=s.status.value, uid=r.uid, task_id=r.task_id, extra=extra)
+        return Sample(
+            prompt_ids=list(r.prompt_ids),
+            response_ids=s.completion_ids,
+            log_probs=list(s.log_probs),
+            versions=list(s.versions),
+            status=s.status.value,
+            uid=r.uid,
+            task_id=r.task_id,
+            extra=extra,
+        )
 
     @staticmethod
     def _aborted_sample(r: GenerationRequest) -> Sample:
-        return Sample(list(r.prompt_ids), [], [], [], status="aborted", uid=r.uid, task_id=r.task_id, extra=dict(r.extra))
+        return Sample(
+            list(r.prompt_ids),
+            [],
+            [],
+            [],
+            status="aborted",
+            uid=r.uid,
+            task_id=r.task_id,
+            extra=dict(r.extra),
+        )
 
     # --- RL controls --------------------------------------------------------------------------
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         raise NotImplementedError  # update_weights is overridden (it needs the version under the engine lock)
 
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.engine.runner._targets)  # live views by transformers name (LoRA merge reads them)
+        return dict(
+            self.engine.runner._targets
+        )  # live views by transformers name (LoRA merge reads them)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        count = self.checked_sync(named_tensors, lambda stream: self.engine.update_weights(stream, version))
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> int:
+        count = self.checked_sync(
+            named_tensors, lambda stream: self.engine.update_weights(stream, version)
+        )
         self.version = version
         return count
 

@@ -23,6 +23,7 @@ equal ours when top_p = 1 and top_k = 0. Weight sync:
 then ``Engine.flush_cache()``. ``release_memory`` / ``wake_up`` are
 ``release_memory_occupation()`` / ``resume_memory_occupation()``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,9 +41,14 @@ class SGLangRollout(ExternalRollout):
     def _start(self, path: str):
         cfg = self.cfg
         kwargs = dict(
-            model_path=path, dtype=self.dtype, mem_fraction_static=cfg.gpu_memory_utilization, tp_size=cfg.tensor_parallel_size,
-            disable_radix_cache=not cfg.enable_prefix_caching, enable_memory_saver=True,
-            skip_tokenizer_init=self.tokenizer is None and not cfg.engine_model_path,  # no tokenizer was saved
+            model_path=path,
+            dtype=self.dtype,
+            mem_fraction_static=cfg.gpu_memory_utilization,
+            tp_size=cfg.tensor_parallel_size,
+            disable_radix_cache=not cfg.enable_prefix_caching,
+            enable_memory_saver=True,
+            skip_tokenizer_init=self.tokenizer is None
+            and not cfg.engine_model_path,  # no tokenizer was saved
         )
         kwargs.update(cfg.engine_kwargs)
         return self.lib.Engine(**kwargs)
@@ -51,22 +57,33 @@ class SGLangRollout(ExternalRollout):
     def sampling_params(params: SamplingParams, seed: int | None) -> dict:
         """Our SamplingParams as SGLang's sampling dict for one sample."""
         out = dict(
-            max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k or -1, min_p=params.min_p, ignore_eos=params.ignore_eos,
-            stop=list(params.stop) or None, stop_token_ids=list(params.stop_token_ids) or None,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k or -1,
+            min_p=params.min_p,
+            ignore_eos=params.ignore_eos,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
         )
         if seed is not None:
             out["sampling_seed"] = seed
         return out
 
-    def _generate(self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams) -> list[list[Output]]:
+    def _generate(
+        self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams
+    ) -> list[list[Output]]:
         n = max(1, params.n)
         input_ids, sampling = [], []
         for r, seed in zip(requests, seeds):
             for j in range(n):  # one engine request per sample: order and seeds stay ours
                 input_ids.append(list(r.prompt_ids))
-                sampling.append(self.sampling_params(params, None if seed is None else derive_seed(seed, j)))
-        outs = self.engine.generate(input_ids=input_ids, sampling_params=sampling, return_logprob=True)
+                sampling.append(
+                    self.sampling_params(params, None if seed is None else derive_seed(seed, j))
+                )
+        outs = self.engine.generate(
+            input_ids=input_ids, sampling_params=sampling, return_logprob=True
+        )
         if isinstance(outs, dict):
             outs = [outs]
         parsed = [_output(o) for o in outs]

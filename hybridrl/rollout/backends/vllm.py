@@ -23,6 +23,7 @@ without it: the in-process driver worker's model), then
 ``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) /
 ``LLM.wake_up()``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,10 +49,15 @@ class VLLMRollout(ExternalRollout):
     def _start(self, path: str):
         cfg = self.cfg
         kwargs = dict(
-            model=path, dtype=self.dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size, enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_sleep_mode=True, logprobs_mode="processed_logprobs",
-            skip_tokenizer_init=self.tokenizer is None and not cfg.engine_model_path,  # no tokenizer was saved
+            model=path,
+            dtype=self.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_sleep_mode=True,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=self.tokenizer is None
+            and not cfg.engine_model_path,  # no tokenizer was saved
         )
         kwargs.update(cfg.engine_kwargs)
         # apply_model ships a function to the engine's worker processes; vLLM V1 only unpickles callables
@@ -62,22 +68,36 @@ class VLLMRollout(ExternalRollout):
     def sampling_params(self, params: SamplingParams, seed: int | None):
         """Our SamplingParams as vLLM's (logprobs=0: only the sampled token's log-prob)."""
         return self.lib.SamplingParams(
-            n=max(1, params.n), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or -1,
-            min_p=params.min_p, max_tokens=params.max_new_tokens, seed=seed, stop=list(params.stop) or None,
-            stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos, logprobs=0,
+            n=max(1, params.n),
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k or -1,
+            min_p=params.min_p,
+            max_tokens=params.max_new_tokens,
+            seed=seed,
+            stop=list(params.stop) or None,
+            stop_token_ids=list(params.stop_token_ids) or None,
+            ignore_eos=params.ignore_eos,
+            logprobs=0,
             detokenize=bool(params.stop),  # text is only needed to match stop strings
         )
 
-    def _generate(self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams) -> list[list[Output]]:
+    def _generate(
+        self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams
+    ) -> list[list[Output]]:
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
-        outs = self.engine.generate(prompts, [self.sampling_params(params, s) for s in seeds], use_tqdm=False)
+        outs = self.engine.generate(
+            prompts, [self.sampling_params(params, s) for s in seeds], use_tqdm=False
+        )
         return [[_output(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if hasattr(self.engine, "apply_model"):
             self.engine.apply_model(functools.partial(_load_into, bucket))
         else:  # vLLM < 0.8: the model lives in this process
-            _load_into(bucket, self.engine.llm_engine.model_executor.driver_worker.model_runner.model)
+            _load_into(
+                bucket, self.engine.llm_engine.model_executor.driver_worker.model_runner.model
+            )
 
     def _reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
