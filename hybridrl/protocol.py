@@ -1,16 +1,13 @@
-"""The data that flows between roles: :class:`Sample` (one trajectory) and
-:class:`Batch` (named tensors with a shared leading batch dimension, plus
-per-sample metadata lists).
-
-A ``Batch`` is what every worker method receives and returns. Workers add
-columns (``old_log_probs``, ``ref_log_probs``, ``rewards``, ``advantages`` ...) and the driver
-merges them back with :meth:`Batch.union`.
+"""The data that flows between roles: :class:`Sample` (one trajectory, from prompt to learner) and
+:class:`Batch` (named tensors with a shared leading batch dimension, plus per-sample metadata lists),
+which the learner builds once from its samples (:func:`samples_to_batch`) and extends with columns
+(``old_log_probs``, ``ref_log_probs``, ``advantages`` ...).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,18 +15,61 @@ import torch
 
 @dataclass
 class Sample:
-    """One generated trajectory, as a rollout backend returns it."""
+    """One trajectory from prompt to learner (the one type a trajectory has).
+
+    A rollout backend receives prompt samples (``response_ids`` empty, ``status`` ``pending``) and returns
+    ``n`` copies of each with the response filled in; the rollout rank that generated them scores them
+    (``reward``, ``reward_extras``); the learner collates them into a :class:`Batch`.
+    """
 
     prompt_ids: list[int]
-    response_ids: list[int]
-    log_probs: list[float]  # behaviour log-prob of each response token
-    versions: list[int]  # weight version that produced each response token
-    status: str = "finished"  # finished | truncated | aborted
-    uid: str = ""  # group id: all samples of one prompt share it
+    response_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(
+        default_factory=list
+    )  # behaviour log-prob of each response token
+    versions: list[int] = field(
+        default_factory=list
+    )  # weight version that produced each response token
+    loss_mask: list[int] | None = (
+        None  # per response token: 1 trained on, 0 not (a tool's output); None: all
+    )
+    status: str = "pending"  # pending (a prompt) | finished | truncated | aborted
+    uid: str = ""  # group id: all samples of one prompt share it (and it names the request)
     task_id: str = ""
-    reward: float = 0.0
-    reward_info: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # prompt text, answer, engine stats ...
+    reward: float | None = None  # None until scored
+    reward_extras: dict[str, float] = field(
+        default_factory=dict
+    )  # e.g. error (1: the reward function raised)
+    routing: Any = (
+        None  # per-token routing data of a mixture-of-experts model (routing replay); None: none
+    )
+    metadata: dict[str, Any] = field(
+        default_factory=dict
+    )  # the task's Prompt, stream index, engine stats ...
+
+    def with_response(self, response_ids, log_probs, versions, status: str, **metadata) -> Sample:
+        """A copy of this prompt sample with a generated response (the prompt's metadata kept)."""
+        return replace(
+            self,
+            response_ids=list(response_ids),
+            log_probs=list(log_probs),
+            versions=list(versions),
+            status=status,
+            metadata=self.metadata | metadata,
+        )
+
+    def aborted(self) -> Sample:
+        return self.with_response([], [], [], "aborted")
+
+
+def prompt_sample(prompt, tokenizer) -> Sample:
+    """The prompt sample of a task's :class:`~hybridrl.tasks.Prompt` (the tokenizer adds ``<bos>`` where it has one)."""
+    return Sample(
+        prompt_ids=tokenizer(prompt.text)["input_ids"],
+        uid=prompt.uid,
+        task_id=prompt.task_id,
+        metadata={"prompt": prompt},
+    )
 
 
 class Batch:
@@ -194,28 +234,38 @@ def pad_2d(
 
 
 def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
-    """Collate samples into the training layout: ``input_ids = prompts (left-padded) ++ responses (right-padded)``."""
+    """Collate samples into the training layout: ``input_ids = prompts (left-padded) ++ responses (right-padded)``.
+
+    ``response_mask`` is each sample's ``loss_mask`` (all ones when None); ``rewards`` comes when every sample is
+    scored, and each ``reward_extras`` key every sample has becomes a column of its own (``reward_errors``,
+    ``baseline_rewards`` ...); ``metadata`` keys become metadata lists.
+    """
     prompts = pad_2d([s.prompt_ids for s in samples], pad_id, torch.long, left=True)
     prompt_mask = pad_2d([[1] * len(s.prompt_ids) for s in samples], 0, torch.long, left=True)
     width = max([len(s.response_ids) for s in samples] + [1])
     responses = pad_2d([s.response_ids for s in samples], pad_id, torch.long, width=width)
-    response_mask = pad_2d([[1] * len(s.response_ids) for s in samples], 0, torch.long, width=width)
+    attended = pad_2d([[1] * len(s.response_ids) for s in samples], 0, torch.long, width=width)
+    masks = [[1] * len(s.response_ids) if s.loss_mask is None else s.loss_mask for s in samples]
     tensors = {
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
-        "response_mask": response_mask,
+        "attention_mask": torch.cat([prompt_mask, attended], 1),
+        "response_mask": pad_2d(masks, 0, torch.long, width=width),
         "rollout_log_probs": pad_2d(
             [s.log_probs for s in samples], 0.0, torch.float32, width=width
         ),
         "versions": pad_2d([s.versions for s in samples], -1, torch.long, width=width),
     }
+    if samples and all(s.reward is not None for s in samples):
+        tensors["rewards"] = torch.tensor([float(s.reward) for s in samples])
+        for key in set.intersection(*(set(s.reward_extras) for s in samples)):
+            tensors[key] = torch.tensor([float(s.reward_extras[key]) for s in samples])
     meta: dict[str, list] = {
         "uid": [s.uid for s in samples],
         "task_id": [s.task_id for s in samples],
         "status": [s.status for s in samples],
     }
-    for key in sorted({k for s in samples for k in s.extra}):
-        meta[key] = [s.extra.get(key) for s in samples]
+    for key in sorted({k for s in samples for k in s.metadata}):
+        meta[key] = [s.metadata.get(key) for s in samples]
     return Batch(tensors, meta)
