@@ -12,7 +12,7 @@ from hybridrl.algorithms.advantages import (
     masked_whiten,
     token_level_scores,
 )
-from hybridrl.algorithms.aggregation import LOSS_AGG, AggTotals, agg_totals, aggregate
+from hybridrl.algorithms.aggregation import LOSS_AGG, AggTotals, agg_totals
 from hybridrl.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -31,7 +31,6 @@ __all__ = [
     "AggTotals",
     "FixedKLController",
     "agg_totals",
-    "aggregate",
     "apply_kl_penalty",
     "compute_advantages",
     "group_normalise",

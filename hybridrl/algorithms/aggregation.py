@@ -84,6 +84,3 @@ def token_sum(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torc
     tokens per optimizer step, so the learning rate has to be scaled to match."""
     return _row_sums(loss, mask)[0].sum()
 
-
-def aggregate(name: str, loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
-    return LOSS_AGG.get(name)(loss, mask, totals)

@@ -42,10 +42,6 @@ class ReverseTask(Task):
         self._heldout: list[Prompt] | None = None
         self._tokenizer: PreTrainedTokenizerFast | None = None
 
-    @property
-    def max_answer_len(self) -> int:
-        return max(self.short[1], self.long[1])
-
     def _digits(self, *key: object) -> str:
         rng = _rng(self.name, *key)
         lo, hi = self.long if rng.random() < self.long_frac else self.short
