@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrl.config import FSDPConfig
-from hybridrl.training import distributed as D
+from hybridrl.training import distributed
+from hybridrl.training.buckets import BUCKET_BYTES, bucketed
 from hybridrl.training.distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -106,14 +107,20 @@ def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
     measures forward + backward of a copy of one of its layers, ``training/precision.py``). With a process
     group, ``auto`` gives bf16 only if every rank measured it so, so that the ranks of a role compute alike.
     Every rank must call."""
-    from hybridrl.training import precision as P
+    from hybridrl.training import precision
 
-    prec = P.cpu_precision(cfg.mixed_precision, model, train=True, key="fsdp.mixed_precision")
-    if cfg.mixed_precision == "auto" and D.world_size() > 1:
-        if int(D.all_reduce([0.0 if prec.bf16 else 1.0], op="max")[0].item()) and prec.bf16:
-            prec = P.Precision(
-                torch.float32, prec.reason + "; another rank measured less, so fp32 on every rank"
-            )
+    prec = precision.cpu_precision(
+        cfg.mixed_precision, model, train=True, key="fsdp.mixed_precision"
+    )
+    if (
+        cfg.mixed_precision == "auto"
+        and distributed.world_size() > 1
+        and int(distributed.all_reduce([0.0 if prec.bf16 else 1.0], op="max")[0].item())
+        and prec.bf16
+    ):
+        prec = precision.Precision(
+            torch.float32, prec.reason + "; another rank measured less, so fp32 on every rank"
+        )
     return prec
 
 
@@ -216,13 +223,13 @@ def _full(p: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def iter_weight_buckets(
     model: nn.Module,
-    bucket_bytes: int = 64 << 20,
+    bucket_bytes: int = BUCKET_BYTES,
     *,
-    dtype: torch.dtype | None = None,
     device: torch.device | None = None,
     dst: int = 0,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one tensor).
+    """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one tensor),
+    cut by :func:`hybridrl.training.buckets.bucketed`.
 
     Every rank must iterate to the end (each sharded parameter is one all-gather); rank ``dst`` gets the
     tensors (on the CPU when sharded), every other rank gets empty buckets in the same rhythm. Only one
@@ -238,24 +245,13 @@ def iter_weight_buckets(
         and dist.get_backend() == "nccl"
     ):
         device = torch.device("cuda", torch.cuda.current_device())
-    keep = D.rank() == dst
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, p in model.named_parameters():
-        full = _full(p, device)
-        nbytes = full.numel() * (
-            full.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size()
-        )
-        if size and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        size += nbytes
-        if keep:
-            if dtype is not None and full.dtype != dtype:
-                full = full.to(dtype)
-            bucket.append((name, full.cpu() if sharded else full))
-    if size:
-        yield bucket
+
+    def full_values() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in model.named_parameters():
+            full = _full(p, device)
+            yield name, (full.cpu() if sharded else full)
+
+    yield from bucketed(full_values(), bucket_bytes, keep=distributed.rank() == dst)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -267,7 +263,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     sd = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    return sd if D.rank() == 0 else {}
+    return sd if distributed.rank() == 0 else {}
 
 
 # --- sharded checkpoints ----------------------------------------------------------------------------------
@@ -325,18 +321,18 @@ def save_sharded(
 
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp"
-    if D.rank() == 0:
+    if distributed.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    D.barrier()
+    distributed.barrier()
     with _quiet_single_process():
         dcp.save(_states(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp))
-    if D.rank() == 0:
+    if distributed.rank() == 0:
         torch.save(dict(extra or {}), tmp / "extra.pt")
-    D.barrier()
-    if D.rank() == 0:
+    distributed.barrier()
+    if distributed.rank() == 0:
         _replace_dir(tmp, path)
-    D.barrier()
+    distributed.barrier()
     return path
 
 

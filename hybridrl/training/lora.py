@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from hybridrl.rollout.base import LORA_A, LORA_B, LORA_SCALING
-from hybridrl.training import distributed as D
+from hybridrl.training import distributed
+from hybridrl.training.buckets import BUCKET_BYTES, bucketed
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_DIR, STATE_DIR = "adapter", "lora_dcp"
@@ -101,10 +102,6 @@ def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
     return peft_model
 
 
-def is_lora(model: nn.Module) -> bool:
-    return any(".lora_A." in n for n, _ in model.named_parameters())
-
-
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -164,22 +161,6 @@ def iter_full(model: nn.Module, which: str = "all") -> Iterator[tuple[str, torch
         yield name, (full.cpu() if sharded else full)
 
 
-def bucketed(
-    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, keep: bool
-) -> Iterator[list]:
-    bucket, size = [], 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        size += nbytes
-        if keep:
-            bucket.append((name, t))
-    if size:
-        yield bucket
-
-
 def _adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     modules = _lora_modules(model)
     done = set()
@@ -195,11 +176,11 @@ def _adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def lora_weight_buckets(
-    model: nn.Module, bucket_bytes: int = 64 << 20, *, with_base: bool = False, dst: int = 0
+    model: nn.Module, bucket_bytes: int = BUCKET_BYTES, *, with_base: bool = False, dst: int = 0
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The adapters as buckets of at most ``bucket_bytes`` (see the module doc for the names); ``with_base``:
     the full base weights (transformers names) first. Every rank iterates; rank ``dst`` gets the tensors."""
-    keep = D.rank() == dst
+    keep = distributed.rank() == dst
 
     def items():
         if with_base:
@@ -207,7 +188,7 @@ def lora_weight_buckets(
                 yield hf_name(name), full.detach()
         yield from _adapter_items(model)
 
-    yield from bucketed(items(), bucket_bytes, keep)
+    yield from bucketed(items(), bucket_bytes, keep=keep)
 
 
 def sync_bytes(buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
@@ -226,7 +207,7 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
             base[hf_name(name)] = full.detach()
         else:
             ab[parts] = full.detach()
-    if D.rank() != 0:
+    if distributed.rank() != 0:
         return {}
     out = dict(base)
     for module, scale in modules.items():
@@ -265,7 +246,7 @@ def save_lora_checkpoint(
     path = Path(path)
     merged = merged_weights(model)  # collective
     adapter = dict(iter_full(model, "adapter"))  # collective
-    if D.rank() == 0:
+    if distributed.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         plain = _plain_model(model)
         plain.save_pretrained(path, state_dict=merged)
@@ -281,22 +262,22 @@ def save_lora_checkpoint(
         model.save_pretrained(path / ADAPTER_DIR, state_dict=adapter)
     del merged, adapter
     tmp = path / f".{STATE_DIR}.tmp"
-    if D.rank() == 0:
+    if distributed.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    D.barrier()
+    distributed.barrier()
     state = {
         "adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
     with _quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
-    if D.rank() == 0:
+    if distributed.rank() == 0:
         torch.save({"shuffle_rng": generator.get_state()}, tmp / "extra.pt")
-    D.barrier()
-    if D.rank() == 0:
+    distributed.barrier()
+    if distributed.rank() == 0:
         _replace_dir(tmp, path / STATE_DIR)
-    D.barrier()
+    distributed.barrier()
 
 
 def is_lora_checkpoint(path: str | Path) -> bool:
