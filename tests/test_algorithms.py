@@ -12,7 +12,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import torch
 
-from hybridrl.algorithms import ADVANTAGES, compute_advantages, masked_whiten, token_level_scores
+from hybridrl.algorithms import (
+    ADVANTAGES,
+    compute_advantages,
+    group_rows,
+    masked_whiten,
+    token_level_scores,
+)
 from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
 
@@ -408,3 +414,8 @@ def test_config_rejects_what_an_estimator_cannot_get():
         assert (
             load_config(Config, None, [f"algorithm.advantage={name}"]).algorithm.advantage == name
         )
+
+
+def test_group_rows_lists_each_uid_in_order_of_first_appearance():
+    assert group_rows(["b", "a", "b", "c", "a"]) == [[0, 2], [1, 4], [3]]
+    assert group_rows([]) == []

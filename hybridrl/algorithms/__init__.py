@@ -9,6 +9,7 @@ from hybridrl.algorithms.advantages import (
     ADVANTAGES,
     compute_advantages,
     group_normalise,
+    group_rows,
     masked_whiten,
     token_level_scores,
 )
@@ -20,7 +21,8 @@ from hybridrl.algorithms.kl import (
     apply_kl_penalty,
     kl_penalty,
 )
-from hybridrl.algorithms.losses import POLICY_LOSSES, masked_mean, value_loss
+from hybridrl.algorithms.losses import POLICY_LOSSES, value_loss
+from hybridrl.algorithms.masking import masked_mean
 
 __all__ = [
     "ADVANTAGES",
@@ -34,6 +36,7 @@ __all__ = [
     "apply_kl_penalty",
     "compute_advantages",
     "group_normalise",
+    "group_rows",
     "kl_penalty",
     "masked_mean",
     "masked_whiten",

@@ -21,9 +21,11 @@ its name: ``needs_values`` (the critic role and a ``values`` column),
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
+from hybridrl.algorithms.masking import as_bool, zero_pad
 from hybridrl.protocol import Batch
 from hybridrl.registry import Registry
 
@@ -31,21 +33,12 @@ ADVANTAGES = Registry("advantage estimator")
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def _bool(mask: torch.Tensor) -> torch.Tensor:
-    return mask.bool() if mask.dtype != torch.bool else mask
-
-
-def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``x`` with padded positions set to 0 (``where``, so inf/NaN in padding cannot leak)."""
-    return torch.where(_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) scores -> (B, R): each score at its row's last valid token, 0 elsewhere.
 
     A row with no valid token is all zero (its score has nowhere to go).
     """
-    mask = _bool(response_mask)
+    mask = as_bool(response_mask)
     scores = scores.to(torch.get_default_dtype()) if not scores.is_floating_point() else scores
     out = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)
     if mask.numel() == 0:
@@ -70,18 +63,18 @@ def masked_whiten(
     taken as 0 (veRL raises ValueError), so the output is 0 (the mean with ``shift_mean=False``); with
     none the output is all zero.
     """
-    m = _bool(mask)
-    xd = _masked(x, m).double()
+    m = as_bool(mask)
+    xd = zero_pad(x, m).double()
     n = m.sum()
     if n == 0:
         return torch.zeros_like(x)
     mean = xd.sum() / n
-    sq = _masked((xd - mean).square(), m).sum()
+    sq = zero_pad((xd - mean).square(), m).sum()
     var = sq / (n - 1) if n > 1 else torch.zeros((), dtype=xd.dtype, device=xd.device)
     out = (xd - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
-    return _masked(out, m).to(x.dtype)
+    return zero_pad(out, m).to(x.dtype)
 
 
 def _whiten(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
@@ -89,11 +82,12 @@ def _whiten(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
     return masked_whiten(x, mask, shift_mean=getattr(cfg, "whiten_shift_mean", True))
 
 
-def _groups(uids: list) -> dict:
+def group_rows(uids: Sequence) -> list[list[int]]:
+    """The row indices of each group (rows sharing a uid), groups in order of first appearance."""
     groups: dict = defaultdict(list)
     for i, u in enumerate(uids):
         groups[u].append(i)
-    return groups
+    return list(groups.values())
 
 
 def group_normalise(
@@ -108,7 +102,7 @@ def group_normalise(
         raise ValueError(f"group_normalise: {len(uids)} uids for {scores.shape[0]} scores")
     sd = scores.double()
     out = torch.empty_like(sd)
-    for rows in _groups(uids).values():
+    for rows in group_rows(uids):
         idx = torch.tensor(rows, device=sd.device)
         s = sd[idx]
         if len(rows) == 1:
@@ -131,7 +125,7 @@ def _sequence_scores(batch: Batch) -> torch.Tensor:
     """
     mask = batch["response_mask"]
     if "token_level_rewards" in batch:
-        return _masked(batch["token_level_rewards"], mask).sum(-1)
+        return zero_pad(batch["token_level_rewards"], mask).sum(-1)
     if "rewards" in batch:
         r = batch["rewards"]
         return r.float() if not r.is_floating_point() else r
@@ -140,26 +134,31 @@ def _sequence_scores(batch: Batch) -> torch.Tensor:
 
 def _broadcast(seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B,) -> (B, R) on valid tokens, 0 on padding."""
-    return _masked(seq.unsqueeze(-1).expand(mask.shape), mask)
+    return zero_pad(seq.unsqueeze(-1).expand(mask.shape), mask)
 
 
 # --- estimators ------------------------------------------------------------------------------------
 @ADVANTAGES.register("grpo")
 def grpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """GRPO outcome advantage (Shao et al. 2402.03300): (r - mean_g) / (std_g + 1e-6), broadcast to tokens.
+    """GRPO outcome advantage (Shao et al. 2402.03300): (r - mean_g) / (std_g + 1e-6), broadcast
+    to tokens.
 
-    ``cfg.norm_adv_by_std=False`` drops the std division (Dr.GRPO, Liu et al. 2503.20783).
+    ``cfg.norm_adv_by_std=False`` drops the std division: that is ``dr_grpo``.
     """
-    adv = group_normalise(
-        _sequence_scores(batch), batch["uid"], getattr(cfg, "norm_adv_by_std", True)
-    )
-    return {"advantages": _broadcast(adv, batch["response_mask"])}
+    return _group_outcome_advantage(batch, norm_by_std=cfg.norm_adv_by_std)
 
 
 @ADVANTAGES.register("dr_grpo")
 def dr_grpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """Dr.GRPO (Liu et al. 2503.20783): r - mean_g, never divided by the std."""
-    adv = group_normalise(_sequence_scores(batch), batch["uid"], norm_by_std=False)
+    """Dr.GRPO (Liu et al. 2503.20783): r - mean_g, never divided by the std; ``grpo`` with
+    ``norm_adv_by_std=False`` whatever the config says."""
+    return _group_outcome_advantage(batch, norm_by_std=False)
+
+
+def _group_outcome_advantage(batch: Batch, norm_by_std: bool) -> dict[str, torch.Tensor]:
+    """The one implementation of ``grpo`` and ``dr_grpo``: the group-normalised outcome score of
+    each row on every valid token."""
+    adv = group_normalise(_sequence_scores(batch), batch["uid"], norm_by_std)
     return {"advantages": _broadcast(adv, batch["response_mask"])}
 
 
@@ -172,7 +171,7 @@ def rloo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     scores = _sequence_scores(batch)
     sd = scores.double()
     out = sd.clone()
-    for rows in _groups(batch["uid"]).values():
+    for rows in group_rows(batch["uid"]):
         if len(rows) > 1:
             idx = torch.tensor(rows, device=sd.device)
             s = sd[idx]
@@ -188,8 +187,8 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     the tokens before a tool call still see the outcome after it. This is veRL's REINFORCE++ since 0.9.0
     (older veRL reset the return to 0 there, which gave every token before a tool call a return of 0).
     """
-    m = _bool(mask)
-    r = _masked(rewards, m)
+    m = as_bool(mask)
+    r = zero_pad(rewards, m)
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0]) if r.shape[1] else None
     for t in reversed(range(r.shape[1])):
@@ -226,9 +225,9 @@ def gae_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     token (padded positions are skipped, as veRL does), and the value after the last valid token
     is 0. ``returns = A + V`` (unwhitened, the critic's target); ``advantages = masked_whiten(A)``.
     """
-    m = _bool(batch["response_mask"])
-    r = _masked(batch["token_level_rewards"], m)
-    v = _masked(batch["values"], m).to(r.dtype)
+    m = as_bool(batch["response_mask"])
+    r = zero_pad(batch["token_level_rewards"], m)
+    v = zero_pad(batch["values"], m).to(r.dtype)
     gamma, lam = getattr(cfg, "gamma", 1.0), getattr(cfg, "lam", 1.0)
     adv = torch.zeros_like(r)
     next_v = torch.zeros_like(r[:, 0]) if r.shape[1] else None
@@ -240,7 +239,7 @@ def gae_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
         next_v = torch.where(valid, v[:, t], next_v)
         next_a = torch.where(valid, a, next_a)
         adv[:, t] = torch.where(valid, a, torch.zeros_like(a))
-    returns = _masked(adv + v, m)
+    returns = zero_pad(adv + v, m)
     return {"advantages": _whiten(adv, m, cfg), "returns": returns}
 
 
@@ -262,10 +261,10 @@ def remax_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
             "remax needs a (B,) 'baseline_rewards' column (the greedy response's reward per row); "
             "the trainer adds it for estimators with needs_greedy_baseline = True"
         )
-    m = _bool(batch["response_mask"])
+    m = as_bool(batch["response_mask"])
     returns = discounted_returns(batch["token_level_rewards"], m, 1.0)
     base = batch["baseline_rewards"].to(returns.dtype)
-    return {"advantages": _masked(returns - base.unsqueeze(-1), m), "returns": returns}
+    return {"advantages": zero_pad(returns - base.unsqueeze(-1), m), "returns": returns}
 
 
 remax_advantage.needs_greedy_baseline = (
@@ -286,8 +285,9 @@ def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     scores = _sequence_scores(batch)
     sd = scores.double()
     out = torch.zeros_like(sd)
-    for uid, rows in _groups(batch["uid"]).items():
+    for rows in group_rows(batch["uid"]):
         if len(rows) < 2:
+            uid = batch["uid"][rows[0]]
             raise ValueError(
                 f"grpo_passk needs at least 2 samples per group; group {uid!r} has {len(rows)} "
                 "(set trainer.samples_per_prompt >= 2)"
@@ -316,11 +316,11 @@ def opo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     baseline 0 (A = r), as veRL's ``opo`` and our other group estimators; a group whose responses are all
     empty has nothing to train and gets 0 (where veRL would divide by zero).
     """
-    mask = _bool(batch["response_mask"])
+    mask = as_bool(batch["response_mask"])
     scores = _sequence_scores(batch)
     sd, lengths = scores.double(), mask.sum(-1).double()
     out = sd.clone()
-    for rows in _groups(batch["uid"]).values():
+    for rows in group_rows(batch["uid"]):
         if len(rows) > 1:
             idx = torch.tensor(rows, device=sd.device)
             total = lengths[idx].sum()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridrl.algorithms.masking import as_bool, zero_pad
 from hybridrl.registry import Registry
 
 LOSS_AGG = Registry("loss aggregation")
@@ -28,7 +29,7 @@ class AggTotals:
 
 def agg_totals(mask: torch.Tensor, norm_len: float | None = None) -> AggTotals:
     """Totals of a mini-batch's ``response_mask``; ``norm_len`` None: the mask's width (veRL's default)."""
-    m = mask.bool() if mask.dtype != torch.bool else mask
+    m = as_bool(mask)
     return AggTotals(
         n_tokens=float(m.sum().item()),
         n_seqs=float(m.any(-1).sum().item()),
@@ -37,9 +38,8 @@ def agg_totals(mask: torch.Tensor, norm_len: float | None = None) -> AggTotals:
 
 
 def _row_sums(loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    m = mask.bool() if mask.dtype != torch.bool else mask
-    sums = torch.where(m, loss, torch.zeros((), dtype=loss.dtype, device=loss.device)).sum(-1)
-    return sums, m.sum(-1)
+    m = as_bool(mask)
+    return zero_pad(loss, m).sum(-1), m.sum(-1)
 
 
 def _div(x: torch.Tensor, d: float) -> torch.Tensor:
@@ -83,4 +83,3 @@ def token_sum(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torc
     gradients are summed) add up to the mini-batch's sum by themselves. Its scale grows with the number of
     tokens per optimizer step, so the learning rate has to be scaled to match."""
     return _row_sums(loss, mask)[0].sum()
-

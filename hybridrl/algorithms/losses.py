@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.algorithms.masking import as_bool, masked_max, masked_mean, masked_min, zero_pad
 from hybridrl.protocol import Batch
 from hybridrl.registry import Registry
 
@@ -26,33 +27,6 @@ GSPO_TOKEN_LOG_RATIO_MAX = (
 
 
 # --- helpers -----------------------------------------------------------------------------------
-def _bool(mask: torch.Tensor) -> torch.Tensor:
-    return mask.bool() if mask.dtype != torch.bool else mask
-
-
-def _zero_pad(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(_bool(mask), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over ``mask`` (all of it, or along ``dim``); 0 where there is nothing to average."""
-    m = _bool(mask)
-    xs = _zero_pad(x, m)
-    if dim is None:
-        return xs.sum() / m.sum().clamp(min=1).to(x.dtype)
-    return xs.sum(dim) / m.sum(dim).clamp(min=1).to(x.dtype)
-
-
-def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> float:
-    m = _bool(mask)
-    return x[m].max().item() if m.any() else 0.0
-
-
-def _masked_min(x: torch.Tensor, mask: torch.Tensor) -> float:
-    m = _bool(mask)
-    return x[m].min().item() if m.any() else 0.0
-
-
 def _clips(cfg) -> tuple[float, float, float | None]:
     low = getattr(cfg, "clip_ratio_low", 0.2)
     high = getattr(cfg, "clip_ratio_high", 0.2)
@@ -64,7 +38,7 @@ def _clips(cfg) -> tuple[float, float, float | None]:
 
 def _log_ratio(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """a - b on valid tokens (0 on padding), clamped to +-LOG_RATIO_CLAMP."""
-    return _zero_pad(a - b, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return zero_pad(a - b, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _clipped_surrogate(
@@ -93,7 +67,7 @@ def _clipped_surrogate(
 def _ratio_metrics(
     log_ratio: torch.Tensor, ratio: torch.Tensor, mask, low, high, dual
 ) -> dict[str, float]:
-    m = _bool(mask)
+    m = as_bool(mask)
     f = ratio.dtype
     lo, hi = masked_mean(low.to(f), m).item(), masked_mean(high.to(f), m).item()
     return {
@@ -106,8 +80,8 @@ def _ratio_metrics(
         "actor/approx_kl_old": masked_mean(-log_ratio, m).item(),
         "actor/approx_kl_old_k3": masked_mean(torch.expm1(log_ratio) - log_ratio, m).item(),
         "actor/ratio_mean": masked_mean(ratio, m).item(),
-        "actor/ratio_max": _masked_max(ratio, m),
-        "actor/ratio_min": _masked_min(ratio, m),
+        "actor/ratio_max": masked_max(ratio, m),
+        "actor/ratio_min": masked_min(ratio, m),
     }
 
 
@@ -126,9 +100,9 @@ def ppo_clip_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dic
     low, high, c = _clips(cfg)
     log_ratio = _log_ratio(logp, mb["old_log_probs"].to(logp.dtype), mask)
     ratio = torch.exp(log_ratio)
-    adv = _zero_pad(mb["advantages"].to(logp.dtype), mask)
+    adv = zero_pad(mb["advantages"].to(logp.dtype), mask)
     loss, cl, ch, dual = _clipped_surrogate(ratio, adv, low, high, c)
-    loss = _zero_pad(loss, mask)
+    loss = zero_pad(loss, mask)
     with torch.no_grad():
         metrics = _ratio_metrics(log_ratio, ratio, mask, cl, ch, dual)
     return loss, metrics
@@ -137,13 +111,13 @@ def ppo_clip_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dic
 # --- GSPO -------------------------------------------------------------------------------------------
 def _seq_log_ratio(logp, old, mask):
     """(B,) length-normalised sequence log-ratio mean_t(logp - old) over valid tokens (0 for an empty row), clamped."""
-    m = _bool(mask)
+    m = as_bool(mask)
     lengths = m.sum(-1).clamp(min=1).to(logp.dtype)
-    return (_zero_pad(logp - old, m).sum(-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (zero_pad(logp - old, m).sum(-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _seq_metrics(seq_ratio, token_log_ratio, mask, cl, ch) -> dict[str, float]:
-    m = _bool(mask)
+    m = as_bool(mask)
     rows = m.any(-1)
     f = seq_ratio.dtype
     sr = seq_ratio.detach()[rows]
@@ -160,8 +134,8 @@ def _seq_metrics(seq_ratio, token_log_ratio, mask, cl, ch) -> dict[str, float]:
         "actor/seq_ratio_min": sr.min().item() if rows.any() else 0.0,
         "actor/approx_kl_old": masked_mean(-token_log_ratio.detach(), m).item(),
         "actor/ratio_mean": masked_mean(tr, m).item(),
-        "actor/ratio_max": _masked_max(tr, m),
-        "actor/ratio_min": _masked_min(tr, m),
+        "actor/ratio_max": masked_max(tr, m),
+        "actor/ratio_min": masked_min(tr, m),
     }
 
 
@@ -175,14 +149,14 @@ def gspo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     "seq-mean-token-mean" (1/G sum_i loss_i); the paper uses eps of 3e-4 / 4e-4.
     """
     mask = mb["response_mask"]
-    m = _bool(mask)
+    m = as_bool(mask)
     low, high, _ = _clips(cfg)
     old = mb["old_log_probs"].to(logp.dtype)
     seq_lr = _seq_log_ratio(logp, old, m)
     s = torch.exp(seq_lr)
     adv_seq = masked_mean(mb["advantages"].to(logp.dtype), m, dim=-1)
     loss_seq, cl, ch, _ = _clipped_surrogate(s, adv_seq, low, high, None)
-    loss = _zero_pad(loss_seq.unsqueeze(-1).expand(m.shape), m)
+    loss = zero_pad(loss_seq.unsqueeze(-1).expand(m.shape), m)
     with torch.no_grad():
         metrics = _seq_metrics(s, _log_ratio(logp, old, m), m, cl, ch)
     return loss, metrics
@@ -197,16 +171,16 @@ def gspo_token_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, d
     and a token beyond the bound gets no gradient (its sequence is far off-policy).
     """
     mask = mb["response_mask"]
-    m = _bool(mask)
+    m = as_bool(mask)
     low, high, _ = _clips(cfg)
     old = mb["old_log_probs"].to(logp.dtype)
     seq_lr = _seq_log_ratio(logp, old, m).detach()
-    lp = _zero_pad(logp, m)
+    lp = zero_pad(logp, m)
     tok_lr = (seq_lr.unsqueeze(-1) + lp - lp.detach()).clamp(max=GSPO_TOKEN_LOG_RATIO_MAX)
     s_tok = torch.exp(tok_lr)  # value min(s_i, e^10)
-    adv = _zero_pad(mb["advantages"].to(logp.dtype), m)
+    adv = zero_pad(mb["advantages"].to(logp.dtype), m)
     loss, cl_t, ch_t, _ = _clipped_surrogate(s_tok, adv, low, high, None)
-    loss = _zero_pad(loss, m)
+    loss = zero_pad(loss, m)
     with torch.no_grad():
         s = torch.exp(seq_lr)
         metrics = _seq_metrics(
@@ -240,25 +214,25 @@ def decoupled_ppo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor
     Metrics: behav_weight_mean / max over valid tokens before the cap, behav_capped_frac the dropped share.
     """
     mask = mb["response_mask"]
-    m = _bool(mask)
+    m = as_bool(mask)
     low, high, c = _clips(cfg)
     prox = mb["old_log_probs"].to(logp.dtype)
     behav_lr = _log_ratio(prox, mb["rollout_log_probs"].to(logp.dtype), m).detach()
     w = torch.exp(behav_lr)
     cap = getattr(cfg, "behav_imp_weight_cap", None)
     keep = m & (w <= cap) if cap is not None else m
-    w_used = _zero_pad(w, keep)
+    w_used = zero_pad(w, keep)
     log_ratio = _log_ratio(logp, prox, m)
     u = torch.exp(log_ratio)
-    adv = _zero_pad(mb["advantages"].to(logp.dtype), m)
+    adv = zero_pad(mb["advantages"].to(logp.dtype), m)
     pg, cl, ch, dual = _clipped_surrogate(u, adv, low, high, c)
-    loss = _zero_pad(pg * w_used, m)
+    loss = zero_pad(pg * w_used, m)
     with torch.no_grad():
         metrics = _ratio_metrics(log_ratio, u, m, cl, ch, dual)
         f = logp.dtype
         metrics |= {
             "actor/behav_weight_mean": masked_mean(w, m).item(),
-            "actor/behav_weight_max": _masked_max(w, m),
+            "actor/behav_weight_max": masked_max(w, m),
             "actor/behav_capped_frac": masked_mean((m & ~keep).to(f), m).item(),
             "actor/behav_approx_kl": masked_mean(
                 -behav_lr, m
@@ -280,12 +254,12 @@ def value_loss(
     ``clip`` None or 0 disables the clipped branch (0.5 (V - G)^2). vf_clip_frac = share of valid tokens
     where the clipped branch is the larger one.
     """
-    m = _bool(mask)
-    v = _zero_pad(values, m)
-    g = _zero_pad(returns.to(v.dtype), m)
+    m = as_bool(mask)
+    v = zero_pad(values, m)
+    g = zero_pad(returns.to(v.dtype), m)
     l1 = (v - g).square()
     if clip:
-        old = _zero_pad(old_values.to(v.dtype), m)
+        old = zero_pad(old_values.to(v.dtype), m)
         v_clipped = torch.maximum(torch.minimum(v, old + clip), old - clip)
         l2 = (v_clipped - g).square()
         loss = 0.5 * torch.maximum(l1, l2)
@@ -293,7 +267,7 @@ def value_loss(
     else:
         loss = 0.5 * l1
         clipped = torch.zeros_like(m)
-    loss = _zero_pad(loss, m)
+    loss = zero_pad(loss, m)
     with torch.no_grad():
         metrics = {
             "critic/vf_clip_frac": masked_mean(clipped.to(v.dtype), m).item(),

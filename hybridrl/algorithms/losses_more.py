@@ -18,15 +18,11 @@ import torch
 
 from hybridrl.algorithms.losses import (
     POLICY_LOSSES,
-    _bool,
     _clipped_surrogate,
     _log_ratio,
-    _masked_max,
-    _masked_min,
     _ratio_metrics,
-    _zero_pad,
-    masked_mean,
 )
+from hybridrl.algorithms.masking import as_bool, masked_max, masked_mean, masked_min, zero_pad
 from hybridrl.protocol import Batch
 
 
@@ -49,9 +45,9 @@ def _share(cfg, name: str, default: float) -> float:
 
 def _inputs(logp: torch.Tensor, mb: Batch):
     """Valid-token mask, clamped log-ratio logp - old (0 on padding), ratio and advantages (0 on padding)."""
-    m = _bool(mb["response_mask"])
+    m = as_bool(mb["response_mask"])
     log_ratio = _log_ratio(logp, mb["old_log_probs"].to(logp.dtype), m)
-    adv = _zero_pad(mb["advantages"].to(logp.dtype), m)
+    adv = zero_pad(mb["advantages"].to(logp.dtype), m)
     return m, log_ratio, torch.exp(log_ratio), adv
 
 
@@ -62,8 +58,8 @@ def _kl_and_ratio_metrics(
         "actor/approx_kl_old": masked_mean(-log_ratio, m).item(),
         "actor/approx_kl_old_k3": masked_mean(torch.expm1(log_ratio) - log_ratio, m).item(),
         "actor/ratio_mean": masked_mean(ratio, m).item(),
-        "actor/ratio_max": _masked_max(ratio, m),
-        "actor/ratio_min": _masked_min(ratio, m),
+        "actor/ratio_max": masked_max(ratio, m),
+        "actor/ratio_min": masked_min(ratio, m),
     }
 
 
@@ -99,7 +95,7 @@ def cispo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[s
     m, log_ratio, ratio, adv = _inputs(logp, mb)
     lo = None if low is None else 1.0 - low
     weight = ratio.clamp(min=lo, max=1.0 + high).detach()
-    loss = _zero_pad(-weight * adv * _zero_pad(logp, m), m)
+    loss = zero_pad(-weight * adv * zero_pad(logp, m), m)
     with torch.no_grad():
         below = (ratio < lo) if lo is not None else torch.zeros_like(m)
         metrics = _clip_metrics(below & m, (ratio > 1.0 + high) & m, m, logp.dtype)
@@ -129,8 +125,8 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     sgn = torch.sign(adv_seq).unsqueeze(-1)
     clipped = sgn * torch.minimum(sgn * log_ratio, sgn * log_ratio.clamp(-lo, hi))
     lengths = m.sum(-1).clamp(min=1).to(logp.dtype)
-    seq_ratio = torch.exp(_zero_pad(clipped, m).sum(-1) / lengths)  # |c_t| <= 20: finite
-    loss = _zero_pad((-adv_seq * seq_ratio).unsqueeze(-1).expand(m.shape), m)
+    seq_ratio = torch.exp(zero_pad(clipped, m).sum(-1) / lengths)  # |c_t| <= 20: finite
+    loss = zero_pad((-adv_seq * seq_ratio).unsqueeze(-1).expand(m.shape), m)
     with torch.no_grad():
         f = logp.dtype
         metrics = _clip_metrics(
@@ -150,8 +146,8 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
 # --- Clip-Cov and KL-Cov --------------------------------------------------------------------------------------
 def _token_cov(logp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """(A_t - mean A)(logp_t - mean logp) per valid token, means over the valid tokens; 0 on padding. No gradient."""
-    lp = _zero_pad(logp.detach(), m)
-    return _zero_pad((adv - masked_mean(adv, m)) * (lp - masked_mean(lp, m)), m)
+    lp = zero_pad(logp.detach(), m)
+    return zero_pad((adv - masked_mean(adv, m)) * (lp - masked_mean(lp, m)), m)
 
 
 def _n_selected(share: float, m: torch.Tensor) -> int:
@@ -164,9 +160,9 @@ def _derived_generator(mb: Batch, cfg) -> torch.Generator:
     """A generator seeded by ``clip_cov_seed`` and a hash of the micro-batch's valid old log-probs and advantages:
     a re-run or a resumed run cuts the same tokens, different micro-batches get different draws, and the
     global RNG is left alone."""
-    m = _bool(mb["response_mask"])
+    m = as_bool(mb["response_mask"])
     data = torch.stack(
-        [_zero_pad(mb["old_log_probs"], m).double(), _zero_pad(mb["advantages"], m).double()]
+        [zero_pad(mb["old_log_probs"], m).double(), zero_pad(mb["advantages"], m).double()]
     )
     seed = zlib.crc32(
         data.cpu().numpy().tobytes(), int(getattr(cfg, "clip_cov_seed", 0)) & 0xFFFFFFFF
@@ -212,7 +208,7 @@ def clip_cov_loss(
         if generator is None:
             generator = _derived_generator(mb, cfg)
         cut = _random_subset(candidates, _n_selected(share, m), generator)
-    loss = _zero_pad(
+    loss = zero_pad(
         torch.where(cut, torch.zeros((), dtype=loss.dtype, device=loss.device), loss), m
     )
     with torch.no_grad():
@@ -247,7 +243,7 @@ def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[
     penalty = torch.where(
         picked, coef * log_ratio.abs(), torch.zeros((), dtype=logp.dtype, device=logp.device)
     )
-    loss = _zero_pad(-adv * ratio + penalty, m)
+    loss = zero_pad(-adv * ratio + penalty, m)
     with torch.no_grad():
         metrics = _kl_and_ratio_metrics(log_ratio, ratio, m)
         metrics |= {
@@ -275,12 +271,12 @@ def sapo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     m, log_ratio, ratio, adv = _inputs(logp, mb)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     s = torch.sigmoid(tau * (ratio - 1.0))
-    loss = _zero_pad(-s * (4.0 / tau) * adv, m)
+    loss = zero_pad(-s * (4.0 / tau) * adv, m)
     with torch.no_grad():
         w = 4.0 * s * (1.0 - s)
         metrics = _kl_and_ratio_metrics(log_ratio, ratio, m)
         metrics |= {
             "actor/gate_weight_mean": masked_mean(w, m).item(),
-            "actor/gate_weight_min": _masked_min(w, m),
+            "actor/gate_weight_min": masked_min(w, m),
         }
     return loss, metrics

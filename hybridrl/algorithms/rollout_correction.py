@@ -23,20 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.algorithms.masking import masked_max, masked_mean
 from hybridrl.protocol import Batch
 
 LOG_RATIO_CLAMP = 20.0  # exp stays finite for any sequence length
 WEIGHT_KEY = "rollout_is_weights"
 # losses that already weight each token by pi_prox / mu: a second rollout weight would apply it twice
 BEHAVIOUR_WEIGHTED_LOSSES = ("decoupled_ppo",)
-
-
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
-    return (x * m).sum().item() / max(int(m.sum()), 1)
-
-
-def _masked_max(x: torch.Tensor, m: torch.Tensor) -> float:
-    return x[m].max().item() if m.any() else 0.0
 
 
 # --- levels: (old, rollout, mask) -> per-token log-weight (B, R), 0 on padding ---------------------
@@ -87,12 +80,12 @@ def importance_weights(
     weights, dropped = MODES[cfg.rollout_is_mode](rho, m, lower_threshold(cfg), upper)
     f = rho.dtype
     metrics = {
-        "rollout_corr/is_weight_mean": _masked_mean(rho, m),
-        "rollout_corr/is_weight_max": _masked_max(rho, m),
-        "rollout_corr/is_weight_used_mean": _masked_mean(weights, m),
+        "rollout_corr/is_weight_mean": masked_mean(rho, m).item(),
+        "rollout_corr/is_weight_max": masked_max(rho, m),
+        "rollout_corr/is_weight_used_mean": masked_mean(weights, m).item(),
         # kept tokens above the cap: only truncation keeps them (mask mode drops them, so this is 0 there)
-        "rollout_corr/truncated_frac": _masked_mean(((rho > upper) & m & ~dropped).to(f), m),
-        "rollout_corr/masked_frac": _masked_mean(dropped.to(f), m),
+        "rollout_corr/truncated_frac": masked_mean(((rho > upper) & m & ~dropped).to(f), m).item(),
+        "rollout_corr/masked_frac": masked_mean(dropped.to(f), m).item(),
     }
     return weights.detach(), metrics
 
@@ -105,10 +98,10 @@ def mismatch_metrics(
     m = mask.bool()
     d = torch.where(m, old.float() - rollout.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
-        "rollout_corr/logp_gap_mean": _masked_mean(d.abs(), m),
-        "rollout_corr/logp_gap_max": _masked_max(d.abs(), m),
-        "rollout_corr/kl_k1": _masked_mean(-d, m),
-        "rollout_corr/kl_k3": _masked_mean(torch.expm1(d) - d, m),
+        "rollout_corr/logp_gap_mean": masked_mean(d.abs(), m).item(),
+        "rollout_corr/logp_gap_max": masked_max(d.abs(), m),
+        "rollout_corr/kl_k1": masked_mean(-d, m).item(),
+        "rollout_corr/kl_k3": masked_mean(torch.expm1(d) - d, m).item(),
     }
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.algorithms.masking import zero_pad
 from hybridrl.protocol import Batch
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.sampler import filtered_log_softmax
@@ -147,15 +148,15 @@ def response_log_probs(
         :, -resp_len - 1 : -1
     ].float()  # the loss math (log-softmax, ratios, KL) stays fp32
     logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
-    mask = mb["response_mask"].bool()
-    zero = torch.zeros((), dtype=logp_all.dtype, device=logp_all.device)
-    # where, not a product: a padding position's token may be filtered out (-inf * 0 is NaN)
-    logp = torch.where(mask, logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1), zero)
+    mask = mb["response_mask"]
+    # zero_pad is a where, not a product: a padding position's token may be filtered out
+    # (-inf * 0 is NaN)
+    logp = zero_pad(logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1), mask)
     entropy = None
     if with_entropy:
         # filtered tokens have p = 0 and log p = -inf; their term is 0 (and so is its gradient)
         ent = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-        entropy = torch.where(mask, ent, zero)
+        entropy = zero_pad(ent, mask)
     return logp, entropy
 
 
