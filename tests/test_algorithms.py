@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -23,7 +22,8 @@ from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
 
 
-def cfg(**kw):
+def cfg(**kw) -> AlgorithmConfig:
+    """The typed config the trainer passes, with these tests' defaults; unknown keys fail."""
     base = dict(
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
@@ -34,7 +34,7 @@ def cfg(**kw):
         lam=1.0,
         behav_imp_weight_cap=None,
     )
-    return types.SimpleNamespace(**(base | kw))
+    return AlgorithmConfig(**(base | kw))
 
 
 def adv_batch(rewards, uids, resp_len=3, mask=None):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import types
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -28,6 +27,7 @@ from hybridrl.algorithms import (
     token_level_scores,
     value_loss,
 )
+from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
 
 SETTINGS = settings(
@@ -48,7 +48,7 @@ LOSSES = ["ppo_clip", "gspo", "gspo_token", "decoupled_ppo"]
 GARBAGE = [1e6, -1e6, float("inf"), float("-inf"), float("nan"), 123.0]
 
 
-def cfg(**kw):
+def cfg(**kw) -> AlgorithmConfig:
     base = dict(
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
@@ -58,7 +58,7 @@ def cfg(**kw):
         lam=0.8,
         behav_imp_weight_cap=None,
     )
-    return types.SimpleNamespace(**(base | kw))
+    return AlgorithmConfig(**(base | kw))
 
 
 @st.composite

@@ -1,4 +1,5 @@
-"""Advantage estimators: ``fn(batch, cfg) -> {"advantages": (B, R), ...}``, zero on padding.
+"""Advantage estimators: ``fn(batch, cfg) -> {"advantages": (B, R), ...}``, zero on padding;
+``cfg`` is the ``AlgorithmConfig``.
 
 Inputs are the (B, R) response-token tensors ``token_level_rewards`` (the score at
 the row's last valid token, minus a KL penalty when KL is in the reward),
@@ -78,8 +79,8 @@ def masked_whiten(
 
 
 def _whiten(x: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
-    """``masked_whiten`` with the estimator config's ``whiten_shift_mean`` (default True)."""
-    return masked_whiten(x, mask, shift_mean=getattr(cfg, "whiten_shift_mean", True))
+    """``masked_whiten`` with the estimator config's ``whiten_shift_mean``."""
+    return masked_whiten(x, mask, shift_mean=cfg.whiten_shift_mean)
 
 
 def group_rows(uids: Sequence) -> list[list[int]]:
@@ -205,7 +206,7 @@ def reinforce_pp_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     Also returns ``returns`` (the unwhitened G).
     """
     mask = batch["response_mask"]
-    returns = discounted_returns(batch["token_level_rewards"], mask, getattr(cfg, "gamma", 1.0))
+    returns = discounted_returns(batch["token_level_rewards"], mask, cfg.gamma)
     return {"advantages": _whiten(returns, mask, cfg), "returns": returns}
 
 
@@ -228,7 +229,7 @@ def gae_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     m = as_bool(batch["response_mask"])
     r = zero_pad(batch["token_level_rewards"], m)
     v = zero_pad(batch["values"], m).to(r.dtype)
-    gamma, lam = getattr(cfg, "gamma", 1.0), getattr(cfg, "lam", 1.0)
+    gamma, lam = cfg.gamma, cfg.lam
     adv = torch.zeros_like(r)
     next_v = torch.zeros_like(r[:, 0]) if r.shape[1] else None
     next_a = torch.zeros_like(next_v) if next_v is not None else None
@@ -296,7 +297,7 @@ def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
         s = sd[idx]
         top = torch.topk(s, 2)
         adv = top.values[0] - top.values[1]
-        if getattr(cfg, "norm_adv_by_std", True):
+        if cfg.norm_adv_by_std:
             adv = adv / (s.std() + 1e-6)
         out[idx[top.indices[0]]] = adv
     return {"advantages": _broadcast(out.to(scores.dtype), batch["response_mask"])}

@@ -7,8 +7,8 @@ is 0; aggregation to a scalar is the caller's (``hybridrl.algorithms.aggregation
 micro-batches add up to the mini-batch's loss. Every log-ratio is clamped to +-20 before ``exp``,
 so a stale or broken sample cannot produce inf/NaN, in the loss or in its gradient.
 
-cfg fields (read with getattr): ``clip_ratio_low``, ``clip_ratio_high`` (0.2 each), ``clip_ratio_c``
-(3.0; dual clip for A < 0, None or 0 disables), ``behav_imp_weight_cap`` (None).
+``cfg`` is the ``AlgorithmConfig``; these losses read ``clip_ratio_low``, ``clip_ratio_high``,
+``clip_ratio_c`` (dual clip for A < 0; None or 0 disables it) and ``behav_imp_weight_cap``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ GSPO_TOKEN_LOG_RATIO_MAX = (
 
 # --- helpers -----------------------------------------------------------------------------------
 def _clips(cfg) -> tuple[float, float, float | None]:
-    low = getattr(cfg, "clip_ratio_low", 0.2)
-    high = getattr(cfg, "clip_ratio_high", 0.2)
-    c = getattr(cfg, "clip_ratio_c", 3.0) or None
+    low, high, c = cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c or None
     if c is not None and c <= 1.0:
         raise ValueError(f"clip_ratio_c (dual clip) must be > 1 or null, got {c}")
     return low, high, c
@@ -219,7 +217,7 @@ def decoupled_ppo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor
     prox = mb["old_log_probs"].to(logp.dtype)
     behav_lr = _log_ratio(prox, mb["rollout_log_probs"].to(logp.dtype), m).detach()
     w = torch.exp(behav_lr)
-    cap = getattr(cfg, "behav_imp_weight_cap", None)
+    cap = cfg.behav_imp_weight_cap
     keep = m & (w <= cap) if cap is not None else m
     w_used = zero_pad(w, keep)
     log_ratio = _log_ratio(logp, prox, m)

@@ -2,8 +2,8 @@
 
 Same contract as ``losses.py``: ``fn(logp, mb, cfg) -> (per_token_loss (B, R), metrics)``, zero on padding
 (and blind to what padded positions hold), every log-ratio clamped to +-20 before ``exp``, aggregation left
-to ``algorithm.loss_agg``. Hyper-parameters are read from ``cfg`` (``AlgorithmConfig``) with getattr and
-the defaults of the schema.
+to ``algorithm.loss_agg``. Hyper-parameters are fields of ``cfg`` (the
+``AlgorithmConfig``).
 
 Clip-Cov and KL-Cov pick tokens by a statistic of the batch they see (the covariance between log-prob and
 advantage, centred by the batch's means, and a share of its tokens). Here, as in veRL, that batch is the
@@ -27,15 +27,13 @@ from hybridrl.protocol import Batch
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
-def _positive(cfg, name: str, default: float) -> float:
-    value = getattr(cfg, name, default)
+def _positive(name: str, value: float | None) -> float:
     if value is None or value <= 0:
         raise ValueError(f"algorithm.{name} must be > 0, got {value!r}")
     return float(value)
 
 
-def _share(cfg, name: str, default: float) -> float:
-    value = getattr(cfg, name, default)
+def _share(name: str, value: float | None) -> float:
     if value is None or not 0 < value <= 1:
         raise ValueError(
             f"algorithm.{name} must be in (0, 1] (a share of the valid tokens), got {value!r}"
@@ -84,8 +82,7 @@ def cispo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[s
     Metrics: clip_frac_high / clip_frac_low = share of valid tokens whose weight was truncated from above /
     below (whatever the sign of A: the weight is truncated, not the objective).
     """
-    low = getattr(cfg, "cispo_clip_low", None)
-    high = getattr(cfg, "cispo_clip_high", 0.28)
+    low, high = cfg.cispo_clip_low, cfg.cispo_clip_high
     if low is not None and not 0 <= low <= 1:
         raise ValueError(
             f"algorithm.cispo_clip_low must be in [0, 1] or null (no lower bound), got {low!r}"
@@ -118,8 +115,8 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     Metrics: clip_frac_high = valid tokens with A_i > 0 and l_t > eps_high, clip_frac_low = A_i < 0 and
     l_t < -eps_low (their gradient is 0); seq_ratio_* = exp(mean_t c_t) over non-empty rows.
     """
-    lo = _positive(cfg, "gmpo_log_clip_low", 0.4)
-    hi = _positive(cfg, "gmpo_log_clip_high", 0.4)
+    lo = _positive("gmpo_log_clip_low", cfg.gmpo_log_clip_low)
+    hi = _positive("gmpo_log_clip_high", cfg.gmpo_log_clip_high)
     m, log_ratio, ratio, _ = _inputs(logp, mb)
     adv_seq = masked_mean(mb["advantages"].to(logp.dtype), m, dim=-1)
     sgn = torch.sign(adv_seq).unsqueeze(-1)
@@ -164,9 +161,7 @@ def _derived_generator(mb: Batch, cfg) -> torch.Generator:
     data = torch.stack(
         [zero_pad(mb["old_log_probs"], m).double(), zero_pad(mb["advantages"], m).double()]
     )
-    seed = zlib.crc32(
-        data.cpu().numpy().tobytes(), int(getattr(cfg, "clip_cov_seed", 0)) & 0xFFFFFFFF
-    )
+    seed = zlib.crc32(data.cpu().numpy().tobytes(), int(cfg.clip_cov_seed) & 0xFFFFFFFF)
     return torch.Generator().manual_seed(seed)
 
 
@@ -195,11 +190,11 @@ def clip_cov_loss(
     ``clip_cov_seed`` and the micro-batch (never the global RNG).
     Metrics: the PPO clip fractions, cov_clip_frac (share of valid tokens cut), cov_mean (mean of cov_t).
     """
-    share = _share(cfg, "clip_cov_ratio", 2e-4)
-    lb, ub = getattr(cfg, "clip_cov_lb", 1.0), getattr(cfg, "clip_cov_ub", 5.0)
+    share = _share("clip_cov_ratio", cfg.clip_cov_ratio)
+    lb, ub = cfg.clip_cov_lb, cfg.clip_cov_ub
     if not lb < ub:
         raise ValueError(f"algorithm.clip_cov_lb ({lb}) must be below algorithm.clip_cov_ub ({ub})")
-    low, high = getattr(cfg, "clip_ratio_low", 0.2), getattr(cfg, "clip_ratio_high", 0.2)
+    low, high = cfg.clip_ratio_low, cfg.clip_ratio_high
     m, log_ratio, ratio, adv = _inputs(logp, mb)
     loss, cl, ch, dual = _clipped_surrogate(ratio, adv, low, high, None)
     with torch.no_grad():
@@ -228,8 +223,8 @@ def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[
     Metrics: kl_cov_frac (share of valid tokens penalised), cov_mean, kl_cov_abs (mean |logp - old| over the
     penalised tokens), and the ratio / approx_kl metrics.
     """
-    share = _share(cfg, "kl_cov_ratio", 2e-3)
-    coef = getattr(cfg, "kl_cov_coef", 1.0)
+    share = _share("kl_cov_ratio", cfg.kl_cov_ratio)
+    coef = cfg.kl_cov_coef
     if coef is None or coef < 0:
         raise ValueError(f"algorithm.kl_cov_coef must be >= 0, got {coef!r}")
     m, log_ratio, ratio, adv = _inputs(logp, mb)
@@ -266,8 +261,8 @@ def sapo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     then over sequences: ``loss_agg: seq-mean-token-mean``.
     Metrics: gate_weight_mean / gate_weight_min (w_t over valid tokens) and the ratio / approx_kl metrics.
     """
-    tau_pos = _positive(cfg, "sapo_tau_pos", 1.0)
-    tau_neg = _positive(cfg, "sapo_tau_neg", 1.05)
+    tau_pos = _positive("sapo_tau_pos", cfg.sapo_tau_pos)
+    tau_neg = _positive("sapo_tau_neg", cfg.sapo_tau_neg)
     m, log_ratio, ratio, adv = _inputs(logp, mb)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     s = torch.sigmoid(tau * (ratio - 1.0))

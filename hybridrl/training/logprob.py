@@ -33,13 +33,12 @@ from hybridrl.training.precision import autocast
 
 
 def sampling_of(rollout_cfg) -> SamplingParams:
-    """The filters of the rollout's sampling distribution (``rollout.*``), as the trainer applies them."""
+    """The filters of the rollout's sampling distribution (``rollout.*``), as the trainer applies
+    them. The rollout config has no ``min_p`` key: rollouts sample with SamplingParams' default
+    (0, off), and so does this."""
     return SamplingParams(
-        temperature=rollout_cfg.temperature,
-        top_p=rollout_cfg.top_p,
-        top_k=rollout_cfg.top_k,
-        min_p=getattr(rollout_cfg, "min_p", 0.0) or 0.0,
-    )  # a SamplingParams filter with no rollout.* key yet
+        temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k
+    )
 
 
 def _as_sampling(sampling) -> SamplingParams:
