@@ -92,7 +92,7 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
     monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
     monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
     for gain, dtype in ((1.8, torch.bfloat16), (1.0, torch.float32)):
-        monkeypatch.setattr(P.SPEEDUPS, "get", lambda model, train: gain)
+        monkeypatch.setattr(P.SPEEDUPS, "get", lambda model, train, gain=gain: gain)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hybridrl.rollout.precision"):
             auto = NativeRollout(old, Tok(), rcfg(dtype="auto"))

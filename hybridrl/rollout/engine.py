@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.precision import resolve_engine_dtype
@@ -44,7 +45,8 @@ class LLMEngine:
         spec_max_batch: int | None = None,
     ):
         # rollout.dtype: the engine's weights and KV may be bf16 while the model it copies is fp32 (rollout/precision.py)
-        self.device, self.dtype = next(model.parameters()).device, resolve_engine_dtype(cfg, model)
+        self.device = next(model.parameters()).device
+        self.dtype = resolve_engine_dtype(cfg.dtype, model)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -68,13 +70,11 @@ class LLMEngine:
                 hf_model=draft_model,
             )
             if spec_max_batch is None:
-                spec_max_batch = getattr(cfg, "spec_max_batch", 32)
+                spec_max_batch = cfg.spec_max_batch
             self.spec = SpecDecoder(self, draft_runner, cfg.num_speculative_tokens, spec_max_batch)
             per_block += draft_runner.bytes_per_block()
         budget = cfg.kv_cache_bytes
-        fraction = getattr(
-            cfg, "kv_cache_memory_fraction", None
-        )  # GPU: a share of the free device memory
+        fraction = cfg.kv_cache_memory_fraction  # GPU: a share of the free device memory
         if fraction and self.device.type == "cuda":
             budget = int(fraction * torch.cuda.mem_get_info(self.device)[0])
         elif fraction:
@@ -104,9 +104,7 @@ class LLMEngine:
     def release_memory(self) -> None:
         """Free the KV pool; running sequences go back to waiting and are recomputed after :meth:`wake_up`."""
         with self.lock:
-            n = self.scheduler.num_preemptions
-            self.scheduler.preempt_all()
-            self.scheduler.num_preemptions = n  # not memory pressure: do not count
+            self.scheduler.preempt_all(count=False)  # not memory pressure: do not count
             self.bm.reset()
             self.runner.free_kv()
             if self.spec is not None:
@@ -124,16 +122,16 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_ids: list[int],
-        params: Any,
+        params: SamplingParams,
         seed: int | None = None,
         tag: Any = None,
     ) -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        n = max(1, int(getattr(params, "n", 1)))
-        stops = (
-            frozenset() if getattr(params, "ignore_eos", False) else self.eos_token_ids
-        ) | frozenset(params.stop_token_ids)
+        n = max(1, params.n)
+        stops = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
+            params.stop_token_ids
+        )
         limit = self.runner.spec.max_positions
         max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
         if max_tokens <= 0:
@@ -172,13 +170,37 @@ class LLMEngine:
         if not self.aborted:
             return
         sch = self.scheduler
-        for seq in [s for s in list(sch.waiting) + sch.running if s.request_id in self.aborted]:
+        for seq in [s for s in sch.unfinished() if s.request_id in self.aborted]:
             sch.finish(seq, Status.ABORTED)
             self.finished[seq.request_id].append(seq)
         self.aborted.clear()  # handled: a request id aborted before it arrives is the caller's to skip
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a sequence of the request is still waiting or running."""
+        with self.lock:
+            return any(s.request_id == request_id for s in self.scheduler.unfinished())
+
+    def num_finished(self, request_id: str) -> int:
+        """Sequences of the request that have finished (or were aborted) and not been popped yet."""
+        return len(self.finished.get(request_id, ()))
+
+    def pop_finished(self, request_id: str) -> list[Sequence]:
+        """The request's finished sequences in sample order, removed from the engine."""
+        with self.lock:
+            seqs = self.finished.pop(request_id, [])
+        return sorted(seqs, key=lambda s: s.sample_index)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights by transformers name (views into the fused tensors)."""
+        return self.runner.named_weights()
+
+    def wait_for_step(self) -> None:
+        """Return once the step in flight (if any) has finished."""
+        with self.lock:
+            pass
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -194,9 +216,7 @@ class LLMEngine:
             finally:
                 sch = self.scheduler
                 self.stats_acc["interrupted"] += len(sch.running)
-                n = sch.num_preemptions
-                sch.preempt_all()
-                sch.num_preemptions = n  # a weight change, not memory pressure: do not count
+                sch.preempt_all(count=False)  # a weight change, not memory pressure: do not count
                 self.bm.invalidate()
             self.version = version
             return count
@@ -205,34 +225,44 @@ class LLMEngine:
     def step(self) -> int:
         """Run one engine step; returns the number of tokens it generated."""
         with self.lock:
-            if self.released:
-                self.wake_up()
-            self._drop_aborted()
-            if not self.scheduler.has_work():
-                return 0
-            spec = self.spec is not None and self.spec.wants_step(self.scheduler)
-            batch = self.scheduler.schedule(lookahead=self.spec.k if spec else 0)
-            if not batch.seqs:
-                if self.scheduler.running or not self.scheduler.waiting:
-                    return 0
-                raise RuntimeError(
-                    f"a sequence of {len(self.scheduler.waiting[0])} tokens does not fit the KV pool "
-                    f"({self.num_blocks} blocks of {self.bm.block_size}); raise rollout.kv_cache_bytes"
-                )
-            acc = self.stats_acc
-            acc["steps"] += 1
-            acc["kv_usage_sum"] += self.bm.usage()
-            acc["kv_usage_peak"] = max(acc["kv_usage_peak"], self.bm.usage())
-            decode = batch.is_decode_only
             t0 = time.perf_counter()
-            n = self.spec.step(batch) if spec else self._plain_step(batch)
-            if decode:  # decode speed, apart from prefill: tokens per second of decode-only steps
-                dt = time.perf_counter() - t0
-                acc["decode_seconds"] += dt
-                acc["decode_tokens"] += n
-                if self.spec is not None and not spec:
-                    self.spec.note_plain(len(batch.seqs), dt)
-            return n
+            try:
+                return self._step()
+            finally:
+                self.stats_acc["seconds"] += time.perf_counter() - t0
+
+    def _step(self) -> int:
+        """One step; the caller holds ``lock``."""
+        if self.released:
+            self.wake_up()
+        self._drop_aborted()
+        if not self.scheduler.has_work():
+            return 0
+        spec = self.spec is not None and self.spec.wants_step(self.scheduler)
+        batch = self.scheduler.schedule(lookahead=self.spec.k if spec else 0)
+        if not batch.seqs:
+            if self.scheduler.running or not self.scheduler.waiting:
+                return 0
+            raise RuntimeError(
+                f"a sequence of {len(self.scheduler.waiting[0])} tokens does not fit the KV pool "
+                f"({self.num_blocks} blocks of {self.bm.block_size}); raise rollout.kv_cache_bytes"
+            )
+        acc = self.stats_acc
+        acc["steps"] += 1
+        acc["kv_usage_sum"] += self.bm.usage()
+        acc["kv_usage_peak"] = max(acc["kv_usage_peak"], self.bm.usage())
+        decode = batch.is_decode_only
+        t0 = time.perf_counter()
+        n = self.spec.step(batch) if spec else None
+        if n is None:  # no speculation, or nothing in the batch to speculate for
+            n = self._plain_step(batch)
+        if decode:  # decode speed, apart from prefill: tokens per second of decode-only steps
+            dt = time.perf_counter() - t0
+            acc["decode_seconds"] += dt
+            acc["decode_tokens"] += n
+            if self.spec is not None and not spec:
+                self.spec.note_plain(len(batch.seqs), dt)
+        return n
 
     def _plain_step(self, batch) -> int:
         seqs, qs = batch.seqs, batch.num_tokens
@@ -312,7 +342,7 @@ class LLMEngine:
             for j, t in enumerate(tokens[i]):
                 seq.append(t, lps[i][j], version, None if raws is None else raws[i][j])
                 self.stats_acc["tokens"] += 1
-                if t in stops or (getattr(p, "stop", None) and self._hit_stop_string(seq, p.stop)):
+                if t in stops or (p.stop and self._hit_stop_string(seq, p.stop)):
                     status = Status.FINISHED
                 elif seq.num_completion_tokens >= seq.max_tokens:
                     status = Status.TRUNCATED

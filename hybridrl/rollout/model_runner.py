@@ -122,7 +122,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         kw = dict(device=self.device, dtype=dtype)
-        H, D, KV, I = s.hidden_size, s.head_dim, s.num_kv_heads, s.intermediate_size
+        H, D, KV, FF = s.hidden_size, s.head_dim, s.num_kv_heads, s.intermediate_size
         self.q_size, self.kv_size = s.num_heads * D, KV * D
         qkv = self.q_size + 2 * self.kv_size
         self.layers = []
@@ -137,9 +137,9 @@ class ModelRunner:
                     kn=torch.ones(D, **kw) if s.qk_norm else None,
                     wo=torch.zeros(H, self.q_size, **kw),
                     bo=torch.zeros(H, **kw) if s.o_bias else None,
-                    wgu=torch.zeros(2 * I, H, **kw),
-                    bgu=torch.zeros(2 * I, **kw) if s.mlp_bias else None,
-                    wd=torch.zeros(H, I, **kw),
+                    wgu=torch.zeros(2 * FF, H, **kw),
+                    bgu=torch.zeros(2 * FF, **kw) if s.mlp_bias else None,
+                    wd=torch.zeros(H, FF, **kw),
                     bd=torch.zeros(H, **kw) if s.mlp_bias else None,
                 )
             )
@@ -172,7 +172,7 @@ class ModelRunner:
     # --- weights ----------------------------------------------------------------
     def _name_map(self) -> dict[str, torch.Tensor]:
         s, m = self.spec, {}
-        q, kv, I = self.q_size, self.kv_size, s.intermediate_size
+        q, kv, ff = self.q_size, self.kv_size, s.intermediate_size
         m["model.embed_tokens.weight"] = self.embed
         m["lm_head.weight"] = self.lm_head
         m["model.norm.weight"] = self.norm
@@ -193,12 +193,16 @@ class ModelRunner:
                 m[p + "self_attn.k_norm.weight"] = L["kn"]
             for name, t in (("weight", L["wgu"]), ("bias", L["bgu"])):
                 if t is not None:
-                    m[p + f"mlp.gate_proj.{name}"] = t[:I]
-                    m[p + f"mlp.up_proj.{name}"] = t[I:]
+                    m[p + f"mlp.gate_proj.{name}"] = t[:ff]
+                    m[p + f"mlp.up_proj.{name}"] = t[ff:]
             m[p + "mlp.down_proj.weight"] = L["wd"]
             if L["bd"] is not None:
                 m[p + "mlp.down_proj.bias"] = L["bd"]
         return m
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights by transformers name (views into the fused tensors; a tied head is the embedding)."""
+        return dict(self._targets)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -36,9 +36,8 @@ def engine_precision(setting: str | None, model) -> Precision:
     return cpu_precision("auto", model, train=False, key="rollout.dtype")
 
 
-def resolve_engine_dtype(cfg, model) -> torch.dtype:
-    """``engine_precision`` for the rollout config ``cfg`` (a config without ``dtype``: the model's own), logged."""
-    setting = getattr(cfg, "dtype", None)
+def resolve_engine_dtype(setting: str | None, model) -> torch.dtype:
+    """``engine_precision`` for ``rollout.dtype = setting`` (None: the model's own), logged."""
     prec = engine_precision(setting, model)
     if setting is not None:
         log.info(prec.describe("rollout", autocast=False))

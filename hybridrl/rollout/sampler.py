@@ -101,13 +101,13 @@ class SamplingTensors:
             if any(p.top_p < 1.0 for p in plist)
             else None
         )
-        min_ps = [float(getattr(p, "min_p", 0.0) or 0.0) for p in plist]
+        min_ps = [float(p.min_p) for p in plist]
         min_p = (
-            col(lambda p: float(getattr(p, "min_p", 0.0) or 0.0), torch.float32).unsqueeze(1)
+            col(lambda p: float(p.min_p), torch.float32).unsqueeze(1)
             if any(m > 0 for m in min_ps)
             else None
         )
-        want_raw = any(getattr(p, "return_raw_log_probs", False) for p in plist)
+        want_raw = any(p.return_raw_log_probs for p in plist)
         return SamplingTensors(
             temperature=temperature,
             greedy=greedy,

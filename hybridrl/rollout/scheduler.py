@@ -34,10 +34,6 @@ class ScheduledBatch:
         return len(self.seqs)
 
     @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-    @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.num_tokens)
 
@@ -64,6 +60,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def unfinished(self) -> list[Sequence]:
+        """Every sequence still waiting or running."""
+        return list(self.waiting) + self.running
 
     # --- one step -----------------------------------------------------------------
     def schedule(self, lookahead: int = 0) -> ScheduledBatch:
@@ -122,17 +122,20 @@ class Scheduler:
             budget -= q
 
     # --- state changes ---------------------------------------------------------------
-    def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and put it back at the front of the queue (recomputed later)."""
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
+        """Free ``seq``'s blocks and put it back at the front of the queue (recomputed later). ``count``:
+        whether it counts in ``num_preemptions`` (preemption for memory pressure)."""
         self.running.remove(seq)
         self.bm.deallocate(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_preemptions += int(count)
 
-    def preempt_all(self) -> None:
+    def preempt_all(self, count: bool = True) -> None:
+        """Preempt every running sequence (``count`` as in :meth:`preempt`: False when the cause is not
+        memory pressure, e.g. a weight update or a memory release)."""
         for seq in reversed(list(self.running)):
-            self.preempt(seq)
+            self.preempt(seq, count)
 
     def add_running(self, seq: Sequence) -> None:
         """Insert a forked child (already holding blocks) into the running set."""

@@ -74,7 +74,7 @@ class Sequence:
             seed if base_seed is None else base_seed
         )  # the request's: children derive theirs from it
         self.stop_ids = stop_ids
-        self.tag = tag  # the caller's request object
+        self.tag = tag  # the caller's object for the request (the prompt Sample)
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.max_tokens = params.max_new_tokens if max_tokens is None else max_tokens
@@ -107,14 +107,6 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.TRUNCATED, Status.ABORTED)
-
-    @property
     def prompt_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
@@ -124,9 +116,6 @@ class Sequence:
 
     def num_blocks(self, block_size: int) -> int:
         return (len(self.token_ids) + block_size - 1) // block_size
-
-    def block_tokens(self, i: int, block_size: int) -> list[int]:
-        return self.token_ids[i * block_size : (i + 1) * block_size]
 
     # --- outputs --------------------------------------------------------------
     def append(

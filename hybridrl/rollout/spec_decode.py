@@ -69,7 +69,6 @@ class SpecDecoder:
         # step takes t_draft; alpha is the acceptance rate
         self.alpha, self.plain, self.verify, self.t_draft = 0.8, None, None, None
         self.skipped, self.probe_every = 0, 16
-        self.auto = True  # False: speculate on every eligible step with k = max_k (tests)
         self.paying = True  # last verdict of the cost model; while False the draft does not follow plain steps
 
     def expected_tokens(self, k: int) -> float:
@@ -83,28 +82,35 @@ class SpecDecoder:
         return max(0.0, sp - c * tp) + c * tokens
 
     def wants_step(self, scheduler) -> bool:
-        """Whether the next step speculates, and with how many proposals (sets ``k``): the k that maximises
-        tokens per second, B * E(k) / (t(B (k + 1)) + k t_draft), if that beats plain decoding's B / t(B)."""
+        """Whether the next step speculates (at most ``max_batch`` sequences running, some decoding, and the
+        cost model's :meth:`choose_k` says so); sets ``k``."""
         run = scheduler.running
         B = sum(1 for s in run if len(s) - s.num_computed == 1)
         if not B or len(run) > self.max_batch:
             return False
-        self.k = self.max_k
-        if not self.auto:
-            return True
+        k = self.choose_k(B)
+        if k is None:
+            return False
+        self.k = k
+        return True
+
+    def choose_k(self, B: int) -> int | None:
+        """The cost model's proposal length for a round over ``B`` decoding sequences, None for a plain step:
+        the k that maximises tokens per second, B * E(k) / (t(B (k + 1)) + k t_draft), if that beats plain
+        decoding's B / t(B); otherwise None, except for a probe one time in ``probe_every``."""
         if self.plain is None or self.verify is None:
-            return self.plain is not None  # measure a plain step first, then a round
-        rate, self.k = max(
+            # measure a plain step first, then a round
+            return self.max_k if self.plain is not None else None
+        rate, k = max(
             (B * self.expected_tokens(k) / (self.step_seconds(B * (k + 1)) + k * self.t_draft), k)
             for k in range(1, self.max_k + 1)
         )
         self.paying = rate >= B / max(self.step_seconds(B), 1e-9)
         if self.paying:
-            return True
-        self.skipped += (
-            1  # speculation does not pay here (low acceptance or compute-bound): probe now and then
-        )
-        return self.skipped % self.probe_every == 0
+            return k
+        # speculation does not pay here (low acceptance or compute-bound): probe now and then
+        self.skipped += 1
+        return k if self.skipped % self.probe_every == 0 else None
 
     @staticmethod
     def _average(old, new):
@@ -123,7 +129,7 @@ class SpecDecoder:
     def follow(self, seqs, num_tokens) -> None:
         """After a plain target step, bring the draft's KV up to the same tokens. Skipped while speculation is
         off (large batch, or not paying): the first draft forward of the next round catches up instead."""
-        if len(seqs) > self.max_batch or (self.auto and not self.paying):
+        if len(seqs) > self.max_batch or not self.paying:
             return
         views, qs = [], []
         for s, q in zip(seqs, num_tokens):
@@ -136,9 +142,10 @@ class SpecDecoder:
             self.draft.forward(self.draft.prepare(views, qs), None)
 
     @torch.inference_mode()
-    def step(self, batch) -> int:
+    def step(self, batch) -> int | None:
         """One round for the decoding sequences of ``batch``; its prefilling sequences (admitted in the same step)
-        share the draft's first forward and the target's verification forward."""
+        share the draft's first forward and the target's verification forward. Returns the number of tokens
+        generated, or None (nothing done) when no sequence of the batch decodes: the engine steps plainly."""
         t0 = time.perf_counter()
         eng, k, dev = self.engine, self.k, self.engine.device
         seqs, rest, rest_q = [], [], []
@@ -149,7 +156,7 @@ class SpecDecoder:
                 rest.append(s)
                 rest_q.append(q)
         if not seqs:
-            return eng._plain_step(batch)
+            return None
         eng.count_prompt_tokens(rest, rest_q)
         B = len(seqs)
         st = SamplingTensors.build(
