@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from hybridrl.config import Config, RolloutConfig  # noqa: E402
 from hybridrl.models.factory import build_model  # noqa: E402
-from hybridrl.protocol import pad_2d  # noqa: E402
-from hybridrl.rollout import GenerationRequest, SamplingParams  # noqa: E402
+from hybridrl.protocol import Sample, pad_2d  # noqa: E402
+from hybridrl.rollout import SamplingParams  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
 from hybridrl.tasks.tokenizer import build_char_tokenizer  # noqa: E402
 
@@ -81,7 +81,9 @@ def roofline(quick: bool, device: torch.device) -> dict:
             torch.randn(n, n, dtype=dt, device=device),
             torch.randn(n, n, dtype=dt, device=device),
         )
-        out[f"matmul_{name}_gflops"] = 2 * n**3 * rate(lambda: torch.mm(a, b), device, secs) / 1e9
+        out[f"matmul_{name}_gflops"] = (
+            2 * n**3 * rate(lambda a=a, b=b: torch.mm(a, b), device, secs) / 1e9
+        )
     numel = (32 << 20) if device.type == "cpu" else (256 << 20)  # 128 MB / 1 GB each
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     out["copy_gbps"] = (
@@ -115,7 +117,7 @@ def engine(model, kv_gb: float = 2.0, **kw) -> NativeRollout:
     )
     eng = NativeRollout(model, TOK, rc, **kw)
     eng.generate(
-        [GenerationRequest("warm", [1, 3, 4])], params(4, n=2)
+        [Sample(prompt_ids=[1, 3, 4], uid="warm")], params(4, n=2)
     )  # first-call costs out of the timing
     eng.stats()
     return eng
@@ -150,8 +152,14 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
     return dt, cpu
 
 
+def always_speculate(eng: NativeRollout) -> None:
+    """Bypass the speculation cost model: every eligible step speculates with the longest proposal."""
+    spec = eng.engine.spec
+    spec.choose_k = lambda batch_size: spec.max_k
+
+
 def native_generate(eng: NativeRollout, prompts, p) -> tuple[float, dict, int, float]:
-    reqs = [GenerationRequest(f"r{i}", ids) for i, ids in enumerate(prompts)]
+    reqs = [Sample(prompt_ids=ids, uid=f"r{i}") for i, ids in enumerate(prompts)]
     t0, c0 = time.perf_counter(), time.process_time()
     out = eng.generate(reqs, p)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -391,7 +399,7 @@ def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
     plain = engine(target)
     fast = engine(target, draft_model=draft)
     forced = engine(target, draft_model=draft)
-    forced.engine.spec.auto = False  # speculate on every eligible step: acceptance and raw speed-up
+    always_speculate(forced)  # speculate on every eligible step: acceptance and raw speed-up
     res = {}
     for b in batches:
         n_req = max(4 * b, 16 if quick else 128)
@@ -422,7 +430,8 @@ def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
         }
     mid = res[f"b{batches[1]}"]
     ref = engine(target, draft_model=sft_draft)  # the draft before distillation, for comparison
-    ref.engine.spec.auto, ref.engine.scheduler.max_num_seqs = False, batches[1]
+    always_speculate(ref)
+    ref.engine.scheduler.max_num_seqs = batches[1]
     mid["acceptance_sft_draft"] = native_generate(ref, w1_prompts(mid["requests"], seed=3), p)[1][
         "engine/spec_acceptance"
     ]

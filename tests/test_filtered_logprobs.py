@@ -7,8 +7,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
-from hybridrl.protocol import samples_to_batch
-from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample, samples_to_batch
+from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.training.logprob import response_log_probs, sampling_of
 
 torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def generate(backend, model, kw):
     params = SamplingParams(max_new_tokens=8, n=n, seed=5, **kw)
     g = torch.Generator().manual_seed(1)
     reqs = [
-        GenerationRequest(f"r{i}", torch.randint(3, 48, (n,), generator=g).tolist(), uid=f"u{i}")
+        Sample(prompt_ids=torch.randint(3, 48, (n,), generator=g).tolist(), uid=f"u{i}")
         for i, n in enumerate([3, 6, 9])
     ]
     return eng.generate(reqs, params), params

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
-from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample
+from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.base import WeightSyncError
 from hybridrl.rollout.sequence import request_seed
 
@@ -185,9 +186,7 @@ def make(monkeypatch):
 
 
 def reqs(k=2):
-    return [
-        GenerationRequest(f"r{i}", [1, 5 + i, 7, 9], uid=f"u{i}", task_id="t") for i in range(k)
-    ]
+    return [Sample(prompt_ids=[1, 5 + i, 7, 9], uid=f"u{i}", task_id="t") for i in range(k)]
 
 
 @torch.no_grad()
@@ -289,7 +288,7 @@ def test_generate_returns_samples_with_behaviour_log_probs(make, name):
     stop = first.response_ids[
         2
     ]  # a stop token the greedy path meets at its third token (or earlier)
-    eng.abort(["r1"])
+    eng.abort(["u1"])
     eng.version = 3
     params = SamplingParams(temperature=0.8, max_new_tokens=6, n=2, seed=5, stop_token_ids=(stop,))
     out = eng.generate(rs, params)
@@ -389,19 +388,15 @@ def test_requests_are_seeded_by_their_id_not_their_position(make, name):
     params = SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=5, ignore_eos=True)
     seeds, inner = [], eng._generate
 
-    def record(requests, request_seeds, p):
-        seeds.append({r.request_id: s for r, s in zip(requests, request_seeds)})
-        return inner(requests, request_seeds, p)
+    def record(prompts, request_seeds, p):
+        seeds.append({r.uid: s for r, s in zip(prompts, request_seeds)})
+        return inner(prompts, request_seeds, p)
 
     eng._generate = record
     whole = eng.generate(rs, params)
     split = eng.generate(rs[:2], params) + eng.generate(rs[2:], params)  # two data-parallel ranks
     assert [s.response_ids for s in split] == [s.response_ids for s in whole]
-    assert (
-        seeds[0]
-        == {**seeds[1], **seeds[2]}
-        == {r.request_id: request_seed(5, r.request_id) for r in rs}
-    )
+    assert seeds[0] == {**seeds[1], **seeds[2]} == {r.uid: request_seed(5, r.uid) for r in rs}
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -17,7 +17,8 @@ from transformers import (
 )
 
 from hybridrl.config import RolloutConfig
-from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample
+from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
@@ -70,7 +71,7 @@ def prompts(lengths, seed=0):
 
 
 def reqs(ps):
-    return [GenerationRequest(f"r{i}", p, uid=f"u{i}") for i, p in enumerate(ps)]
+    return [Sample(prompt_ids=p, uid=f"u{i}") for i, p in enumerate(ps)]
 
 
 def rcfg(**kw):
@@ -179,7 +180,7 @@ def test_log_probs_are_the_tempered_sampling_distribution():
         want = torch.log_softmax(logits / 0.7, -1).gather(1, tok).squeeze(1)
         raw = torch.log_softmax(logits, -1).gather(1, tok).squeeze(1)
         assert torch.allclose(torch.tensor(s.log_probs), want, atol=1e-4)
-        assert torch.allclose(torch.tensor(s.extra["raw_log_probs"]), raw, atol=1e-4)
+        assert torch.allclose(torch.tensor(s.metadata["raw_log_probs"]), raw, atol=1e-4)
 
 
 def test_seeded_generation_is_reproducible():
@@ -257,7 +258,7 @@ def test_pause_update_resume_stamps_versions():
 def test_abort_from_another_thread_and_before_start():
     m = model()
     eng = NativeRollout(m, Tok(), rcfg())
-    eng.abort(["r1"])
+    eng.abort(["u1"])
     result = {}
     t = threading.Thread(
         target=lambda: result.setdefault("out", eng.generate(reqs(prompts([4, 5, 6])), greedy(110)))
@@ -265,7 +266,7 @@ def test_abort_from_another_thread_and_before_start():
     gate = step_gate(eng, after_tokens=10)
     t.start()
     assert gate.reached.wait(30)
-    eng.abort(["r2"])
+    eng.abort(["u2"])
     gate.go.set()
     t.join(30)
     out = result["out"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from test_rollout_engine import Tok, model, prompts, rcfg
 
-from hybridrl.protocol import Batch
-from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.protocol import Batch, Sample
+from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -24,7 +24,7 @@ def test_samples_do_not_depend_on_how_the_prompts_are_split_among_ranks(backend)
     ps[2] = ps[
         0
     ]  # the same prompt text under another uid: first of rank 1's chunk, as prompt 0 is of rank 0's
-    requests = [GenerationRequest(f"p{i}", p, uid=f"p{i}") for i, p in enumerate(ps)]
+    requests = [Sample(prompt_ids=p, uid=f"p{i}") for i, p in enumerate(ps)]
     params = SamplingParams(temperature=1.0, max_new_tokens=8, n=3, seed=11)
 
     def run(world_size):  # one engine per rank, as every rollout rank has its own
@@ -48,7 +48,7 @@ def test_a_group_larger_than_the_seats_enters_in_parts():
     """samples_per_prompt above rollout.max_batch_size: the group is admitted in parts of at most that many."""
     m = model()
     ps = prompts([9, 6])
-    requests = [GenerationRequest(f"r{i}", p, uid=f"u{i}") for i, p in enumerate(ps)]
+    requests = [Sample(prompt_ids=p, uid=f"u{i}") for i, p in enumerate(ps)]
     params = SamplingParams(temperature=1.0, max_new_tokens=6, n=8, seed=2)
     params.ignore_eos = True
     wide = ROLLOUT_BACKENDS.get("native")(m, Tok(), rcfg(max_batch_size=64)).generate(

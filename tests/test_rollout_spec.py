@@ -10,7 +10,8 @@ from test_rollout_sampler import chi2_pvalue
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
-from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample
+from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 
 torch.set_num_threads(1)
@@ -51,15 +52,20 @@ def rcfg(**kw):
     )
 
 
+def always_speculate(spec):
+    """Bypass the cost model: speculate on every eligible step with the longest proposal, whatever it costs."""
+    spec.choose_k = lambda batch_size: spec.max_k
+
+
 def test_greedy_speculative_equals_plain_greedy():
     target, draft = qwen(40, 64, 2, 0, 8.0), qwen(40, 32, 1, 1, 8.0)
     ps = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3]]
-    req = [GenerationRequest(f"r{i}", p) for i, p in enumerate(ps)]
+    req = [Sample(prompt_ids=p, uid=f"r{i}") for i, p in enumerate(ps)]
     params = SamplingParams(temperature=0, max_new_tokens=25)
     params.ignore_eos = True
     plain = NativeRollout(target, Tok(), rcfg()).generate(req, params)
     spec_eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
-    spec_eng.engine.spec.auto = False  # speculate on every step, whatever it costs
+    always_speculate(spec_eng.engine.spec)
     spec = spec_eng.generate(req, params)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
     assert all(
@@ -78,7 +84,7 @@ def test_greedy_speculation_with_admissions_in_the_same_step_equals_plain_greedy
     def run(**kw):
         eng = NativeRollout(target, Tok(), rcfg(max_batch_size=3), **kw).engine
         if eng.spec is not None:
-            eng.spec.auto = False
+            always_speculate(eng.spec)
         for i, p in enumerate(ps):
             params = SamplingParams(temperature=0, max_new_tokens=5 + 4 * i)
             params.ignore_eos = True
@@ -98,10 +104,10 @@ def test_speculative_sampling_matches_the_target_distribution_on_a_real_model(de
     target, draft = qwen(V, 32, 2, 0, 6.0).to(device), qwen(V, 32, 1, 5, 6.0).to(device)
     prompt = [1, 4, 2]
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft, spec_max_batch=10**6)
-    eng.engine.spec.auto = False
+    always_speculate(eng.engine.spec)
     params = SamplingParams(temperature=1.0, max_new_tokens=L, n=N, seed=11)
     params.ignore_eos = True
-    out = eng.generate([GenerationRequest("r", prompt)], params)
+    out = eng.generate([Sample(prompt_ids=prompt, uid="r")], params)
     st = eng.stats()
     assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] < 0.95
     toks = torch.tensor([s.response_ids for s in out])
@@ -126,7 +132,7 @@ def test_speculation_turns_itself_off_at_large_batch():
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft, spec_max_batch=4)
     params = SamplingParams(temperature=1.0, max_new_tokens=6, n=8, seed=0)
     params.ignore_eos = True
-    eng.generate([GenerationRequest("r", [3, 4, 5])], params)
+    eng.generate([Sample(prompt_ids=[3, 4, 5], uid="r")], params)
     assert eng.stats()["engine/spec_steps"] == 0
 
 
@@ -139,7 +145,7 @@ def test_speculation_turns_itself_off_when_it_does_not_pay():
     spec.probe_every = 10**9  # no probes: the decision alone
     params = SamplingParams(temperature=1.0, max_new_tokens=40, seed=0)
     params.ignore_eos = True
-    eng.generate([GenerationRequest("r", [3, 4, 5])], params)
+    eng.generate([Sample(prompt_ids=[3, 4, 5], uid="r")], params)
     assert eng.stats()["engine/spec_steps"] == 0
 
 
@@ -154,10 +160,11 @@ def test_a_draft_that_did_not_follow_a_cached_prefix_prefills_it_itself():
     params.ignore_eos = True
     shared = list(range(5, 25))  # five full blocks
     spec.max_batch = 0  # speculation off: the draft neither speculates nor follows the plain steps
-    eng.generate([GenerationRequest("a", shared + [3])], params)
+    eng.generate([Sample(prompt_ids=shared + [3], uid="a")], params)
     eng.stats()
-    spec.max_batch, spec.auto = 32, False
-    out = eng.generate([GenerationRequest("b", shared + [4, 4])], params)[0]
+    spec.max_batch = 32
+    always_speculate(spec)
+    out = eng.generate([Sample(prompt_ids=shared + [4, 4], uid="b")], params)[0]
     st = eng.stats()
     assert st["engine/prompt_tokens_computed"] == 2  # the shared blocks came from the prefix cache
     assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] == 1.0

@@ -7,7 +7,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
-from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample
+from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.stop import stop_hit
 
 torch.set_num_threads(1)
@@ -88,7 +89,7 @@ def test_a_stop_string_ends_the_response_at_the_token_that_completes_it(backend,
     )
     params = SamplingParams(temperature=0, max_new_tokens=24, stop=(STOP,))
     prompt = [ids["<bos>"], ids[FILLERS[family][start]]]
-    s = eng.generate([GenerationRequest("r", prompt, uid="u")], params)[0]
+    s = eng.generate([Sample(prompt_ids=prompt, uid="u")], params)[0]
     want = (
         FILLERS[family][start + 1 :] + ENDS[family]
     )  # the completing token is kept, nothing after it
@@ -106,7 +107,7 @@ def test_without_a_stop_string_the_chain_runs_to_max_tokens(backend):
         m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
     )
     s = eng.generate(
-        [GenerationRequest("r", [ids["<bos>"], ids["a0"]])],
+        [Sample(prompt_ids=[ids["<bos>"], ids["a0"]], uid="r")],
         SamplingParams(temperature=0, max_new_tokens=20, stop=("</nope>",)),
     )[0]
     assert (

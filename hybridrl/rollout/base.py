@@ -1,8 +1,18 @@
 """The rollout interface every backend implements.
 
-``generate(requests, params) -> list[Sample]`` returns ``params.n`` samples
-per request, each with the behaviour log-prob of every token and the weight
-version that produced it. ``update_weights`` takes an iterator of
+Prompts go in as prompt :class:`~hybridrl.protocol.Sample` s (``response_ids`` empty, status ``pending``);
+a prompt's ``uid`` is its request id (seeds, ``abort``). ``generate(prompts, params) -> list[Sample]``
+returns ``params.n`` samples per prompt, in prompt order, each ``prompt.with_response(...)`` (the
+prompt's metadata kept) with the behaviour log-prob of every token and the weight version that produced
+it; a prompt aborted before it ran comes back as ``n`` ``prompt.aborted()`` samples.
+
+Streaming (asynchronous training): ``add(prompts, params)`` queues prompts, ``step()`` advances
+generation by one step, ``done(prompt, n)`` says whether all ``n`` samples of a prompt are ready and
+``take(prompt, n)`` returns them. Every backend streams: the default implementation runs one
+``generate`` per ``step`` over the prompts queued since the last one; the native backend steps its
+continuous batch instead, so prompts finish and new ones enter between steps.
+
+``update_weights`` takes an iterator of
 ``(name, tensor)`` pairs (streamed in buckets by the caller) and a version;
 ``pause``/``resume``/``abort`` and ``release_memory``/``wake_up`` serve
 asynchronous training and colocation.
@@ -15,7 +25,8 @@ base weight of every adapted module, so repeated syncs never accumulate; a
 full weight for such a module received in a sync becomes its new base (the
 actor's first sync sends the base weights, then adapters only). Backends that
 override ``update_weights`` pass their stream through ``merge_adapters`` and,
-when they have no ``self.model``, implement ``_weight_tensors``.
+when they have no ``self.model``, implement ``_weight_tensors``. A backend loads
+the (checked, merged) stream in ``_load_weights(named_tensors, version)``.
 
 Every ``update_weights`` call is one complete sync of a version (its buckets
 arrive as one stream). It is checked when the stream ends: it must carry every
@@ -28,10 +39,11 @@ instead of serving a half-updated model.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -133,21 +145,31 @@ class SamplingParams:
         return self.temperature == 0
 
 
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_ids: list[int]
-    uid: str = ""
-    task_id: str = ""
-    extra: dict = field(default_factory=dict)
+def _by_params(
+    queued: list[tuple[Sample, SamplingParams]],
+) -> list[tuple[SamplingParams, list[Sample]]]:
+    """Queued prompts grouped by equal sampling parameters, in queue order."""
+    groups: list[tuple[SamplingParams, list[Sample]]] = []
+    for prompt, params in queued:
+        for p, prompts in groups:
+            if p == params:
+                prompts.append(prompt)
+                break
+        else:
+            groups.append((params, [prompt]))
+    return groups
 
 
 class RolloutEngine(ABC):
-    """Base of all rollout backends; holds the weight version and pause/abort state."""
+    """Base of all rollout backends; holds the weight version, pause/abort state and the default streaming
+    queue (``add`` / ``step`` / ``done`` / ``take`` over ``generate``)."""
 
     def __init__(self) -> None:
         self.version = 0
         self.paused = False
+        self._unpaused = threading.Event()  # cleared while paused: step() waits on it
+        self._unpaused.set()
+        self._stepping = threading.Lock()  # held by a default step() while it generates
         self._aborted: set[str] = set()
         self._lora_base: dict[
             str, torch.Tensor
@@ -155,22 +177,68 @@ class RolloutEngine(ABC):
         self._sync_failure: str | None = (
             None  # why the last weight sync failed (the weights may be half-updated)
         )
+        self._queue_lock = threading.Lock()
+        self._queue: list[tuple[Sample, SamplingParams]] = []  # added, not yet stepped
+        self._results: dict[str, list[Sample]] = defaultdict(list)  # uid -> samples ready
 
     @abstractmethod
-    def generate(
-        self, requests: list[GenerationRequest], params: SamplingParams
-    ) -> list[Sample]: ...
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        """``params.n`` samples per prompt, in prompt order (see the module docstring)."""
 
     @abstractmethod
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the live weights in place; return the number of tensors loaded."""
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Copy tensors into the live weights in place (the sync of ``version``); return the number loaded."""
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> int:
-        count = self.checked_sync(named_tensors, self._load_weights)
+        count = self.checked_sync(named_tensors, lambda stream: self._load_weights(stream, version))
         self.version = version
         return count
+
+    # --- streaming --------------------------------------------------------------------------------------
+    def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        """Queue prompts for generation with ``params`` (their seeds come from ``params.seed`` and each
+        prompt's uid, as in ``generate``); returns the prompts queued (an aborted one is not)."""
+        self.check_servable()
+        added = [p for p in prompts if p.uid not in self._aborted]
+        with self._queue_lock:
+            self._queue.extend((p, params) for p in added)
+        return added
+
+    def step(self) -> int:
+        """Advance generation by one step (waits while paused); returns the number of tokens generated.
+        Default: one ``generate`` over the prompts queued so far (one per distinct ``params``)."""
+        while True:
+            self._unpaused.wait()
+            with self._stepping:
+                if not self._unpaused.is_set():  # paused since: wait again
+                    continue
+                with self._queue_lock:
+                    queued, self._queue = self._queue, []
+                tokens = 0
+                for params, prompts in _by_params(queued):
+                    out, n = self.generate(prompts, params), max(1, params.n)
+                    with self._queue_lock:
+                        for i, p in enumerate(prompts):
+                            self._results[p.uid].extend(out[i * n : (i + 1) * n])
+                    tokens += sum(len(s.response_ids) for s in out)
+                return tokens
+
+    def done(self, prompt: Sample, n: int) -> bool:
+        """Whether the ``n`` samples of an added prompt are ready to :meth:`take` (an aborted prompt is
+        done once it has left the engine)."""
+        uid = prompt.uid
+        with self._queue_lock:
+            if len(self._results.get(uid, ())) >= n:
+                return True
+            return uid in self._aborted and not any(p.uid == uid for p, _ in self._queue)
+
+    def take(self, prompt: Sample, n: int) -> list[Sample]:
+        """The ``n`` samples of a prompt that is :meth:`done` (those aborted as ``prompt.aborted()``)."""
+        with self._queue_lock:
+            ready = self._results.pop(prompt.uid, [])
+        return ready + [prompt.aborted() for _ in range(n - len(ready))]
 
     # --- sync checks --------------------------------------------------------------------------------------
     def _sync_aliases(self) -> set[str]:
@@ -262,24 +330,26 @@ class RolloutEngine(ABC):
                 )
             yield wname, (base.float() + float(parts[LORA_SCALING]) * (b @ a)).to(w.dtype)
 
-    def lora_base_bytes(self) -> int:
-        """Memory held by the base copies of the adapted modules."""
-        return sum(t.numel() * t.element_size() for t in self._lora_base.values())
-
     def pause(self) -> None:
-        self.paused = True
+        """Stop generating between steps; returns once the step in flight (if any) has finished."""
+        self._unpaused.clear()
+        with self._stepping:
+            self.paused = True
 
     def resume(self) -> None:
         self.paused = False
+        self._unpaused.set()
 
     def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort the prompts with these uids: not started, they are skipped; running, they stop (where the
+        backend can stop them) and come back as ``aborted`` samples."""
         self._aborted.update(request_ids)
 
-    def release_memory(self) -> None:  # nothing to free for backends without a KV pool
-        pass
+    def release_memory(self) -> None:  # noqa: B027 (optional: nothing to free without a KV pool)
+        """Free the generation memory (KV cache) while the trainer runs (colocation)."""
 
-    def wake_up(self) -> None:
-        pass
+    def wake_up(self) -> None:  # noqa: B027 (optional, as release_memory)
+        """Take back what :meth:`release_memory` freed."""
 
     def stats(self) -> dict[str, float]:
         return {}

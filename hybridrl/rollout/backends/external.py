@@ -19,8 +19,8 @@ the engines do not expose their weights by transformers name.
 Generation is one blocking engine call per ``generate``: every token of a call
 carries the version the engine had when the call began; ``pause`` takes
 effect between calls (a paused adapter refuses ``generate``), ``abort`` drops
-requests that have not been submitted yet (they come back as ``aborted``
-samples). Updating weights while ``generate`` runs in another thread is not
+prompts that have not been submitted yet (they come back as ``aborted``
+samples). Streaming is the interface's default (one ``generate`` per ``step``). Updating weights while ``generate`` runs in another thread is not
 supported.
 """
 
@@ -36,7 +36,7 @@ import torch
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
+from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.sequence import request_seed
 
 # engine finish reason -> Sample.status (None: the engine gave none, i.e. the request did not finish)
@@ -124,9 +124,9 @@ class ExternalRollout(RolloutEngine):
         raise NotImplementedError
 
     def _generate(
-        self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams
+        self, prompts: list[Sample], seeds: list[int | None], params: SamplingParams
     ) -> list[list[Output]]:
-        """``params.n`` outputs per request, in request order."""
+        """``params.n`` outputs per prompt, in prompt order (``seeds``: each prompt's request seed)."""
         raise NotImplementedError
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -136,7 +136,7 @@ class ExternalRollout(RolloutEngine):
         raise NotImplementedError
 
     # --- generation ---------------------------------------------------------------------------------
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         if self.paused:
             raise RuntimeError("generate() called on a paused engine; call resume() first")
         self.check_servable()
@@ -144,32 +144,25 @@ class ExternalRollout(RolloutEngine):
             raise NotImplementedError(
                 f"{self.package} backend: return_raw_log_probs is not supported (use rollout.backend=native)"
             )
-        live = [(i, r) for i, r in enumerate(requests) if r.request_id not in self._aborted]
-        seeds = [
-            None if params.seed is None else request_seed(params.seed, r.request_id)
-            for _, r in live
-        ]
+        live = [(i, p) for i, p in enumerate(prompts) if p.uid not in self._aborted]
+        seeds = [None if params.seed is None else request_seed(params.seed, p.uid) for _, p in live]
         version, t0 = self.version, time.perf_counter()
-        outputs = self._generate([r for _, r in live], seeds, params) if live else []
+        outputs = self._generate([p for _, p in live], seeds, params) if live else []
         self._seconds += time.perf_counter() - t0
         by_index = {i: outs for (i, _), outs in zip(live, outputs)}
         samples = []
-        for i, r in enumerate(requests):
+        for i, p in enumerate(prompts):
             for ids, logps, reason in by_index.get(i, [([], [], "abort")] * max(1, params.n)):
                 if len(ids) != len(logps):
                     raise RuntimeError(
-                        f"{self.package} returned {len(logps)} log-probs for {len(ids)} tokens (request {r.request_id!r})"
+                        f"{self.package} returned {len(logps)} log-probs for {len(ids)} tokens (prompt {p.uid!r})"
                     )
                 samples.append(
-                    Sample(
-                        prompt_ids=list(r.prompt_ids),
-                        response_ids=list(ids),
-                        log_probs=[float(x) for x in logps],
-                        versions=[version] * len(ids),
-                        status=STATUS.get(reason, "truncated"),
-                        uid=r.uid,
-                        task_id=r.task_id,
-                        extra=dict(r.extra),
+                    p.with_response(
+                        ids,
+                        [float(x) for x in logps],
+                        [version] * len(ids),
+                        STATUS.get(reason, "truncated"),
                     )
                 )
                 self._tokens += len(ids)
@@ -200,7 +193,7 @@ class ExternalRollout(RolloutEngine):
                     raise KeyError(f"update_weights: the rollout model has no parameter {name!r}")
             yield name, t
 
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         t0, count = time.perf_counter(), 0
         try:
             for bucket in buckets(self._mirror(named_tensors), self.bucket_bytes):

@@ -5,9 +5,10 @@ Simple and always available. Sampled tokens: the native sampler's own filters (t
 row's token is drawn from it with the native engine's counter-based randomness (a hash of the sample's seed and the
 token's position) instead of the batch's shared RNG stream, so a sample's tokens do not depend on the other prompts
 of the call. Seeds follow the native engine: sample ``j`` of a
-request uses ``derive_seed(request_seed(params.seed, request_id), j)``. The behaviour log-prob of each token is
+prompt uses ``derive_seed(request_seed(params.seed, prompt.uid), j)``. The behaviour log-prob of each token is
 taken under the distribution it was drawn from. Stop strings end a sample at the token that completes one
-(``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect between ``generate`` calls.
+(``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect between ``generate`` calls;
+streaming is the interface's default (one ``generate`` per ``step``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from transformers import (
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
-from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
+from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.sampler import STREAM_SAMPLE, draw, filtered_log_softmax, uniform
 from hybridrl.rollout.sequence import derive_seed, request_seed
 from hybridrl.rollout.stop import as_tuple, stop_hit
@@ -89,7 +90,7 @@ class HFRollout(RolloutEngine):
         self._seconds = 0.0
 
     @torch.no_grad()
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         params = dict(self.model.named_parameters())
         count = 0
         for name, tensor in named_tensors:
@@ -101,26 +102,22 @@ class HFRollout(RolloutEngine):
             count += 1
         return count
 
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         if self.paused:
             raise RuntimeError("generate() called on a paused engine; call resume() first")
         self.check_servable()
         n = max(1, params.n)
-        out: list[Sample] = [
-            self._aborted_sample(r)
-            for r in requests
-            if r.request_id in self._aborted
-            for _ in range(n)
-        ]
-        live = [r for r in requests if r.request_id not in self._aborted]
+        out = [[p.aborted() for _ in range(n)] for p in prompts]  # per prompt; aborted unless run
+        live = [i for i, p in enumerate(prompts) if p.uid not in self._aborted]
         per_call = max(1, self.max_batch_size // n)
         for start in range(0, len(live), per_call):
-            out.extend(self._generate_chunk(live[start : start + per_call], params))
-        return out
+            chunk = live[start : start + per_call]
+            samples = self._generate_chunk([prompts[i] for i in chunk], params)
+            for j, i in enumerate(chunk):
+                out[i] = samples[j * n : (j + 1) * n]
+        return [s for group in out for s in group]
 
-    def _generate_chunk(
-        self, reqs: list[GenerationRequest], params: SamplingParams
-    ) -> list[Sample]:
+    def _generate_chunk(self, reqs: list[Sample], params: SamplingParams) -> list[Sample]:
         t0 = time.perf_counter()
         tok, n = self.tokenizer, max(1, params.n)
         rows = [r for r in reqs for _ in range(n)]  # sample j of request i is row i * n + j
@@ -139,7 +136,7 @@ class HFRollout(RolloutEngine):
                 base = (
                     int(torch.randint(0, 2**62, (1,)).item())
                     if params.seed is None
-                    else request_seed(params.seed, r.request_id)
+                    else request_seed(params.seed, r.uid)
                 )
                 seeds += [derive_seed(base, j) for j in range(n)]
             sampler = _SeededDraw(
@@ -184,7 +181,7 @@ class HFRollout(RolloutEngine):
 
     def _to_samples(
         self,
-        rows: list[GenerationRequest],
+        rows: list[Sample],
         responses: torch.Tensor,
         logps: torch.Tensor,
         stop_ends: dict[int, int],
@@ -205,32 +202,16 @@ class HFRollout(RolloutEngine):
             ]
             end = min(ends) if ends else len(resp)
             samples.append(
-                Sample(
-                    prompt_ids=list(req.prompt_ids),
-                    response_ids=resp[:end],
-                    log_probs=logps[row, :end].tolist(),
-                    versions=[self.version] * end,
-                    status="finished" if ends else "truncated",
-                    uid=req.uid,
-                    task_id=req.task_id,
-                    extra=dict(req.extra),
+                req.with_response(
+                    resp[:end],
+                    logps[row, :end].tolist(),
+                    [self.version] * end,
+                    "finished" if ends else "truncated",
                 )
             )
             self._tokens += end
         self._seconds += time.perf_counter() - t0
         return samples
-
-    def _aborted_sample(self, r: GenerationRequest) -> Sample:
-        return Sample(
-            list(r.prompt_ids),
-            [],
-            [],
-            [],
-            status="aborted",
-            uid=r.uid,
-            task_id=r.task_id,
-            extra=dict(r.extra),
-        )
 
     def stats(self) -> dict[str, float]:
         tps = self._tokens / self._seconds if self._seconds else 0.0

@@ -6,20 +6,19 @@ may run in one thread while another calls ``pause`` / ``update_weights`` /
 sequences; after ``resume`` they continue, and each token records the weight
 version that produced it. Extra sampling options are read from the params
 object when present: ``min_p``, ``stop`` (strings), ``ignore_eos``,
-``return_raw_log_probs`` (raw log-probs land in ``Sample.extra["raw_log_probs"]``).
+``return_raw_log_probs`` (raw log-probs land in ``Sample.metadata["raw_log_probs"]``).
+Streaming (``add`` / ``step`` / ``done`` / ``take``) drives the engine's continuous batch directly.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterable
 
 import torch
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, RolloutEngine, SamplingParams
+from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.engine import LLMEngine
 from hybridrl.rollout.sequence import Sequence, request_seed
 
@@ -51,114 +50,68 @@ class NativeRollout(RolloutEngine):
             model, cfg, eos_token_ids=eos, tokenizer=tokenizer, draft_model=draft_model, **engine_kw
         )
         self.tokenizer = tokenizer
-        self._unpaused = threading.Event()
-        self._unpaused.set()
 
     # --- generation ---------------------------------------------------------------------
-    def generate(self, requests: list[GenerationRequest], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         n = max(1, params.n)
-        pending = self.add(requests, params)
+        pending = self.add(prompts, params)
         while pending:
             self.step()
-            pending = [r for r in pending if not self.done(r, n)]
-        return [s for r in requests for s in self.take(r, n)]
+            pending = [p for p in pending if not self.done(p, n)]
+        return [s for p in prompts for s in self.take(p, n)]
 
-    # the same, one piece at a time (asynchronous training streams requests through these)
-    def add(
-        self, requests: list[GenerationRequest], params: SamplingParams
-    ) -> list[GenerationRequest]:
-        """Queue the requests (not those aborted already); each is seeded from ``params.seed`` and its request id
-        (:func:`request_seed`), so its tokens do not depend on the other requests of the call."""
+    # streaming: the engine's continuous batch (prompts finish and enter between steps)
+    def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        """Queue the prompts (not those aborted already); each is seeded from ``params.seed`` and its uid
+        (:func:`request_seed`), so its tokens do not depend on the other prompts of the call."""
         self.check_servable()
         added = []
-        for r in requests:
-            if r.request_id in self._aborted:
+        for p in prompts:
+            if p.uid in self._aborted:
                 continue
-            seed = None if params.seed is None else request_seed(params.seed, r.request_id)
-            self.engine.add_request(r.request_id, r.prompt_ids, params, seed=seed, tag=r)
-            added.append(r)
+            seed = None if params.seed is None else request_seed(params.seed, p.uid)
+            self.engine.add_request(p.uid, p.prompt_ids, params, seed=seed, tag=p)
+            added.append(p)
         return added
 
     def step(self) -> int:
         """One engine step (waits while paused); returns the number of tokens generated."""
         self._unpaused.wait()
-        t0 = time.perf_counter()
-        tokens = self.engine.step()
-        self.engine.stats_acc["seconds"] += time.perf_counter() - t0
-        return tokens
+        return self.engine.step()
 
-    def done(self, r: GenerationRequest, n: int) -> bool:
-        return len(self.engine.finished.get(r.request_id, ())) >= n or self._gone(r.request_id)
-
-    def take(self, r: GenerationRequest, n: int) -> list[Sample]:
-        """The ``n`` samples of a request that is :meth:`done` (aborted ones padded as empty ``aborted`` samples)."""
-        seqs = sorted(self.engine.finished.pop(r.request_id, []), key=lambda s: s.sample_index)
-        return [self._to_sample(r, s) for s in seqs] + [
-            self._aborted_sample(r) for _ in range(n - len(seqs))
-        ]
-
-    def _gone(self, rid: str) -> bool:
-        """All sequences of an aborted request have left the engine."""
-        if rid not in self._aborted:
-            return False
-        sch = self.engine.scheduler
-        return not any(s.request_id == rid for s in list(sch.waiting) + sch.running)
-
-    def _to_sample(self, r: GenerationRequest, s: Sequence) -> Sample:
-        extra = dict(r.extra)
-        if s.raw_log_probs:
-            extra["raw_log_probs"] = list(s.raw_log_probs)
-        return Sample(
-            prompt_ids=list(r.prompt_ids),
-            response_ids=s.completion_ids,
-            log_probs=list(s.log_probs),
-            versions=list(s.versions),
-            status=s.status.value,
-            uid=r.uid,
-            task_id=r.task_id,
-            extra=extra,
+    def done(self, prompt: Sample, n: int) -> bool:
+        uid = prompt.uid
+        return self.engine.num_finished(uid) >= n or (
+            uid in self._aborted and not self.engine.has_request(uid)
         )
 
+    def take(self, prompt: Sample, n: int) -> list[Sample]:
+        """The ``n`` samples of a prompt that is :meth:`done` (aborted ones padded as empty ``aborted`` samples)."""
+        seqs = self.engine.pop_finished(prompt.uid)
+        return [self._to_sample(prompt, s) for s in seqs] + [
+            prompt.aborted() for _ in range(n - len(seqs))
+        ]
+
     @staticmethod
-    def _aborted_sample(r: GenerationRequest) -> Sample:
-        return Sample(
-            list(r.prompt_ids),
-            [],
-            [],
-            [],
-            status="aborted",
-            uid=r.uid,
-            task_id=r.task_id,
-            extra=dict(r.extra),
+    def _to_sample(prompt: Sample, s: Sequence) -> Sample:
+        extra = {"raw_log_probs": list(s.raw_log_probs)} if s.raw_log_probs else {}
+        return prompt.with_response(
+            s.completion_ids, s.log_probs, s.versions, s.status.value, **extra
         )
 
     # --- RL controls --------------------------------------------------------------------------
-    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        raise NotImplementedError  # update_weights is overridden (it needs the version under the engine lock)
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        # between steps, under the engine lock: in-flight sequences continue under the new version
+        return self.engine.update_weights(named_tensors, version)
 
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        return dict(
-            self.engine.runner._targets
+        return (
+            self.engine.named_weights()
         )  # live views by transformers name (LoRA merge reads them)
 
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> int:
-        count = self.checked_sync(
-            named_tensors, lambda stream: self.engine.update_weights(stream, version)
-        )
-        self.version = version
-        return count
-
     def pause(self) -> None:
-        self.paused = True
-        self._unpaused.clear()
-        with self.engine.lock:  # returns once the step in flight (if any) has finished
-            pass
-
-    def resume(self) -> None:
-        self.paused = False
-        self._unpaused.set()
+        super().pause()
+        self.engine.wait_for_step()  # returns once the step in flight (if any) has finished
 
     def abort(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)

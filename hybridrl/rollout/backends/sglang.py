@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridrl.protocol import Sample
 from hybridrl.rollout.backends.external import ExternalRollout, Output
-from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.sequence import derive_seed
 
 
@@ -71,11 +72,11 @@ class SGLangRollout(ExternalRollout):
         return out
 
     def _generate(
-        self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams
+        self, prompts: list[Sample], seeds: list[int | None], params: SamplingParams
     ) -> list[list[Output]]:
         n = max(1, params.n)
         input_ids, sampling = [], []
-        for r, seed in zip(requests, seeds):
+        for r, seed in zip(prompts, seeds):
             for j in range(n):  # one engine request per sample: order and seeds stay ours
                 input_ids.append(list(r.prompt_ids))
                 sampling.append(
@@ -87,7 +88,7 @@ class SGLangRollout(ExternalRollout):
         if isinstance(outs, dict):
             outs = [outs]
         parsed = [_output(o) for o in outs]
-        return [parsed[k * n : (k + 1) * n] for k in range(len(requests))]
+        return [parsed[k * n : (k + 1) * n] for k in range(len(prompts))]
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         self.engine.update_weights_from_tensor(bucket, flush_cache=False)

@@ -13,7 +13,7 @@ top-k / top-p); ``rollout.engine_kwargs`` overrides any of them.
 Mapping: our ``SamplingParams`` -> ``vllm.SamplingParams(n, temperature,
 top_p, top_k (0 -> -1), min_p, max_tokens, seed, stop, stop_token_ids,
 ignore_eos, logprobs=0)``, one per request (its seed derived from
-``params.seed`` and the request's id, vLLM seeds sample i with seed + i);
+``params.seed`` and the prompt's uid, vLLM seeds sample i with seed + i);
 ``RequestOutput.outputs[i]``
 ``token_ids`` / ``logprobs[t][token].logprob`` / ``finish_reason`` ("stop",
 "length", "abort") -> ``Sample``. Weight sync: each bucket goes to every
@@ -31,8 +31,9 @@ import os
 
 import torch
 
+from hybridrl.protocol import Sample
 from hybridrl.rollout.backends.external import ExternalRollout, Output
-from hybridrl.rollout.base import ROLLOUT_BACKENDS, GenerationRequest, SamplingParams
+from hybridrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams
 
 
 def _load_into(bucket: list[tuple[str, torch.Tensor]], model) -> None:
@@ -83,9 +84,9 @@ class VLLMRollout(ExternalRollout):
         )
 
     def _generate(
-        self, requests: list[GenerationRequest], seeds: list[int | None], params: SamplingParams
+        self, prompts: list[Sample], seeds: list[int | None], params: SamplingParams
     ) -> list[list[Output]]:
-        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in prompts]
         outs = self.engine.generate(
             prompts, [self.sampling_params(params, s) for s in seeds], use_tqdm=False
         )
