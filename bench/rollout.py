@@ -13,7 +13,7 @@ table. Scenarios (workloads defined in docs/workloads.md):
 - ``spec``: the warm-started tiny model drafting for the warm-started small model (``WARM_STARTS``); W1 rollout
   shape (temperature 1, eos honoured, at most 16 new tokens), ``b`` requests in flight (continuous batching);
   the draft is distilled towards the target first (``DRAFT_DISTILL``). With and without speculation at b = 1, 8
-  and 256: ``decode_speedup``, the ratio of tokens/s in decode-only steps (the issue's "decode speed"; prefill
+  and 256: ``decode_speedup``, the ratio of tokens/s in decode-only steps (the decode speed; prefill
   is the same work either way), and ``generation_speedup``, the ratio for the whole generation, prefill
   included. ``spec.speedup`` is the b = 8 decode figure with the engine's automatic on/off (``forced_*`` and
   ``acceptance``: speculation forced on every eligible step; ``acceptance_sft_draft``: the draft before
