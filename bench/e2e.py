@@ -223,12 +223,17 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "amx": "amx_bf16" in flags.split()}
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+    ).stdout
+
+
 def commit() -> tuple[str, list[str]]:
-    """(HEAD, with "+dirty" when the code measured differs from it; the uncommitted paths under hybridrl/ and bench/)."""
+    """(HEAD, with "+dirty" when the code measured differs from it; the uncommitted paths under
+    hybridrl/ and bench/)."""
+    git = _git
     try:
-        git = lambda *a: (
-            subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
-        )  # noqa: E731
         dirty = [
             line[3:]
             for line in git("status", "--porcelain", "--", "hybridrl", "bench/e2e.py").splitlines()

@@ -39,6 +39,7 @@ estimate (total) / rss_peak, goal within 25%; ``ratio_glibc_default`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -72,10 +73,8 @@ def _trim():
     import gc
 
     gc.collect()
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 class LiveTensorPeak:
@@ -208,7 +207,7 @@ def child(args) -> dict:
             [p for p in model.parameters()]
             + [b for b in model.buffers()]
             + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-            + [mb[k] for mb in mbs for k in mb.keys()]
+            + [t for mb in mbs for t in mb.tensors.values()]
         )
         with tracker:
             step()

@@ -26,6 +26,8 @@ Usage: ``python bench/precision.py [--only probe,step,engine,runs] [--threads 1]
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import random
@@ -47,7 +49,7 @@ from hybridrl.protocol import Batch  # noqa: E402
 from hybridrl.rollout import GenerationRequest, SamplingParams  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
 from hybridrl.tasks.tokenizer import build_char_tokenizer  # noqa: E402
-from hybridrl.training import precision as P  # noqa: E402
+from hybridrl.training import precision as training_precision  # noqa: E402
 
 TOK = build_char_tokenizer()
 SIZES = ("tiny", "small")
@@ -74,12 +76,17 @@ def alternate(fns: dict, reps: int) -> dict[str, float]:
 
 # --- probe -------------------------------------------------------------------------------------------------
 def probe() -> dict:
-    out = {"cpu_bf16": P.cpu_bf16_support(), "matmul_512_speedup": P.matmul_speedup()}
+    out = {
+        "cpu_bf16": training_precision.cpu_bf16_support(),
+        "matmul_512_speedup": training_precision.matmul_speedup(),
+    }
     for size in SIZES:
         m = build_model(size, TOK, 0)
         for train in (True, False):
-            gain = P.model_speedup(m, train)
-            picked = P.decide("auto", support=P.cpu_bf16_support, speedup=lambda: gain)
+            gain = training_precision.model_speedup(m, train)
+            picked = training_precision.decide(
+                "auto", support=training_precision.cpu_bf16_support, speedup=lambda g=gain: g
+            )
             role = "train" if train else "rollout"
             out[f"{size}_{role}_layer_speedup"] = gain
             out[f"{size}_{role}_auto"] = "bf16" if picked.bf16 else "fp32"
@@ -124,9 +131,11 @@ def step(reps: int) -> dict:
             cfg.model.name, cfg.fsdp.mixed_precision = size, prec
             actors[prec] = ActorWorker(ctx, cfg, None)
         batch = w1_batch(actors["fp32"].model.config.vocab_size)
-        upd = alternate({p: (lambda a=a: a.update_policy(batch)) for p, a in actors.items()}, reps)
+        upd = alternate(
+            {p: functools.partial(a.update_policy, batch) for p, a in actors.items()}, reps
+        )
         lp = alternate(
-            {p: (lambda a=a: a.compute_log_prob(batch)) for p, a in actors.items()}, reps
+            {p: functools.partial(a.compute_log_prob, batch) for p, a in actors.items()}, reps
         )
         out[size] = {
             "update_s_fp32": upd["fp32"],
@@ -137,6 +146,11 @@ def step(reps: int) -> dict:
             "log_prob_speedup": lp["fp32"] / lp["bf16"],
         }
     return out
+
+
+def _generate_and_record(engine, reqs: list, params: SamplingParams, stats: list[dict]) -> None:
+    engine.generate(reqs, params)
+    stats.append(engine.stats())
 
 
 # --- engine ------------------------------------------------------------------------------------------------
@@ -155,12 +169,13 @@ def engine(reps: int) -> dict:
             params = SamplingParams(temperature=1.0, max_new_tokens=new, n=8, seed=0)
             params.ignore_eos = True
             stats: dict[str, list[dict]] = {d: [] for d in engines}
-
-            def run(d):
-                engines[d].generate(reqs, params)
-                stats[d].append(engines[d].stats())
-
-            alternate({d: (lambda d=d: run(d)) for d in engines}, reps)
+            alternate(
+                {
+                    d: functools.partial(_generate_and_record, e, reqs, params, stats[d])
+                    for d, e in engines.items()
+                },
+                reps,
+            )
             med = {
                 d: {
                     k: statistics.median(s[k] for s in stats[d][1:])
@@ -180,6 +195,37 @@ def engine(reps: int) -> dict:
     return out
 
 
+def _mean_of(records: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the records holding it (None when none does)."""
+    vals = [x[key] for x in records if key in x]
+    return statistics.fmean(vals) if vals else None
+
+
+def _train_command(
+    name: str, steps: int, threads: int, workdir: Path, extra: list[str]
+) -> list[str]:
+    """The ``hybridrl train`` command line of one variant's W1 run."""
+    train, roll = VARIANTS[name]
+    return [
+        sys.executable,
+        "-m",
+        "hybridrl.cli",
+        "train",
+        "examples/arith_grpo.yaml",
+        f"trainer.total_steps={steps}",
+        f"fsdp.mixed_precision={train}",
+        f"rollout.dtype={roll}",
+        f"controller.num_threads={threads}",
+        f"trainer.name=prec_{name}",
+        f"trainer.runs_dir={workdir}",
+        "trainer.progress=false",
+        "trainer.tensorboard=false",
+        "trainer.save_every=0",
+        "trainer.eval_every=0",
+        *extra,
+    ]
+
+
 # --- the default job ---------------------------------------------------------------------------------------
 def runs(
     steps: int, threads: int, workdir: Path, variants: list[str], extra: list[str], parallel: bool
@@ -190,39 +236,22 @@ def runs(
     out = {}
     workdir.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
-    env.pop(P.ENV_OVERRIDE, None)
+    env.pop(training_precision.ENV_OVERRIDE, None)
     procs = {}
-    for name in variants:
-        train, roll = VARIANTS[name]
-        cmd = [
-            sys.executable,
-            "-m",
-            "hybridrl.cli",
-            "train",
-            "examples/arith_grpo.yaml",
-            f"trainer.total_steps={steps}",
-            f"fsdp.mixed_precision={train}",
-            f"rollout.dtype={roll}",
-            f"controller.num_threads={threads}",
-            f"trainer.name=prec_{name}",
-            f"trainer.runs_dir={workdir}",
-            "trainer.progress=false",
-            "trainer.tensorboard=false",
-            "trainer.save_every=0",
-            "trainer.eval_every=0",
-            *extra,
-        ]
-        log = open(workdir / f"{name}.log", "w")
-        procs[name] = (
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
-            log,
-            time.perf_counter(),
-        )
-        if not parallel:
-            procs[name][0].wait()
-    for name, (proc, log, t0) in procs.items():
-        rc = proc.wait()
-        log.close()
+    with contextlib.ExitStack() as logs:  # each run's log file, open while it runs
+        for name in variants:
+            log = logs.enter_context(open(workdir / f"{name}.log", "w"))
+            procs[name] = subprocess.Popen(
+                _train_command(name, steps, threads, workdir, extra),
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            if not parallel:
+                procs[name].wait()
+        codes = {name: proc.wait() for name, proc in procs.items()}
+    for name, rc in codes.items():
         train, roll = VARIANTS[name]
         run_dir = workdir / f"prec_{name}"
         if rc != 0 or not (run_dir / "summary.json").is_file():
@@ -232,10 +261,7 @@ def runs(
         lines = [
             json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
         ]
-
-        def mean(key):
-            vals = [x[key] for x in lines if key in x]
-            return statistics.fmean(vals) if vals else None
+        mean = functools.partial(_mean_of, lines)
 
         out[name] = {
             "train": train,
@@ -300,9 +326,13 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ.pop(P.ENV_OVERRIDE, None)
+    os.environ.pop(training_precision.ENV_OVERRIDE, None)
     parts = args.only.split(",")
-    out = {"threads": args.threads, "torch": torch.__version__, "cpu_bf16": P.cpu_bf16_support()}
+    out = {
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "cpu_bf16": training_precision.cpu_bf16_support(),
+    }
     t0 = time.perf_counter()
     if "probe" in parts:
         out["probe"] = probe()

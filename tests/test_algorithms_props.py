@@ -328,7 +328,10 @@ def test_losses_zero_on_padding_and_blind_to_it(inputs, seed, dual, cap):
     g = torch.Generator().manual_seed(seed)
     mask = mb["response_mask"]
     dirty = Batch(
-        {k: with_garbage(mb[k], mask, g) if k != "response_mask" else mask for k in mb.keys()}
+        {
+            k: with_garbage(t, mask, g) if k != "response_mask" else mask
+            for k, t in mb.tensors.items()
+        }
     )
     dirty_logp = with_garbage(logp, mask, g)
     c = cfg(clip_ratio_c=dual, behav_imp_weight_cap=cap)
@@ -512,7 +515,10 @@ def test_apply_kl_penalty_properties(mask, seed, estimator, coef):
     assert torch.allclose(rewards, (scores - coef * kl) * mask, atol=1e-6)
     assert (rewards[~mask.bool()] == 0).all()
     dirty = Batch(
-        {k: with_garbage(b[k], mask, g) if k != "response_mask" else mask for k in b.keys()}
+        {
+            k: with_garbage(t, mask, g) if k != "response_mask" else mask
+            for k, t in b.tensors.items()
+        }
     )
     rewards2, metrics2 = apply_kl_penalty(dirty, coef, estimator)
     assert torch.equal(rewards, rewards2) and metrics == metrics2

@@ -293,7 +293,10 @@ def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):
     g = torch.Generator().manual_seed(seed)
     mask = mb["response_mask"]
     dirty = Batch(
-        {k: with_garbage(mb[k], mask, g) if k != "response_mask" else mask for k in mb.keys()}
+        {
+            k: with_garbage(t, mask, g) if k != "response_mask" else mask
+            for k, t in mb.tensors.items()
+        }
     )
     dirty_logp = with_garbage(logp, mask, g)
     c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, clip_cov_lb=0.0, clip_cov_ub=5.0)

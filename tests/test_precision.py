@@ -16,7 +16,7 @@ from test_fsdp import make_batch
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
-from hybridrl.training import precision as P
+from hybridrl.training import precision as training_precision
 
 CTX = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1)
 
@@ -27,42 +27,48 @@ def never():
 
 # --- the decision ---------------------------------------------------------------------------------------------
 def test_supported_and_fast_gives_bf16():
-    p = P.decide("auto", support=lambda: "amx_bf16", speedup=lambda: 1.7)
+    p = training_precision.decide("auto", support=lambda: "amx_bf16", speedup=lambda: 1.7)
     assert p.dtype == torch.bfloat16 and "amx_bf16" in p.reason and "1.70x" in p.reason
 
 
 def test_supported_but_slow_gives_fp32():
-    p = P.decide("auto", support=lambda: "avx512_bf16", speedup=lambda: 1.1)
+    p = training_precision.decide("auto", support=lambda: "avx512_bf16", speedup=lambda: 1.1)
     assert p.dtype == torch.float32 and "only 1.10x" in p.reason and "1.3x" in p.reason
 
 
 def test_unsupported_gives_fp32_without_measuring():
-    p = P.decide("auto", support=lambda: None, speedup=never)
+    p = training_precision.decide("auto", support=lambda: None, speedup=never)
     assert p.dtype == torch.float32 and "no native bf16" in p.reason
 
 
 def test_forced_values_win_without_measuring():
-    assert P.decide("fp32", support=never, speedup=never).dtype == torch.float32
-    forced = P.decide("bf16", support=lambda: None, speedup=never)
+    assert training_precision.decide("fp32", support=never, speedup=never).dtype == torch.float32
+    forced = training_precision.decide("bf16", support=lambda: None, speedup=never)
     assert forced.dtype == torch.bfloat16 and "expect it slower" in forced.reason
-    assert P.decide("auto", support=never, speedup=never, env="bf16").dtype == torch.bfloat16
-    assert P.decide("auto", support=never, speedup=never, env="fp32").dtype == torch.float32
+    assert (
+        training_precision.decide("auto", support=never, speedup=never, env="bf16").dtype
+        == torch.bfloat16
+    )
+    assert (
+        training_precision.decide("auto", support=never, speedup=never, env="fp32").dtype
+        == torch.float32
+    )
     with pytest.raises(ValueError, match="must be auto, fp32 or bf16"):
-        P.decide("fp16", support=never, speedup=never)
+        training_precision.decide("fp16", support=never, speedup=never)
     with pytest.raises(ValueError, match="HYBRIDRL_AUTO_PRECISION"):
-        P.decide("auto", support=never, speedup=never, env="fp16")
+        training_precision.decide("auto", support=never, speedup=never, env="fp16")
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     def support(flags):
         f = tmp_path / "cpuinfo"
         f.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n\nprocessor\t: 1\n")
-        return P.cpu_bf16_support(f)
+        return training_precision.cpu_bf16_support(f)
 
     assert support("avx512f avx512_bf16 amx_tile amx_bf16") == "amx_bf16"
     assert support("avx512f avx512_bf16") == "avx512_bf16"
     assert support("avx2 avx512f") is None
-    assert P.cpu_bf16_support(tmp_path / "missing") is None
+    assert training_precision.cpu_bf16_support(tmp_path / "missing") is None
 
 
 def test_the_measurement_runs_on_a_copy_of_a_layer():
@@ -72,7 +78,7 @@ def test_the_measurement_runs_on_a_copy_of_a_layer():
     model = build_model("tiny", build_char_tokenizer(), 0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for train in (True, False):
-        gain = P.model_speedup(model, train)
+        gain = training_precision.model_speedup(model, train)
         assert 0.05 < gain < 50  # a ratio of two timings, whatever this machine makes of it
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -92,9 +98,9 @@ def make_cfg(precision: str) -> Config:
 def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, want):
     from hybridrl.workers import ActorWorker
 
-    monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
-    monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
-    monkeypatch.setattr(P.SPEEDUPS, "get", lambda model, train: gain)
+    monkeypatch.delenv(training_precision.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(training_precision, "cpu_bf16_support", lambda: "amx_bf16")
+    monkeypatch.setattr(training_precision.SPEEDUPS, "get", lambda model, train: gain)
     with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
         actor = ActorWorker(CTX, make_cfg("auto"), None)
     lines = [r.getMessage() for r in caplog.records if "training precision" in r.getMessage()]
@@ -106,22 +112,26 @@ def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, wan
             else f"but bf16 measured only {gain:.2f}x fp32 on one layer of this model (needs 1.3x))"
         )
     ]
-    assert P.autocast_dtype(actor.model) == (torch.bfloat16 if gain > 1.3 else None)
+    assert training_precision.autocast_dtype(actor.model) == (
+        torch.bfloat16 if gain > 1.3 else None
+    )
 
 
 def test_actor_reference_and_critic_share_one_measurement_and_its_verdict(monkeypatch):
     from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker
 
     calls = []
-    monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
-    monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
-    monkeypatch.setattr(P, "SPEEDUPS", P._SpeedupCache())
-    monkeypatch.setattr(P, "model_speedup", lambda model, train: calls.append(train) or 1.5)
+    monkeypatch.delenv(training_precision.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(training_precision, "cpu_bf16_support", lambda: "amx_bf16")
+    monkeypatch.setattr(training_precision, "SPEEDUPS", training_precision._SpeedupCache())
+    monkeypatch.setattr(
+        training_precision, "model_speedup", lambda model, train: calls.append(train) or 1.5
+    )
     workers = [
         cls(CTX, make_cfg("auto"), None) for cls in (ActorWorker, ReferenceWorker, CriticWorker)
     ]
     assert calls == [True]  # one forward + backward measurement per process and layer shape
-    assert all(P.autocast_dtype(w.model) == torch.bfloat16 for w in workers)
+    assert all(training_precision.autocast_dtype(w.model) == torch.bfloat16 for w in workers)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +163,7 @@ def test_bf16_log_probs_are_fp32_and_close_to_fp32(steps):
 def test_bf16_step_changes_weights_and_keeps_fp32_master_weights(steps):
     run = steps["bf16"]
     actor = run["actor"]
-    assert P.autocast_dtype(actor.model) == torch.bfloat16
+    assert training_precision.autocast_dtype(actor.model) == torch.bfloat16
     moved = max(
         (p.detach() - run["before"][n]).abs().max().item()
         for n, p in actor.model.named_parameters()

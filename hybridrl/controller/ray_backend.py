@@ -272,7 +272,7 @@ class RayBackend:
         refs: dict[int, Any] = {}
 
         def share(x):
-            if seen[id(x)] < 2 or isinstance(x, _PLAIN) or isinstance(x, self._ray.ObjectRef):
+            if seen[id(x)] < 2 or isinstance(x, (*_PLAIN, self._ray.ObjectRef)):
                 return x
             if id(x) not in refs:
                 refs[id(x)] = self._ray.put(x)

@@ -33,9 +33,9 @@ def _series(records: list[dict], key: str) -> dict[int, float]:
             isinstance(step, int)
             and isinstance(value, (int, float))
             and not isinstance(value, bool)
+            and math.isfinite(value)
         ):
-            if math.isfinite(value):
-                out[step] = float(value)
+            out[step] = float(value)
     return dict(sorted(out.items()))
 
 

@@ -49,7 +49,7 @@ def _parse_lines(path: Path) -> list[dict]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                warnings.warn(f"{path}:{lineno}: skipping malformed metrics line")
+                warnings.warn(f"{path}:{lineno}: skipping malformed metrics line", stacklevel=2)
                 continue
             if isinstance(rec, dict):
                 records.append(rec)
@@ -81,15 +81,21 @@ class MetricsLogger:
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
-        if self._file.tell() > 0 and not self._ends_with_newline():
-            self._file.write("\n")  # previous run died mid-line
+        with open(self.path, "a", encoding="utf-8") as f:  # created here, appended to per line
+            if f.tell() > 0 and not self._ends_with_newline():
+                f.write("\n")  # previous run died mid-line
+        self._open = True
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # lazy: optional dependency
 
             purge = None if resume_step is None else resume_step + 1
             self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+
+    def _append(self, text: str) -> None:
+        """Append ``text`` to the jsonl (opened per write: every line is on disk once logged)."""
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(text)
 
     def _ends_with_newline(self) -> bool:
         with open(self.path, "rb") as f:
@@ -111,7 +117,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Append ``{"step": step, **metrics}`` as one line and write the
         numeric values as TensorBoard scalars (strings only go to the jsonl)."""
-        if self._file is None:
+        if not self._open:
             raise RuntimeError("MetricsLogger is closed")
         if "step" in metrics:
             raise ValueError("'step' is reserved; pass it as the step argument")
@@ -119,8 +125,7 @@ class MetricsLogger:
         record: dict[str, Any] = {"step": step}
         for key, value in metrics.items():
             record[str(key)] = _to_python(value)
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        self._append(json.dumps(record, allow_nan=False) + "\n")
         if self._tb is not None:
             for key, raw in metrics.items():
                 value = record[str(key)]
@@ -132,9 +137,7 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flush and close both sinks (idempotent)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._open = False
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -28,7 +28,7 @@ from hybridrl.algorithms.masking import zero_pad
 from hybridrl.protocol import Batch
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.sampler import filtered_log_softmax
-from hybridrl.training import distributed as D
+from hybridrl.training import distributed
 from hybridrl.training.precision import autocast
 
 
@@ -122,8 +122,8 @@ def dp_micro_batches(
     is > 1; world size 1: no padding)."""
     mbs, order = micro_batches(batch, token_budget) if len(batch) else ([], None)
     n = len(mbs)
-    if D.world_size() > 1:
-        most = int(D.all_reduce([n], op="max")[0].item())
+    if distributed.world_size() > 1:
+        most = int(distributed.all_reduce([n], op="max")[0].item())
         mbs = mbs + [
             dummy_micro_batch(batch if pad_from is None else pad_from) for _ in range(most - n)
         ]
@@ -163,7 +163,7 @@ def model_device(model) -> torch.device:
     """Where a micro-batch must go: the compute device (a sharded model's parameters may be CPU-offloaded)."""
     from hybridrl.training.fsdp import is_sharded
 
-    return D.compute_device() if is_sharded(model) else next(model.parameters()).device
+    return distributed.compute_device() if is_sharded(model) else next(model.parameters()).device
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ or only a parameter count Ψ) under a ``Layout``; ``hybridrl memory`` prints it.
 
 Notation: Ψ parameters (Ψ_t of them trainable: Ψ, or the LoRA adapters),
 N = ``world_size``, p = bytes of ``param_dtype`` (4 fp32, 2 bf16), n =
-``micro_batch_tokens``, L layers, h hidden size, I intermediate size,
+``micro_batch_tokens``, L layers, h hidden size, I intermediate size (``inter``),
 H / K attention / key-value heads, d = h / H head dim, V vocabulary, T
 sequence length (``seq_len``; default min(n, max positions)), a = p bytes
 per activation element.
@@ -123,16 +123,22 @@ class Shape:
 
     @classmethod
     def from_config(cls, cfg) -> Shape:
-        get = lambda *names, default=None: next(
-            (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
-        )
+        """The shape of a transformers ``PretrainedConfig``. Its fields differ between model types
+        (and may be absent or None), so they are looked up by name with getattr."""
+
+        def get(*names: str, default=None):
+            """The first of ``names`` that ``cfg`` has and is not None; ``default`` otherwise."""
+            return next(
+                (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
+            )
+
         if get("num_experts", "num_local_experts", "n_routed_experts"):
             raise ValueError(
                 "mixture-of-experts configs are not supported by the estimator (dense decoders only)"
             )
         h, L, H = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads")
-        I, V = get("intermediate_size"), get("vocab_size")
-        if None in (h, L, H, I, V):
+        inter, V = get("intermediate_size"), get("vocab_size")
+        if None in (h, L, H, inter, V):
             raise ValueError(
                 "config lacks hidden_size / num_hidden_layers / num_attention_heads / intermediate_size / vocab_size"
             )
@@ -141,7 +147,7 @@ class Shape:
         return cls(
             layers=L,
             hidden=h,
-            intermediate=I,
+            intermediate=inter,
             heads=H,
             kv_heads=get("num_key_value_heads", default=H),
             head_dim=get("head_dim", default=h // H),
@@ -169,16 +175,16 @@ class Shape:
         return emb * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
 
     def lora_params(self, r: int) -> int:
-        h, I = self.hidden, self.intermediate
+        h, inter = self.hidden, self.intermediate
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         dims = {
             "q": (h, q),
             "k": (h, kv),
             "v": (h, kv),
             "o": (q, h),
-            "gate": (h, I),
-            "up": (h, I),
-            "down": (I, h),
+            "gate": (h, inter),
+            "up": (h, inter),
+            "down": (inter, h),
         }
         return self.layers * sum(r * (i + o) for i, o in (dims[t] for t in LORA_TARGETS))
 
@@ -188,11 +194,11 @@ def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
     a = DTYPE_BYTES[lay.param_dtype]
     n = lay.micro_batch_tokens
     T = lay.seq_len or min(n, s.max_positions)
-    h, I = s.hidden, s.intermediate
+    h, inter = s.hidden, s.intermediate
     norm = 4 * h + 2 * a * h + 4
-    per_layer = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * I + 7 * a * lay.lora_rank
+    per_layer = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * inter + 7 * a * lay.lora_rank
     head = norm + a * s.vocab + 3 * 4 * s.vocab
-    backward = a * (h + I)
+    backward = a * (h + inter)
     layers = (
         n * (s.layers * a * h + per_layer)
         if lay.activation_checkpointing

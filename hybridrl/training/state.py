@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.training import distributed as D
+from hybridrl.training import distributed
 from hybridrl.training.fsdp import (
     full_state_dict,
     is_complete,
@@ -70,7 +70,7 @@ def save_trainable(
             model.config.save_pretrained(path)
     else:
         sd = full_state_dict(model) if hf_weights else {}  # collective
-        if D.rank() == 0:
+        if distributed.rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
             if hf_weights:
                 model.save_pretrained(path, state_dict=sd)
@@ -82,7 +82,7 @@ def save_trainable(
             config["architectures"] = [_plain_class_name(model)]
             (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         del sd
-    if tokenizer is not None and D.rank() == 0:
+    if tokenizer is not None and distributed.rank() == 0:
         tokenizer.save_pretrained(path)
     save_sharded(path / "dcp", model, optimizer, extra={"shuffle_rng": generator.get_state()})
 

@@ -28,7 +28,7 @@ import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.protocol import Batch
-from hybridrl.training import distributed as D
+from hybridrl.training import distributed
 from hybridrl.training.fsdp import clip_grad_norm
 from hybridrl.training.logprob import batch_map, dp_micro_batches, model_device
 
@@ -43,8 +43,8 @@ def minibatch_rows(
     Rank r holds rows ``[offset_r, offset_r + n_local)`` of the global batch (DP_COMPUTE chunks are
     contiguous, in rank order). Consumes the generator exactly as the single-process shuffle does.
     """
-    sizes = D.all_gather_ints(n_local)
-    total, offset = sum(sizes), sum(sizes[: D.rank()])
+    sizes = distributed.all_gather_ints(n_local)
+    total, offset = sum(sizes), sum(sizes[: distributed.rank()])
     perm = torch.randperm(total, generator=generator)
     out = []
     for start in range(0, total, minibatch_size):
@@ -81,7 +81,7 @@ def is_single_pass(section, total_rows: int) -> bool:
 
 def global_totals(mini: Batch, norm_len: float) -> AggTotals:
     t = agg_totals(mini["response_mask"], norm_len)
-    n_tokens, n_seqs = D.all_reduce([t.n_tokens, t.n_seqs]).tolist()
+    n_tokens, n_seqs = distributed.all_reduce([t.n_tokens, t.n_seqs]).tolist()
     return AggTotals(n_tokens=n_tokens, n_seqs=n_seqs, norm_len=t.norm_len)
 
 
@@ -132,9 +132,9 @@ def run_updates(
             optimizer.step()
             steps += 1
     if (
-        D.world_size() > 1
+        distributed.world_size() > 1
     ):  # each rank summed its tokens' shares: the sum over ranks is the global mean
-        keys = sorted(set().union(*D.all_gather_object(sorted(sums))))
-        sums = dict(zip(keys, D.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
+        keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
+        sums = dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
     out = {k: v / max(steps, 1) for k, v in sums.items()}
     return out | {f"{prefix}/grad_norm": grad_norm / max(steps, 1), f"{prefix}/updates": steps}
