@@ -51,10 +51,12 @@ class Sample:
         """A copy of this prompt sample with a generated response (the prompt's metadata kept)."""
         return replace(
             self,
+            prompt_ids=list(self.prompt_ids),
             response_ids=list(response_ids),
             log_probs=list(log_probs),
             versions=list(versions),
             status=status,
+            reward_extras=dict(self.reward_extras),  # each sample is scored on its own
             metadata=self.metadata | metadata,
         )
 

@@ -63,7 +63,13 @@ class PoolConfig:
     )
 
 
-ROLES = ("actor", "reference", "rollout", "reward", "critic")
+ROLES = ("learner", "rollout")  # the processes a run places: the trained models, the generation
+FORMER_ROLES = {  # placement keys of earlier versions, and what replaced them
+    "actor": "the actor, reference and critic are parts of the learner: place them with placement.learner",
+    "reference": "the reference is part of the learner: place it with placement.learner",
+    "critic": "the critic is part of the learner: place it with placement.learner",
+    "reward": "samples are scored on the rollout ranks that generate them: drop placement.reward",
+}
 
 
 @dataclass
@@ -78,7 +84,9 @@ class ControllerConfig:
         metadata={"help": "resource pools by name"},
     )
     placement: dict[str, str] = _f(
-        {r: "global" for r in ROLES}, "role -> pool name (critic: used by gae only)"
+        {r: "global" for r in ROLES},
+        "role -> pool name: learner (policy, reference, critic and the learning step), rollout "
+        "(generation and scoring); one pool for both colocates them",
     )
     pg_timeout_s: float = _f(
         600.0,
@@ -88,7 +96,9 @@ class ControllerConfig:
     )
 
     def validate(self) -> None:
-        self.placement.setdefault("critic", self.placement.get("actor", "global"))
+        former = [r for r in self.placement if r in FORMER_ROLES]
+        if former:
+            raise ValueError(f"placement.{former[0]}: {FORMER_ROLES[former[0]]}")
         missing = [r for r in ROLES if r not in self.placement]
         if missing:
             raise ValueError(
@@ -468,13 +478,12 @@ class Config:
 
     def validate(self) -> None:
         if self.controller.backend == "local":
-            for role in ("actor", "critic", "reference"):
-                pool = self.controller.pools[self.controller.placement[role]]
-                if pool.nodes * pool.workers_per_node > 1:
-                    raise ValueError(
-                        f"the {role} pool has {pool.nodes * pool.workers_per_node} workers: more than one rank of a "
-                        "trained role needs one process per rank, i.e. controller.backend=ray"
-                    )
+            pool = self.controller.pools[self.controller.placement["learner"]]
+            if pool.nodes * pool.workers_per_node > 1:
+                raise ValueError(
+                    f"the learner pool has {pool.nodes * pool.workers_per_node} workers: more than one "
+                    "learner rank needs one process per rank, i.e. controller.backend=ray"
+                )
         if self.trainer.mode == "async":
             self._validate_async()
         self._validate_estimator()
@@ -513,16 +522,10 @@ class Config:
 
     def _validate_async(self) -> None:
         place = self.controller.placement
-        apart = [r for r in ("reference", "critic") if place[r] != place["actor"]]
-        if apart:
-            raise ValueError(
-                f"trainer.mode=async fuses the trained roles into one learner: placement of {apart} must be "
-                f"the actor's pool {place['actor']!r}"
-            )
-        if self.controller.backend == "ray" and place["rollout"] == place["actor"]:
+        if self.controller.backend == "ray" and place["rollout"] == place["learner"]:
             raise ValueError(
                 "trainer.mode=async with controller.backend=ray: the rollout needs its own pool (rollout and "
-                "training run at the same time); map placement.rollout to a pool other than the actor's"
+                "training run at the same time); map placement.rollout to a pool other than the learner's"
             )
         if self.rollout.backend != "native":
             raise ValueError(

@@ -1,14 +1,15 @@
-"""Several roles in one process per device slot.
+"""Several roles in one process per device slot (colocation).
 
 Under the ``ray`` backend, roles placed on the same pool could each get their own actor on every slot
-(one process per role per device). A :class:`FusedWorker` instead holds one worker of every such role
-in a single process, so colocated roles hand tensors to each other in memory (weight sync without
-Ray), share the process's torch.distributed group, and can take turns on the device
-(:meth:`FusedWorker.before_call`, e.g. offload training state while the rollout runs).
+(one process per role per device). A :class:`ColocatedWorker` instead holds one worker of every such role
+in a single process, so the roles hand tensors to each other in memory (weight sync without Ray), share
+the process's torch.distributed group, and take turns on the device: before a call into a role, every
+other role that has a ``sleep`` method sleeps (the learner moves its training state to host memory, the
+rollout frees its KV cache) and the called role wakes (``wake``), each only when the turn changes.
 
 The driver still sees one object per role: :class:`RoleView` exposes the ``@register``-ed methods of a
-role's class, with their dispatch modes, on top of the fused group, so ``roles.actor.update_policy(b)``
-reads the same whether the actor is fused or not.
+role's class, with their dispatch modes, on top of the colocated group, so ``roles.learner.train_step(...)``
+reads the same whether the learner shares its processes or not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hybridrl.controller.dispatch import Dispatch, collect, plan, registered_met
 from hybridrl.controller.worker import Worker, WorkerContext
 
 
-class FusedWorker(Worker):
+class ColocatedWorker(Worker):
     """``parts``: ``{role: (cls, args)}``, built in this order as ``cls(ctx with role, *args)``."""
 
     def __init__(self, ctx: WorkerContext, parts: dict[str, tuple[type, tuple]]):
@@ -28,21 +29,30 @@ class FusedWorker(Worker):
         self.parts: dict[str, Any] = {}
         for role, (cls, args) in parts.items():
             self.parts[role] = cls(dataclasses.replace(ctx, role=role), *args)
+        self.turn: str | None = None  # the role that has the device
 
-    def before_call(self, role: str) -> None:
-        """Hook: runs before every call into ``role`` (turn-taking on the device)."""
+    def take_turn(self, role: str) -> None:
+        """Give the device to ``role``: the others sleep first (memory freed), then it wakes."""
+        if role == self.turn:
+            return
+        for other, part in self.parts.items():
+            if other != role and hasattr(part, "sleep"):
+                part.sleep()
+        if hasattr(self.parts[role], "wake"):
+            self.parts[role].wake()
+        self.turn = role
 
     def call_role(self, role: str, method: str, /, *args, **kwargs) -> Any:
-        self.before_call(role)
+        self.take_turn(role)
         return getattr(self.parts[role], method)(*args, **kwargs)
 
     def apply_role(self, role: str, fn, /, *args, **kwargs) -> Any:
-        self.before_call(role)
+        self.take_turn(role)
         return fn(self.parts[role], *args, **kwargs)
 
 
 class RoleView:
-    """One role of a WorkerGroup of :class:`FusedWorker`: the role class's registered methods as proxies,
+    """One role of a WorkerGroup of :class:`ColocatedWorker`: the role class's registered methods as proxies,
     plus ``apply_all``, ``world_size``, ``methods`` -- what the driver uses of a WorkerGroup."""
 
     def __init__(self, group, role: str, cls: type):
@@ -72,7 +82,7 @@ class RoleView:
             return collect(mode, self.group._run("call_role", calls))
 
         proxy.__name__ = proxy.__qualname__ = name
-        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks, fused] " + (
+        proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks, colocated] " + (
             getattr(self.cls, name).__doc__ or ""
         )
         return proxy
@@ -83,7 +93,7 @@ class RoleView:
             "apply_role", plan(Dispatch.ONE_TO_ALL, self.world_size, (self.role, fn, *args), kwargs)
         )
 
-    def shutdown(self) -> None:  # the fused group is shut down once, by its owner
+    def shutdown(self) -> None:  # the colocated group is shut down once, by its owner
         pass
 
     def __repr__(self) -> str:

@@ -24,7 +24,10 @@ RankCall = tuple[int, tuple, dict]
 
 class Dispatch(str, Enum):
     ONE_TO_ALL = "one_to_all"  # same args to every rank -> list of per-rank results
-    DP_COMPUTE = "dp_compute"  # first arg (a Batch) chunked by rank -> Batch.concat (or list)
+    ALL_FIRST = "all_first"  # same args to every rank (a collective) -> rank 0's result
+    DP_COMPUTE = (
+        "dp_compute"  # first arg (a Batch or list) chunked by rank -> Batch.concat / one list
+    )
     RANK_ZERO = "rank_zero"  # only rank 0 runs -> its result
 
 
@@ -59,27 +62,40 @@ def registered_methods(cls: type) -> dict[str, Dispatch]:
     return out
 
 
+def chunk_list(items: list, n: int) -> list[list]:
+    """``n`` contiguous parts whose sizes differ by at most one (as :meth:`Batch.chunk` splits)."""
+    size, rem = divmod(len(items), n)
+    bounds = [i * size + min(i, rem) for i in range(n + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+
 def plan(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> list[RankCall]:
     """The calls to issue, one per participating rank, in rank order."""
-    if mode is Dispatch.ONE_TO_ALL:
+    if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_FIRST):
         return [(r, args, kwargs) for r in range(world_size)]
     if mode is Dispatch.RANK_ZERO:
         return [(0, args, kwargs)]
     if mode is Dispatch.DP_COMPUTE:
-        if not args or not isinstance(args[0], Batch):
+        if not args or not isinstance(args[0], (Batch, list)):
             got = type(args[0]).__name__ if args else "nothing"
             raise TypeError(
-                f"a DP_COMPUTE method takes a Batch as its first positional argument, got {got}"
+                "a DP_COMPUTE method takes a Batch or a list as its first positional argument, "
+                f"got {got}"
             )
-        chunks = args[0].chunk(world_size)
+        first = args[0]
+        chunks = (
+            first.chunk(world_size) if isinstance(first, Batch) else chunk_list(first, world_size)
+        )
         return [(r, (chunks[r],) + tuple(args[1:]), kwargs) for r in range(world_size)]
     raise ValueError(f"unknown dispatch mode {mode!r}")
 
 
 def collect(mode: Dispatch, results: list[Any]) -> Any:
     """Combine per-rank results (in rank order) as the mode prescribes."""
-    if mode is Dispatch.RANK_ZERO:
+    if mode in (Dispatch.RANK_ZERO, Dispatch.ALL_FIRST):
         return results[0]
     if mode is Dispatch.DP_COMPUTE and results and all(isinstance(r, Batch) for r in results):
         return Batch.concat(results)
+    if mode is Dispatch.DP_COMPUTE and results and all(isinstance(r, list) for r in results):
+        return [x for r in results for x in r]
     return list(results)

@@ -3,7 +3,8 @@
 Rollout ranks generate without pause (``workers/rollout_stream.py``) and put scored groups into the
 trajectory buffer (``trainers/buffer.py``), which admits new prompts only within the staleness bound
 ``asynchronous.max_staleness``. The learner (``workers/learner.py``) takes each batch from the buffer
-itself. The driver schedules and monitors: train version v, sync the weights (the rollout is
+itself (``Learner.train_step``, the same call the synchronous driver makes with the step's samples).
+The driver schedules and monitors: train version v, sync the weights (the rollout is
 interrupted between two engine steps and continues every sequence), log, evaluate, checkpoint. No
 trajectory passes through it; it only sees metrics and the trained prompts' ids (``trajectories.jsonl``).
 """
@@ -22,9 +23,8 @@ from hybridrl.trainers.session import open_session
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
-    s = open_session(cfg, resume, learner=True)
+    s = open_session(cfg, resume)
     t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
-    roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
     buffer = make_buffer(
         cfg.controller.backend,
         batch_groups=t.prompts_per_step,
@@ -34,62 +34,39 @@ def train(cfg: Config, resume: bool = False) -> dict:
         trained_groups=state["step"] * t.prompts_per_step,
     )
     last = dict(state.get("last", state["before"]))
-    bar = tqdm(
-        range(state["step"], t.total_steps),
-        initial=state["step"],
-        total=t.total_steps,
-        desc=f"{cfg.algorithm.advantage} async",
-        disable=not t.progress,
-        dynamic_ncols=True,
-    )
-    trace = open(s.run_dir / "trajectories.jsonl", "a")
+    bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
+               desc=f"{cfg.algorithm.advantage} async", disable=not t.progress, dynamic_ncols=True)  # fmt: skip
     try:
         roles.rollout.start_stream(buffer, s.params, t.seed)
         tick = time.perf_counter()
         for step in bar:
-            out = roles.learner.train_step(buffer, step)[0]
+            out = roles.learner.train_step(step, buffer)
             with timer.phase("weight_sync"):
                 roles.sync_weights(step + 1)
-            done, now = step + 1, time.perf_counter()
-            samples = len(out["staleness"])
-            metrics = (
-                out["metrics"]
-                | roles.rollout.stats()
-                | buffer.stats()
-                | {
-                    "async/samples_per_s": samples / (now - tick),
-                    "async/trainer_idle_frac": 1 - out["busy_s"] / (now - tick),
-                }
-            )
-            trace.write(
-                json.dumps({"step": done, "uids": out["uids"], "staleness": out["staleness"]})
-                + "\n"
-            )
+            done, elapsed = step + 1, time.perf_counter() - tick
+            metrics = out["metrics"] | roles.rollout.stats() | buffer.stats()
+            metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
+            metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
+            with open(s.run_dir / "trajectories.jsonl", "a") as trace:
+                trace.write(
+                    json.dumps({"step": done, "uids": out["uids"], "staleness": out["staleness"]})
+                    + "\n"
+                )
             if s.due(t.eval_every, done):
                 with timer.phase("eval"):
                     last = s.evaluate()
                 metrics |= last
             s.logger.log(done, metrics | timer.pop())
+            stale = f"{metrics['async/staleness_mean']:.2f}"
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}",
                 acc=f"{last['eval/accuracy']:.3f}",
-                stale=f"{metrics['async/staleness_mean']:.2f}",
+                stale=stale,
             )
             if s.due(t.save_every, done):
-                trace.flush()
-                save_checkpoint(
-                    s.run_dir,
-                    done,
-                    roles,
-                    state
-                    | buffer.state()
-                    | {
-                        "step": done,
-                        "last": last,
-                        "kl_reward_coef": roles.learner.kl_reward_coef(),
-                    },
-                    cfg,
-                )
+                kl = roles.learner.kl_reward_coef()
+                extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
+                save_checkpoint(s.run_dir, done, roles, state | extra, cfg)
             tick = (
                 time.perf_counter()
             )  # evaluation and checkpoints do not count as the learner's idleness
@@ -99,7 +76,6 @@ def train(cfg: Config, resume: bool = False) -> dict:
         finally:
             buffer.close()
             buffer.kill()
-            trace.close()
             s.logger.close()
             roles.shutdown()
     return s.close(last)

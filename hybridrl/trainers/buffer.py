@@ -29,23 +29,21 @@ and no trajectory is trained twice.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from hybridrl.protocol import Sample
 
+Group = list[
+    Sample
+]  # the scored samples of one prompt; metadata: "index" (stream position), "admitted"
 
-@dataclass
-class Group:
-    """The scored samples of one prompt."""
 
-    index: int  # position of the prompt in the task's stream
-    admitted: int  # rollout weight version when the prompt was admitted
-    samples: list[Sample]
-    rewards: list[float]
-    errors: list[float]
-    finished_at: float = field(default_factory=time.monotonic)
+def _index(group: Group) -> int:
+    return group[0].metadata["index"]
+
+
+def _admitted(group: Group) -> int:
+    return group[0].metadata["admitted"]
 
 
 class TrajectoryBuffer:
@@ -85,9 +83,9 @@ class TrajectoryBuffer:
 
     def put(self, group: Group) -> None:
         with self.cond:
-            if self.running.pop(group.index, None) is None:
+            if self.running.pop(_index(group), None) is None:
                 raise KeyError(
-                    f"group for prompt {group.index} was never admitted (or was put twice)"
+                    f"group for prompt {_index(group)} was never admitted (or was put twice)"
                 )
             self.ready.append(group)
             self.cond.notify_all()
@@ -98,29 +96,31 @@ class TrajectoryBuffer:
         if len(self.ready) < self.B:
             return None
         self.ready.sort(
-            key=lambda g: (g.admitted, g.finished_at)
-        )  # earliest deadline (admitted + k) first
-        left = sorted([g.admitted for g in self.ready[self.B :]] + list(self.running.values()))
+            key=_admitted
+        )  # earliest deadline (admitted + k) first; stable: arrival order
+        left = sorted([_admitted(g) for g in self.ready[self.B :]] + list(self.running.values()))
         # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due by t?
         if any(i + 1 > (adm + self.k - version) * self.B for i, adm in enumerate(left)):
             return None
         return self.ready[: self.B]
 
-    def get_batch(self, version: int, timeout: float) -> list[Group]:
-        """The ``B`` groups to train weights ``version`` on (blocks until they are ready)."""
+    def get_batch(self, version: int, timeout: float) -> list[Sample]:
+        """The samples of the ``B`` groups to train weights ``version`` on, group by group (blocks until
+        they are ready)."""
         with self.cond:
             if not self.cond.wait_for(
                 lambda: self.closed or self._pick(version) is not None, timeout
             ):
                 raise TimeoutError(
-                    f"no training batch for version {version} within {timeout:.0f} s ({len(self.ready)} groups ready, "
-                    f"{len(self.running)} generating, B = {self.B}): is the rollout alive? (asynchronous.batch_timeout_s)"
+                    f"no training batch for version {version} within {timeout:.0f} s "
+                    f"({len(self.ready)} groups ready, {len(self.running)} generating, B = {self.B}): "
+                    "is the rollout alive? (asynchronous.batch_timeout_s)"
                 )
             if self.closed:
                 raise RuntimeError(f"the trajectory buffer was closed: {self.closed}")
             batch, self.ready = self.ready[: self.B], self.ready[self.B :]
             self.consumed += self.B
-            return batch
+            return [sample for group in batch for sample in group]
 
     # --- control ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -134,7 +134,7 @@ class TrajectoryBuffer:
     def state(self) -> dict:
         """What a checkpoint needs: the cursor and the admitted-but-untrained prompts, oldest first."""
         with self.cond:
-            pending = sorted(set(self.retry) | set(self.running) | {g.index for g in self.ready})
+            pending = sorted(set(self.retry) | set(self.running) | {_index(g) for g in self.ready})
             return {
                 "prompt_cursor": self.cursor,
                 "pending_prompts": pending,

@@ -24,9 +24,9 @@ def save_checkpoint(run_dir: Path, step: int, roles, trainer_state: dict, cfg: C
     final, tmp = root / f"{PREFIX}{step:06d}", root / f".tmp-{PREFIX}{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    roles.actor.save_checkpoint(str(tmp / "model"))
-    if roles.critic is not None:
-        roles.critic.save_checkpoint(str(tmp / "critic"))
+    roles.learner.save_checkpoint(
+        str(tmp / "model"), str(tmp / "critic")
+    )  # critic: when there is one
     (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     (tmp / "config.yaml").write_text(dump_yaml(cfg))
     shutil.rmtree(final, ignore_errors=True)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hybridrl.config import RolloutConfig
-from hybridrl.protocol import pad_2d
-from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample, pad_2d
+from hybridrl.rollout import SamplingParams
 from hybridrl.trainers.sft import lr_factor
 
 
@@ -40,7 +40,7 @@ def sample_responses(
 
     eng = NativeRollout(target, tokenizer, RolloutConfig(backend="native", max_batch_size=256))
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    out = eng.generate([GenerationRequest(f"d{i}", p) for i, p in enumerate(prompts)], params)
+    out = eng.generate([Sample(prompt_ids=p, uid=f"d{i}") for i, p in enumerate(prompts)], params)
     eng.release_memory()
     return [(s.prompt_ids, s.response_ids) for s in out]
 

@@ -1,36 +1,29 @@
-"""Held-out accuracy: the task's fixed held-out prompts, scored by the reward role.
+"""Held-out accuracy: the task's fixed held-out prompts, generated and scored on the rollout ranks.
 
-``sampled`` draws at the rollout temperature (the distribution RL trains);
-``greedy`` takes the argmax. Accuracy is the mean reward (exact match: the
-fraction answered correctly). :func:`model_accuracy` measures the same for a model in this process
-(the warm start's stopping check).
+``sampled`` draws at the rollout temperature (the distribution RL trains); ``greedy`` takes the argmax.
+Accuracy is the mean reward (exact match: the fraction answered correctly). :func:`model_accuracy`
+measures the same for a model in this process (the warm start's stopping check).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from hybridrl.protocol import Batch, samples_to_batch
-from hybridrl.rollout import SamplingParams
+from hybridrl.protocol import prompt_sample
+from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.tasks import Prompt
 
 
-def prompt_batch(prompts: list[Prompt], tokenizer) -> Batch:
-    """Meta ``prompt`` and ``prompt_ids`` (the tokenizer adds ``<bos>`` where it has one)."""
-    return Batch(
-        meta={"prompt": prompts, "prompt_ids": [tokenizer(p.text)["input_ids"] for p in prompts]}
-    )
-
-
-def collate(parts: list, pad_id: int) -> Batch:
-    """Samples from every rollout rank into one training batch."""
-    return samples_to_batch([s for part in parts for s in part], pad_id)
+def mean_reward(samples) -> float:
+    return sum(s.reward for s in samples) / max(len(samples), 1)
 
 
 class Evaluator:
-    def __init__(self, roles, prompts: list[Prompt], tokenizer, params: SamplingParams, seed: int):
-        self.roles, self.tokenizer, self.seed = roles, tokenizer, seed
-        self.batch = prompt_batch(prompts, tokenizer)
+    def __init__(
+        self, rollout, prompts: list[Prompt], tokenizer, params: SamplingParams, seed: int
+    ):
+        self.rollout, self.seed = rollout, seed
+        self.prompts = [prompt_sample(p, tokenizer) for p in prompts]
         self.params = replace(params, n=1)
 
     def accuracy(self, greedy: bool) -> float:
@@ -39,10 +32,7 @@ class Evaluator:
             if greedy
             else replace(self.params, seed=self.seed)
         )
-        batch = collate(
-            self.roles.rollout.generate(self.batch, params), self.tokenizer.pad_token_id
-        )
-        return self.roles.reward.score(batch)["rewards"].mean().item()
+        return mean_reward(self.rollout.generate(self.prompts, params))
 
     def __call__(self) -> dict[str, float]:
         return {
@@ -58,22 +48,15 @@ def model_accuracy(
 
     Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept between
     calls) and seeds each call from ``params.seed`` without touching the caller's RNG stream; scored by the
-    reward role's :class:`~hybridrl.workers.reward.Scorer`, as the RL evaluation is. Restores train mode.
+    rollout's :class:`~hybridrl.workers.reward.Scorer`, as the RL evaluation is. Restores train mode.
     """
-    from hybridrl.rollout import ROLLOUT_BACKENDS, GenerationRequest
-
     was_training = model.training
     try:
         engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
-        batch = prompt_batch(prompts, tokenizer)
-        requests = [
-            GenerationRequest(
-                request_id=p.uid, prompt_ids=ids, uid=p.uid, task_id=p.task_id, extra={"prompt": p}
-            )
-            for p, ids in zip(batch["prompt"], batch["prompt_ids"])
-        ]
-        samples = engine.generate(requests, replace(params, n=1))
-        return scorer(collate([samples], tokenizer.pad_token_id))["rewards"].mean().item()
+        samples = engine.generate(
+            [prompt_sample(p, tokenizer) for p in prompts], replace(params, n=1)
+        )
+        return mean_reward(scorer(samples))
     finally:
         model.train(was_training)
 
@@ -85,17 +68,19 @@ def evaluate_checkpoint(cfg) -> dict[str, float]:
     from hybridrl.workers.common import load_tokenizer, make_task
 
     path = ensure_warm_start(cfg, cfg.trainer.progress)
-    roles = build_roles(cfg, path, path)
+    roles = build_roles(cfg, path, path, learner=False)
     try:
+        r = cfg.rollout
         params = SamplingParams(
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens,
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens
         )
         prompts = make_task(cfg).heldout()[: cfg.task.eval_size]
         return Evaluator(
-            roles, prompts, load_tokenizer(cfg, path), params, seed=cfg.trainer.seed + 10_000
+            roles.rollout,
+            prompts,
+            load_tokenizer(cfg, path),
+            params,
+            seed=cfg.trainer.seed + 10_000,
         )()
     finally:
         roles.shutdown()

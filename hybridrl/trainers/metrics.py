@@ -1,15 +1,18 @@
-"""Per-step metrics computed from a scored batch."""
+"""Per-step metrics computed from a scored batch, and their mean over ranks."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+import torch
 
 from hybridrl.protocol import Batch
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
     rewards, lengths = batch["rewards"], batch["response_mask"].sum(-1).float()
-    return {
+    extras = {k: batch[k].mean().item() for k in batch.tensors if k.startswith("reward/")}
+    return extras | {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "reward/errors": batch["reward_errors"].sum().item(),
@@ -30,3 +33,26 @@ def mean_over_ranks(per_rank: list[dict[str, float]] | dict[str, float]) -> dict
         for k, v in d.items():
             sums[k] += v / len(per_rank)
     return dict(sums)
+
+
+def staleness_metrics(
+    batch: Batch, version: int, max_staleness: int
+) -> tuple[dict[str, float], list[int]]:
+    """Per sample: staleness = ``version`` - the oldest version among its tokens; a histogram over
+    0..max_staleness (``async/staleness_<k>``: fraction of samples), mean / max, and the fraction of
+    partial samples (interrupted by a weight update: tokens of more than one version)."""
+    stamps, mask = batch["versions"], batch["response_mask"].bool()
+    big = torch.iinfo(stamps.dtype).max
+    oldest = torch.where(mask, stamps, big).min(-1).values
+    oldest = torch.where(oldest == big, version, oldest)  # empty responses count as fresh
+    newest = torch.where(mask, stamps, -1).max(-1).values
+    lag = (version - oldest).tolist()
+    n = max(len(lag), 1)
+    top = max(max_staleness, max(lag, default=0))
+    out = {f"async/staleness_{k}": sum(x == k for x in lag) / n for k in range(top + 1)}
+    out |= {
+        "async/staleness_mean": sum(lag) / n,
+        "async/staleness_max": float(max(lag, default=0)),
+        "async/partial_frac": ((newest > oldest) & mask.any(-1)).float().mean().item(),
+    }
+    return out, lag

@@ -64,7 +64,7 @@ class Session:
         return summary
 
 
-def open_session(cfg: Config, resume: bool, learner: bool = False) -> Session:
+def open_session(cfg: Config, resume: bool) -> Session:
     """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the rollout,
     and the held-out evaluation before training (once per run)."""
     t_start, t = time.perf_counter(), cfg.trainer
@@ -82,14 +82,13 @@ def open_session(cfg: Config, resume: bool, learner: bool = False) -> Session:
         str(ckpt / "model") if ckpt else warm,
         state["reference_path"],
         str(ckpt / "critic") if ckpt and (ckpt / "critic").is_dir() else None,
-        learner=learner,
     )
     try:
         if ckpt:
-            roles.actor.load_state(str(ckpt / "model"))
-            if roles.critic is not None:
-                roles.critic.load_state(str(ckpt / "critic"))
+            critic = ckpt / "critic"
+            roles.learner.load_state(str(ckpt / "model"), str(critic) if critic.is_dir() else None)
             roles.sync_weights(state["step"])
+        roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
         task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
         r = cfg.rollout
         params = SamplingParams(
@@ -100,7 +99,11 @@ def open_session(cfg: Config, resume: bool, learner: bool = False) -> Session:
             n=t.samples_per_prompt,
         )
         evaluate = Evaluator(
-            roles, task.heldout()[: cfg.task.eval_size], tokenizer, params, seed=t.seed + 10_000
+            roles.rollout,
+            task.heldout()[: cfg.task.eval_size],
+            tokenizer,
+            params,
+            seed=t.seed + 10_000,
         )
         logger = MetricsLogger(run_dir, t.tensorboard, resume_step=state["step"] if found else None)
         s = Session(

@@ -1,11 +1,10 @@
-"""The synchronous RL driver: one plain loop over the roles (docs/architecture.md §1).
+"""The synchronous RL driver: one plain loop (docs/architecture.md §1).
 
-Every step: generate and score -> reference log-probs -> old log-probs ->
-(values) -> token-level rewards -> advantages -> (critic update) -> policy
-update -> weight sync (``trainers/learn.py`` holds the middle part, shared with
-the asynchronous learner). Which algorithm runs is decided by registries
-(``algorithm.advantage``, ``algorithm.policy_loss``, ``algorithm.loss_agg``),
-never by branches here; the critic exists only when the estimator needs values.
+Every step: the rollout generates and scores the step's samples (``trainers/collect.py``), the learner
+trains on them (``Learner.train_step``: reference and old log-probs, values, advantages, updates, all in
+the learner's processes), the new weights go to the rollout. It is the asynchronous driver with no
+staleness: generation waits for the weights it will sample with. Which algorithm runs is decided by
+registries (``algorithm.advantage``, ``algorithm.policy_loss``, ``algorithm.loss_agg``), never here.
 """
 
 from __future__ import annotations
@@ -15,36 +14,24 @@ from tqdm import tqdm
 from hybridrl.config import Config
 from hybridrl.trainers.checkpoint import save_checkpoint
 from hybridrl.trainers.collect import collect
-from hybridrl.trainers.learn import learn
-from hybridrl.trainers.metrics import batch_metrics
 from hybridrl.trainers.session import open_session
-from hybridrl.trainers.shaping import RewardShaper
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
     s = open_session(cfg, resume)
     t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
-    shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens, state.get("kl_reward_coef"))
     last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
-    bar = tqdm(
-        range(state["step"], t.total_steps),
-        initial=state["step"],
-        total=t.total_steps,
-        desc=cfg.algorithm.advantage,
-        disable=not t.progress,
-        dynamic_ncols=True,
-    )
+    bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
+               desc=cfg.algorithm.advantage, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
     try:
         for step in bar:
-            batch, cursor, metrics = collect(
-                roles, s.task, s.tokenizer, cfg, s.params, cursor, seed=t.seed + step, timer=timer
+            samples, cursor, metrics = collect(
+                roles.rollout, s.task, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
             )
-            batch, learned = learn(
-                roles.actor, roles.reference, roles.critic, batch, shape, cfg, timer
-            )
+            metrics |= roles.learner.train_step(step, samples)["metrics"]
             with timer.phase("weight_sync"):
                 roles.sync_weights(step + 1)
-            metrics |= learned | batch_metrics(batch) | roles.rollout.stats()
+            metrics |= roles.rollout.stats()
             done = step + 1
             if s.due(t.eval_every, done):
                 with timer.phase("eval"):
@@ -55,17 +42,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
             )
             if s.due(t.save_every, done):
+                kl = roles.learner.kl_reward_coef()
                 save_checkpoint(
                     s.run_dir,
                     done,
                     roles,
                     state
-                    | {
-                        "step": done,
-                        "last": last,
-                        "prompt_cursor": cursor,
-                        "kl_reward_coef": shape.kl.value,
-                    },
+                    | {"step": done, "last": last, "prompt_cursor": cursor, "kl_reward_coef": kl},
                     cfg,
                 )
     finally:  # a failed step still leaves the metrics flushed and the workers stopped

@@ -1,9 +1,7 @@
-"""The roles: each a :class:`~hybridrl.controller.Worker` whose ``@register``-ed methods the driver calls."""
+"""The two roles of a run, each a :class:`~hybridrl.controller.Worker` whose ``@register``-ed methods the
+driver calls: the learner (trained models and the learning step) and the rollout (generation and scoring)."""
 
-from hybridrl.workers.actor import ActorWorker
-from hybridrl.workers.critic import CriticWorker
-from hybridrl.workers.reference import ReferenceWorker
-from hybridrl.workers.reward import RewardWorker
+from hybridrl.workers.learner import Learner
 from hybridrl.workers.rollout import RolloutWorker
 
-__all__ = ["ActorWorker", "CriticWorker", "ReferenceWorker", "RewardWorker", "RolloutWorker"]
+__all__ = ["Learner", "RolloutWorker"]

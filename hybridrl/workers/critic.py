@@ -1,4 +1,4 @@
-"""The critic role (PPO with GAE): a value head on the causal-LM trunk, with its own optimizer.
+"""The critic (PPO with GAE, part of the learner): a value head on the causal-LM trunk, with its own optimizer.
 
 The trunk starts from the same checkpoint as the policy; the head (one
 linear output per position) starts at zero, so the first values are 0. A
@@ -15,10 +15,8 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
 from hybridrl.config import Config
-from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.models.factory import model_size_config
 from hybridrl.protocol import Batch
-from hybridrl.training.distributed import init_distributed, teardown_distributed
 from hybridrl.training.fsdp import fsdp_config_of, prepare_model
 from hybridrl.training.logprob import batch_map
 from hybridrl.training.precision import autocast
@@ -72,29 +70,21 @@ def response_values(model, mb: Batch) -> torch.Tensor:
     return out[:, -resp_len - 1 : -1, 0].float() * mb["response_mask"]
 
 
-class CriticWorker(Worker):
-    def __init__(self, ctx: WorkerContext, cfg: Config, model_path: str | None):
-        super().__init__(ctx)
+class Critic:
+    """The value model of one learner rank and its own optimizer (part of the learner)."""
+
+    def __init__(self, cfg: Config, model_path: str | None, dist):
         self.cfg = cfg
-        self.dist = init_distributed(ctx)
-        self.model = prepare_model(
-            build_value_model(cfg, model_path), fsdp_config_of(cfg), self.dist
-        )
+        self.model = prepare_model(build_value_model(cfg, model_path), fsdp_config_of(cfg), dist)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 2)
 
-    @register(Dispatch.DP_COMPUTE)
-    def compute_values(self, batch: Batch) -> Batch:
-        return Batch(
-            {
-                "values": batch_map(
-                    self.model, batch, self.cfg.critic.micro_batch_tokens, response_values
-                )
-            }
-        )
+    def values(self, batch: Batch) -> Batch:
+        tokens = self.cfg.critic.micro_batch_tokens
+        return Batch({"values": batch_map(self.model, batch, tokens, response_values)})
 
-    def _loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
         values = response_values(self.model, mb)
         per_token, metrics = value_loss(
@@ -103,27 +93,20 @@ class CriticWorker(Worker):
         loss = self.aggregate(per_token, mask, totals)
         return loss, metrics | {"critic/vf_loss": masked_mean(per_token.detach(), mask).item()}
 
-    @register(Dispatch.DP_COMPUTE)
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    def update(self, batch: Batch) -> dict[str, float]:
         return run_updates(
             self.model,
             self.optimizer,
             batch,
-            self._loss,
+            self.loss,
             self.cfg.critic,
             generator=self.shuffle,
             norm_len=self.cfg.loss_norm_len,
             prefix="critic",
         )
 
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str) -> None:
+    def save(self, path: str) -> None:
         save_trainable(path, self.model, self.optimizer, self.shuffle)
 
-    @register(Dispatch.ONE_TO_ALL)
-    def load_state(self, path: str) -> None:
+    def load(self, path: str) -> None:
         load_trainable(path, self.model, self.optimizer, self.shuffle)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def close(self) -> None:
-        teardown_distributed()

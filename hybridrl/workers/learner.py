@@ -1,13 +1,22 @@
-"""The learner of asynchronous training: the trained roles (actor, reference, critic) fused in one
-process per slot, taking each training batch straight from the trajectory buffer.
+"""The learner: the trained models of one training rank and the learning step.
 
-The driver only says "train version v" (:meth:`LearnerWorker.train_step`); the learner fetches the
-batch from the buffer itself (rollout -> buffer -> learner, never through the driver), runs the same
-step as the synchronous trainer (``trainers/learn.py``), and returns metrics and the trained prompts'
-ids. Decoupled PPO's three policies are then: behaviour = the engine's log-probs (``rollout_log_probs``,
-possibly stale and mixed across versions), proximal = this step's recomputed ``old_log_probs`` (weights
-``v`` before the update; on-policy, one epoch over one mini-batch, the update's own first forward, which
-runs those weights: ``trainers/learn.py``), current = the policy being updated.
+Both drivers make one call per step, :meth:`Learner.train_step`, with the step's scored samples
+(synchronous training) or with the trajectory buffer to take them from (asynchronous training; the
+synchronous driver is the asynchronous one without staleness). Everything the step needs stays in this
+process: the batch is built here, once, from the samples; the reference and old log-probs, the values,
+the advantages and both updates run here; the driver gets metrics back, never tensors.
+
+The policy (its model and AdamW, optionally LoRA adapters) belongs to the learner itself; the reference
+(``workers/reference.py``) exists when a KL term reads it, the critic (``workers/critic.py``) when the
+advantage estimator needs values. With more than one rank the models are sharded with FSDP2, every rank
+gets the whole step, and each per-row pass runs on the rank's contiguous share of the rows (the ranks'
+results gathered), so the update equals the single-process one (``training/update.py``).
+
+Decoupled PPO's three policies: behaviour = the rollout's log-probs (``rollout_log_probs``, possibly
+stale and mixed across versions), proximal = ``old_log_probs`` (these weights before the update), current
+= the policy being updated. On-policy (one epoch over one mini-batch) the update's first forward runs the
+proximal weights on the same micro-batches as a separate pass would, so the learner takes the old
+log-probs from it instead (π_old := sg[π_θ], ratio exactly 1) and runs no separate pass.
 """
 
 from __future__ import annotations
@@ -16,109 +25,350 @@ import time
 
 import torch
 
-from hybridrl.controller import Dispatch, register
-from hybridrl.controller.colocated import FusedWorker
-from hybridrl.controller.dispatch import collect, plan, registered_methods
-from hybridrl.protocol import Batch, samples_to_batch
+from hybridrl.algorithms import (
+    ADVANTAGES,
+    LOSS_AGG,
+    POLICY_LOSSES,
+    AggTotals,
+    compute_advantages,
+    kl_penalty,
+    masked_mean,
+)
+from hybridrl.algorithms.rollout_correction import (
+    bypass_old_log_probs,
+    rollout_correction,
+    weighted_policy_loss,
+)
+from hybridrl.config import Config
+from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
-from hybridrl.trainers.learn import learn
-from hybridrl.trainers.metrics import batch_metrics
+from hybridrl.trainers.metrics import batch_metrics, mean_over_ranks, staleness_metrics
 from hybridrl.trainers.shaping import RewardShaper
-from hybridrl.training import distributed as D
+from hybridrl.training import distributed
+from hybridrl.training import lora as lora_lib
+from hybridrl.training.buckets import BUCKET_BYTES, bucketed
+from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
+from hybridrl.training.logprob import response_log_probs, sampling_of
+from hybridrl.training.state import load_trainable, save_trainable
+from hybridrl.training.update import first_epoch_map, is_single_pass, run_updates
+from hybridrl.workers.common import load_model
+from hybridrl.workers.critic import Critic
+from hybridrl.workers.reference import Reference
+
+ROW = "update_row"  # a batch column: each row's index, so the update's forward can note its old log-probs
 
 
-def staleness_metrics(
-    batch: Batch, version: int, max_staleness: int
-) -> tuple[dict[str, float], list[int]]:
-    """Per sample: staleness = ``version`` - the oldest version among its tokens; a histogram over
-    0..max_staleness (``async/staleness_<k>``: fraction of samples), mean / max, and the fraction of
-    partial samples (interrupted by a weight update: tokens of more than one version)."""
-    stamps, mask = batch["versions"], batch["response_mask"].bool()
-    big = torch.iinfo(stamps.dtype).max
-    oldest = torch.where(mask, stamps, big).min(-1).values
-    oldest = torch.where(oldest == big, version, oldest)  # empty responses count as fresh
-    newest = torch.where(mask, stamps, -1).max(-1).values
-    lag = (version - oldest).tolist()
-    n = max(len(lag), 1)
-    out = {
-        f"async/staleness_{k}": sum(x == k for x in lag) / n
-        for k in range(max(max_staleness, max(lag, default=0)) + 1)
-    }
-    out |= {
-        "async/staleness_mean": sum(lag) / n,
-        "async/staleness_max": float(max(lag, default=0)),
-        "async/partial_frac": ((newest > oldest) & mask.any(-1)).float().mean().item(),
-    }
-    return out, lag
+def needs_reference(cfg: Config) -> bool:
+    """A KL term reads the reference: the loss's (``kl_coef``) or the reward's (``kl_reward_coef``)."""
+    return cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
 
 
-class RankView:
-    """A role worker as every learner rank calls it in-process: a DP_COMPUTE method runs on this rank's
-    chunk of the batch and the ranks' results are gathered, as the driver's dispatch does across ranks."""
-
-    def __init__(self, worker):
-        self.worker, self.modes = worker, registered_methods(type(worker))
-
-    def __getattr__(self, name: str):
-        fn = getattr(self.worker, name)
-        if self.modes.get(name) is not Dispatch.DP_COMPUTE or D.world_size() == 1:
-            return fn
-
-        def call(batch, *args, **kwargs):
-            ((_, mine, kw),) = [
-                c
-                for c in plan(Dispatch.DP_COMPUTE, D.world_size(), (batch, *args), kwargs)
-                if c[0] == D.rank()
-            ]
-            return collect(Dispatch.DP_COMPUTE, D.all_gather_object(fn(*mine, **kw)))
-
-        return call
+def needs_critic(cfg: Config) -> bool:
+    return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_values", False)
 
 
-class LearnerWorker(FusedWorker):
-    def __init__(self, ctx, parts, cfg):
-        super().__init__(ctx, parts)
+def reuses_old_log_probs(cfg: Config, batch_size: int) -> bool:
+    """Whether the update takes the old log-probs from its own first forward instead of a separate pass.
+
+    On-policy (one epoch over one mini-batch of the whole batch) that forward computes the same numbers as
+    the pass. The pass still runs when something reads them before the update: the KL penalty in the reward
+    (it shapes the advantages) and the rollout correction's weights (an input of the loss); the train-rollout
+    gap metrics read them after the update. ``rollout_bypass`` has no pass to skip;
+    ``actor.reuse_old_log_probs: never`` keeps the pass (A/B tests)."""
+    alg = cfg.algorithm
+    return (
+        cfg.actor.reuse_old_log_probs == "auto"
+        and is_single_pass(cfg.actor, batch_size)
+        and alg.kl_reward_coef == 0
+        and alg.rollout_is is None
+        and not alg.rollout_bypass
+    )
+
+
+def dropout_in_training(model) -> bool:
+    """Whether a training-mode forward is random (a dropout layer, or attention dropout in the config)."""
+    config = getattr(model, "config", None)
+    return (
+        any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
+    )
+
+
+@torch.no_grad()
+def move_training_state(model, optimizer, device: torch.device) -> None:
+    """A model's parameters and its optimizer's states (exp_avg, exp_avg_sq ...) to ``device``."""
+    model.to(
+        device
+    )  # FSDP2 keeps the sharded parameters' identity: the optimizer still refers to them
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":  # Adam's step counter stays on the CPU
+                state[key] = value.to(device, non_blocking=True)
+
+
+def on_my_rows(fn, batch: Batch):
+    """``fn`` on this rank's contiguous share of ``batch`` (as the driver's DP dispatch splits it), the
+    ranks' results gathered: Batches concatenated, metric dicts averaged. One process: ``fn(batch)``."""
+    if distributed.world_size() == 1:
+        return fn(batch)
+    parts = distributed.all_gather_object(
+        fn(batch.chunk(distributed.world_size())[distributed.rank()])
+    )
+    return Batch.concat(parts) if isinstance(parts[0], Batch) else mean_over_ranks(parts)
+
+
+class Learner(Worker):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        cfg: Config,
+        model_path: str | None,
+        reference_path: str | None = None,
+        critic_path: str | None = None,
+    ):
+        super().__init__(ctx)
         self.cfg = cfg
-        self.actor, self.reference, self.critic = (
-            RankView(self.parts[r]) if r in self.parts else None
-            for r in ("actor", "reference", "critic")
+        self.dist = distributed.init_distributed(ctx)
+        model, self.tokenizer = load_model(cfg, model_path)
+        self.lora = lora_lib.lora_settings(cfg)
+        self.base_source = model_path  # where the (LoRA base) weights came from; None: built-in
+        self._base_synced = (
+            False  # LoRA: the rollout has our base weights (the first sync sends them)
         )
+        if self.lora is not None:
+            model = lora_lib.apply_lora(model, self.lora, seed=cfg.model.seed)
+        self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
+        params = self.model.parameters()
+        if self.lora is not None:
+            params = lora_lib.trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
+        )
+        self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
+        self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
+        self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
+        self.sampling = sampling_of(
+            cfg.rollout
+        )  # log-probs under the rollout's filtered distribution
+        self._taken: torch.Tensor | None = None  # old log-probs noted by the running / last update
+        ref_path = reference_path or model_path
+        self.reference = Reference(cfg, ref_path, self.dist) if needs_reference(cfg) else None
+        critic_from = critic_path or ref_path
+        self.critic = Critic(cfg, critic_from, self.dist) if needs_critic(cfg) else None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.timer = PhaseTimer()
-        self.pad_id = self.parts["actor"].tokenizer.pad_token_id
 
-    @register(Dispatch.ONE_TO_ALL)
-    def train_step(self, buffer, version: int) -> dict:
-        """Train weights ``version`` on the next batch of ``buffer`` (fetched by rank 0, shared with the other
-        ranks); returns ``metrics``, the trained prompts' ``uids``, each sample's ``staleness``, and ``busy_s``
-        (time not spent waiting), the same on every rank."""
+    # --- the learning step ----------------------------------------------------------------------
+    @register(Dispatch.ALL_FIRST)
+    def train_step(self, version: int, source) -> dict:
+        """Train weights ``version`` on ``source``: the step's scored samples, or a trajectory buffer
+        (``trainers/buffer.py``) to take the next batch from. Returns ``metrics``, the trained prompts'
+        ``uids``, each sample's ``staleness`` (versions behind) and ``busy_s`` (time not spent waiting)."""
         t0 = time.perf_counter()
-        with self.timer.phase("wait_batch"):
-            groups = (
-                buffer.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
-                if self.rank == 0
-                else None
-            )
-            groups = D.all_gather_object(groups)[0] if D.world_size() > 1 else groups
+        samples = self._samples(source, version)
         waited = time.perf_counter() - t0
-        samples = [s for g in groups for s in g.samples]
-        batch = samples_to_batch(samples, self.pad_id) | Batch(
-            {
-                "rewards": torch.tensor([r for g in groups for r in g.rewards]),
-                "reward_errors": torch.tensor([e for g in groups for e in g.errors]),
-            }
-        )
-        batch, metrics = learn(
-            self.actor, self.reference, self.critic, batch, self.shape, self.cfg, self.timer
-        )
-        stale, lag = staleness_metrics(batch, version, self.cfg.asynchronous.max_staleness)
-        timing = {k: v for k, v in self.timer.pop().items() if k != "timing/step"}
+        alg, timer = self.cfg.algorithm, self.timer
+        batch = samples_to_batch(samples, self.tokenizer.pad_token_id)
+        reuse = reuses_old_log_probs(self.cfg, len(batch))
+        if self.reference is not None:
+            with timer.phase("reference"):
+                batch |= on_my_rows(self.reference.log_probs, batch)
+        if alg.rollout_bypass:  # the rollout's log-probs are the old policy: no forward
+            batch |= bypass_old_log_probs(batch)
+        elif not reuse:
+            with timer.phase("old_log_prob"):
+                batch |= on_my_rows(self.compute_log_prob, batch)
+        correction = {}
+        if not reuse:
+            batch, correction = rollout_correction(batch, alg)
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch |= on_my_rows(self.critic.values, batch)
+        with timer.phase("advantage"):
+            batch, metrics = self.shape(batch)
+            batch = compute_advantages(batch, alg)
+        if self.critic is not None:
+            with timer.phase("critic_update"):
+                metrics |= on_my_rows(self.critic.update, batch)
+        with timer.phase("update"):
+            metrics |= on_my_rows(self.update_policy, batch)
+        if reuse:  # the update's first forward computed them: the gap metrics come now
+            batch |= on_my_rows(self.old_log_probs_of_last_update, batch)
+            batch, correction = rollout_correction(batch, alg)
+        stale, lag = {}, []
+        if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
+            stale, lag = staleness_metrics(batch, version, self.cfg.asynchronous.max_staleness)
+        timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
         return {
-            "metrics": metrics | batch_metrics(batch) | stale | timing,
-            "uids": [g.samples[0].uid for g in groups],
+            "metrics": metrics | correction | batch_metrics(batch) | stale | timing,
+            "uids": list(dict.fromkeys(s.uid for s in samples)),
             "staleness": lag,
             "busy_s": time.perf_counter() - t0 - waited,
         }
+
+    def _samples(self, source, version: int) -> list[Sample]:
+        if isinstance(source, list):
+            return source
+        with self.timer.phase("wait_batch"):  # rank 0 takes the batch and shares it with the others
+            samples = None
+            if self.rank == 0:
+                samples = source.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
+            if distributed.world_size() > 1:
+                samples = distributed.all_gather_object(samples)[0]
+        return samples
+
+    def policy_loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's share of the mini-batch objective: the policy-gradient loss
+        (``algorithm.policy_loss``, reweighted by the rollout correction when on), plus ``kl_coef`` times the
+        KL to the reference, minus ``entropy_coef`` times the entropy, each aggregated by ``algorithm.loss_agg``."""
+        alg, mask = self.cfg.algorithm, mb["response_mask"]
+        logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
+        if ROW in mb:
+            mb = mb | Batch({"old_log_probs": self._keep_old(mb, logp)})
+        pg, metrics = self.loss_fn(logp, mb, alg)
+        pg = weighted_policy_loss(pg, mb)  # rollout correction (algorithm.rollout_is), when on
+        loss = self.aggregate(pg, mask, totals)
+        metrics |= {
+            "actor/pg_loss": masked_mean(pg, mask).item(),
+            "actor/entropy": masked_mean(entropy, mask).item(),
+        }
+        if "ref_log_probs" in mb:
+            kl = kl_penalty(alg.kl_estimator, logp, mb["ref_log_probs"]) * mask
+            loss = loss + alg.kl_coef * self.aggregate(kl, mask, totals)
+            metrics["actor/kl_ref"] = masked_mean(kl, mask).item()
+        if alg.entropy_coef:
+            loss = loss - alg.entropy_coef * self.aggregate(entropy, mask, totals)
+        return loss, metrics
+
+    # --- the policy's passes (this rank's rows) ----------------------------------------------------
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """π_old of every row, grouped as the next update's first epoch groups them (``first_epoch_map``)."""
+
+        def fn(model, mb):
+            return response_log_probs(model, mb, self.sampling)[0]
+
+        return Batch(
+            {"old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)}
+        )
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        """Train on ``batch`` with :meth:`policy_loss`. Without ``old_log_probs`` the old policy is the
+        update's own first forward, which needs one epoch over one mini-batch (checked over the global batch);
+        a model with dropout in training mode computes them with the separate pass instead. Either way
+        :meth:`old_log_probs_of_last_update` returns them afterwards; ``actor/old_log_prob_reused`` is 1 when
+        no separate pass ran."""
+        reuse = False
+        if "old_log_probs" not in batch:
+            self._check_single_pass(batch)
+            reuse = not dropout_in_training(self.model)
+            if reuse:
+                self._taken = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
+                batch = batch | Batch({ROW: torch.arange(len(batch))})
+            else:
+                batch = batch | self.compute_log_prob(batch)
+                self._taken = batch["old_log_probs"]
+        metrics = run_updates(
+            self.model,
+            self.optimizer,
+            batch,
+            self.policy_loss,
+            self.cfg.actor,
+            generator=self.shuffle,
+            norm_len=self.cfg.loss_norm_len,
+            prefix="actor",
+        )
+        return metrics | {"actor/old_log_prob_reused": float(reuse)}
+
+    def _keep_old(self, mb: Batch, logp: torch.Tensor) -> torch.Tensor:
+        """On-policy: this forward's log-probs are the old policy's; note them at the micro-batch's rows
+        (valid tokens only: a dummy micro-batch repeats a row with an empty mask), return them detached."""
+        old = logp.detach().float()
+        rows, width, mask = mb[ROW], old.shape[1], mb["response_mask"].bool()
+        kept = self._taken[rows.cpu(), :width]
+        self._taken[rows.cpu(), :width] = torch.where(mask.cpu(), old.cpu(), kept)
+        return old
+
+    def _check_single_pass(self, batch: Batch) -> None:
+        total = sum(distributed.all_gather_ints(len(batch)))
+        if not is_single_pass(self.cfg.actor, total):
+            a = self.cfg.actor
+            raise ValueError(
+                "update_policy: a batch without old_log_probs needs one epoch over one mini-batch, got "
+                f"ppo_epochs={a.ppo_epochs}, ppo_minibatch_size={a.ppo_minibatch_size} for {total} rows; "
+                "run compute_log_prob first"
+            )
+
+    @register(Dispatch.DP_COMPUTE)
+    def old_log_probs_of_last_update(self, batch: Batch) -> Batch:
+        """The old log-probs the last ``update_policy`` given a batch without them noted, for this rank's
+        rows of ``batch`` (the batch it trained on)."""
+        old, self._taken = self._taken, None
+        if old is None or len(old) != len(batch):
+            raise RuntimeError(
+                "old_log_probs_of_last_update: the last update_policy was not given a batch without "
+                "old_log_probs"
+            )
+        return Batch({"old_log_probs": old})
+
+    # --- weights, checkpoints, colocation -----------------------------------------------------------
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_buckets(self, bucket_bytes: int = BUCKET_BYTES, mode: str = "auto") -> list[list]:
+        """The weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor). Every rank
+        takes part in gathering the shards; rank 0 returns the buckets, the others ``[]``.
+
+        Without LoRA: the full weights. With LoRA, ``mode``: ``adapter`` the adapters only; ``base`` the
+        base weights, then the adapters; ``auto``: ``base`` on the first call after the learner was built or
+        loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain names)."""
+        if self.lora is None:
+            buckets = list(iter_weight_buckets(self.model, bucket_bytes))
+        elif mode == "merged":
+            merged = lora_lib.merged_weights(self.model)
+            buckets = list(bucketed(merged.items(), bucket_bytes))
+        else:
+            if mode not in ("auto", "adapter", "base"):
+                raise ValueError(
+                    f"weight_buckets: mode must be auto, adapter, base or merged, got {mode!r}"
+                )
+            with_base = mode == "base" or (mode == "auto" and not self._base_synced)
+            buckets = list(
+                lora_lib.lora_weight_buckets(self.model, bucket_bytes, with_base=with_base)
+            )
+            self._base_synced |= with_base
+        return buckets if self.rank == 0 else []
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
+        """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded model
+        + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of ``training/lora.py``); the critic
+        the same way under ``critic_path`` when there is one."""
+        if self.lora is not None:
+            lora_lib.save_lora_checkpoint(
+                path,
+                self.model,
+                self.optimizer,
+                self.shuffle,
+                self.tokenizer,
+                base_source=self.base_source,
+            )
+        else:
+            save_trainable(path, self.model, self.optimizer, self.shuffle, self.tokenizer)
+        if self.critic is not None and critic_path is not None:
+            self.critic.save(critic_path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_state(self, path: str, critic_path: str | None = None) -> None:
+        if self.lora is not None and lora_lib.is_lora_checkpoint(path):
+            self.base_source = lora_lib.base_source_of(path)
+            base, _ = load_model(self.cfg, self.base_source)
+            lora_lib.load_lora_state(path, self.model, self.optimizer, self.shuffle, base)
+            self._base_synced = False
+        else:
+            load_trainable(path, self.model, self.optimizer, self.shuffle)
+        if self.critic is not None and critic_path is not None:
+            self.critic.load(critic_path)
 
     @register(Dispatch.RANK_ZERO)
     def kl_reward_coef(self) -> float:
@@ -126,5 +376,29 @@ class LearnerWorker(FusedWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def set_kl_reward_coef(self, value: float | None) -> None:
-        if value is not None:
+        if value is not None:  # a resumed run continues the adaptive coefficient
             self.shape = RewardShaper(self.cfg.algorithm, self.cfg.rollout.max_new_tokens, value)
+
+    def _move_training_state(self, device: torch.device) -> None:
+        """Every model this learner holds, with its optimizer's states, to ``device``."""
+        held = [(self.model, self.optimizer)]
+        held += [(self.reference.model, None)] if self.reference is not None else []
+        held += [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []
+        for model, optimizer in held:
+            move_training_state(model, optimizer, device)
+
+    def sleep(self) -> None:
+        """Colocation: the training state leaves the device while the rollout has it (on a CPU rank
+        everything already lives in host memory)."""
+        if self.dist.device.type != "cpu":
+            self._move_training_state(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        if self.dist.device.type != "cpu":
+            self._move_training_state(self.dist.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        """Leave the process group (barrier first); the learner is unusable afterwards."""
+        distributed.teardown_distributed()

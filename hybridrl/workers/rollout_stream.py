@@ -3,7 +3,8 @@
 A :class:`RolloutStream` thread keeps the engine busy: whenever fewer than ``max_groups`` prompts
 are generating it asks the trajectory buffer for more (the buffer applies the staleness rule,
 ``trainers/buffer.py``), runs engine steps, and as soon as all ``G`` samples of a prompt are done it
-scores them and puts the group into the buffer: the data goes rollout -> buffer, not through the
+scores them and puts the group (its samples, with the prompt's stream ``index`` and ``admitted`` version
+in their metadata) into the buffer: the data goes rollout -> buffer, not through the
 driver. Weight updates arrive on another thread between engine steps (``update_weights`` takes the
 engine lock); the engine then drops its stale KV and continues every in-flight sequence, and each
 token keeps the version that produced it.
@@ -16,10 +17,9 @@ import threading
 import time
 from dataclasses import replace
 
-from hybridrl.protocol import samples_to_batch
-from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample, prompt_sample
+from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.sequence import derive_seed
-from hybridrl.trainers.buffer import Group
 
 log = logging.getLogger(__name__)
 IDLE_SLEEP_S = 0.002
@@ -28,7 +28,7 @@ IDLE_SLEEP_S = 0.002
 class RolloutStream:
     def __init__(
         self,
-        engine,
+        backend,
         buffer,
         task,
         tokenizer,
@@ -37,23 +37,11 @@ class RolloutStream:
         seed: int,
         max_groups: int,
     ):
-        for name in ("add", "step", "done", "take"):
-            if not hasattr(engine, name):
-                raise ValueError(
-                    f"asynchronous training needs a rollout backend that streams requests (native); "
-                    f"{type(engine).__name__} has no {name}()"
-                )
-        self.engine, self.buffer, self.task, self.tokenizer, self.scorer = (
-            engine,
-            buffer,
-            task,
-            tokenizer,
-            scorer,
-        )
-        self.params, self.seed, self.max_groups = params, seed, max_groups
+        self.backend, self.buffer, self.task, self.tokenizer = backend, buffer, task, tokenizer
+        self.scorer, self.params, self.seed, self.max_groups = scorer, params, seed, max_groups
         self.pending: list[
-            tuple[GenerationRequest, int, int]
-        ] = []  # (request, prompt index, admission version)
+            Sample
+        ] = []  # prompt samples generating (metadata: index, admitted version)
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.idle_s = self.busy_s = 0.0
@@ -77,36 +65,20 @@ class RolloutStream:
         free = self.max_groups - len(self.pending)
         if free <= 0:
             return
-        version = self.engine.version
+        version = self.backend.version
         for index in self.buffer.admit(free, version):
-            p = self.task.prompt(index)
-            req = GenerationRequest(
-                request_id=p.uid,
-                prompt_ids=self.tokenizer(p.text)["input_ids"],
-                uid=p.uid,
-                task_id=p.task_id,
-                extra={"prompt": p},
-            )
-            self.engine.add([req], replace(self.params, seed=derive_seed(self.seed, index)))
-            self.pending.append((req, index, version))
+            prompt = prompt_sample(self.task.prompt(index), self.tokenizer)
+            prompt.metadata |= {"index": index, "admitted": version}
+            self.backend.add([prompt], replace(self.params, seed=derive_seed(self.seed, index)))
+            self.pending.append(prompt)
 
     def _deliver(self) -> None:
         n, keep = self.params.n, []
-        for req, index, version in self.pending:
-            if not self.engine.done(req, n):
-                keep.append((req, index, version))
+        for prompt in self.pending:
+            if not self.backend.done(prompt, n):
+                keep.append(prompt)
                 continue
-            samples = self.engine.take(req, n)
-            scored = self.scorer(samples_to_batch(samples, self.tokenizer.pad_token_id))
-            self.buffer.put(
-                Group(
-                    index,
-                    version,
-                    samples,
-                    scored["rewards"].tolist(),
-                    scored["reward_errors"].tolist(),
-                )
-            )
+            self.buffer.put(self.scorer(self.backend.take(prompt, n)))
             self.groups += 1
         self.pending = keep
 
@@ -119,7 +91,7 @@ class RolloutStream:
                     time.sleep(IDLE_SLEEP_S)
                     self.idle_s += time.perf_counter() - t0
                     continue
-                self.engine.step()
+                self.backend.step()
                 self._deliver()
                 self.busy_s += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through check()/stats()
