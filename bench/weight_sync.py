@@ -3,18 +3,22 @@
     python bench/weight_sync.py [--model small] [--repeats 5] [--bucket-mb 64] [--actor-ranks 1]
 
 The actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are separate Ray actors on a local
-cluster. One sync is what the trainer does (``Roles.sync_weights``, ``trainers/weight_sync.py``): every
-actor rank gathers the weights in buckets; rank 0 copies them into a reused shared-memory staging file
-(``shm``, the same-node path) or puts each bucket into the object store as numpy arrays (``store``, the
-cross-node path, reported as ``store_*``) and returns a descriptor / the references; the rollout reads
-the buckets itself and copies them into its live weights. The time is the driver's wall time of the whole sync (both remote calls); bytes are the
-tensor bytes synced. memcpy: copying a buffer of the same size into an existing buffer in this process
-(``torch.Tensor.copy_``, 1 thread, best of 3), measured right before each sync; ``fraction_of_memcpy`` is
-memcpy time / sync time of the best pair (``_median``: the median pair), ``memcpy_bytes_per_s`` the best
-memcpy seen.
+cluster. One sync is what the trainer does (``Roles.sync_weights`` with a transport of
+``trainers/weight_sync.py``, one instance per process): every actor rank runs ``publish`` (the ranks gather
+the weights in buckets) and rank 0 returns a handle; every rollout rank runs ``load`` with it. Transports:
+``shm`` (the same-node path: rank 0 copies the buckets into a reused shared-memory staging file, the
+handle is its path and layout) and ``store`` (the cross-node path, reported as ``store_*``: rank 0 puts
+each bucket into the object store as numpy arrays, the handle is the references); the rollout reads the
+buckets itself and copies them into its live weights. The time is the driver's wall time of the whole
+sync (both remote calls); bytes are the tensor bytes synced. memcpy: copying a buffer of the same size into
+an existing buffer in this process (``torch.Tensor.copy_``, 1 thread, best of 3), measured right before
+each sync; ``fraction_of_memcpy`` is memcpy time / sync time of the best pair (``_median``: the median
+pair), ``memcpy_bytes_per_s`` the best memcpy seen.
 
-A sync makes at least two copies (into the staging memory, then into the rollout's weights), so one
-memcpy is a hard ceiling and 0.5 the best a two-copy design can do.
+A sync makes two copies (into the staging memory, then into the rollout's weights), so one memcpy is a
+hard ceiling and 0.5 the best a two-copy design can do. ``rehomed``: whether the ``shm`` transport
+re-homed the actor's parameters into its staging file (a single-rank actor without LoRA that offers
+``rehome_parameters``); then the actor side copies nothing and one copy is left.
 
 ``lora_bytes_ratio``: bytes of one LoRA sync (rank 8 on q,k,v,o,gate,up,down: the adapters and their
 scales, what ``ActorWorker.weight_buckets`` sends after the first sync) over the full sync's bytes.
@@ -32,8 +36,40 @@ import time
 
 import torch
 
+from hybridrl.training.buckets import BUCKET_BYTES
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def transport_of(worker, name: str, bucket_bytes: int = 0):
+    """This process's transport ``name``, kept on the worker between syncs (a staging file is reused)."""
+    from hybridrl.trainers.weight_sync import make_transport
+
+    held = worker.__dict__.setdefault("bench_transports", {})
+    if name not in held:
+        held[name] = make_transport(name, bucket_bytes or BUCKET_BYTES)
+    return held[name]
+
+
+def publish(worker, name: str, bucket_bytes: int, version: int):
+    """On every actor rank: rank 0 returns the handle."""
+    return transport_of(worker, name, bucket_bytes).publish(worker, version)
+
+
+def load(worker, name: str, handle, version: int) -> int:
+    """On every rollout rank."""
+    return transport_of(worker, name).load(worker.engine, handle, version)
+
+
+def is_rehomed(worker) -> bool:
+    shm = worker.__dict__.get("bench_transports", {}).get("shm")
+    return shm is not None and shm.rehomed
+
+
+def close_transports(worker) -> None:
+    for t in worker.__dict__.pop("bench_transports", {}).values():
+        t.close()
 
 
 def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
@@ -43,7 +79,7 @@ def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
     from hybridrl.workers import ActorWorker
 
     try:
-        from hybridrl.training import lora as L
+        from hybridrl.training import lora
 
         lcfg = load_config(
             Config,
@@ -52,7 +88,7 @@ def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
         )
         actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), lcfg, None)
         actor.weight_buckets()  # the first sync also sends the base weights
-        return L.sync_bytes(
+        return lora.sync_bytes(
             actor.weight_buckets()
         ) / full_bytes, "measured: ActorWorker(lora_rank=8).weight_buckets() after the first sync"
     except Exception as exc:  # LoRA not available: count rank-8 adapter parameters on the targets
@@ -84,7 +120,6 @@ def main() -> None:
 
     from hybridrl.config import Config, load_config
     from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
-    from hybridrl.trainers import weight_sync
     from hybridrl.workers import ActorWorker, RolloutWorker
 
     cfg = load_config(Config, None, [f"model.name={args.model}", "controller.num_threads=1"])
@@ -105,16 +140,12 @@ def main() -> None:
     )
     bucket_bytes = args.bucket_mb << 20
 
-    paths = {
-        "shm": (weight_sync.publish_shared, weight_sync.load_shared),
-        "store": (weight_sync.publish, weight_sync.load_published),
-    }
+    transports = ("shm", "store")
 
     def one_sync(version: int, transport: str) -> float:
-        publish, load = paths[transport]
         t0 = time.perf_counter()
-        handle = actor.apply_all(publish, bucket_bytes)[0]
-        rollout.apply_all(load, handle, version)
+        handle = actor.apply_all(publish, transport, bucket_bytes, version)[0]
+        rollout.apply_all(load, transport, handle, version)
         dt = time.perf_counter() - t0
         del handle
         return dt
@@ -135,7 +166,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     times, fractions, memcpys = {}, {}, []
-    for transport in paths:
+    for transport in transports:
         one_sync(0, transport)  # warm-up: connections, first touch of the staging pages
         times[transport], fractions[transport] = [], []
         for v in range(1, args.repeats + 1):
@@ -144,7 +175,9 @@ def main() -> None:
             memcpys.append(m)
             times[transport].append(t)
             fractions[transport].append(m / t)
-    actor.apply_all(weight_sync.release_stage)
+    rehomed = any(actor.apply_all(is_rehomed))
+    for wg in (actor, rollout):
+        wg.apply_all(close_transports)
     for wg in (actor, rollout):
         if wg.world_size > 1:
             wg.close()
@@ -174,6 +207,7 @@ def main() -> None:
         }
     out |= {
         "transport": "shm (same node; store_*: object store, the cross-node path)",
+        "rehomed": rehomed,
         "lora_bytes_ratio": round(ratio, 5),
         "lora_bytes_ratio_source": source,
     }
