@@ -2,8 +2,8 @@
 
     python bench/weight_sync.py [--model small] [--repeats 5] [--bucket-mb 64] [--actor-ranks 1]
 
-The actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are separate Ray actors on a local
-cluster. One sync is what the trainer does (``Roles.sync_weights`` with a transport of
+The learner holding the actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are separate
+Ray actors on a local cluster. One sync is what the trainer does (``Roles.sync_weights`` with a transport of
 ``trainers/weight_sync.py``, one instance per process): every actor rank runs ``publish`` (the ranks gather
 the weights in buckets) and rank 0 returns a handle; every rollout rank runs ``load`` with it. Transports:
 ``shm`` (the same-node path: rank 0 copies the buckets into a reused shared-memory staging file, the
@@ -21,7 +21,7 @@ re-homed the actor's parameters into its staging file (a single-rank actor witho
 ``rehome_parameters``); then the actor side copies nothing and one copy is left.
 
 ``lora_bytes_ratio``: bytes of one LoRA sync (rank 8 on q,k,v,o,gate,up,down: the adapters and their
-scales, what ``ActorWorker.weight_buckets`` sends after the first sync) over the full sync's bytes.
+scales, what ``Learner.weight_buckets`` sends after the first sync) over the full sync's bytes.
 
 Prints one JSON object.
 """
@@ -59,7 +59,7 @@ def publish(worker, name: str, bucket_bytes: int, version: int):
 
 def load(worker, name: str, handle, version: int) -> int:
     """On every rollout rank."""
-    return transport_of(worker, name).load(worker.engine, handle, version)
+    return transport_of(worker, name).load(worker.backend, handle, version)
 
 
 def is_rehomed(worker) -> bool:
@@ -76,7 +76,7 @@ def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
     """Bytes of an adapter-only sync / bytes of a full sync, from a real LoRA actor when available."""
     from hybridrl.config import Config, load_config
     from hybridrl.controller import WorkerContext
-    from hybridrl.workers import ActorWorker
+    from hybridrl.workers import Learner
 
     try:
         from hybridrl.training import lora
@@ -86,11 +86,11 @@ def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
             None,
             [f"model.name={cfg.model.name}", "actor.lora_rank=8", "controller.num_threads=1"],
         )
-        actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), lcfg, None)
+        actor = Learner(WorkerContext(rank=0, world_size=1, role="learner", pool="p"), lcfg, None)
         actor.weight_buckets()  # the first sync also sends the base weights
         return lora.sync_bytes(
             actor.weight_buckets()
-        ) / full_bytes, "measured: ActorWorker(lora_rank=8).weight_buckets() after the first sync"
+        ) / full_bytes, "measured: Learner(lora_rank=8).weight_buckets() after the first sync"
     except Exception as exc:  # LoRA not available: count rank-8 adapter parameters on the targets
         from hybridrl.workers.common import load_model
 
@@ -120,14 +120,14 @@ def main() -> None:
 
     from hybridrl.config import Config, load_config
     from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
-    from hybridrl.workers import ActorWorker, RolloutWorker
+    from hybridrl.workers import Learner, RolloutWorker
 
     cfg = load_config(Config, None, [f"model.name={args.model}", "controller.num_threads=1"])
     init_ray(num_cpus=max(2, args.actor_ranks + 1))
     actor = WorkerGroup(
-        ActorWorker,
+        Learner,
         ResourcePool("train", workers_per_node=args.actor_ranks, cpus_per_worker=1),
-        role="actor",
+        role="learner",
         backend="ray",
         args=(cfg, None),
     )
