@@ -527,8 +527,3 @@ class Config:
                 "trainer.mode=async with controller.backend=ray: the rollout needs its own pool (rollout and "
                 "training run at the same time); map placement.rollout to a pool other than the learner's"
             )
-        if self.rollout.backend != "native":
-            raise ValueError(
-                f"trainer.mode=async streams requests through the native engine; rollout.backend is "
-                f"{self.rollout.backend!r}"
-            )

@@ -38,39 +38,20 @@ class Roles:
         default_factory=list
     )  # their placement groups, released at shutdown
     transport: str = "memory"  # weight sync: memory (one process), fused, shm (one node) or store
-    bucket_bytes: int = weight_sync.BUCKET_BYTES
 
     def __post_init__(self):
-        learner, rollout = self.learner, self.rollout
-        if learner is None:
-            return
-        if (
-            isinstance(learner, RoleView)
-            and isinstance(rollout, RoleView)
-            and learner.group is rollout.group
-        ):
-            self.transport = "fused"
-        elif learner.backend_name == "ray":
-            src, shm = learner.apply_all(weight_sync.where)[0]
-            same = shm and all(node == src for node, _ in rollout.apply_all(weight_sync.where))
-            self.transport = "shm" if same else "store"
+        if self.learner is not None:
+            self.transport = weight_sync.choose_transport(self.learner, self.rollout)
 
     def sync_weights(self, version: int) -> None:
-        """Learner -> rollout, bucketed and versioned (``trainers/weight_sync.py``: in memory, over the
-        colocated group, through a shared-memory staging file or through the object store)."""
-        learner, rollout, ws = self.learner, self.rollout, weight_sync
+        """Learner -> rollout, bucketed and versioned, through the transport each side holds
+        (``trainers/weight_sync.py``); the driver passes only the handle (in one colocated group, not even
+        that)."""
         if self.transport == "fused":
-            learner.group.apply_all(ws.sync_fused, version, self.bucket_bytes)
-        elif self.transport == "memory":
-            rollout.update_weights(learner.weight_buckets(self.bucket_bytes)[0], version)
-        else:
-            publish, load = (
-                (ws.publish_shared, ws.load_shared)
-                if self.transport == "shm"
-                else (ws.publish, ws.load_published)
-            )
-            handle = learner.apply_all(publish, self.bucket_bytes)[0]
-            rollout.apply_all(load, handle, version)
+            self.learner.group.apply_all(sync_colocated, version)
+            return
+        handle = self.learner.publish_weights(self.transport, version)
+        self.rollout.load_weights(self.transport, handle, version)
 
     def shutdown(self) -> None:
         """Close every role, stop every group and release every pool, even past failures (a dead rank, a
@@ -105,6 +86,14 @@ class Roles:
             for later in errors[1:]:
                 errors[0].add_note(f"also failed during shutdown: {type(later).__name__}: {later}")
             raise errors[0]
+
+
+def sync_colocated(worker: ColocatedWorker, version: int) -> int:
+    """On every rank of a colocated group: the learner publishes, the rollout beside it loads (rank 0's
+    buckets in memory, broadcast over the process group to the other ranks)."""
+    learner, rollout = worker.parts["learner"], worker.parts["rollout"]
+    handle = learner.publish_weights("fused", version)
+    return rollout.load_weights("fused", handle, version)
 
 
 def _group_of(role: WorkerGroup | RoleView) -> WorkerGroup:

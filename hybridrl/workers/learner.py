@@ -43,6 +43,7 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
+from hybridrl.trainers import weight_sync
 from hybridrl.trainers.metrics import batch_metrics, mean_over_ranks, staleness_metrics
 from hybridrl.trainers.shaping import RewardShaper
 from hybridrl.training import distributed
@@ -158,6 +159,9 @@ class Learner(Worker):
         self.critic = Critic(cfg, critic_from, self.dist) if needs_critic(cfg) else None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.timer = PhaseTimer()
+        self.transports: dict[
+            str, weight_sync.WeightTransport
+        ] = {}  # weight sync, by name, built on first use
 
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
@@ -339,6 +343,21 @@ class Learner(Worker):
             self._base_synced |= with_base
         return buckets if self.rank == 0 else []
 
+    @register(Dispatch.ALL_FIRST)
+    def publish_weights(self, transport: str, version: int):
+        """Every rank: hand the weights to this learner's ``transport`` (``trainers/weight_sync.py``); the
+        handle the rollout loads from (rank 0)."""
+        if transport not in self.transports:
+            self.transports[transport] = weight_sync.make_transport(transport)
+        return self.transports[transport].publish(self, version)
+
+    def rehome_parameters(self, stage):
+        """Move the parameters into a shared-memory staging file (the ``shm`` transport's zero-copy sync)."""
+        return weight_sync.rehome(self.model, stage)
+
+    def unhome_parameters(self, stage) -> None:
+        weight_sync.unhome(self.model, stage)
+
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded model
@@ -400,5 +419,8 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
-        """Leave the process group (barrier first); the learner is unusable afterwards."""
+        """Release the weight-sync transports (staging files) and leave the process group (barrier first);
+        the learner is unusable afterwards."""
+        for transport in self.transports.values():
+            transport.close()
         distributed.teardown_distributed()

@@ -7,6 +7,7 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.protocol import Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
+from hybridrl.trainers import weight_sync
 from hybridrl.workers.common import load_model, make_task
 from hybridrl.workers.reward import Scorer
 from hybridrl.workers.rollout_stream import RolloutStream
@@ -20,6 +21,9 @@ class RolloutWorker(Worker):
         self.backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, self.tokenizer, cfg.rollout)
         self.scorer = Scorer(cfg, self.tokenizer)
         self.stream: RolloutStream | None = None
+        self.transports: dict[
+            str, weight_sync.WeightTransport
+        ] = {}  # weight sync, by name, built on first use
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
@@ -27,8 +31,18 @@ class RolloutWorker(Worker):
         return self.scorer(self.backend.generate(prompts, params))
 
     @register(Dispatch.ONE_TO_ALL)
-    def update_weights(self, buckets: list[list], version: int) -> int:
-        return self.backend.update_weights((item for bucket in buckets for item in bucket), version)
+    def load_weights(self, transport: str, handle, version: int) -> int:
+        """Load weights ``version`` from ``handle`` (what the learner's ``publish_weights`` returned) through
+        this worker's ``transport``; the number of tensors loaded."""
+        if transport not in self.transports:
+            self.transports[transport] = weight_sync.make_transport(transport)
+        return self.transports[transport].load(self.backend, handle, version)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def close(self) -> None:
+        """Release the weight-sync transports (mapped staging files)."""
+        for transport in self.transports.values():
+            transport.close()
 
     @register(Dispatch.ONE_TO_ALL)
     def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:
