@@ -3,15 +3,16 @@
     python bench/async_vs_sync.py [--quick] [--steps N] [--tasks w3,w1] [--ablation] [--out FILE]
 
 Both modes run in this one process, one after the other, from the same warm start (trained first and
-cached; it stops at the example's ``sft.target_accuracy``, so the accuracies start from the same level on any
-CPU; ``warm_start`` in each run's result records its steps and accuracy), with the same model, batch shape and
-number of trained samples:
+cached; it stops at the example's ``sft.target_accuracy``, so the accuracies start from the same
+level on any CPU; ``warm_start`` in each run's result records its steps and accuracy), with the same
+model, batch shape and number of trained samples:
 
 * sync:  ``trainer.mode=sync``, local backend, the whole machine for each phase in turn, with 1 and
   with 2 torch threads (``--sync-threads``); the faster of the two is the baseline;
 * async: ``trainer.mode=async``, Ray, the rollout on one core (1 thread), the learner with 1 thread
-  (the other core) and with 2 (it also takes the rollout core's idle time; ``--async-learner-threads``);
-  the faster of the two counts; decoupled PPO, ``asynchronous.max_staleness`` 1.
+  (the other core) and with 2 (it also takes the rollout core's idle time;
+  ``--async-learner-threads``); the faster of the two counts; decoupled PPO,
+  ``asynchronous.max_staleness`` 1.
 
 samples/s = trained samples / the steps' wall time (evaluation excluded); accuracy = sampled (T = 1)
 held-out accuracy after training. ``--ablation`` adds W3 runs with max_staleness 0, 1, 4, 8 under
@@ -35,14 +36,16 @@ EXAMPLES = {
 
 
 def async_layout(learner_threads: int = 1) -> list[str]:
-    """Ray: rollout + reward on one core (1 thread), the learner with ``learner_threads`` threads (2: it also
-    uses the time the rollout core idles, at the price of sharing a core while the rollout runs)."""
+    """Ray: the rollout (generation and scoring) on one core (1 thread), the learner with
+    ``learner_threads`` threads (2: it also uses the time the rollout core idles, at the price of
+    sharing a core while the rollout runs)."""
     return [
         "trainer.mode=async",
         "controller.backend=ray",
         "controller.num_threads=1",
-        f"controller.pools={{train: {{cpus_per_worker: 1, num_threads: {learner_threads}}}, gen: {{cpus_per_worker: 1}}}}",
-        "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}",
+        f"controller.pools={{train: {{cpus_per_worker: 1, num_threads: {learner_threads}}}, gen: "
+        f"{{cpus_per_worker: 1}}}}",
+        "controller.placement={learner: train, rollout: gen}",
     ]
 
 
@@ -99,7 +102,10 @@ def run(
             k: rec.get(k) for k in ("steps", "accuracy", "target_accuracy", "target_met")
         }
     if cfg.trainer.mode == "async":
-        mean = lambda k: sum(r.get(k, 0.0) for r in steps_rows) / len(steps_rows)  # noqa: E731
+
+        def mean(key: str) -> float:
+            return sum(r.get(key, 0.0) for r in steps_rows) / len(steps_rows)
+
         hist = sorted(
             {
                 k
@@ -141,7 +147,8 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--sync-disaggregated",
         action="store_true",
-        help="also run sync on async's placement (rollout and learner on one core each, taking turns)",
+        help="also run sync on async's placement "
+        "(rollout and learner on one core each, taking turns)",
     )
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -228,7 +235,8 @@ def main(argv=None) -> dict:
     for task in tasks:
         r = result[task]
         print(
-            f"{task:4}  {r['sync']['samples_per_s']:14.1f}  {r['async']['samples_per_s']:15.1f}  {r['speedup']:6.2f}x"
+            f"{task:4}  {r['sync']['samples_per_s']:14.1f}  {r['async']['samples_per_s']:15.1f}  "
+            f"{r['speedup']:6.2f}x"
             f"  {r['accuracy_sync']:8.3f}  {r['accuracy_async']:9.3f}",
             file=sys.stderr,
         )

@@ -1,52 +1,60 @@
-"""End to end: hybridrl's synchronous GRPO against TRL's ``GRPOTrainer`` on the same work, in one run.
+"""End to end: hybridrl's synchronous GRPO against TRL's ``GRPOTrainer`` on the same work, in one
+run.
 
     python bench/e2e.py [--quick] [--workloads w1_tiny,...] [--steps N] [--warmup N] [--threads N]
                         [--precision fp32|bf16] [--out FILE]
 
-Prints one JSON object (``w1_tiny.speedup_vs_trl`` is ``out["w1_tiny"]["speedup_vs_trl"]``, TRL s/step over
-hybridrl s/step) and a short table. Workloads (docs/workloads.md): ``w1_tiny`` / ``w1_small`` (W1, at most 16
-new tokens) and ``w1_long_tiny`` / ``w1_long_small`` (W1-long, at most 128), each from a *random-init* built-in
-model (no warm start). ``--quick`` runs the two tiny ones with few steps (about 5 minutes).
+Prints one JSON object (``w1_tiny.speedup_vs_trl`` is ``out["w1_tiny"]["speedup_vs_trl"]``, TRL
+s/step over hybridrl s/step) and a short table. Workloads (docs/workloads.md): ``w1_tiny`` /
+``w1_small`` (W1, at most 16 new tokens) and ``w1_long_tiny`` / ``w1_long_small`` (W1-long, at most
+128), each from a *random-init* built-in model (no warm start). ``--quick`` runs the two tiny ones
+with few steps (about 5 minutes).
 
 What both sides get:
 
-- the same weights: the built-in Qwen2 of that size from ``model.seed`` 0, saved once with W1's character
-  tokenizer to a temporary directory that both load (policy and reference);
-- the same prompts: W1's prompt stream (``ArithmeticTask(seed=0).prompt(i)``), step k takes prompts 32k..32k+31
-  on both sides (TRL: a ``datasets.Dataset`` with a "prompt" column, ``shuffle_dataset=False``). Both tokenizers
-  add ``<bos>``; each side records the prompt ids it fed the model and the JSON says whether they are identical;
-- the same step: 32 prompts x 8 samples, temperature 1.0, top-p 1.0, top-k off, eos honoured, at most 16 / 128
-  new tokens; GRPO advantages (group mean and std); clip 0.2; KL to the reference, k3 estimator, coefficient
-  0.04 in the loss; loss averaged over every response token of the 256 samples (hybridrl ``token-mean``, TRL
-  ``loss_type="dapo"``); one AdamW step per RL step (``torch.optim.AdamW``, lr 1e-5, no weight decay, constant
-  rate, no warm-up, grad-norm clip 1.0); reward: exact match of the sum followed by ``<eos>``;
-- the same threads: each side runs in its own fresh process with ``torch.set_num_threads(--threads)``
-  (default 2), one after the other, the side that goes first alternating per workload;
+- the same weights: the built-in Qwen2 of that size from ``model.seed`` 0, saved once with W1's
+  character tokenizer to a temporary directory that both load (policy and reference);
+- the same prompts: W1's prompt stream (``ArithmeticTask(seed=0).prompt(i)``), step k takes prompts
+  32k..32k+31 on both sides (TRL: a ``datasets.Dataset`` with a "prompt" column,
+  ``shuffle_dataset=False``). Both tokenizers add ``<bos>``; each side records the prompt ids it fed
+  the model and the JSON says whether they are identical;
+- the same step: 32 prompts x 8 samples, temperature 1.0, top-p 1.0, top-k off, eos honoured, at
+  most 16 / 128 new tokens; GRPO advantages (group mean and std); clip 0.2; KL to the reference, k3
+  estimator, coefficient 0.04 in the loss; loss averaged over every response token of the 256
+  samples (hybridrl ``token-mean``, TRL ``loss_type="dapo"``); one AdamW step per RL step
+  (``torch.optim.AdamW``, lr 1e-5, no weight decay, constant rate, no warm-up, grad-norm clip 1.0);
+  reward: exact match of the sum followed by ``<eos>``;
+- the same threads: each side runs in its own fresh process with
+  ``torch.set_num_threads(--threads)`` (default 2), one after the other, the side that goes first
+  alternating per workload;
 - no evaluation, checkpoint, logging or progress bar inside the timed steps.
 
 Differences that remain (each framework's own way of doing the same step):
 
-- generation: hybridrl's native engine (paged KV cache, continuous batching, prefix cache shared by a group's 8
-  samples) against TRL's transformers ``generate`` on one padded batch of 256 (TRL's default without vLLM);
-- old log-probs: with one optimizer step per batch TRL skips the old-policy forward (the ratio is 1 by
-  construction); hybridrl skips it too where the checkout has ``actor.reuse_old_log_probs`` (``auto``), and
-  otherwise runs it (then ``old_log_prob`` appears in ``hybridrl.phases``);
-- micro-batches: hybridrl packs samples by length within ``actor.micro_batch_tokens`` (8192); TRL takes
-  ``--trl-micro-batch`` samples per forward (default: the largest power of two whose padded worst case,
-  (prompt + max new tokens) x batch, fits the same 8192 tokens: 256 at 16 tokens, 32 at 128), with gradient
-  accumulation up to 256;
-- sampled tokens differ (each side's own random streams), so response lengths, and with them the work, vary
-  from step to step; ``response_length`` records each side's mean;
+- generation: hybridrl's native engine (paged KV cache, continuous batching, prefix cache shared by
+  a group's 8 samples) against TRL's transformers ``generate`` on one padded batch of 256 (TRL's
+  default without vLLM);
+- old log-probs: with one optimizer step per batch TRL skips the old-policy forward (the ratio is 1
+  by construction); hybridrl skips it too where the checkout has ``actor.reuse_old_log_probs``
+  (``auto``), and otherwise runs it (then ``old_log_prob`` appears in ``hybridrl.phases``);
+- micro-batches: hybridrl packs samples by length within ``actor.micro_batch_tokens`` (8192); TRL
+  takes ``--trl-micro-batch`` samples per forward (default: the largest power of two whose padded
+  worst case, (prompt + max new tokens) x batch, fits the same 8192 tokens: 256 at 16 tokens, 32 at
+  128), with gradient accumulation up to 256;
+- sampled tokens differ (each side's own random streams), so response lengths, and with them the
+  work, vary from step to step; ``response_length`` records each side's mean;
 - hybridrl's PPO loss has a dual clip (3.0) that never binds on-policy; TRL has none;
-- bf16 (``--precision bf16``): TRL ``bf16=True``, bf16 autocast over fp32 weights for every forward, generation
-  included; hybridrl ``fsdp.mixed_precision=bf16`` (on a CPU: bf16 autocast over fp32 weights for the actor and
-  the reference) and ``rollout.dtype=bf16`` (the engine's weights and KV cache in bf16). The JSON records each
-  side's precision as reported (``hybridrl.precision_notes``, ``trl.precision_note``).
+- bf16 (``--precision bf16``): TRL ``bf16=True``, bf16 autocast over fp32 weights for every forward,
+  generation included; hybridrl ``fsdp.mixed_precision=bf16`` (on a CPU: bf16 autocast over fp32
+  weights for the actor and the reference) and ``rollout.dtype=bf16`` (the engine's weights and KV
+  cache in bf16). The JSON records each side's precision as reported (``hybridrl.precision_notes``,
+  ``trl.precision_note``).
 
-s/step: the median over the timed steps (warm-up steps excluded) of each step's wall time: hybridrl's
-``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin`` and ``on_step_end`` of a
-``TrainerCallback``. ``cpu_s_per_step`` / ``speedup_vs_trl_cpu_time``: the same with the process's CPU seconds,
-steadier than wall time on a shared machine when each side has one thread. Phases: hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
+s/step: the median over the timed steps (warm-up steps excluded) of each step's wall time:
+hybridrl's ``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin`` and
+``on_step_end`` of a ``TrainerCallback``. ``cpu_s_per_step`` / ``speedup_vs_trl_cpu_time``: the same
+with the process's CPU seconds, steadier than wall time on a shared machine when each side has one
+thread. Phases: hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
 wrapping the trainer's own methods, ``update`` is the rest of the step.
 """
 
@@ -78,7 +86,7 @@ PROMPTS, G, BETA, LR, CLIP, MICRO_TOKENS = 32, 8, 0.04, 1e-5, 0.2, 8192
 PROMPT_LEN = 8  # longest W1 prompt: <bos> + "999+999="
 
 
-# --- pure helpers (tested without TRL) -----------------------------------------------------------------
+# --- pure helpers (tested without TRL) ------------------------------------------------------------
 def w1_prompts(count: int, seed: int = 0) -> list[tuple[str, str]]:
     """(prompt text, answer) of W1's training stream, in the order hybridrl's trainer takes them."""
     from hybridrl.tasks.arithmetic import ArithmeticTask
@@ -88,7 +96,8 @@ def w1_prompts(count: int, seed: int = 0) -> list[tuple[str, str]]:
 
 
 def trl_micro_batch(max_new: int, budget: int = MICRO_TOKENS, batch: int = PROMPTS * G) -> int:
-    """Samples per TRL forward: the largest power of two (at most ``batch``) whose padded worst case fits ``budget``."""
+    """Samples per TRL forward: the largest power of two (at most ``batch``) whose padded worst case
+    fits ``budget``."""
     n = 1
     while n * 2 <= batch and n * 2 * (PROMPT_LEN + max_new) <= budget:
         n *= 2
@@ -137,8 +146,9 @@ def hybridrl_overrides(
 
 
 def known_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """(the overrides whose key this checkout's config schema has, the others): keys added by newer code
-    (``rollout.dtype``) are dropped, not failed on, so the bench runs on older checkouts too."""
+    """(the overrides whose key this checkout's config schema has, the others): keys added by newer
+    code (``rollout.dtype``) are dropped, not failed on, so the bench runs on older checkouts
+    too."""
     from hybridrl.config import Config
 
     section = lambda o: getattr(Config(), o.split(".")[0], None)  # noqa: E731
@@ -197,7 +207,8 @@ def median(xs: list[float]) -> float:
 
 
 def summarise(steps: list[dict], warmup: int) -> dict:
-    """s/step (median of the timed steps) and each phase's median, from per-step rows {"step": s, phase: s, ...}."""
+    """s/step (median of the timed steps) and each phase's median, from per-step rows {"step": s,
+    phase: s, ...}."""
     timed = steps[warmup:]
     phases = sorted({k for r in timed for k in r} - {"step", "cpu", "response_length"})
     return {
@@ -243,7 +254,7 @@ def commit() -> tuple[str, list[str]]:
         return "unknown", []
 
 
-# --- the two sides (each in its own process) ------------------------------------------------------------
+# --- the two sides (each in its own process) ------------------------------------------------------
 def save_model(size: str, seed: int, path: Path) -> None:
     from transformers.utils import logging as hf_logging
 
@@ -323,7 +334,8 @@ def run_hybridrl(spec: dict) -> dict:
         steps.append(row)
     if spec["precision"] == "bf16" and not any("bf16" in n for n in notes):
         notes.append(
-            "fsdp.mixed_precision=bf16 was passed but no role reported bf16: this checkout has no CPU bf16 for a "
+            "fsdp.mixed_precision=bf16 was passed but no role reported bf16: this checkout has no "
+            "CPU bf16 for a "
             "single-process actor, so hybridrl trained in fp32"
         )
     return {
@@ -422,7 +434,8 @@ def run_trl(spec: dict) -> dict:
         trainer.model, "_original_forward"
     )  # accelerate wraps forward in bf16 autocast (generate too)
     note = (
-        f"bf16=True: autocast over fp32 weights ({'generation included' if autocast else 'forward not wrapped'})"
+        "bf16=True: autocast over fp32 weights "
+        f"({'generation included' if autocast else 'forward not wrapped'})"
         if spec["precision"] == "bf16"
         else "fp32"
     )
@@ -585,13 +598,15 @@ def main(argv=None) -> dict:
     if args.out:
         Path(args.out).write_text(text)
     print(
-        f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8} {'(CPU time)':>10}  same prompt ids",
+        f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8} "
+        f"{'(CPU time)':>10}  same prompt ids",
         file=sys.stderr,
     )
     for name in names:
         r = out[name]
         print(
-            f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} {r['speedup_vs_trl']:7.2f}x "
+            f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} "
+            f"{r['speedup_vs_trl']:7.2f}x "
             f"{r['speedup_vs_trl_cpu_time']:9.2f}x  {r['identical_prompt_ids']}",
             file=sys.stderr,
         )

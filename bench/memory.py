@@ -78,7 +78,8 @@ def _trim():
 
 
 class LiveTensorPeak:
-    """Peak of the summed bytes of live tensor storages seen by the dispatcher (plus those registered)."""
+    """Peak of the summed bytes of live tensor storages seen by the dispatcher (plus those
+    registered)."""
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -328,7 +329,8 @@ def main(argv=None) -> int:
     }
     print(json.dumps(report))
     print(
-        f"\n{'tokens':>7} {'AC':>3} {'estimate':>10} {'rss peak':>10} {'rss glibc':>10} {'tensor pk':>10} "
+        f"\n{'tokens':>7} {'AC':>3} {'estimate':>10} {'rss peak':>10} {'rss glibc':>10} "
+        f"{'tensor pk':>10} "
         f"{'est/rss':>8} {'est/glibc':>9} {'est/tens':>8}",
         file=sys.stderr,
     )
@@ -336,8 +338,10 @@ def main(argv=None) -> int:
         m = r["measured"]
         print(
             f"{r['micro_batch_tokens']:>7} {'on' if r['activation_checkpointing'] else 'off':>3} "
-            f"{human(r['estimate']['total']):>10} {human(m['rss_peak']):>10} {human(m['rss_peak_glibc_default']):>10} "
-            f"{human(m.get('tensor_peak')):>10} {r['ratio']:>8.3f} {r['ratio_glibc_default']:>9.3f} "
+            f"{human(r['estimate']['total']):>10} {human(m['rss_peak']):>10} "
+            f"{human(m['rss_peak_glibc_default']):>10} "
+            f"{human(m.get('tensor_peak')):>10} {r['ratio']:>8.3f} "
+            f"{r['ratio_glibc_default']:>9.3f} "
             f"{r.get('ratio_tensor_peak', float('nan')):>8.3f}",
             file=sys.stderr,
         )

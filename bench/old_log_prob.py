@@ -1,18 +1,20 @@
-"""Old log-probs from the update's own forward against a separate pass: step time of the default job.
+"""Old log-probs from the update's own forward against a separate pass: step time of the default
+job.
 
     python bench/old_log_prob.py [--steps 10] [--warmup 2] [--out FILE] [key=value ...]
 
 The default job (W1, tiny Qwen2, 32 prompts x 8 samples: the config's defaults) with
-``actor.ppo_minibatch_size=256``: one optimizer step per batch, on-policy, so ``actor.reuse_old_log_probs:
-auto`` takes the old log-probs from the update's forward and ``never`` runs the separate pass. One session
-(warm start, roles, evaluation before training) then runs the driver's step (collect, learn, weight sync) with
-the two settings alternating step by step (auto, never, never, auto, auto, never, ...): both see the same
-machine load and the same policy, since the two give the same weights bit for bit
-(``tests/test_reuse_old_log_probs.py``). The first ``--warmup`` steps are not counted, then ``--steps``
-of each. Extra ``key=value`` arguments override the config (e.g. ``sft.steps=50`` for a quick run).
+``actor.ppo_minibatch_size=256``: one optimizer step per batch, on-policy, so
+``actor.reuse_old_log_probs: auto`` takes the old log-probs from the update's forward and ``never``
+runs the separate pass. One session (warm start, roles, evaluation before training) then runs the
+driver's step (collect, learn, weight sync) with the two settings alternating step by step (auto,
+never, never, auto, auto, never, ...): both see the same machine load and the same policy, since the
+two give the same weights bit for bit (``tests/test_reuse_old_log_probs.py``). The first
+``--warmup`` steps are not counted, then ``--steps`` of each. Extra ``key=value`` arguments override
+the config (e.g. ``sft.steps=50`` for a quick run).
 
-Prints one JSON object: per setting the median step time and the median ``old_log_prob`` and ``update``
-phases, and ``step_ratio`` = median step (never) / median step (auto).
+Prints one JSON object: per setting the median step time and the median ``old_log_prob`` and
+``update`` phases, and ``step_ratio`` = median step (never) / median step (auto).
 """
 
 from __future__ import annotations

@@ -2,25 +2,27 @@
 
 Prints one JSON object and a small table. Parts (``--only``):
 
-- ``probe``: the CPU's bf16 flag, an n x n matmul in bf16 against fp32, and what ``auto`` picks for the
-  built-in sizes (``training/precision.py``: one measured decoder layer, forward + backward for training,
-  forward only for the rollout), with the measured gains.
-- ``step``: W1 tiny and small, one actor ``update_policy`` (forward + backward + AdamW; 32 prompts x 8
-  samples, 10 prompt + 16 response tokens, 4 mini-batches of 64) and one ``compute_log_prob`` pass, fp32
-  against bf16 autocast. Variants alternate, ``--reps`` rounds, medians.
-- ``engine``: the native engine's throughput, fp32 against bf16 weights and KV (``rollout.dtype``): 32
-  prompts x 8 samples, 16 new tokens (W1) and 128 new tokens (decode-heavy), eos ignored; decode tokens/s
-  (decode-only steps) and tokens/s of the whole generation. Alternating, medians.
-- ``runs``: the default job (``examples/arith_grpo.yaml``) for ``--steps`` RL steps from the same cached warm
-  start, with training / rollout precision fp32/fp32, bf16/bf16, bf16/fp32 and fp32/bf16: held-out accuracy
-  after (sampled and greedy), wall time, and the train-rollout log-prob gap (``rollout_corr/logp_gap_mean``,
-  ``rollout_corr/kl_k3``, mean over steps). Subprocesses (``--run-threads`` torch threads each), one after
-  another or, with ``--parallel``, at once; evaluation before and after only; logs under ``--workdir``.
+- ``probe``: the CPU's bf16 flag, an n x n matmul in bf16 against fp32, and what ``auto`` picks for
+  the built-in sizes (``training/precision.py``: one measured decoder layer, forward + backward for
+  training, forward only for the rollout), with the measured gains.
+- ``step``: W1 tiny and small, one actor ``update_policy`` (forward + backward + AdamW; 32 prompts x
+  8 samples, 10 prompt + 16 response tokens, 4 mini-batches of 64) and one ``compute_log_prob``
+  pass, fp32 against bf16 autocast. Variants alternate, ``--reps`` rounds, medians.
+- ``engine``: the native engine's throughput, fp32 against bf16 weights and KV (``rollout.dtype``):
+  32 prompts x 8 samples, 16 new tokens (W1) and 128 new tokens (decode-heavy), eos ignored; decode
+  tokens/s (decode-only steps) and tokens/s of the whole generation. Alternating, medians.
+- ``runs``: the default job (``examples/arith_grpo.yaml``) for ``--steps`` RL steps from the same
+  cached warm start, with training / rollout precision fp32/fp32, bf16/bf16, bf16/fp32 and
+  fp32/bf16: held-out accuracy after (sampled and greedy), wall time, and the train-rollout log-prob
+  gap (``rollout_corr/logp_gap_mean``, ``rollout_corr/kl_k3``, mean over steps). Subprocesses
+  (``--run-threads`` torch threads each), one after another or, with ``--parallel``, at once;
+  evaluation before and after only; logs under ``--workdir``.
 
-The machine may be shared: every timing alternates its variants so that a change in load hits both alike.
+The machine may be shared: every timing alternates its variants so that a change in load hits both
+alike.
 
-Usage: ``python bench/precision.py [--only probe,step,engine,runs] [--threads 1] [--reps 3] [--steps 60]
-[--parallel] [--out FILE] [key=value ...]`` (the overrides go to the default-job runs).
+Usage: ``python bench/precision.py [--only probe,step,engine,runs] [--threads 1] [--reps 3] [--steps
+60] [--parallel] [--out FILE] [key=value ...]`` (the overrides go to the default-job runs).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ sys.path.insert(0, str(ROOT))
 from hybridrl.config import Config, RolloutConfig  # noqa: E402
 from hybridrl.controller import WorkerContext  # noqa: E402
 from hybridrl.models.factory import build_model  # noqa: E402
-from hybridrl.protocol import Batch  # noqa: E402
-from hybridrl.rollout import GenerationRequest, SamplingParams  # noqa: E402
+from hybridrl.protocol import Batch, Sample  # noqa: E402
+from hybridrl.rollout import SamplingParams  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
 from hybridrl.tasks.tokenizer import build_char_tokenizer  # noqa: E402
 from hybridrl.training import precision as training_precision  # noqa: E402
@@ -74,7 +76,7 @@ def alternate(fns: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-# --- probe -------------------------------------------------------------------------------------------------
+# --- probe ----------------------------------------------------------------------------------------
 def probe() -> dict:
     out = {
         "cpu_bf16": training_precision.cpu_bf16_support(),
@@ -93,7 +95,7 @@ def probe() -> dict:
     return out
 
 
-# --- training step -----------------------------------------------------------------------------------------
+# --- training step --------------------------------------------------------------------------------
 def w1_batch(vocab: int, rows: int = 256, p_len: int = 10, r_len: int = 16, seed: int = 0) -> Batch:
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab, (rows, p_len), generator=g)
@@ -153,11 +155,11 @@ def _generate_and_record(engine, reqs: list, params: SamplingParams, stats: list
     stats.append(engine.stats())
 
 
-# --- engine ------------------------------------------------------------------------------------------------
+# --- engine ---------------------------------------------------------------------------------------
 def engine(reps: int) -> dict:
     rng = random.Random(0)
     prompts = [TOK(f"{rng.randint(0, 999)}+{rng.randint(0, 999)}=")["input_ids"] for _ in range(32)]
-    reqs = [GenerationRequest(f"r{i}", p) for i, p in enumerate(prompts)]
+    reqs = [Sample(prompt_ids=p, uid=f"r{i}") for i, p in enumerate(prompts)]
     out = {}
     for size in SIZES:
         model = build_model(size, TOK, 0)
@@ -226,13 +228,13 @@ def _train_command(
     ]
 
 
-# --- the default job ---------------------------------------------------------------------------------------
+# --- the default job ------------------------------------------------------------------------------
 def runs(
     steps: int, threads: int, workdir: Path, variants: list[str], extra: list[str], parallel: bool
 ) -> dict:
-    """One short W1 run per variant from the same warm start (cached, or ``sft.checkpoint=`` in ``extra``; a run
-    trains it first when it is missing, so start with it cached). ``parallel``: all variants at once, so that
-    a shared machine's load hits them alike."""
+    """One short W1 run per variant from the same warm start (cached, or ``sft.checkpoint=`` in
+    ``extra``; a run trains it first when it is missing, so start with it cached). ``parallel``: all
+    variants at once, so that a shared machine's load hits them alike."""
     out = {}
     workdir.mkdir(parents=True, exist_ok=True)
     env = os.environ | {"OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
@@ -283,12 +285,14 @@ def table(out: dict) -> str:
     rows = []
     for size, r in out.get("step", {}).items():
         rows.append(
-            f"step {size:5s}  update fp32 {r['update_s_fp32']:.3f}s bf16 {r['update_s_bf16']:.3f}s  x{r['update_speedup']:.2f}   "
+            f"step {size:5s}  update fp32 {r['update_s_fp32']:.3f}s bf16 {r['update_s_bf16']:.3f}s "
+            f" x{r['update_speedup']:.2f}   "
             f"log-prob x{r['log_prob_speedup']:.2f}"
         )
     for k, r in out.get("engine", {}).items():
         rows.append(
-            f"engine {k:10s} decode tok/s fp32 {r['decode_tok_s_fp32']:.0f} bf16 {r['decode_tok_s_bf16']:.0f}  "
+            f"engine {k:10s} decode tok/s fp32 {r['decode_tok_s_fp32']:.0f} bf16 "
+            f"{r['decode_tok_s_bf16']:.0f}  "
             f"x{r['decode_speedup']:.2f}   whole x{r['speedup']:.2f}"
         )
     for k, r in out.get("runs", {}).items():
@@ -296,8 +300,10 @@ def table(out: dict) -> str:
             rows.append(f"run {k}: {r['error']}")
             continue
         rows.append(
-            f"run {k:24s} acc {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} (greedy {r['greedy_accuracy_after']:.3f})  "
-            f"gap {r['logp_gap_mean']:.4f} kl_k3 {r['kl_k3']:.2e}  update {r['update_s']:.2f}s  {r['wall_s']:.0f}s"
+            f"run {k:24s} acc {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} (greedy "
+            f"{r['greedy_accuracy_after']:.3f})  "
+            f"gap {r['logp_gap_mean']:.4f} kl_k3 {r['kl_k3']:.2e}  update {r['update_s']:.2f}s  "
+            f"{r['wall_s']:.0f}s"
         )
     return "\n".join(rows)
 

@@ -1,4 +1,5 @@
-"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``, ``distill-draft``.
+"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``,
+``distill-draft``.
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
     hybridrl export runs/arith_grpo/checkpoints/step_000200 exported_model
@@ -77,7 +78,8 @@ def check_plugins(cfg: Config) -> None:
 
 
 def export(argv: list[str]) -> int:
-    """``hybridrl export CHECKPOINT OUT_DIR``: a transformers-format directory (safetensors) from any checkpoint."""
+    """``hybridrl export CHECKPOINT OUT_DIR``: a transformers-format directory (safetensors) from
+    any checkpoint."""
     p = argparse.ArgumentParser(prog="hybridrl export", description=export.__doc__)
     p.add_argument(
         "checkpoint",
@@ -91,7 +93,8 @@ def export(argv: list[str]) -> int:
     ckpt = ckpt / "model" if (ckpt / "model").is_dir() else ckpt
     if not (ckpt / "config.json").is_file() and not (ckpt / "dcp").is_dir():
         print(
-            f"hybridrl: error: {args.checkpoint!r} is not a checkpoint (no config.json or dcp/ in {str(ckpt)!r})",
+            f"hybridrl: error: {args.checkpoint!r} is not a checkpoint (no config.json or dcp/ in "
+            f"{str(ckpt)!r})",
             file=sys.stderr,
         )
         return EXIT_CONFIG
@@ -100,8 +103,9 @@ def export(argv: list[str]) -> int:
 
 
 def distill_draft(argv: list[str]) -> int:
-    """``hybridrl distill-draft TARGET DRAFT OUT``: fit a speculative-decoding draft to its target (forward KL on
-    the target's samples of the task's prompts) and save it as a transformers checkpoint."""
+    """``hybridrl distill-draft TARGET DRAFT OUT``: fit a speculative-decoding draft to its target
+    (forward KL on the target's samples of the task's prompts) and save it as a transformers
+    checkpoint."""
     p = argparse.ArgumentParser(prog="hybridrl distill-draft", description=distill_draft.__doc__)
     p.add_argument("target", help="the target model's checkpoint directory")
     p.add_argument(
@@ -199,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         from hybridrl.trainers.sft import run_sft, warm_start_path
 
         print(
-            f"warm-start checkpoint written to {run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)}"
+            "warm-start checkpoint written to "
+            f"{run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)}"
         )
         return 0
     if args.command == "eval":

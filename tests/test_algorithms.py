@@ -1,5 +1,6 @@
-"""hybridrl/algorithms: advantage estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE) and their helpers, checked
-against values worked out by hand (the arithmetic is in the comments). Losses and KL are in test_losses.py."""
+"""hybridrl/algorithms: advantage estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE) and their
+helpers, checked against values worked out by hand (the arithmetic is in the comments). Losses and
+KL are in test_losses.py."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def adv(name, batch, c=None):
     return ADVANTAGES.get(name)(batch, c or cfg())["advantages"]
 
 
-# --- helpers ----------------------------------------------------------------------------------------
+# --- helpers --------------------------------------------------------------------------------------
 def test_token_level_scores_at_last_valid_token():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
     out = token_level_scores(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), mask)
@@ -64,7 +65,8 @@ def test_token_level_scores_at_last_valid_token():
 
 def test_masked_whiten_shift_mean_false_adds_the_mean_back():
     # valid [1, 2, 6]: mean 3, deviations -2 -1 3, unbiased var (4 + 1 + 9)/2 = 7, std 2.645751
-    # shift_mean=False (veRL/TRL): (x - 3)/2.645751 + 3 = [2.244071, 2.622036, 4.133893]; padding stays 0
+    # shift_mean=False (veRL/TRL): (x - 3)/2.645751 + 3 = [2.244071, 2.622036, 4.133893]; padding
+    #   stays 0
     x, m = torch.tensor([[1.0, 2.0, 6.0, 50.0]]), torch.tensor([[1, 1, 1, 0]])
     s = math.sqrt(7.0)
     assert masked_whiten(x, m, shift_mean=False)[0].tolist() == pytest.approx(
@@ -78,10 +80,11 @@ def test_masked_whiten_shift_mean_false_adds_the_mean_back():
 
 
 def test_whiten_shift_mean_reaches_the_estimators():
-    # reinforce_pp_baseline on scores [1, 0, 0, 0] (one group): centred [.75, -.25, -.25, -.25] on 1 token each,
-    # mean 0, unbiased var (.5625 + 3*.0625)/3 = .25, std .5 -> [1.5, -.5, -.5, -.5]; the mean is 0, so
-    # shift_mean=False changes nothing here. reinforce_pp on the same batch: G = scores, mean .25, var .25
-    # -> (G - .25)/.5 = [1.5, -.5, -.5, -.5], and + .25 with shift_mean=False.
+    # reinforce_pp_baseline on scores [1, 0, 0, 0] (one group): centred [.75, -.25, -.25, -.25] on 1
+    # token each, mean 0, unbiased var (.5625 + 3*.0625)/3 = .25, std .5 -> [1.5, -.5, -.5, -.5];
+    # the mean is 0, so shift_mean=False changes nothing here. reinforce_pp on the same batch: G =
+    # scores, mean .25, var .25 -> (G - .25)/.5 = [1.5, -.5, -.5, -.5], and + .25 with
+    # shift_mean=False.
     b = adv_batch([1, 0, 0, 0], ["g"] * 4, resp_len=1)
     assert adv("reinforce_pp", b)[:, 0].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-6)
     got = adv("reinforce_pp", b, cfg(whiten_shift_mean=False))[:, 0].tolist()
@@ -98,7 +101,8 @@ def test_whiten_shift_mean_reaches_the_estimators():
 
 
 def test_masked_whiten_by_hand():
-    # valid [1, 2, 3] (the 100 is padding): mean 2, unbiased var ((1)+(0)+(1))/2 = 1 -> [-1, 0, 1, 0]
+    # valid [1, 2, 3] (the 100 is padding): mean 2, unbiased var ((1)+(0)+(1))/2 = 1 -> [-1, 0, 1,
+    # 0]
     out = masked_whiten(torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1, 1, 1, 0]]))
     assert out[0].tolist() == pytest.approx([-1.0, 0.0, 1.0, 0.0], abs=1e-6)
     # one valid token: variance taken as 0 -> 0; none: all zero, no NaN
@@ -110,7 +114,7 @@ def test_masked_whiten_by_hand():
     ]
 
 
-# --- GRPO / Dr.GRPO -------------------------------------------------------------------------------------
+# --- GRPO / Dr.GRPO -------------------------------------------------------------------------------
 def test_grpo_hand_computed_group():
     # rewards [1, 0, 0, 1]: mean = 2/4 = 0.5
     # unbiased variance = ((.5)^2 * 4) / (4 - 1) = 1/3 -> std = 0.57735
@@ -139,7 +143,8 @@ def test_grpo_group_of_one_is_its_score():
 
 
 def test_grpo_groups_by_uid_not_position():
-    # interleaved: a, b, a, b. Group a = [1, 0] -> mean .5, unbiased std = sqrt(.5) = 0.70711 -> ±0.70711
+    # interleaved: a, b, a, b. Group a = [1, 0] -> mean .5, unbiased std = sqrt(.5) = 0.70711 ->
+    #   ±0.70711
     # group b = [3, 3] -> 0. Positional grouping into pairs would give different numbers.
     a = adv("grpo", adv_batch([1, 3, 0, 3], ["a", "b", "a", "b"]))
     assert torch.allclose(a[:, 0], torch.tensor([0.707107, 0.0, -0.707107, 0.0]), atol=1e-5)
@@ -171,7 +176,8 @@ def test_grpo_masked_tokens_get_zero():
 
 
 def test_grpo_sums_token_level_rewards():
-    # KL in the reward: token rewards [-.1, .2, 1] and [0, -.2, 0] -> scores 1.1 and -0.2 -> ±(0.65 / 0.919239) = ±0.707107
+    # KL in the reward: token rewards [-.1, .2, 1] and [0, -.2, 0] -> scores 1.1 and -0.2 -> ±(0.65
+    # / 0.919239) = ±0.707107
     tlr = torch.tensor([[-0.1, 0.2, 1.0], [0.0, -0.2, 0.0]])
     b = Batch({"token_level_rewards": tlr, "response_mask": torch.ones(2, 3)}, {"uid": ["g", "g"]})
     assert torch.allclose(adv("grpo", b)[:, 0], torch.tensor([0.707107, -0.707107]), atol=1e-5)
@@ -197,7 +203,7 @@ def test_compute_advantages_with_real_config():
     assert torch.equal(again["advantages"], out["advantages"])
 
 
-# --- RLOO ---------------------------------------------------------------------------------------------------
+# --- RLOO -----------------------------------------------------------------------------------------
 def test_rloo_by_hand():
     # group g [1, 0, 0, 1]: A_0 = 1 - (0 + 0 + 1)/3 = 2/3, A_1 = 0 - (1 + 0 + 1)/3 = -2/3
     # group h [2, 4]: 2 - 4 = -2, 4 - 2 = 2; singleton s [5]: no baseline -> 5
@@ -209,7 +215,7 @@ def test_rloo_by_hand():
     assert torch.equal(adv("rloo", adv_batch([3, 3, 3], ["g"] * 3)), torch.zeros(3, 3))
 
 
-# --- REINFORCE++ ---------------------------------------------------------------------------------------------
+# --- REINFORCE++ ----------------------------------------------------------------------------------
 def test_reinforce_pp_by_hand():
     # gamma 0.5. row 0 (3 tokens, score 1 at t=2): G = [0.25, 0.5, 1]
     #            row 1 (2 tokens, score 2 at t=1): G = [1, 2, (pad) 0]
@@ -224,10 +230,11 @@ def test_reinforce_pp_by_hand():
 
 
 def test_reinforce_pp_return_passes_through_masked_positions():
-    # multi-turn: mask [1, 1, 0, 0, 1, 1, (pad) 0], the two 0s at t=2,3 are tool tokens holding junk rewards 5 and 7.
-    # gamma .5, rewards [.1, 0, (5), (7), 0, 1, (9)]; a masked position adds nothing, does not discount, does not reset:
-    # G_5 = 1, G_4 = 0 + .5*1 = .5, G_3 = G_2 = 0 (masked, the running .5 passes through),
-    # G_1 = 0 + .5*.5 = .25, G_0 = .1 + .5*.25 = .225. (Resetting at the masked positions gave G_1 = 0, G_0 = .1.)
+    # multi-turn: mask [1, 1, 0, 0, 1, 1, (pad) 0], the two 0s at t=2,3 are tool tokens holding junk
+    # rewards 5 and 7. gamma .5, rewards [.1, 0, (5), (7), 0, 1, (9)]; a masked position adds
+    # nothing, does not discount, does not reset: G_5 = 1, G_4 = 0 + .5*1 = .5, G_3 = G_2 = 0
+    # (masked, the running .5 passes through), G_1 = 0 + .5*.5 = .25, G_0 = .1 + .5*.25 = .225.
+    # (Resetting at the masked positions gave G_1 = 0, G_0 = .1.)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0]])
     b = Batch(
         {
@@ -238,8 +245,9 @@ def test_reinforce_pp_return_passes_through_masked_positions():
     )
     out = ADVANTAGES.get("reinforce_pp")(b, cfg(gamma=0.5))
     assert out["returns"][0].tolist() == pytest.approx([0.225, 0.25, 0.0, 0.0, 0.5, 1.0, 0.0])
-    # whitening the valid [.225, .25, .5, 1]: mean 1.975/4 = .49375; deviations -.26875 -.24375 .00625 .50625
-    # squares .0722266 .0594141 .0000391 .2562891 = .3879688 -> unbiased var .1293229, std .3596149
+    # whitening the valid [.225, .25, .5, 1]: mean 1.975/4 = .49375; deviations -.26875 -.24375
+    # .00625 .50625 squares .0722266 .0594141 .0000391 .2562891 = .3879688 -> unbiased var .1293229,
+    # std .3596149
     std = math.sqrt(0.3879688 / 3)
     expected = [-0.26875 / std, -0.24375 / std, 0.0, 0.0, 0.00625 / std, 0.50625 / std, 0.0]
     assert out["advantages"][0].tolist() == pytest.approx(expected, abs=1e-5)
@@ -255,14 +263,16 @@ def test_reinforce_pp_baseline_by_hand():
     assert torch.allclose(adv("reinforce_pp_baseline", b), torch.tensor(expected), atol=1e-5)
 
 
-# --- GAE ---------------------------------------------------------------------------------------------------------
+# --- GAE ------------------------------------------------------------------------------------------
 def test_gae_by_hand():
-    # gamma .9, lam .5, mask [1, 1, 1, 0], r = [0, 0, 1, (pad) 9], V = [.5, .6, .8, (pad) 7]; V after t=2 is 0
+    # gamma .9, lam .5, mask [1, 1, 1, 0], r = [0, 0, 1, (pad) 9], V = [.5, .6, .8, (pad) 7]; V
+    #   after t=2 is 0
     # t=2: delta = 1 + .9*0 - .8 = .2                  A_2 = .2
     # t=1: delta = 0 + .9*.8 - .6 = .12                A_1 = .12 + .45*.2 = .21
     # t=0: delta = 0 + .9*.6 - .5 = .04                A_0 = .04 + .45*.21 = .1345
     # returns = A + V = [.6345, .81, 1.0, 0]
-    # whitening: mean .5445/3 = .1815; deviations -.047 .0285 .0185; squares sum .0033635 -> var .00168175
+    # whitening: mean .5445/3 = .1815; deviations -.047 .0285 .0185; squares sum .0033635 -> var
+    #   .00168175
     b = Batch(
         {
             "token_level_rewards": torch.tensor([[0.0, 0.0, 1.0, 9.0]]),
@@ -281,7 +291,8 @@ def test_gae_by_hand():
 
 def test_gae_skips_padded_positions():
     # gamma = lam = 1, mask [1, 0, 1], r [0, (pad) 5, 1], V [.5, (pad) 9, .8]
-    # t=2: delta = 1 - .8 = .2 -> A_2 = .2; t=1 padded: skipped; t=0: delta = 0 + .8 - .5 = .3 -> A_0 = .3 + .2 = .5
+    # t=2: delta = 1 - .8 = .2 -> A_2 = .2; t=1 padded: skipped; t=0: delta = 0 + .8 - .5 = .3 ->
+    #   A_0 = .3 + .2 = .5
     b = Batch(
         {
             "token_level_rewards": torch.tensor([[0.0, 5.0, 1.0]]),
@@ -310,12 +321,15 @@ def test_compute_advantages_adds_gae_returns():
     assert "advantages" in out and "values" in out
 
 
-# --- ReMax --------------------------------------------------------------------------------------------------------
+# --- ReMax ----------------------------------------------------------------------------------------
 def test_remax_by_hand():
-    # A_t = G_t - b(prompt), G_t = reward-to-go over valid tokens (gamma ignored), b from 'baseline_rewards'.
-    # row 0 (a): token rewards [-.1, .2, 1] (KL in the reward) -> G = [1.1, 1.2, 1.0]; b .5 -> [.6, .7, .5]
+    # A_t = G_t - b(prompt), G_t = reward-to-go over valid tokens (gamma ignored), b from
+    #   'baseline_rewards'.
+    # row 0 (a): token rewards [-.1, .2, 1] (KL in the reward) -> G = [1.1, 1.2, 1.0]; b .5 -> [.6,
+    #   .7, .5]
     # row 1 (a): [0, 0, (pad) 9], mask [1, 1, 0] -> G = [0, 0, 0]; b .5 -> [-.5, -.5, 0 (pad)]
-    # row 2 (a): [0, (tool token) 7, 1], mask [1, 0, 1] -> G = [1, 0, 1] (passes the hole); b .5 -> [.5, 0, .5]
+    # row 2 (a): [0, (tool token) 7, 1], mask [1, 0, 1] -> G = [1, 0, 1] (passes the hole); b .5 ->
+    #   [.5, 0, .5]
     # row 3 (b): outcome 2 at the end, b = 2 (greedy scored as well) -> 0 everywhere
     tlr = torch.tensor([[-0.1, 0.2, 1.0], [0.0, 0.0, 9.0], [0.0, 7.0, 1.0], [0.0, 0.0, 2.0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1], [1, 1, 1]])
@@ -347,10 +361,11 @@ def test_remax_without_baseline_column_names_it():
         adv("remax", adv_batch([1, 0], ["a", "a"]))
 
 
-# --- GRPO pass@k ------------------------------------------------------------------------------------------------
+# --- GRPO pass@k ----------------------------------------------------------------------------------
 def test_grpo_passk_by_hand():
     # group h [.2, .9, .5]: only the best (row 1) gets .9 - .5 = .4
-    #   std: mean 1.6/3 = .533333, deviations -.333333 .366667 -.033333, squares .111111 .134444 .001111 = .246667,
+    #   std: mean 1.6/3 = .533333, deviations -.333333 .366667 -.033333, squares .111111 .134444
+    #   .001111 = .246667,
     #   unbiased var .123333, std .351188 -> .4 / (.351188 + 1e-6) = 1.138986
     # group g [0, 1, .5, 1]: two best tie -> max - second = 0 for everyone
     b = adv_batch([0.2, 0, 0.9, 1, 0.5, 0.5, 1], ["h", "g", "h", "g", "h", "g", "g"])
@@ -368,11 +383,13 @@ def test_grpo_passk_rejects_a_group_of_one():
         adv("grpo_passk", adv_batch([1, 0, 1], ["g", "g", "s"]))
 
 
-# --- OPO -----------------------------------------------------------------------------------------------------------
+# --- OPO ------------------------------------------------------------------------------------------
 def test_opo_by_hand():
-    # group g: lengths [1, 2, 3], scores [1, 0, 1] -> b = (1*1 + 2*0 + 3*1) / 6 = 2/3 -> A = [1/3, -2/3, 1/3]
+    # group g: lengths [1, 2, 3], scores [1, 0, 1] -> b = (1*1 + 2*0 + 3*1) / 6 = 2/3 -> A = [1/3,
+    #   -2/3, 1/3]
     # (here the plain group mean is 2/3 too; group h tells the two baselines apart)
-    # group h: lengths [3, 1], scores [0, 1] -> b = (0 + 1) / 4 = .25 -> A = [-.25, .75] (mean baseline: .5)
+    # group h: lengths [3, 1], scores [0, 1] -> b = (0 + 1) / 4 = .25 -> A = [-.25, .75] (mean
+    #   baseline: .5)
     # singleton s: baseline 0 -> A = 2; group e: two empty rows -> nothing to train, 0 (no NaN)
     mask = [[1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
     b = adv_batch([1, 0, 1, 0, 1, 2, 5, 5], ["g", "g", "g", "h", "h", "s", "e", "e"], mask=mask)
@@ -392,7 +409,7 @@ def test_opo_by_hand():
     )
 
 
-# --- estimator requirements checked when the config loads ---------------------------------------------------------
+# --- estimator requirements checked when the config loads -----------------------------------------
 def test_config_rejects_what_an_estimator_cannot_get():
     from hybridrl.config import Config, ConfigError, load_config
 

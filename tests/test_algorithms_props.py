@@ -1,7 +1,7 @@
-"""Property tests (hypothesis) for hybridrl/algorithms: masks respected (padding zero, results independent of
-what padded positions hold), groups of size one, groups with equal rewards, all-masked rows, extreme
-log-ratios, and identities between the algorithms (GAE with lambda = gamma = 1, GSPO vs PPO, GSPO-token vs
-GSPO gradients, decoupled PPO vs PPO, micro-batch aggregation)."""
+"""Property tests (hypothesis) for hybridrl/algorithms: masks respected (padding zero, results
+independent of what padded positions hold), groups of size one, groups with equal rewards,
+all-masked rows, extreme log-ratios, and identities between the algorithms (GAE with lambda = gamma
+= 1, GSPO vs PPO, GSPO-token vs GSPO gradients, decoupled PPO vs PPO, micro-batch aggregation)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def has_singleton(uids: list) -> bool:
 
 
 def estimators_for(batch):
-    """ESTIMATORS that accept ``batch``; an estimator with ``min_group_size`` must reject smaller groups (and does)."""
+    """ESTIMATORS that accept ``batch``; an estimator with ``min_group_size`` must reject smaller
+    groups (and does)."""
     out = []
     for name in ESTIMATORS:
         if getattr(ADVANTAGES.get(name), "min_group_size", 1) > 1 and has_singleton(batch["uid"]):
@@ -134,7 +135,7 @@ def estimators_for(batch):
     return out
 
 
-# --- advantages ----------------------------------------------------------------------------------------------
+# --- advantages -----------------------------------------------------------------------------------
 @SETTINGS
 @given(adv_batches(), st.integers(0, 1000))
 def test_advantages_zero_on_padding_and_blind_to_it(batch, seed):
@@ -195,7 +196,8 @@ def test_groups_with_equal_rewards_get_zero(mask, group_scores, data):
         {"token_level_rewards": token_level_scores(scores, mask), "response_mask": mask},
         {"uid": uids},
     )
-    # rows that cannot hold their reward (empty) carry a score of 0 into their group: give them their own group
+    # rows that cannot hold their reward (empty) carry a score of 0 into their group: give them
+    # their own group
     nonempty = mask.bool().any(-1)
     b = Batch(
         b.tensors,
@@ -248,8 +250,8 @@ def test_gae_lambda_gamma_one_is_reward_to_go_minus_value(batch):
     rtg = r.flip(-1).cumsum(-1).flip(-1) * m
     assert torch.allclose(out["returns"], rtg, atol=1e-5)
     assert torch.allclose(out["advantages"], masked_whiten(rtg - v, m), atol=1e-4)
-    # REINFORCE++ with gamma 1 gives the same reward-to-go, for any mask: a masked position inside a row passes the
-    # running return through (rewards there are not counted), so holes change nothing
+    # REINFORCE++ with gamma 1 gives the same reward-to-go, for any mask: a masked position inside a
+    # row passes the running return through (rewards there are not counted), so holes change nothing
     assert torch.allclose(est("reinforce_pp", batch, gamma=1.0)["returns"], rtg, atol=1e-5)
     # and ReMax is that reward-to-go minus the prompt's greedy reward, on valid tokens only
     remax = est("remax", batch, gamma=0.3)  # gamma is not used by ReMax
@@ -292,7 +294,7 @@ def test_token_level_scores_and_whiten(mask, seed):
         assert vals.var().item() == pytest.approx(1.0, rel=1e-4)  # unbiased
 
 
-# --- policy losses -----------------------------------------------------------------------------------------------
+# --- policy losses --------------------------------------------------------------------------------
 @st.composite
 def loss_inputs(draw, scale=1.0):
     mask = draw(masks())
@@ -446,7 +448,7 @@ def test_decoupled_ppo_is_weighted_ppo_on_kept_tokens(inputs, cap):
     )
 
 
-# --- value loss ------------------------------------------------------------------------------------------------------
+# --- value loss -----------------------------------------------------------------------------------
 @SETTINGS
 @given(masks(), st.integers(0, 1000), st.floats(0.01, 2.0))
 def test_value_loss_properties(mask, seed, clip):
@@ -467,7 +469,7 @@ def test_value_loss_properties(mask, seed, clip):
     assert all(math.isfinite(x) for x in metrics.values())
 
 
-# --- aggregation -------------------------------------------------------------------------------------------------------
+# --- aggregation ----------------------------------------------------------------------------------
 @SETTINGS
 @given(masks(max_rows=8), st.integers(0, 1000), st.data())
 def test_micro_batches_sum_to_the_mini_batch(mask, seed, data):
@@ -494,7 +496,7 @@ def test_micro_batches_sum_to_the_mini_batch(mask, seed, data):
             assert f(torch.full(mask.shape, 2.5), mask, totals).item() == pytest.approx(2.5)
 
 
-# --- KL -----------------------------------------------------------------------------------------------------------------
+# --- KL -------------------------------------------------------------------------------------------
 @SETTINGS
 @given(masks(), st.integers(0, 1000), st.sampled_from(["k1", "k2", "k3"]), st.floats(0.0, 1.0))
 def test_apply_kl_penalty_properties(mask, seed, estimator, coef):

@@ -1,5 +1,5 @@
-"""bench/e2e.py: its pure helpers (always), and one step per side against TRL (only where TRL is installed:
-it is the optional ``bench`` extra, which CI does not install)."""
+"""bench/e2e.py: its pure helpers (always), and one step per side against TRL (only where TRL is
+installed: it is the optional ``bench`` extra, which CI does not install)."""
 
 from __future__ import annotations
 

@@ -168,12 +168,14 @@ def test_typing_module_spellings():
         (
             "optim",
             5,
-            "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), got 5 (int)",
+            "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), "
+            "got 5 (int)",
         ),
         (
             "optim",
             None,
-            "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), got null",
+            "config key 'trainer.optim' must be a mapping (keys: lr, eps, betas, weight_decay), "
+            "got null",
         ),
     ],
 )
@@ -184,8 +186,8 @@ def test_type_errors(key, value, expected):
 def test_literal_lists_allowed_values_and_suggests():
     msg = err(from_dict, Trainer, {"mode": "gpro"}, "trainer")
     assert (
-        msg
-        == "config key 'trainer.mode' must be one of 'ppo', 'grpo', got 'gpro' (str); did you mean 'grpo'?"
+        msg == "config key 'trainer.mode' must be one of 'ppo', 'grpo', got 'gpro' (str); "
+        "did you mean 'grpo'?"
     )
     assert "must be one of 'ppo', 'grpo', got 1 (int)" in err(from_dict, Trainer, {"mode": 1})
 
@@ -265,8 +267,10 @@ def test_ranges_pass_at_bounds():
 def test_unknown_key_did_you_mean():
     msg = err(from_dict, Root, {**MODEL, "trainer": {"totl_steps": 5}})
     assert msg == (
-        "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'? (keys of trainer: "
-        "total_steps, prompts_per_step, samples_per_prompt, minibatch_size, clip_ratio, mode, seed, "
+        "unknown config key 'trainer.totl_steps'; did you mean 'trainer.total_steps'? (keys of "
+        "trainer: "
+        "total_steps, prompts_per_step, samples_per_prompt, minibatch_size, clip_ratio, mode, "
+        "seed, "
         "device, use_kl, optim)"
     )
 
@@ -286,8 +290,8 @@ def test_missing_required_keys():
 def test_validate_errors_get_the_section_path():
     msg = err(from_dict, Root, {**MODEL, "trainer": {"minibatch_size": 3}})
     assert (
-        msg
-        == "config 'trainer': prompts_per_step*samples_per_prompt must be divisible by minibatch_size"
+        msg == "config 'trainer': "
+        "prompts_per_step*samples_per_prompt must be divisible by minibatch_size"
     )
     # a multi-line message from the root's validate() becomes one line
     assert (

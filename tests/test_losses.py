@@ -1,6 +1,6 @@
-"""hybridrl/algorithms: policy losses (PPO clip, dual clip, GSPO, decoupled PPO), value loss, loss aggregation,
-KL estimators and controllers, registries; checked against values worked out by hand (arithmetic in comments).
-Advantage estimators are in test_algorithms.py."""
+"""hybridrl/algorithms: policy losses (PPO clip, dual clip, GSPO, decoupled PPO), value loss, loss
+aggregation, KL estimators and controllers, registries; checked against values worked out by hand
+(arithmetic in comments). Advantage estimators are in test_algorithms.py."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def ppo(ratios, advs, mask=None, name="ppo_clip", **kw):
 
 
 def test_ppo_clip_per_token_by_hand():
-    # eps_low 0.2 -> lower bound 0.8; eps_high 0.28 -> upper bound 1.28; dual clip c = 3 (not reached here)
+    # eps_low 0.2 -> lower bound 0.8; eps_high 0.28 -> upper bound 1.28; dual clip c = 3 (not
+    #   reached here)
     # loss = max(-A r, -A clip(r, 0.8, 1.28))
     ratios = [1.1, 1.5, 0.5, 1.1, 1.5, 0.5, 0.9, 1.28]
     advs = [2.0, 2.0, 2.0, -1.0, -1.0, -1.0, 1.0, 1.0]
@@ -122,7 +123,8 @@ def test_ppo_separate_low_and_high_clip():
     )
     loss, m = ppo([1.25], [1.0], clip_ratio_high=0.28)
     assert loss.item() == pytest.approx(-1.25) and m["actor/clip_frac"] == 0.0
-    # r = 0.75 with A<0: clipped at 0.8 when eps_low=0.2 (loss 0.8), untouched with eps_low=0.3 (loss 0.75)
+    # r = 0.75 with A<0: clipped at 0.8 when eps_low=0.2 (loss 0.8), untouched with eps_low=0.3
+    # (loss 0.75)
     loss, m = ppo([0.75], [-1.0], clip_ratio_low=0.2)
     assert (
         loss.item() == pytest.approx(0.8)
@@ -181,7 +183,7 @@ def test_ppo_with_real_config():
     assert loss.item() == pytest.approx(-1.2) and m["actor/clip_frac"] == 1.0
 
 
-# --- GSPO ----------------------------------------------------------------------------------------------------
+# --- GSPO -----------------------------------------------------------------------------------------
 def gspo_inputs():
     # row 0: log-ratios [.1, .3] -> mean .2 -> s = e^.2 = 1.221403; A = [1, 1] -> A_0 = 1
     # row 1: log-ratios [-.1, 0, .1] -> mean 0 -> s = 1; A = [-2, -2, -2] -> A_1 = -2
@@ -206,7 +208,8 @@ def test_gspo_by_hand():
     # tokens in clipped sequences: row 0's 2 of 6 valid tokens; 1 sequence of 3
     assert m["actor/clip_frac_high"] == pytest.approx(2 / 6) and m["actor/clip_frac_low"] == 0.0
     assert m["actor/seq_clip_frac"] == pytest.approx(1 / 3)
-    # gradient: d loss_i / d logp_t = -A_i s_i / |y_i| per token of row i, summed over the row's |y_i| tokens
+    # gradient: d loss_i / d logp_t = -A_i s_i / |y_i| per token of row i, summed over the row's
+    #   |y_i| tokens
     # loss.sum() counts loss_i |y_i| times -> d/dlogp_t = -A_i s_i (row 0 clipped -> 0)
     loss.sum().backward()
     assert close(logp.grad, [[0, 0, 0], [2.0, 2.0, 2.0], [-0.525636, 0, 0]])
@@ -218,15 +221,17 @@ def test_gspo_token_by_hand():
     loss, m = POLICY_LOSSES.get("gspo_token")(logp, mb, cfg(clip_ratio_high=0.2))
     assert close(loss, [[-1.2, -1.2, 0.0], [2.0, 2.0, 2.0], [-0.525636, 0.0, 0.0]])
     loss.sum().backward()
-    # d/dlogp_t (-A_t sg[s_i] exp(logp_t - sg[logp_t])) = -A_t s_i: [0 (clipped)], [2, 2, 2], [-.525636]
+    # d/dlogp_t (-A_t sg[s_i] exp(logp_t - sg[logp_t])) = -A_t s_i: [0 (clipped)], [2, 2, 2],
+    # [-.525636]
     assert close(logp.grad, [[0, 0, 0], [2.0, 2.0, 2.0], [-0.525636, 0, 0]])
     assert m["actor/clip_frac_high"] == pytest.approx(2 / 6)
 
 
-# --- decoupled PPO --------------------------------------------------------------------------------------------------
+# --- decoupled PPO --------------------------------------------------------------------------------
 def test_decoupled_ppo_by_hand():
     # token 0: prox - mu = ln 2 -> w = 2; u = 1.1; A = 1 -> 2 * max(-1.1, -1.1) = -2.2
-    # token 1: prox - mu = ln .5 -> w = .5; u = 1.5; A = 1 -> .5 * max(-1.5, -1.2) = -.6 (clipped high at 1.2)
+    # token 1: prox - mu = ln .5 -> w = .5; u = 1.5; A = 1 -> .5 * max(-1.5, -1.2) = -.6 (clipped
+    #   high at 1.2)
     # token 2: w = 1, u = .5, A = -1 -> max(.5, .8) = .8 (clipped low)
     prox = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
     mu = prox - torch.tensor([[math.log(2.0), math.log(0.5), 0.0]], dtype=torch.float64)
@@ -257,10 +262,11 @@ def test_decoupled_ppo_by_hand():
     assert logp.grad[0].tolist() == pytest.approx([-2.2, 0.0, 0.0])
 
 
-# --- value loss -----------------------------------------------------------------------------------------------------
+# --- value loss -----------------------------------------------------------------------------------
 def test_value_loss_by_hand():
     # clip .2
-    # tok 0: V=1, V_old=.5, G=2: (1-2)^2 = 1; clip(1, .3, .7) = .7 -> (.7-2)^2 = 1.69 -> .5 * 1.69 = .845 (clipped)
+    # tok 0: V=1, V_old=.5, G=2: (1-2)^2 = 1; clip(1, .3, .7) = .7 -> (.7-2)^2 = 1.69 -> .5 * 1.69 =
+    #   .845 (clipped)
     # tok 1: V=1, V_old=.9, G=0: 1; clip(1, .7, 1.1) = 1 -> 1 -> .5 (not clipped)
     # tok 2: V=0, V_old=1, G=.5: .25; clip(0, .8, 1.2) = .8 -> .09 -> .5 * .25 = .125 (not clipped)
     # tok 3: padding -> 0
@@ -283,7 +289,7 @@ def test_value_loss_by_hand():
     )
 
 
-# --- aggregation ----------------------------------------------------------------------------------------------------
+# --- aggregation ----------------------------------------------------------------------------------
 def test_aggregation_modes_by_hand():
     # rows: [1, 2, 3] (3 tokens), [4] (1 token), [] (empty); norm_len 4
     # n_tokens 4, n_seqs 2 (the empty row does not count)
@@ -324,7 +330,7 @@ def test_aggregation_micro_batches_add_up():
         assert parts.item() == pytest.approx(whole.item()), name
 
 
-# --- KL estimators ----------------------------------------------------------------------------------
+# --- KL estimators --------------------------------------------------------------------------------
 def test_kl_estimators_by_hand():
     logp = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
     ref = torch.tensor([-1.5, -1.0, -0.5], dtype=torch.float64)
@@ -396,7 +402,7 @@ def test_kl_controllers_by_hand():
         AdaptiveKLController(0.1, 0.0, 10)
 
 
-# --- registries / helpers ------------------------------------------------------------------------------
+# --- registries / helpers -------------------------------------------------------------------------
 def test_registry_lookups():
     assert {"grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"} <= set(
         ADVANTAGES.names()

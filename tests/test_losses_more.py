@@ -1,7 +1,8 @@
-"""The losses of hybridrl/algorithms/losses_more.py (cispo, gmpo, clip_cov, kl_cov, sapo), the token-sum
-aggregation, the abs / straight-through KL estimators and gspo_token's clamp at e^10, each against values
-worked out by hand (arithmetic in comments, checked in float64 with plain math, not with the code under test),
-plus the contract every policy loss keeps (zero on padding and blind to it, finite for extreme log-ratios)."""
+"""The losses of hybridrl/algorithms/losses_more.py (cispo, gmpo, clip_cov, kl_cov, sapo), the
+token-sum aggregation, the abs / straight-through KL estimators and gspo_token's clamp at e^10, each
+against values worked out by hand (arithmetic in comments, checked in float64 with plain math, not
+with the code under test), plus the contract every policy loss keeps (zero on padding and blind to
+it, finite for extreme log-ratios)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ def run(name, logp, mb, c, **kw):
     return loss.detach(), lp.grad, metrics
 
 
-# --- CISPO ---------------------------------------------------------------------------------------------------
+# --- CISPO ----------------------------------------------------------------------------------------
 def cispo_case():
-    # ratios [1.5, .5, 1.1, 2], A [1, 1, -2, -1]; logp = old + ln r = [-.594535, -2.693147, -.404690, -.806853]
+    # ratios [1.5, .5, 1.1, 2], A [1, 1, -2, -1]; logp = old + ln r = [-.594535, -2.693147,
+    # -.404690, -.806853]
     old = t([[-1.0, -2.0, -0.5, -1.5]])
     logp = old + t([[1.5, 0.5, 1.1, 2.0]]).log()
     return logp, mb_of(logp, old, t([[1.0, 1.0, -2.0, -1.0]]))
@@ -70,12 +72,14 @@ def test_cispo_by_hand():
         run("cispo", logp, mb, cfg(cispo_clip_low=1.5))
 
 
-# --- GMPO ----------------------------------------------------------------------------------------------------
+# --- GMPO -----------------------------------------------------------------------------------------
 def test_gmpo_by_hand():
     # eps .4 / .4 in log space
-    # row 0: l = [.1, .6], A = 1 -> min(l, clip(l)) = [.1, .4] (token 1 clipped high) -> mean .25 -> s = e^.25 = 1.284025
+    # row 0: l = [.1, .6], A = 1 -> min(l, clip(l)) = [.1, .4] (token 1 clipped high) -> mean .25 ->
+    #   s = e^.25 = 1.284025
     #        loss -1.284025 on both tokens
-    # row 1: l = [-.6, .2, .5], A = -2 -> max(l, clip(l)) = [-.4 (clipped low), .2, .5 (kept: pessimistic)] -> mean .1
+    # row 1: l = [-.6, .2, .5], A = -2 -> max(l, clip(l)) = [-.4 (clipped low), .2, .5 (kept:
+    #   pessimistic)] -> mean .1
     #        s = e^.1 = 1.105171, loss 2 * 1.105171 = 2.210342
     # row 2: l = [.3, (pad) 7], A = [.5, (pad) 9] -> s = e^.3 -> loss -.5 * 1.349859 = -.674929
     lr = t([[0.1, 0.6, 0.0], [-0.6, 0.2, 0.5], [0.3, 7.0, 0.0]])
@@ -91,7 +95,8 @@ def test_gmpo_by_hand():
     assert close(
         loss, [[-1.284025, -1.284025, 0], [2.210342, 2.210342, 2.210342], [-0.674929, 0, 0]]
     )
-    # d(-A s)/dlogp_t = -A s / |y| on unclipped tokens; loss.sum() holds each row's loss |y| times -> -A s
+    # d(-A s)/dlogp_t = -A s / |y| on unclipped tokens; loss.sum() holds each row's loss |y| times
+    # -> -A s
     assert close(grad, [[-1.284025, 0, 0], [0, 2.210342, 2.210342], [-0.674929, 0, 0]])
     assert m["actor/clip_frac_high"] == pytest.approx(1 / 6) and m[
         "actor/clip_frac_low"
@@ -101,7 +106,7 @@ def test_gmpo_by_hand():
     assert loss[0, 0].item() != pytest.approx(-(math.exp(0.1) + math.exp(0.4)) / 2)
 
 
-# --- Clip-Cov --------------------------------------------------------------------------------------------------
+# --- Clip-Cov -------------------------------------------------------------------------------------
 def cov_case(log_ratios, adv):
     # logp = [-.5, -1, -2, -2.5]: mean -1.5, centred [1, .5, -.5, -1]
     logp = t([[-0.5, -1.0, -2.0, -2.5]])
@@ -109,8 +114,10 @@ def cov_case(log_ratios, adv):
 
 
 def test_clip_cov_by_hand():
-    # A = [3, 1, -1, -3] (mean 0) -> cov = A * centred logp = [3, .5, .5, 3]; candidates in (1, 5): tokens 0 and 3
-    # all ratios 1: PPO loss -A = [-3, -1, 1, 3]; ratio .5 -> n = int(.5 * 4) = 2: both candidates cut (loss 0, no grad)
+    # A = [3, 1, -1, -3] (mean 0) -> cov = A * centred logp = [3, .5, .5, 3]; candidates in (1, 5):
+    #   tokens 0 and 3
+    # all ratios 1: PPO loss -A = [-3, -1, 1, 3]; ratio .5 -> n = int(.5 * 4) = 2: both candidates
+    #   cut (loss 0, no grad)
     logp, mb = cov_case([0.0] * 4, [3.0, 1.0, -1.0, -3.0])
     c = cfg(clip_cov_ratio=0.5, clip_cov_lb=1.0, clip_cov_ub=5.0)
     loss, grad, m = run("clip_cov", logp, mb, c)
@@ -122,8 +129,8 @@ def test_clip_cov_by_hand():
         "clip_cov", logp, mb, cfg(clip_cov_ratio=0.5, clip_cov_lb=3.5, clip_cov_ub=5.0)
     )
     assert close(loss, [[-3, -1, 1, 3]]) and m["actor/cov_clip_frac"] == 0.0
-    # token 0 at ratio 1.5 (A = 3 > 0) is already cut by the PPO clip (1 + .28): loss -3 * 1.28 = -3.84, it is
-    # no candidate, so only token 3 is cut even though n = 2
+    # token 0 at ratio 1.5 (A = 3 > 0) is already cut by the PPO clip (1 + .28): loss -3 * 1.28 =
+    # -3.84, it is no candidate, so only token 3 is cut even though n = 2
     logp, mb = cov_case([math.log(1.5), 0.0, 0.0, 0.0], [3.0, 1.0, -1.0, -3.0])
     loss, grad, m = run("clip_cov", logp, mb, c)
     assert close(loss, [[-3.84, -1, 1, 0]]) and close(grad, [[0, -1, 1, 0]])
@@ -149,7 +156,8 @@ def test_clip_cov_random_draw_is_seeded():
         assert torch.equal(loss, again)
         picks.add(cut[0])
     assert picks == {0, 3}  # the draw is random, not always the first candidate
-    # without a generator: derived from clip_cov_seed and the data; the global RNG is neither used nor moved
+    # without a generator: derived from clip_cov_seed and the data; the global RNG is neither used
+    # nor moved
     state = torch.get_rng_state()
     first, _, _ = run("clip_cov", logp, mb, c)
     assert torch.equal(torch.get_rng_state(), state)
@@ -162,13 +170,14 @@ def test_clip_cov_random_draw_is_seeded():
     assert len(by_seed) == 2  # clip_cov_seed changes the draw
 
 
-# --- KL-Cov ----------------------------------------------------------------------------------------------------
+# --- KL-Cov ---------------------------------------------------------------------------------------
 def test_kl_cov_by_hand():
     # A = [3, 1, -1, -2]: mean .25, centred [2.75, .75, -1.25, -2.25]; logp centred [1, .5, -.5, -1]
     # cov = [2.75, .375, .625, 2.25]; log-ratios l = [.2, -.1, .3, .1]
     # loss -A e^l = [-3.664208, -.904837, 1.349859, 2.210342], + |l| on the top-k tokens (coef 1)
     logp, mb = cov_case([0.2, -0.1, 0.3, 0.1], [3.0, 1.0, -1.0, -2.0])
-    # k = int(.25 * 4) = 1: token 0 (cov 2.75): -3.664208 + .2; gradient -3 e^.2 + sign(.2) = -2.664208
+    # k = int(.25 * 4) = 1: token 0 (cov 2.75): -3.664208 + .2; gradient -3 e^.2 + sign(.2) =
+    # -2.664208
     loss, grad, m = run("kl_cov", logp, mb, cfg(kl_cov_ratio=0.25, kl_cov_coef=1.0))
     assert close(loss, [[-3.464208, -0.904837, 1.349859, 2.210342]])
     assert close(grad, [[-2.664208, -0.904837, 1.349859, 2.210342]])
@@ -185,12 +194,14 @@ def test_kl_cov_by_hand():
     )
 
 
-# --- SAPO ------------------------------------------------------------------------------------------------------
+# --- SAPO -----------------------------------------------------------------------------------------
 def test_sapo_by_hand():
-    # f(r) = sigmoid(tau (r - 1)) 4 / tau; tau 1 for A > 0, 1.05 otherwise; loss -f A; grad -A w r, w = 4 s (1 - s)
+    # f(r) = sigmoid(tau (r - 1)) 4 / tau; tau 1 for A > 0, 1.05 otherwise; loss -f A; grad -A w r,
+    #   w = 4 s (1 - s)
     # r = 1,   A = 1:  s = .5 -> f = 2 -> loss -2; w = 1 -> grad -1 (the plain policy gradient)
     # r = 1.5, A = 1:  s = sigmoid(.5) = .622459 -> f = 2.489837; w = .940015 -> grad -1.410022
-    # r = .5,  A = -1: s = sigmoid(-.525) = .371685 -> f = 1.415938 -> loss +1.415938; w = .934140 -> grad .467070
+    # r = .5,  A = -1: s = sigmoid(-.525) = .371685 -> f = 1.415938 -> loss +1.415938; w = .934140
+    #   -> grad .467070
     # r = 2,   A = -1: s = sigmoid(1.05) = .740774 -> f = 2.822000; w = .768110 -> grad 1.536220
     old = torch.zeros(1, 4, dtype=D)
     logp = t([[1.0, 1.5, 0.5, 2.0]]).log()
@@ -210,11 +221,11 @@ def test_sapo_by_hand():
         run("sapo", logp, mb_of(logp, old, t([[1.0] * 4])), cfg(sapo_tau_neg=0.0))
 
 
-# --- gspo_token: the e^10 bound, as veRL ---------------------------------------------------------------------
+# --- gspo_token: the e^10 bound, as veRL ----------------------------------------------------------
 def test_gspo_token_clamps_combined_log_ratio_at_10():
-    # A = -1 (the unclipped branch -A s is the larger): row 0 log-ratios [12, 12] -> s_i = e^12, capped at e^10
-    # = 22026.466 with no gradient; row 1 [8, 9.5] -> mean 8.75 < 10: value e^8.75 = 6310.688, gradient
-    # -A s = 6310.688 per token
+    # A = -1 (the unclipped branch -A s is the larger): row 0 log-ratios [12, 12] -> s_i = e^12,
+    # capped at e^10 = 22026.466 with no gradient; row 1 [8, 9.5] -> mean 8.75 < 10: value e^8.75 =
+    # 6310.688, gradient -A s = 6310.688 per token
     old = torch.zeros(2, 2, dtype=D)
     logp = t([[12.0, 12.0], [8.0, 9.5]])
     loss, grad, _ = run("gspo_token", logp, mb_of(logp, old, -torch.ones(2, 2, dtype=D)), cfg())
@@ -222,7 +233,7 @@ def test_gspo_token_clamps_combined_log_ratio_at_10():
     assert close(grad, [[0.0, 0.0], [6310.688108, 6310.688108]], atol=1e-5)
 
 
-# --- token-sum -------------------------------------------------------------------------------------------------
+# --- token-sum ------------------------------------------------------------------------------------
 def test_token_sum_micro_batches_and_ranks_add_up():
     # valid losses 1 + 2 + 3 + 4 + 5 = 15; no division, whatever the totals say
     loss = t([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 5.0, 7.0]]).requires_grad_(True)
@@ -230,8 +241,8 @@ def test_token_sum_micro_batches_and_ranks_add_up():
     f = LOSS_AGG.get("token-sum")
     whole = f(loss, mask, agg_totals(mask, 5))
     assert whole.item() == 15.0
-    # two micro-batches, or two data-parallel ranks each holding some rows and its own totals: the sum is the
-    # whole (ranks' gradients are summed, not averaged)
+    # two micro-batches, or two data-parallel ranks each holding some rows and its own totals: the
+    # sum is the whole (ranks' gradients are summed, not averaged)
     assert (
         f(loss[:1], mask[:1], agg_totals(mask[:1], 5)).item()
         + f(loss[1:], mask[1:], agg_totals(mask[1:])).item()
@@ -241,7 +252,7 @@ def test_token_sum_micro_batches_and_ranks_add_up():
     assert loss.grad.tolist() == mask.tolist()  # d/dloss_t = 1 on valid tokens, 0 on padding
 
 
-# --- KL estimators -----------------------------------------------------------------------------------------------
+# --- KL estimators --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name,value,grad",
     [
@@ -249,8 +260,9 @@ def test_token_sum_micro_batches_and_ranks_add_up():
         ("abs", [0.5, 1.0, 0.0, 2.0], [1.0, -1.0, 0.0, -1.0]),
         ("k1+", [0.5, -1.0, 0.0, -2.0], [0.5, -1.0, 0.0, -2.0]),  # value k1, gradient of k2 = delta
         ("k2+", [0.125, 0.5, 0.0, 2.0], [0.5, -1.0, 0.0, -2.0]),  # k2 itself
-        # value k3 = e^-delta - 1 + delta: e^-.5 - .5 = .106531, e - 2 = .718282, 0, e^2 - 3 = 4.389056; gradient delta
-        # (k3's own gradient would be 1 - e^-delta = [.393469, -1.718282, 0, -6.389056])
+        # value k3 = e^-delta - 1 + delta: e^-.5 - .5 = .106531, e - 2 = .718282, 0, e^2 - 3 =
+        # 4.389056; gradient delta (k3's own gradient would be 1 - e^-delta = [.393469, -1.718282,
+        # 0, -6.389056])
         ("k3+", [0.1065307, 0.7182818, 0.0, 4.3890561], [0.5, -1.0, 0.0, -2.0]),
     ],
 )
@@ -262,7 +274,7 @@ def test_kl_estimators_abs_and_straight_through(name, value, grad):
     assert close(out, value) and close(logp.grad, grad)
 
 
-# --- config ----------------------------------------------------------------------------------------------------
+# --- config ---------------------------------------------------------------------------------------
 def test_algorithm_config_rejects_bad_values():
     from hybridrl.config import Config
     from hybridrl.config.loader import ConfigError, load_config
@@ -285,7 +297,7 @@ def test_algorithm_config_rejects_bad_values():
     )
 
 
-# --- the contract every policy loss keeps ---------------------------------------------------------------------
+# --- the contract every policy loss keeps ---------------------------------------------------------
 @SETTINGS
 @given(loss_inputs(scale=3.0), st.integers(0, 1000))
 def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):

@@ -1,9 +1,11 @@
-"""CPU precision (``training/precision.py``): the decision (injected capability and measurement), the log line,
-and training / reference / critic steps under bf16 autocast against the same steps in fp32.
+"""CPU precision (``training/precision.py``): the decision (injected capability and measurement),
+the log line, and training / reference / critic steps under bf16 autocast against the same steps in
+fp32.
 
 Tolerances: bf16 keeps 8 significant bits (relative rounding 2^-9 per value); through the tiny
-model's 4 layers a log-prob moves by about 3e-3 nats (measured here). Each bound below is set 5-25 times above
-what was measured, and the comparisons also check that bf16 really ran (the difference is not zero).
+model's 4 layers a log-prob moves by about 3e-3 nats (measured here). Each bound below is set 5-25
+times above what was measured, and the comparisons also check that bf16 really ran (the difference
+is not zero).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def never():
     raise AssertionError("called although the decision does not need it")
 
 
-# --- the decision ---------------------------------------------------------------------------------------------
+# --- the decision ---------------------------------------------------------------------------------
 def test_supported_and_fast_gives_bf16():
     p = training_precision.decide("auto", support=lambda: "amx_bf16", speedup=lambda: 1.7)
     assert p.dtype == torch.bfloat16 and "amx_bf16" in p.reason and "1.70x" in p.reason
@@ -84,7 +86,7 @@ def test_the_measurement_runs_on_a_copy_of_a_layer():
     assert all(p.grad is None for p in model.parameters())
 
 
-# --- the workers ---------------------------------------------------------------------------------------------
+# --- the workers ----------------------------------------------------------------------------------
 def make_cfg(precision: str) -> Config:
     cfg = Config()
     cfg.actor.ppo_minibatch_size = 4
@@ -189,7 +191,8 @@ def test_bf16_step_loss_is_close_to_the_fp32_step(steps):
     assert b["actor/pg_loss"] == pytest.approx(f["actor/pg_loss"], abs=0.005)
     assert b["actor/pg_loss"] != f["actor/pg_loss"]
 
-    # the update goes the same way: Adam's first steps are about lr * sign(grad), so compare directions
+    # the update goes the same way: Adam's first steps are about lr * sign(grad), so compare
+    # directions
     def delta(run):
         return torch.cat(
             [
@@ -217,7 +220,8 @@ def test_reference_and_critic_in_bf16(steps, caplog):
     ref32 = ReferenceWorker(CTX, make_cfg("fp32"), None)
     r16, r32 = (w.compute_ref_log_prob(batch)["ref_log_probs"] for w in (ref16, ref32))
     assert r16.dtype == torch.float32 and 0 < (r16 - r32).abs().max().item() <= 0.02
-    # equal weights, equal precision: the reference reproduces the actor's log-probs exactly (KL 0 at the start)
+    # equal weights, equal precision: the reference reproduces the actor's log-probs exactly (KL 0
+    # at the start)
     assert torch.equal(r16, steps["bf16"]["logp"])
     metrics, values = {}, {}
     for precision in ("fp32", "bf16"):

@@ -1,4 +1,5 @@
-"""hybridrl/protocol.py: Batch operations, pad_2d and the samples -> training-layout collation."""
+"""hybridrl/protocol.py: Sample copies, Batch operations, pad_2d and the samples -> training-layout
+collation."""
 
 from __future__ import annotations
 
@@ -32,6 +33,56 @@ def assert_batch_equal(a: Batch, b: Batch) -> None:
         assert a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
     for k in a.meta:
         assert a[k] == b[k], k
+
+
+# --- Sample ---------------------------------------------------------------------------------------
+def test_with_response_is_a_copy_that_keeps_the_prompts_metadata():
+    prompt = Sample([1, 5], uid="u", task_id="t", metadata={"prompt": "P", "index": 3})
+    response, log_probs, versions = [7, 2], [-0.5, -0.25], [4, 4]
+    s = prompt.with_response(response, log_probs, versions, "finished", engine_steps=2)
+    assert (s.prompt_ids, s.response_ids, s.log_probs, s.versions) == (
+        [1, 5],
+        [7, 2],
+        [-0.5, -0.25],
+        [4, 4],
+    )
+    assert (s.status, s.uid, s.task_id, s.reward) == ("finished", "u", "t", None)
+    assert s.metadata == {"prompt": "P", "index": 3, "engine_steps": 2}
+    # the prompt is untouched, and nothing the caller or the sample changes reaches the other
+    assert prompt.status == "pending" and prompt.response_ids == [] and prompt.log_probs == []
+    assert prompt.metadata == {"prompt": "P", "index": 3}
+    response.append(9), log_probs.append(0.0), versions.append(5)
+    assert (s.response_ids, s.log_probs, s.versions) == ([7, 2], [-0.5, -0.25], [4, 4])
+    s.prompt_ids.append(8)
+    s.metadata["seen"] = True
+    assert prompt.prompt_ids == [1, 5] and "seen" not in prompt.metadata
+
+
+def test_samples_of_one_prompt_share_no_mutable_field():
+    """Each sample is scored on its own (``reward``, ``reward_extras`` set in place): scoring one must not
+    change its siblings nor the prompt, whatever the prompt already carries."""
+    prompt = Sample([1, 5], uid="u", reward_extras={"baseline_rewards": 0.5}, metadata={"k": 1})
+    a = prompt.with_response([7], [-0.1], [0], "finished")
+    b = prompt.with_response([8], [-0.2], [0], "truncated")
+    c = prompt.aborted()
+    assert a.reward_extras == b.reward_extras == c.reward_extras == {"baseline_rewards": 0.5}
+    a.reward, a.reward_extras["reward_errors"] = 1.0, 0.0
+    b.reward_extras["baseline_rewards"] = 2.0
+    assert b.reward is None and "reward_errors" not in b.reward_extras
+    assert c.reward_extras == prompt.reward_extras == {"baseline_rewards": 0.5}
+    assert a.reward_extras == {"baseline_rewards": 0.5, "reward_errors": 0.0}
+    for x, y in [(a, b), (a, c), (b, c), (a, prompt), (b, prompt), (c, prompt)]:
+        for name in (
+            "prompt_ids",
+            "response_ids",
+            "log_probs",
+            "versions",
+            "reward_extras",
+            "metadata",
+        ):
+            assert getattr(x, name) is not getattr(y, name), name
+    assert (c.status, c.response_ids, c.log_probs, c.versions) == ("aborted", [], [], [])
+    assert c.metadata == {"k": 1} and c.uid == "u"
 
 
 # --- construction and access ---------------------------------------------------
@@ -202,7 +253,7 @@ def test_to_keeps_everything():
     assert_batch_equal(b, make(3))
 
 
-# --- pad_2d --------------------------------------------------------------------------------------------
+# --- pad_2d ---------------------------------------------------------------------------------------
 def test_pad_2d_right_and_left():
     right = pad_2d([[1, 2, 3], [4], []], 0, torch.long)
     assert right.tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0]]
@@ -213,7 +264,7 @@ def test_pad_2d_right_and_left():
     assert pad_2d([], 0, torch.long).shape == (0, 0)
 
 
-# --- samples_to_batch ------------------------------------------------------------------------------------
+# --- samples_to_batch -----------------------------------------------------------------------------
 def test_samples_to_batch_layout():
     PAD = 0
     samples = [
@@ -225,7 +276,7 @@ def test_samples_to_batch_layout():
             status="finished",
             uid="u0",
             task_id="t",
-            extra={"answer": "42"},
+            metadata={"answer": "42"},
         ),
         Sample(
             [1, 9],
@@ -235,7 +286,7 @@ def test_samples_to_batch_layout():
             status="truncated",
             uid="u1",
             task_id="t",
-            extra={"note": "x"},
+            metadata={"note": "x"},
         ),
     ]
     b = samples_to_batch(samples, PAD)
@@ -256,7 +307,7 @@ def test_samples_to_batch_layout():
         and b["task_id"] == ["t", "t"]
         and b["status"] == ["finished", "truncated"]
     )
-    # meta keys are the union of every sample's extra, None where a sample lacks one
+    # meta keys are the union of every sample's metadata, None where a sample lacks one
     assert b["answer"] == ["42", None] and b["note"] == [None, "x"]
 
 
@@ -266,7 +317,54 @@ def test_samples_to_batch_all_empty_responses_keeps_width_one():
     assert b["input_ids"].tolist() == [[1, 2, 0]] and b["versions"].tolist() == [[-1]]
 
 
-# --- properties ---------------------------------------------------------------------------------------------------------
+def test_samples_to_batch_trains_on_the_loss_mask_and_attends_to_every_response_token():
+    """A tool's output in a response is attended (the model reads it) but not trained on."""
+    samples = [
+        Sample([1, 5], [7, 8, 9, 2], [-0.1] * 4, [0] * 4, loss_mask=[1, 0, 0, 1]),
+        Sample([1], [10, 11], [-0.2] * 2, [0] * 2),  # None: every token trained on
+        Sample([1, 5, 6], [12], [-0.3], [0], loss_mask=[0]),
+    ]
+    b = samples_to_batch(samples, pad_id=0)
+    assert b["response_mask"].tolist() == [[1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [
+        [0, 1, 1, 1, 1, 1, 1],
+        [0, 0, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0],
+    ]
+    assert b["response_mask"].dtype == torch.long
+
+
+def scored(reward, **extras) -> Sample:
+    return Sample([1], [3], [-1.0], [0], reward=reward, reward_extras=extras)
+
+
+def test_samples_to_batch_has_rewards_only_when_every_sample_is_scored():
+    b = samples_to_batch([scored(1.0, reward_errors=0.0), scored(0.0, reward_errors=1.0)], 0)
+    assert b["rewards"].dtype == torch.float32 and b["rewards"].tolist() == [1.0, 0.0]
+    assert b["reward_errors"].tolist() == [0.0, 1.0]
+    assert samples_to_batch([scored(1), scored(0)], 0)["rewards"].dtype == torch.float32
+    partly = samples_to_batch([scored(1.0, reward_errors=0.0), scored(None, reward_errors=0.0)], 0)
+    assert "rewards" not in partly and "reward_errors" not in partly
+    assert "rewards" not in samples_to_batch([scored(None)], 0)
+    assert "rewards" not in samples_to_batch([], 0)
+
+
+def test_samples_to_batch_reward_extras_every_sample_has_become_columns():
+    b = samples_to_batch(
+        [
+            scored(1.0, reward_errors=0.0, baseline_rewards=0.5, **{"reward/format": 1}),
+            scored(0.0, reward_errors=1.0, baseline_rewards=2.0),
+        ],
+        0,
+    )
+    assert b["reward_errors"].tolist() == [0.0, 1.0]
+    assert b["baseline_rewards"].tolist() == [0.5, 2.0]
+    assert b["baseline_rewards"].dtype == torch.float32
+    assert "reward/format" not in b  # one sample lacks it: no column (and no made-up value)
+    assert set(b.tensors) >= {"rewards", "reward_errors", "baseline_rewards"}
+
+
+# --- properties -----------------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(n_rows=st.integers(0, 40), n=st.integers(1, 12))
 def test_prop_concat_of_chunk_is_identity(n_rows, n):

@@ -1,8 +1,8 @@
-"""Rollout-to-training importance correction (``algorithms/rollout_correction.py``): hand-computed weights
-for each level and mode, the gap metrics, the wiring in ``trainers/learn.py`` and the config checks."""
+"""Rollout-to-training importance correction (``algorithms/rollout_correction.py``): hand-computed
+weights for each level and mode, the gap metrics, the wiring in the learner's ``train_step`` and the
+config checks."""
 
 import math
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -17,8 +17,10 @@ from hybridrl.algorithms.rollout_correction import (
 )
 from hybridrl.config import Config
 from hybridrl.config.loader import ConfigError, load_config
-from hybridrl.protocol import Batch
-from hybridrl.trainers.learn import learn
+from hybridrl.protocol import Batch, Sample
+from hybridrl.telemetry import PhaseTimer
+from hybridrl.trainers.shaping import RewardShaper
+from hybridrl.workers.learner import Learner
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 
@@ -34,7 +36,8 @@ def alg(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
-# one row of three valid tokens (old - rollout = 0, ln 3, -ln 2) and one padding column with junk values
+# one row of three valid tokens (old - rollout = 0, ln 3, -ln 2) and one padding column with junk
+# values
 OLD = torch.tensor([[0.0, LN3 - 1.0, -LN2 - 2.0, 7.0]])
 ROLL = torch.tensor([[0.0, -1.0, -2.0, -9.0]])
 MASK = torch.tensor([[1, 1, 1, 0]])
@@ -64,7 +67,8 @@ def test_token_mask_default_and_explicit_lower():
     assert m["rollout_corr/masked_frac"] == pytest.approx(1 / 3)
 
 
-# row 0: log-ratios ln2, ln2 (rho = 4); row 1: -ln2, 0 (rho = 1/2); row 2: +60 over two tokens (clamped)
+# row 0: log-ratios ln2, ln2 (rho = 4); row 1: -ln2, 0 (rho = 1/2); row 2: +60 over two tokens
+# (clamped)
 SEQ_OLD = torch.tensor([[LN2, LN2, 5.0], [-LN2, 0.0, 0.0], [30.0, 30.0, 0.0]])
 SEQ_ROLL = torch.zeros(3, 3)
 SEQ_MASK = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]])
@@ -122,59 +126,70 @@ def test_weighted_policy_loss():
     assert torch.equal(weighted_policy_loss(pg, mb), torch.tensor([[1.0, -4.0, 0.0, 0.0]]))
 
 
-# --- wiring in trainers/learn.py --------------------------------------------------------------------
-class Roles:
-    def __init__(self, old):
-        self.old, self.calls, self.updated = old, [], None
+# --- wiring in the learner's train_step -----------------------------------------------------------
+class StubLearner:
+    """What ``Learner.train_step`` reads of its learner, without a model: the old log-probs are
+    ``OLD``, the update records the batch it is given."""
 
-    def compute_ref_log_prob(self, batch):
-        return Batch({"ref_log_probs": torch.zeros_like(batch["rollout_log_probs"])})
+    def __init__(self, cfg: Config):
+        self.cfg, self.calls, self.updated = cfg, [], None
+        self.timer, self.reference, self.critic = PhaseTimer(), None, None
+        self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
+        self.tokenizer = SimpleNamespace(pad_token_id=0)
+
+    def _samples(self, source, version):
+        return source
 
     def compute_log_prob(self, batch):
         self.calls.append("old")
-        return Batch({"old_log_probs": self.old})
+        return Batch({"old_log_probs": OLD})
 
     def update_policy(self, batch):
         self.updated = batch
         return {"actor/pg_loss": 0.0}
 
-    def old_log_probs_of_last_update(
-        self, batch
-    ):  # an on-policy step takes them from the update's forward
+    def old_log_probs_of_last_update(self, batch):
+        # an on-policy step takes them from the update's forward
         self.calls.append("taken")
-        return Batch({"old_log_probs": self.old})
+        return Batch({"old_log_probs": OLD})
 
 
-def run_learn(**alg_kw):
+def run_step(**alg_kw):
     cfg = Config()
     for k, v in alg_kw.items():
         setattr(cfg.algorithm, k, v)
-    batch = Batch({"rollout_log_probs": ROLL, "response_mask": MASK}, {"uid": ["a"]})
-    roles = Roles(OLD)
-    timer = SimpleNamespace(phase=lambda name: nullcontext())
-    shape = lambda b: (b | Batch({"token_level_rewards": torch.zeros_like(ROLL)}), {})  # noqa: E731
-    _, metrics = learn(roles, roles, None, batch, shape, cfg, timer)
-    return roles, metrics
+    sample = Sample(
+        prompt_ids=[1, 2],
+        response_ids=[4, 5, 6, 7],
+        log_probs=ROLL[0].tolist(),
+        loss_mask=MASK[0].tolist(),
+        status="finished",
+        uid="a",
+        reward=0.0,
+        reward_extras={"reward_errors": 0.0},
+    )
+    learner = StubLearner(cfg)
+    out = Learner.train_step(learner, 0, [sample])
+    return learner, out["metrics"]
 
 
-def test_learn_applies_the_weights_and_logs_the_gap():
-    roles, metrics = run_learn(rollout_is="token", rollout_is_threshold=2.0)
-    assert roles.calls == ["old"]
-    assert torch.allclose(roles.updated[WEIGHT_KEY], torch.tensor([[1.0, 2.0, 0.5, 0.0]]))
+def test_train_step_applies_the_weights_and_logs_the_gap():
+    learner, metrics = run_step(rollout_is="token", rollout_is_threshold=2.0)
+    assert learner.calls == ["old"]
+    assert torch.allclose(learner.updated[WEIGHT_KEY], torch.tensor([[1.0, 2.0, 0.5, 0.0]]))
     assert metrics["rollout_corr/logp_gap_max"] == pytest.approx(LN3)
-    roles, metrics = run_learn()
-    assert (
-        WEIGHT_KEY not in roles.updated and "rollout_corr/kl_k3" in metrics
-    )  # off: gap still measured
+    learner, metrics = run_step()
+    # off: no weights, the gap still measured
+    assert WEIGHT_KEY not in learner.updated and "rollout_corr/kl_k3" in metrics
 
 
 def test_bypass_skips_the_old_log_prob_forward():
-    roles, metrics = run_learn(rollout_bypass=True)
-    assert roles.calls == []
-    assert torch.equal(roles.updated["old_log_probs"], ROLL)
+    learner, metrics = run_step(rollout_bypass=True)
+    assert learner.calls == []
+    assert torch.equal(learner.updated["old_log_probs"], ROLL)
 
 
-# --- config checks ------------------------------------------------------------------------------------
+# --- config checks --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "overrides,words",
     [

@@ -1,5 +1,5 @@
-"""Algorithm registries: advantage estimators, policy losses (``losses.py``, ``losses_more.py``), loss aggregation,
-KL estimators.
+"""Algorithm registries: advantage estimators, policy losses (``losses.py``, ``losses_more.py``),
+loss aggregation, KL estimators.
 
 Adding an algorithm is a decorated function; the driver never branches on names.
 """

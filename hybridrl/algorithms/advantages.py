@@ -55,14 +55,15 @@ def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> tor
 def masked_whiten(
     x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True
 ) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) with the mean and the unbiased variance over valid tokens; 0 on padding.
+    """(x - mean) / sqrt(var + eps) with the mean and the unbiased variance over valid tokens; 0 on
+    padding.
 
-    As veRL's ``masked_whiten`` (Bessel-corrected variance, eps inside the sqrt). ``shift_mean=False``
-    adds the mean back after scaling, (x - mean) / sqrt(var + eps) + mean, exactly as veRL and TRL define
-    it (the unscaled mean, not mean / std): the spread becomes 1 but the batch keeps its mean, so a batch
-    of mostly good samples keeps mostly positive advantages. With a single valid token the variance is
-    taken as 0 (veRL raises ValueError), so the output is 0 (the mean with ``shift_mean=False``); with
-    none the output is all zero.
+    As veRL's ``masked_whiten`` (Bessel-corrected variance, eps inside the sqrt).
+    ``shift_mean=False`` adds the mean back after scaling, (x - mean) / sqrt(var + eps) + mean,
+    exactly as veRL and TRL define it (the unscaled mean, not mean / std): the spread becomes 1 but
+    the batch keeps its mean, so a batch of mostly good samples keeps mostly positive advantages.
+    With a single valid token the variance is taken as 0 (veRL raises ValueError), so the output is
+    0 (the mean with ``shift_mean=False``); with none the output is all zero.
     """
     m = as_bool(mask)
     xd = zero_pad(x, m).double()
@@ -138,7 +139,7 @@ def _broadcast(seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return zero_pad(seq.unsqueeze(-1).expand(mask.shape), mask)
 
 
-# --- estimators ------------------------------------------------------------------------------------
+# --- estimators -----------------------------------------------------------------------------------
 @ADVANTAGES.register("grpo")
 def grpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     """GRPO outcome advantage (Shao et al. 2402.03300): (r - mean_g) / (std_g + 1e-6), broadcast
@@ -183,10 +184,11 @@ def rloo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = r_t + gamma G_{t'} where t' is the next *valid* token; 0 on padding.
 
-    A masked position inside a response (a tool or environment token of a multi-turn trajectory) adds no
-    reward, applies no discount and does not reset the running return: it is passed through unchanged, so
-    the tokens before a tool call still see the outcome after it. This is veRL's REINFORCE++ since 0.9.0
-    (older veRL reset the return to 0 there, which gave every token before a tool call a return of 0).
+    A masked position inside a response (a tool or environment token of a multi-turn trajectory)
+    adds no reward, applies no discount and does not reset the running return: it is passed through
+    unchanged, so the tokens before a tool call still see the outcome after it. This is veRL's
+    REINFORCE++ since 0.9.0 (older veRL reset the return to 0 there, which gave every token before a
+    tool call a return of 0).
     """
     m = as_bool(mask)
     r = zero_pad(rewards, m)
@@ -202,8 +204,8 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 def reinforce_pp_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     """REINFORCE++ (Hu 2501.03262): discounted returns G_t, whitened over the batch's valid tokens.
 
-    G passes through masked positions inside a response (see ``discounted_returns``), as veRL since 0.9.0.
-    Also returns ``returns`` (the unwhitened G).
+    G passes through masked positions inside a response (see ``discounted_returns``), as veRL since
+    0.9.0. Also returns ``returns`` (the unwhitened G).
     """
     mask = batch["response_mask"]
     returns = discounted_returns(batch["token_level_rewards"], mask, cfg.gamma)
@@ -212,7 +214,8 @@ def reinforce_pp_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
 
 @ADVANTAGES.register("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """REINFORCE++-baseline (Hu 2501.03262): (r - group mean) broadcast to tokens, whitened over the batch."""
+    """REINFORCE++-baseline (Hu 2501.03262): (r - group mean) broadcast to tokens, whitened over the
+    batch."""
     mask = batch["response_mask"]
     centred = group_mean_baseline(_sequence_scores(batch), batch["uid"])
     return {"advantages": _whiten(_broadcast(centred, mask), mask, cfg)}
@@ -220,7 +223,8 @@ def reinforce_pp_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor
 
 @ADVANTAGES.register("gae")
 def gae_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """GAE (Schulman et al. 1506.02438): delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}.
+    """GAE (Schulman et al. 1506.02438): delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma
+    lam A_{t+1}.
 
     ``values[:, t]`` is the value of the state before response token t. "t+1" is the next valid
     token (padded positions are skipped, as veRL does), and the value after the last valid token
@@ -249,13 +253,14 @@ gae_advantage.needs_values = True  # the driver creates the critic role for esti
 
 @ADVANTAGES.register("remax")
 def remax_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """ReMax (Li et al. 2310.10505): A_t = G_t - b(x), b(x) = the reward of one greedy response to the prompt.
+    """ReMax (Li et al. 2310.10505): A_t = G_t - b(x), b(x) = the reward of one greedy response to
+    the prompt.
 
-    G_t is the reward-to-go sum_{k >= t} r_k over valid tokens (gamma is not used, as veRL's ``remax``); with
-    an outcome-only reward it is r_i on every token, the paper's r(x, y_i) - r(x, y_greedy). The baseline
-    comes from the per-row ``baseline_rewards`` column, which the driver fills because of
-    ``needs_greedy_baseline``; it depends only on the prompt, so the gradient stays unbiased.
-    Also returns ``returns`` (G).
+    G_t is the reward-to-go sum_{k >= t} r_k over valid tokens (gamma is not used, as veRL's
+    ``remax``); with an outcome-only reward it is r_i on every token, the paper's r(x, y_i) - r(x,
+    y_greedy). The baseline comes from the per-row ``baseline_rewards`` column, which the driver
+    fills because of ``needs_greedy_baseline``; it depends only on the prompt, so the gradient stays
+    unbiased. Also returns ``returns`` (G).
     """
     if "baseline_rewards" not in batch:
         raise KeyError(
@@ -275,13 +280,13 @@ remax_advantage.needs_greedy_baseline = (
 
 @ADVANTAGES.register("grpo_passk")
 def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """GRPO for pass@k (Tang et al. 2503.19595, as veRL's ``grpo_passk``): per group only the best sample gets
-    an advantage, r_max - r_second, on every token; all others get 0.
+    """GRPO for pass@k (Tang et al. 2503.19595, as veRL's ``grpo_passk``): per group only the best
+    sample gets an advantage, r_max - r_second, on every token; all others get 0.
 
-    This is the leave-one-out baseline of max_j r_j: for sample i it is max_j r_j - max_{j != i} r_j, which is
-    0 unless i is the unique best. Ties for the best therefore give the whole group 0. With
-    ``cfg.norm_adv_by_std`` (veRL's default, not in the paper) it is divided by (std_g + 1e-6), std unbiased.
-    A group needs at least two samples (``min_group_size``).
+    This is the leave-one-out baseline of max_j r_j: for sample i it is max_j r_j - max_{j != i}
+    r_j, which is 0 unless i is the unique best. Ties for the best therefore give the whole group 0.
+    With ``cfg.norm_adv_by_std`` (veRL's default, not in the paper) it is divided by (std_g + 1e-6),
+    std unbiased. A group needs at least two samples (``min_group_size``).
     """
     scores = _sequence_scores(batch)
     sd = scores.double()
@@ -310,12 +315,13 @@ grpo_passk_advantage.min_group_size = (
 
 @ADVANTAGES.register("opo")
 def opo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
-    """OPO (Hao et al. 2505.23585): A_i = r_i - b_g, b_g = sum_i |y_i| r_i / sum_i |y_i| over the group.
+    """OPO (Hao et al. 2505.23585): A_i = r_i - b_g, b_g = sum_i |y_i| r_i / sum_i |y_i| over the
+    group.
 
-    The length-weighted mean is the paper's optimal baseline E[|grad log pi|^2 r] / E[|grad log pi|^2] with
-    the squared gradient norm taken as proportional to the response length. A group of size one gets
-    baseline 0 (A = r), as veRL's ``opo`` and our other group estimators; a group whose responses are all
-    empty has nothing to train and gets 0 (where veRL would divide by zero).
+    The length-weighted mean is the paper's optimal baseline E[|grad log pi|^2 r] / E[|grad log
+    pi|^2] with the squared gradient norm taken as proportional to the response length. A group of
+    size one gets baseline 0 (A = r), as veRL's ``opo`` and our other group estimators; a group
+    whose responses are all empty has nothing to train and gets 0 (where veRL would divide by zero).
     """
     mask = as_bool(batch["response_mask"])
     scores = _sequence_scores(batch)
@@ -335,7 +341,8 @@ def opo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
 
 
 def compute_advantages(batch: Batch, cfg) -> Batch:
-    """The batch plus every tensor the estimator named by ``cfg.advantage`` returns (``advantages``, maybe ``returns``).
+    """The batch plus every tensor the estimator named by ``cfg.advantage`` returns (``advantages``,
+    maybe ``returns``).
 
     A returned column replaces a column of the same name (advantages can be recomputed).
     An estimator may also return a bare tensor, taken as ``advantages``.

@@ -20,7 +20,8 @@ LOSS_AGG = Registry("loss aggregation")
 
 @dataclass
 class AggTotals:
-    """Mini-batch totals: valid tokens, non-empty rows, and the fixed length of seq-mean-token-sum-norm."""
+    """Mini-batch totals: valid tokens, non-empty rows, and the fixed length of
+    seq-mean-token-sum-norm."""
 
     n_tokens: float
     n_seqs: float
@@ -28,7 +29,8 @@ class AggTotals:
 
 
 def agg_totals(mask: torch.Tensor, norm_len: float | None = None) -> AggTotals:
-    """Totals of a mini-batch's ``response_mask``; ``norm_len`` None: the mask's width (veRL's default)."""
+    """Totals of a mini-batch's ``response_mask``; ``norm_len`` None: the mask's width (veRL's
+    default)."""
     m = as_bool(mask)
     return AggTotals(
         n_tokens=float(m.sum().item()),
@@ -79,7 +81,7 @@ def seq_mean_token_sum_norm(
 
 @LOSS_AGG.register("token-sum")
 def token_sum(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals) -> torch.Tensor:
-    """sum over valid tokens, no division. Needs no totals: micro-batches and data-parallel ranks (whose
-    gradients are summed) add up to the mini-batch's sum by themselves. Its scale grows with the number of
-    tokens per optimizer step, so the learning rate has to be scaled to match."""
+    """sum over valid tokens, no division. Needs no totals: micro-batches and data-parallel ranks
+    (whose gradients are summed) add up to the mini-batch's sum by themselves. Its scale grows with
+    the number of tokens per optimizer step, so the learning rate has to be scaled to match."""
     return _row_sums(loss, mask)[0].sum()

@@ -1,10 +1,12 @@
-"""KL between the policy and the reference, per token (Schulman, "Approximating KL divergence"), and KL in the reward.
+"""KL between the policy and the reference, per token (Schulman, "Approximating KL divergence"), and
+KL in the reward.
 
 With ``log_ratio = logp - ref_logp`` (samples drawn from the policy):
-k1 = log_ratio, k2 = log_ratio^2 / 2, k3 = exp(-log_ratio) - 1 + log_ratio (>= 0, low variance; clamped
-as veRL's low_var_kl), abs = |log_ratio|; k1+, k2+, k3+: the value of k1 / k2 / k3 with the gradient of k2
-(straight-through, veRL's "+" modes). As a reward penalty: ``apply_kl_penalty`` with a fixed or adaptive coefficient
-(Ziegler et al. 1909.08593); as a loss term: the actor aggregates ``kl_penalty(...)`` itself.
+k1 = log_ratio, k2 = log_ratio^2 / 2, k3 = exp(-log_ratio) - 1 + log_ratio (>= 0, low variance;
+clamped as veRL's low_var_kl), abs = |log_ratio|; k1+, k2+, k3+: the value of k1 / k2 / k3 with the
+gradient of k2 (straight-through, veRL's "+" modes). As a reward penalty: ``apply_kl_penalty`` with
+a fixed or adaptive coefficient (Ziegler et al. 1909.08593); as a loss term: the actor aggregates
+``kl_penalty(...)`` itself.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def kl_abs(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (logp - ref_logp).abs()
 
 
-# Straight-through ("+") estimators, as veRL's k1+ / k2+ / k3+: the value of the named estimator with the
-# gradient of k2. As a loss term, E[grad k2] = grad KL(pi || ref) for samples from pi (the on-policy
-# case), while the gradients of k1 and k3 are biased; the value keeps the chosen estimator's reading.
+# Straight-through ("+") estimators, as veRL's k1+ / k2+ / k3+: the value of the named estimator
+# with the gradient of k2. As a loss term, E[grad k2] = grad KL(pi || ref) for samples from pi (the
+# on-policy case), while the gradients of k1 and k3 are biased; the value keeps the chosen
+# estimator's reading.
 def _straight_through(
     value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor
 ) -> torch.Tensor:
@@ -83,10 +86,11 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Ziegler et al. 1909.08593: err = clip(kl / target - 1, -0.2, 0.2); coef *= 1 + err * n_steps / horizon.
+    """Ziegler et al. 1909.08593: err = clip(kl / target - 1, -0.2, 0.2); coef *= 1 + err * n_steps
+    / horizon.
 
-    ``current_kl`` must be measured the way ``target`` is meant (e.g. ``kl/penalty_mean`` of ``apply_kl_penalty``,
-    the per-sequence summed KL, as the paper's target of nats per sample).
+    ``current_kl`` must be measured the way ``target`` is meant (e.g. ``kl/penalty_mean`` of
+    ``apply_kl_penalty``, the per-sequence summed KL, as the paper's target of nats per sample).
     """
 
     def __init__(self, init_coef: float, target: float, horizon: float):
@@ -104,11 +108,12 @@ class AdaptiveKLController:
 def apply_kl_penalty(
     batch: Batch, coef: float, estimator: str
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """token_level_rewards = token_level_scores - coef * kl(old_log_probs, ref_log_probs), 0 on padding.
+    """token_level_rewards = token_level_scores - coef * kl(old_log_probs, ref_log_probs), 0 on
+    padding.
 
-    Metrics: ``kl/penalty_mean`` = mean over non-empty rows of the per-sequence SUMMED KL (nats per response,
-    the quantity Ziegler et al.'s adaptive target refers to); ``kl/penalty_token_mean`` = mean over rows of
-    the per-sequence token-mean KL (what veRL feeds its controller); ``kl/coef``.
+    Metrics: ``kl/penalty_mean`` = mean over non-empty rows of the per-sequence SUMMED KL (nats per
+    response, the quantity Ziegler et al.'s adaptive target refers to); ``kl/penalty_token_mean`` =
+    mean over rows of the per-sequence token-mean KL (what veRL feeds its controller); ``kl/coef``.
     """
     mask = batch["response_mask"]
     m = mask.bool() if mask.dtype != torch.bool else mask

@@ -1,4 +1,5 @@
-"""Policy losses: ``fn(logp, mb, cfg) -> (per_token_loss (B, R), metrics)``; and the clipped value loss.
+"""Policy losses: ``fn(logp, mb, cfg) -> (per_token_loss (B, R), metrics)``; and the clipped value
+loss.
 
 ``logp`` (B, R) is the current policy's log-prob of each response token; ``mb`` is the micro-batch
 with ``old_log_probs`` (the proximal / old policy), ``rollout_log_probs`` (the behaviour policy that
@@ -42,7 +43,8 @@ def _log_ratio(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Te
 def _clipped_surrogate(
     ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, c: float | None
 ):
-    """Per-token PPO loss max(-A r, -A clip(r, 1-low, 1+high)), then, for A < 0, min(that, -A c) (dual clip).
+    """Per-token PPO loss max(-A r, -A clip(r, 1-low, 1+high)), then, for A < 0, min(that, -A c)
+    (dual clip).
 
     Returns the loss and the boolean indicators (clipped low, clipped high, dual-clipped).
     """
@@ -50,7 +52,8 @@ def _clipped_surrogate(
     pg2 = -adv * ratio.clamp(1 - low, 1 + high)
     loss = torch.maximum(pg1, pg2)
     with torch.no_grad():
-        # the clip is active (gradient 0) exactly when pg2 > pg1: A > 0 above 1+high, A < 0 below 1-low
+        # the clip is active (gradient 0) exactly when pg2 > pg1: A > 0 above 1+high, A < 0 below
+        # 1-low
         clipped_low = (adv < 0) & (ratio < 1 - low)
         clipped_high = (adv > 0) & (ratio > 1 + high)
     if c is not None:
@@ -83,16 +86,18 @@ def _ratio_metrics(
     }
 
 
-# --- PPO --------------------------------------------------------------------------------------------
+# --- PPO ------------------------------------------------------------------------------------------
 @POLICY_LOSSES.register("ppo_clip")
 def ppo_clip_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate (Schulman et al. 1707.06347) with DAPO's separate low/high clip and dual clip (Ye et al. 1912.09729).
+    """PPO clipped surrogate (Schulman et al. 1707.06347) with DAPO's separate low/high clip and
+    dual clip (Ye et al. 1912.09729).
 
-    r_t = exp(logp_t - old_t); loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)); for A_t < 0
-    loss_t = min(loss_t, -A_t c) with c = clip_ratio_c. Metrics: clip_frac_low = share of valid tokens with
-    A < 0 and r < 1 - eps_low, clip_frac_high = A > 0 and r > 1 + eps_high (the tokens whose clip is active,
-    veRL's pg_clipfrac split by side; clip_frac = their sum), dual_clip_frac = A < 0 and the dual bound
-    active; approx_kl_old = k1 = mean(old - logp) as veRL's ppo_kl (k3 in approx_kl_old_k3).
+    r_t = exp(logp_t - old_t); loss_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high));
+    for A_t < 0 loss_t = min(loss_t, -A_t c) with c = clip_ratio_c. Metrics: clip_frac_low = share
+    of valid tokens with A < 0 and r < 1 - eps_low, clip_frac_high = A > 0 and r > 1 + eps_high (the
+    tokens whose clip is active, veRL's pg_clipfrac split by side; clip_frac = their sum),
+    dual_clip_frac = A < 0 and the dual bound active; approx_kl_old = k1 = mean(old - logp) as
+    veRL's ppo_kl (k3 in approx_kl_old_k3).
     """
     mask = mb["response_mask"]
     low, high, c = _clips(cfg)
@@ -106,9 +111,10 @@ def ppo_clip_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dic
     return loss, metrics
 
 
-# --- GSPO -------------------------------------------------------------------------------------------
+# --- GSPO -----------------------------------------------------------------------------------------
 def _seq_log_ratio(logp, old, mask):
-    """(B,) length-normalised sequence log-ratio mean_t(logp - old) over valid tokens (0 for an empty row), clamped."""
+    """(B,) length-normalised sequence log-ratio mean_t(logp - old) over valid tokens (0 for an
+    empty row), clamped."""
     m = as_bool(mask)
     lengths = m.sum(-1).clamp(min=1).to(logp.dtype)
     return (zero_pad(logp - old, m).sum(-1) / lengths).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -139,11 +145,12 @@ def _seq_metrics(seq_ratio, token_log_ratio, mask, cl, ch) -> dict[str, float]:
 
 @POLICY_LOSSES.register("gspo")
 def gspo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO (Zheng et al. 2507.18071), sequence level: s_i = exp(mean_t(logp - old)), A_i = mean_t A_{i,t},
-    loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)) on every valid token of row i.
+    """GSPO (Zheng et al. 2507.18071), sequence level: s_i = exp(mean_t(logp - old)), A_i = mean_t
+    A_{i,t}, loss_i = max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)) on every valid token
+    of row i.
 
-    Differs from veRL: veRL's "gspo" is the GSPO-token form (see "gspo_token"); here the gradient flows
-    through s_i itself. No dual clip. The paper's objective is this loss with loss_agg
+    Differs from veRL: veRL's "gspo" is the GSPO-token form (see "gspo_token"); here the gradient
+    flows through s_i itself. No dual clip. The paper's objective is this loss with loss_agg
     "seq-mean-token-mean" (1/G sum_i loss_i); the paper uses eps of 3e-4 / 4e-4.
     """
     mask = mb["response_mask"]
@@ -162,11 +169,12 @@ def gspo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
 
 @POLICY_LOSSES.register("gspo_token")
 def gspo_token_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO-token (2507.18071 eq. 13): s_{i,t} = sg[s_i] exp(logp_t - sg[logp_t]) (value s_i, gradient of a
-    token-level ratio), loss_t = max(-A_t s_{i,t}, -A_t clip(s_{i,t}, 1 - eps_low, 1 + eps_high)) with the
-    per-token advantages. With advantages constant over a sequence its gradient equals GSPO's. No dual clip.
-    As veRL's "gspo", log s_{i,t} is clamped from above at GSPO_TOKEN_LOG_RATIO_MAX (10) before exp: s_{i,t} <= e^10,
-    and a token beyond the bound gets no gradient (its sequence is far off-policy).
+    """GSPO-token (2507.18071 eq. 13): s_{i,t} = sg[s_i] exp(logp_t - sg[logp_t]) (value s_i,
+    gradient of a token-level ratio), loss_t = max(-A_t s_{i,t}, -A_t clip(s_{i,t}, 1 - eps_low, 1 +
+    eps_high)) with the per-token advantages. With advantages constant over a sequence its gradient
+    equals GSPO's. No dual clip. As veRL's "gspo", log s_{i,t} is clamped from above at
+    GSPO_TOKEN_LOG_RATIO_MAX (10) before exp: s_{i,t} <= e^10, and a token beyond the bound gets no
+    gradient (its sequence is far off-policy).
     """
     mask = mb["response_mask"]
     m = as_bool(mask)
@@ -200,16 +208,18 @@ def gspo_token_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, d
     return loss, metrics
 
 
-# --- decoupled PPO (AReaL) ---------------------------------------------------------------------------
+# --- decoupled PPO (AReaL) ------------------------------------------------------------------------
 @POLICY_LOSSES.register("decoupled_ppo")
 def decoupled_ppo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled PPO (AReaL, Fu et al. 2505.24298): behaviour mu = rollout_log_probs, proximal = old_log_probs.
+    """Decoupled PPO (AReaL, Fu et al. 2505.24298): behaviour mu = rollout_log_probs, proximal =
+    old_log_probs.
 
-    w = exp(prox - mu) (no gradient), u = exp(logp - prox), loss = w * max(-A u, -A clip(u, 1 - eps_low,
-    1 + eps_high)) (= -w min(u A, clip(u) A)), plus the dual clip for A < 0 when clip_ratio_c is set, as AReaL's
-    c_clip. With ``behav_imp_weight_cap`` set, tokens with w > cap get weight 0 (dropped from the loss but still
-    counted by the aggregation's denominators), as AReaL does. With mu = prox it is exactly "ppo_clip".
-    Metrics: behav_weight_mean / max over valid tokens before the cap, behav_capped_frac the dropped share.
+    w = exp(prox - mu) (no gradient), u = exp(logp - prox), loss = w * max(-A u, -A clip(u, 1 -
+    eps_low, 1 + eps_high)) (= -w min(u A, clip(u) A)), plus the dual clip for A < 0 when
+    clip_ratio_c is set, as AReaL's c_clip. With ``behav_imp_weight_cap`` set, tokens with w > cap
+    get weight 0 (dropped from the loss but still counted by the aggregation's denominators), as
+    AReaL does. With mu = prox it is exactly "ppo_clip". Metrics: behav_weight_mean / max over valid
+    tokens before the cap, behav_capped_frac the dropped share.
     """
     mask = mb["response_mask"]
     m = as_bool(mask)
@@ -239,7 +249,7 @@ def decoupled_ppo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor
     return loss, metrics
 
 
-# --- critic -------------------------------------------------------------------------------------------
+# --- critic ---------------------------------------------------------------------------------------
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -247,10 +257,11 @@ def value_loss(
     mask: torch.Tensor,
     clip: float | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss (as veRL / TRL): 0.5 max((V - G)^2, (clip(V, V_old - c, V_old + c) - G)^2), 0 on padding.
+    """Clipped value loss (as veRL / TRL): 0.5 max((V - G)^2, (clip(V, V_old - c, V_old + c) -
+    G)^2), 0 on padding.
 
-    ``clip`` None or 0 disables the clipped branch (0.5 (V - G)^2). vf_clip_frac = share of valid tokens
-    where the clipped branch is the larger one.
+    ``clip`` None or 0 disables the clipped branch (0.5 (V - G)^2). vf_clip_frac = share of valid
+    tokens where the clipped branch is the larger one.
     """
     m = as_bool(mask)
     v = zero_pad(values, m)

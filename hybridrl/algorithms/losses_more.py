@@ -1,13 +1,14 @@
 """More policy losses in the ``POLICY_LOSSES`` registry: CISPO, GMPO, Clip-Cov, KL-Cov and SAPO.
 
-Same contract as ``losses.py``: ``fn(logp, mb, cfg) -> (per_token_loss (B, R), metrics)``, zero on padding
-(and blind to what padded positions hold), every log-ratio clamped to +-20 before ``exp``, aggregation left
-to ``algorithm.loss_agg``. Hyper-parameters are fields of ``cfg`` (the
+Same contract as ``losses.py``: ``fn(logp, mb, cfg) -> (per_token_loss (B, R), metrics)``, zero on
+padding (and blind to what padded positions hold), every log-ratio clamped to +-20 before ``exp``,
+aggregation left to ``algorithm.loss_agg``. Hyper-parameters are fields of ``cfg`` (the
 ``AlgorithmConfig``).
 
-Clip-Cov and KL-Cov pick tokens by a statistic of the batch they see (the covariance between log-prob and
-advantage, centred by the batch's means, and a share of its tokens). Here, as in veRL, that batch is the
-micro-batch, so those two losses, unlike the others, depend on ``actor.micro_batch_tokens``.
+Clip-Cov and KL-Cov pick tokens by a statistic of the batch they see (the covariance between
+log-prob and advantage, centred by the batch's means, and a share of its tokens). Here, as in veRL,
+that batch is the micro-batch, so those two losses, unlike the others, depend on
+``actor.micro_batch_tokens``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from hybridrl.algorithms.masking import as_bool, masked_max, masked_mean, masked
 from hybridrl.protocol import Batch
 
 
-# --- helpers -----------------------------------------------------------------------------------------------
+# --- helpers --------------------------------------------------------------------------------------
 def _positive(name: str, value: float | None) -> float:
     if value is None or value <= 0:
         raise ValueError(f"algorithm.{name} must be > 0, got {value!r}")
@@ -42,7 +43,8 @@ def _share(name: str, value: float | None) -> float:
 
 
 def _inputs(logp: torch.Tensor, mb: Batch):
-    """Valid-token mask, clamped log-ratio logp - old (0 on padding), ratio and advantages (0 on padding)."""
+    """Valid-token mask, clamped log-ratio logp - old (0 on padding), ratio and advantages (0 on
+    padding)."""
     m = as_bool(mb["response_mask"])
     log_ratio = _log_ratio(logp, mb["old_log_probs"].to(logp.dtype), m)
     adv = zero_pad(mb["advantages"].to(logp.dtype), m)
@@ -71,16 +73,18 @@ def _clip_metrics(
     }
 
 
-# --- CISPO ---------------------------------------------------------------------------------------------------
+# --- CISPO ----------------------------------------------------------------------------------------
 @POLICY_LOSSES.register("cispo")
 def cispo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """CISPO (MiniMax-M1, 2506.13585): loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t logp_t.
+    """CISPO (MiniMax-M1, 2506.13585): loss_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] A_t
+    logp_t.
 
-    A REINFORCE update weighted by a truncated, detached IS weight: unlike PPO no token loses its gradient;
-    clipping only bounds the weight. ``cispo_clip_low`` None: no lower bound (the paper tunes only the upper
-    one). The loss value is not on the ratio scale (it has log-probs in it); its gradient is -w A grad logp.
-    Metrics: clip_frac_high / clip_frac_low = share of valid tokens whose weight was truncated from above /
-    below (whatever the sign of A: the weight is truncated, not the objective).
+    A REINFORCE update weighted by a truncated, detached IS weight: unlike PPO no token loses its
+    gradient; clipping only bounds the weight. ``cispo_clip_low`` None: no lower bound (the paper
+    tunes only the upper one). The loss value is not on the ratio scale (it has log-probs in it);
+    its gradient is -w A grad logp. Metrics: clip_frac_high / clip_frac_low = share of valid tokens
+    whose weight was truncated from above / below (whatever the sign of A: the weight is truncated,
+    not the objective).
     """
     low, high = cfg.cispo_clip_low, cfg.cispo_clip_high
     if low is not None and not 0 <= low <= 1:
@@ -101,19 +105,21 @@ def cispo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[s
     return loss, metrics
 
 
-# --- GMPO ----------------------------------------------------------------------------------------------------
+# --- GMPO -----------------------------------------------------------------------------------------
 @POLICY_LOSSES.register("gmpo")
 def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
-    """GMPO (Zhao et al. 2507.20673): the geometric mean of the token terms instead of their arithmetic mean.
+    """GMPO (Zhao et al. 2507.20673): the geometric mean of the token terms instead of their
+    arithmetic mean.
 
-    With A_i = mean_t A_{i,t} and sgn = sign(A_i), each token's log-ratio l_t is clipped in log space,
-    pessimistically for the sign of A_i: c_t = sgn min(sgn l_t, sgn clip(l_t, -eps_low, eps_high)) (for A > 0
-    min(l, clip(l)), for A < 0 max(l, clip(l))). The paper's (prod_t |min(r_t A, clip(r_t) A)|)^(1/|y|) sgn(A)
-    is then A_i exp(mean_t c_t), so loss_i = -A_i exp(mean_t c_t), put on every valid token of row i.
-    eps: ``gmpo_log_clip_low`` / ``gmpo_log_clip_high`` (0.4, i.e. r in [e^-0.4, e^0.4], the paper's wide range).
-    The paper's 1/G sum_i is ``loss_agg: seq-mean-token-mean``.
-    Metrics: clip_frac_high = valid tokens with A_i > 0 and l_t > eps_high, clip_frac_low = A_i < 0 and
-    l_t < -eps_low (their gradient is 0); seq_ratio_* = exp(mean_t c_t) over non-empty rows.
+    With A_i = mean_t A_{i,t} and sgn = sign(A_i), each token's log-ratio l_t is clipped in log
+    space, pessimistically for the sign of A_i: c_t = sgn min(sgn l_t, sgn clip(l_t, -eps_low,
+    eps_high)) (for A > 0 min(l, clip(l)), for A < 0 max(l, clip(l))). The paper's (prod_t |min(r_t
+    A, clip(r_t) A)|)^(1/|y|) sgn(A) is then A_i exp(mean_t c_t), so loss_i = -A_i exp(mean_t c_t),
+    put on every valid token of row i. eps: ``gmpo_log_clip_low`` / ``gmpo_log_clip_high`` (0.4,
+    i.e. r in [e^-0.4, e^0.4], the paper's wide range). The paper's 1/G sum_i is ``loss_agg:
+    seq-mean-token-mean``. Metrics: clip_frac_high = valid tokens with A_i > 0 and l_t > eps_high,
+    clip_frac_low = A_i < 0 and l_t < -eps_low (their gradient is 0); seq_ratio_* = exp(mean_t c_t)
+    over non-empty rows.
     """
     lo = _positive("gmpo_log_clip_low", cfg.gmpo_log_clip_low)
     hi = _positive("gmpo_log_clip_high", cfg.gmpo_log_clip_high)
@@ -140,9 +146,10 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     return loss, metrics
 
 
-# --- Clip-Cov and KL-Cov --------------------------------------------------------------------------------------
+# --- Clip-Cov and KL-Cov --------------------------------------------------------------------------
 def _token_cov(logp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """(A_t - mean A)(logp_t - mean logp) per valid token, means over the valid tokens; 0 on padding. No gradient."""
+    """(A_t - mean A)(logp_t - mean logp) per valid token, means over the valid tokens; 0 on
+    padding. No gradient."""
     lp = zero_pad(logp.detach(), m)
     return zero_pad((adv - masked_mean(adv, m)) * (lp - masked_mean(lp, m)), m)
 
@@ -154,9 +161,9 @@ def _n_selected(share: float, m: torch.Tensor) -> int:
 
 
 def _derived_generator(mb: Batch, cfg) -> torch.Generator:
-    """A generator seeded by ``clip_cov_seed`` and a hash of the micro-batch's valid old log-probs and advantages:
-    a re-run or a resumed run cuts the same tokens, different micro-batches get different draws, and the
-    global RNG is left alone."""
+    """A generator seeded by ``clip_cov_seed`` and a hash of the micro-batch's valid old log-probs
+    and advantages: a re-run or a resumed run cuts the same tokens, different micro-batches get
+    different draws, and the global RNG is left alone."""
     m = as_bool(mb["response_mask"])
     data = torch.stack(
         [zero_pad(mb["old_log_probs"], m).double(), zero_pad(mb["advantages"], m).double()]
@@ -182,13 +189,14 @@ def clip_cov_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clip-Cov (Cui et al. 2505.22617, "The Entropy Mechanism of RL for Reasoning LMs").
 
-    Per valid token, cov_t = (A_t - mean A)(logp_t - mean logp) over the micro-batch's valid tokens. Among
-    the tokens with clip_cov_lb < cov_t < clip_cov_ub that the PPO clip has not already cut, n =
-    max(int(clip_cov_ratio * N), 1) are drawn at random and their loss is set to 0 (no gradient): high-
-    covariance tokens are the ones that drive entropy down. The others get the PPO loss with clip_ratio_low /
-    clip_ratio_high (no dual clip), as veRL. The draw uses ``generator`` when given, else one derived from
-    ``clip_cov_seed`` and the micro-batch (never the global RNG).
-    Metrics: the PPO clip fractions, cov_clip_frac (share of valid tokens cut), cov_mean (mean of cov_t).
+    Per valid token, cov_t = (A_t - mean A)(logp_t - mean logp) over the micro-batch's valid tokens.
+    Among the tokens with clip_cov_lb < cov_t < clip_cov_ub that the PPO clip has not already cut, n
+    = max(int(clip_cov_ratio * N), 1) are drawn at random and their loss is set to 0 (no gradient):
+    high- covariance tokens are the ones that drive entropy down. The others get the PPO loss with
+    clip_ratio_low / clip_ratio_high (no dual clip), as veRL. The draw uses ``generator`` when
+    given, else one derived from ``clip_cov_seed`` and the micro-batch (never the global RNG).
+    Metrics: the PPO clip fractions, cov_clip_frac (share of valid tokens cut), cov_mean (mean of
+    cov_t).
     """
     share = _share("clip_cov_ratio", cfg.clip_cov_ratio)
     lb, ub = cfg.clip_cov_lb, cfg.clip_cov_ub
@@ -218,10 +226,10 @@ def clip_cov_loss(
 @POLICY_LOSSES.register("kl_cov")
 def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     """KL-Cov (Cui et al. 2505.22617): loss_t = -A_t r_t, plus kl_cov_coef |logp_t - old_t| on the
-    max(int(kl_cov_ratio * N), 1) valid tokens of largest cov_t (as in clip_cov), N the micro-batch's valid
-    tokens. No ratio clip: the KL term on the high-covariance tokens is the trust region, as in the paper.
-    Metrics: kl_cov_frac (share of valid tokens penalised), cov_mean, kl_cov_abs (mean |logp - old| over the
-    penalised tokens), and the ratio / approx_kl metrics.
+    max(int(kl_cov_ratio * N), 1) valid tokens of largest cov_t (as in clip_cov), N the
+    micro-batch's valid tokens. No ratio clip: the KL term on the high-covariance tokens is the
+    trust region, as in the paper. Metrics: kl_cov_frac (share of valid tokens penalised), cov_mean,
+    kl_cov_abs (mean |logp - old| over the penalised tokens), and the ratio / approx_kl metrics.
     """
     share = _share("kl_cov_ratio", cfg.kl_cov_ratio)
     coef = cfg.kl_cov_coef
@@ -249,17 +257,18 @@ def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[
     return loss, metrics
 
 
-# --- SAPO ----------------------------------------------------------------------------------------------------
+# --- SAPO -----------------------------------------------------------------------------------------
 @POLICY_LOSSES.register("sapo")
 def sapo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     """SAPO (Gao et al. 2511.20347): a soft gate instead of the hard clip,
-    f(r) = sigmoid(tau (r - 1)) 4 / tau, loss_t = -f(r_t) A_t, with tau = sapo_tau_pos where A_t > 0 and
-    sapo_tau_neg elsewhere (1.0 / 1.05 as the paper: negative updates are damped faster).
+    f(r) = sigmoid(tau (r - 1)) 4 / tau, loss_t = -f(r_t) A_t, with tau = sapo_tau_pos where A_t > 0
+    and sapo_tau_neg elsewhere (1.0 / 1.05 as the paper: negative updates are damped faster).
 
-    Its gradient is -A_t w_t r_t grad logp_t with w_t = 4 s (1 - s), s = sigmoid(tau (r_t - 1)): w = 1 at r = 1
-    (the plain policy gradient on-policy), decaying smoothly as r leaves 1. The paper averages per sequence,
-    then over sequences: ``loss_agg: seq-mean-token-mean``.
-    Metrics: gate_weight_mean / gate_weight_min (w_t over valid tokens) and the ratio / approx_kl metrics.
+    Its gradient is -A_t w_t r_t grad logp_t with w_t = 4 s (1 - s), s = sigmoid(tau (r_t - 1)): w =
+    1 at r = 1 (the plain policy gradient on-policy), decaying smoothly as r leaves 1. The paper
+    averages per sequence, then over sequences: ``loss_agg: seq-mean-token-mean``.
+    Metrics: gate_weight_mean / gate_weight_min (w_t over valid tokens) and the ratio / approx_kl
+    metrics.
     """
     tau_pos = _positive("sapo_tau_pos", cfg.sapo_tau_pos)
     tau_neg = _positive("sapo_tau_neg", cfg.sapo_tau_neg)

@@ -167,7 +167,8 @@ def _type_hints(cls: type) -> dict[str, Any]:
 
 
 def _convert(tp: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against annotation ``tp``; return it converted (int->float, list->tuple, ...)."""
+    """Check ``value`` against annotation ``tp``; return it converted (int->float, list->tuple,
+    ...)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is object:
         return value
@@ -257,7 +258,8 @@ _BOUNDS = {
 
 
 def _check_metadata(meta: Mapping, value: Any, path: str) -> None:
-    """Apply the ``choices``/``ge``/``gt``/``le``/``lt`` metadata of a field (to each item of a list or dict)."""
+    """Apply the ``choices``/``ge``/``gt``/``le``/``lt`` metadata of a field (to each item of a list
+    or dict)."""
     if value is None or dataclasses.is_dataclass(value):
         return
     if isinstance(value, (list, tuple, Mapping)):
@@ -311,7 +313,8 @@ def from_dict(cls: type[T], data: Mapping, path: str = "") -> T:
 
 
 def to_dict(obj: Any) -> Any:
-    """Dataclass -> plain nested dict in field order (tuples become lists; ``init=False`` fields are left out)."""
+    """Dataclass -> plain nested dict in field order (tuples become lists; ``init=False`` fields are
+    left out)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
     if isinstance(obj, Mapping):
@@ -322,11 +325,12 @@ def to_dict(obj: Any) -> Any:
 
 
 def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
-    """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (missing levels are created).
+    """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (missing levels are
+    created).
 
     Values are parsed as YAML: ``20`` -> 20, ``1e-3`` -> 0.001, ``true`` -> True, ``null`` -> None,
-    ``[1,2]`` -> list, ``{x: 1}`` -> dict (replacing the whole section), ``"'20'"`` -> the string '20'.
-    Keys are checked later, by :func:`from_dict`.
+    ``[1,2]`` -> list, ``{x: 1}`` -> dict (replacing the whole section), ``"'20'"`` -> the string
+    '20'. Keys are checked later, by :func:`from_dict`.
     """
     if isinstance(overrides, (str, bytes)):
         raise TypeError("overrides must be a sequence of 'key=value' strings, not a single string")
@@ -336,7 +340,8 @@ def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
         parts = key.strip().split(".")
         if not sep or not all(p.strip() for p in parts):
             raise ConfigError(
-                f"invalid override {item!r}: expected KEY=VALUE with a dotted key, e.g. trainer.total_steps=20"
+                f"invalid override {item!r}: expected KEY=VALUE with a dotted key, e.g. "
+                "trainer.total_steps=20"
             )
         parts = [p.strip() for p in parts]
         try:
@@ -388,13 +393,15 @@ def _read_yaml(path: str | os.PathLike) -> dict:
 def load_config(
     cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()
 ) -> T:
-    """Read the YAML file at ``path`` (None: no file, all defaults), apply ``overrides``, validate, build ``cls``."""
+    """Read the YAML file at ``path`` (None: no file, all defaults), apply ``overrides``, validate,
+    build ``cls``."""
     data = {} if path is None else _read_yaml(path)
     return from_dict(cls, apply_overrides(data, overrides))
 
 
 def dump_yaml(obj: Any) -> str:
-    """The (resolved) config as YAML, keys in field order; :func:`load_config` reads it back to an equal object."""
+    """The (resolved) config as YAML, keys in field order; :func:`load_config` reads it back to an
+    equal object."""
     return yaml.dump(
         to_dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True
     )

@@ -31,8 +31,9 @@ from hybridrl.controller.worker import (
 
 # seconds to wait for a group's actors to start (process spawn + imports)
 START_TIMEOUT_S = 300.0
-# seconds to keep waiting for the other ranks once one rank raised: when a rank is killed, its peers'
-# connection errors often reach the driver before Ray reports the death, and the death is what to report
+# seconds to keep waiting for the other ranks once one rank raised: when a rank is killed, its
+# peers' connection errors often reach the driver before Ray reports the death, and the death is
+# what to report
 DEATH_GRACE_S = 10.0
 # driver environment variables every rank inherits (a cluster joined by address does not share the
 # driver's environment): the torch.distributed timeout read by training/distributed.py
@@ -154,7 +155,8 @@ class RayBackend:
         except ray.exceptions.GetTimeoutError:
             ctx = self.contexts[0]
             raise RuntimeError(
-                f"actors of role {ctx.role!r} did not start within {START_TIMEOUT_S:.0f} s on pool {ctx.pool!r} "
+                f"actors of role {ctx.role!r} did not start within {START_TIMEOUT_S:.0f} s on pool "
+                f"{ctx.pool!r} "
                 "(more groups on the pool than its max_colocate, or a cluster too small?)"
             ) from None
         self.where = where
@@ -195,10 +197,10 @@ class RayBackend:
         ]
 
     def gather(self, method: str, pending: list[tuple[int, Any]]) -> list[Any]:
-        """The results in the order of ``pending``. A rank whose actor died is reported as soon as Ray
-        knows, without awaiting the others (a survivor may sit in a collective with the dead peer);
-        otherwise the first failing rank in rank order among those done within DEATH_GRACE_S of the
-        first failure."""
+        """The results in the order of ``pending``. A rank whose actor died is reported as soon as
+        Ray knows, without awaiting the others (a survivor may sit in a collective with the dead
+        peer); otherwise the first failing rank in rank order among those done within DEATH_GRACE_S
+        of the first failure."""
         ray = self._ray
         rank_of = {ref: rank for rank, ref in pending}
         results: dict[Any, Any] = {}
@@ -234,7 +236,8 @@ class RayBackend:
     def _died(
         self, rank: int, method: str, err: BaseException, failed: dict, waiting: list, rank_of: dict
     ) -> WorkerDiedError:
-        """The error naming dead ``rank``: where it ran, why it died, what its peers did meanwhile."""
+        """The error naming dead ``rank``: where it ran, why it died, what its peers did
+        meanwhile."""
         report = str(getattr(err, "error_msg", "") or err)
         if rank < len(self.where):
             node_id, ip, _, pid = self.where[rank]
@@ -242,11 +245,13 @@ class RayBackend:
             node_id, found = "?", dict(re.findall(r"^\t(pid|ip): (\S+)$", report, re.M))
             pid, ip = found.get("pid", "?"), found.get("ip", "?")
         lines = [
-            f"  rank {r} failed too, most likely because its peer died: {_first_line(describe_exception(_cause(e)))}"
+            f"  rank {r} failed too, most likely because its peer died: "
+            f"{_first_line(describe_exception(_cause(e)))}"
             for r, e in sorted(failed.items())
         ]
         lines += [
-            f"  rank {rank_of[ref]}: not awaited (it may be blocked in a collective with the dead rank)"
+            f"  rank {rank_of[ref]}: not awaited (it may be blocked in a collective with the dead "
+            "rank)"
             for ref in waiting
         ]
         lines += [
@@ -326,7 +331,10 @@ def exit_cause(report: str) -> str:
     ):
         plain = "its node was lost"
     elif "connection error" in low or "end of file" in low:
-        plain = "its process vanished (killed by a signal such as SIGKILL or the OOM killer, or crashed)"
+        plain = (
+            "its process vanished "
+            "(killed by a signal such as SIGKILL or the OOM killer, or crashed)"
+        )
     else:
         plain = "its process exited"
     return f"{plain} [Ray: {ray_says}]"

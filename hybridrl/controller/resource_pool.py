@@ -109,8 +109,10 @@ class ResourcePool:
             for pg in pgs:
                 remove_placement_group(pg)
             raise RuntimeError(
-                f"pool {self.name!r} could not reserve {self.nodes} node(s) x {self.workers_per_node} x {self.bundle()} "
-                f"within {PLACEMENT_TIMEOUT_S:.0f} s; cluster has {ray.available_resources()} available"
+                f"pool {self.name!r} could not reserve {self.nodes} node(s) x "
+                f"{self.workers_per_node} x {self.bundle()} "
+                f"within {PLACEMENT_TIMEOUT_S:.0f} s; cluster has {ray.available_resources()} "
+                "available"
             ) from None
         self._placement_groups = pgs
 

@@ -67,8 +67,9 @@ class Worker:
         return self.ctx.role
 
     def apply(self, fn, /, *args, **kwargs):
-        """Run ``fn(self, *args, **kwargs)`` here (driver: ``WorkerGroup.apply_all``): code that needs the
-        worker's state without being one of its methods, e.g. moving weights between roles."""
+        """Run ``fn(self, *args, **kwargs)`` here (driver: ``WorkerGroup.apply_all``): code that
+        needs the worker's state without being one of its methods, e.g. moving weights between
+        roles."""
         return fn(self, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -94,9 +95,10 @@ class WorkerError(RuntimeError):
 class WorkerDiedError(WorkerError):
     """A rank's process died (killed by a signal, out of memory, its node lost) rather than raising.
 
-    The first line names the role, the dead rank, where it ran (``where``: pid and node) and the exit
-    cause; ``detail`` (the following lines) carries what the other ranks did and Ray's own report. The
-    group's torch.distributed group is broken from then on: every later call into the group raises this.
+    The first line names the role, the dead rank, where it ran (``where``: pid and node) and the
+    exit cause; ``detail`` (the following lines) carries what the other ranks did and Ray's own
+    report. The group's torch.distributed group is broken from then on: every later call into the
+    group raises this.
     """
 
     def __init__(

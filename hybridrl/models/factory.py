@@ -57,7 +57,8 @@ def model_size_config(name: str, tokenizer) -> Qwen2Config:
 
 
 def build_model(name: str, tokenizer, seed: int) -> PreTrainedModel:
-    """A randomly initialised built-in model; the same seed gives the same weights in any process."""
+    """A randomly initialised built-in model; the same seed gives the same weights in any
+    process."""
     devnull_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(model_size_config(name, tokenizer))
@@ -66,8 +67,10 @@ def build_model(name: str, tokenizer, seed: int) -> PreTrainedModel:
 
 
 def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokenizer=None):
-    """(model, tokenizer): from a local checkpoint directory, or a built-in size with the task's tokenizer."""
-    hf_logging.disable_progress_bar()  # per-load progress bars drown the training bar (also inside Ray workers)
+    """(model, tokenizer): from a local checkpoint directory, or a built-in size with the task's
+    tokenizer."""
+    # per-load progress bars drown the training bar (also inside Ray workers)
+    hf_logging.disable_progress_bar()
     if path is None:
         if task_tokenizer is None:
             raise ValueError("a built-in model size needs the task's tokenizer")
@@ -93,7 +96,8 @@ def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokeni
         len(tokenizer) > model.config.vocab_size
     ):  # e.g. a default unk token added on reload: its id has no embedding
         log.warning(
-            "%s: the tokenizer has %d tokens, the model's vocabulary %d rows; ids from %d on would fail "
+            "%s: the tokenizer has %d tokens, the model's vocabulary %d rows; ids from %d on would "
+            "fail "
             "(added tokens: %s)",
             p,
             len(tokenizer),

@@ -96,7 +96,8 @@ def compute_reward(
     if isinstance(result, Mapping):
         if "score" not in result:
             raise ValueError(
-                f"reward function {_name(fn)} returned a dict without 'score': keys {sorted(result)}"
+                f"reward function {_name(fn)} returned a dict without 'score': keys "
+                f"{sorted(result)}"
             )
         extras = {k: v for k, v in result.items() if k != "score"}
         raw = result["score"]
@@ -104,7 +105,8 @@ def compute_reward(
         extras, raw = {}, result
     if isinstance(raw, (str, bytes)) or not hasattr(raw, "__float__"):
         raise TypeError(
-            f"reward function {_name(fn)} returned score {raw!r} of type {type(raw).__name__}, not a number"
+            f"reward function {_name(fn)} returned score {raw!r} of type {type(raw).__name__}, not "
+            "a number"
         )
     score = float(raw)
     if math.isnan(score):

@@ -56,7 +56,8 @@ class ReverseTask(Task):
         return self._make(f"{self.name}-{index:06d}", self._digits("train", self.seed, index))
 
     def heldout(self) -> list[Prompt]:
-        """``heldout_size`` prompts from ``heldout_seed`` only, with the training length distribution."""
+        """``heldout_size`` prompts from ``heldout_seed`` only, with the training length
+        distribution."""
         if self._heldout is None:
             self._heldout = [
                 self._make(

@@ -59,7 +59,8 @@ def build_char_tokenizer(extra_chars: str = "") -> PreTrainedTokenizerFast:
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,
-        unk_token=None,  # saved as null: reloaded next to a Qwen2 config it would otherwise gain Qwen2's default unk
+        # saved as null: reloaded next to a Qwen2 config it would otherwise gain Qwen2's default unk
+        unk_token=None,
         model_max_length=MODEL_MAX_LENGTH,
         clean_up_tokenization_spaces=False,
     )

@@ -31,7 +31,8 @@ DEFAULT_PG_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this rank runs: its rank/world size, its compute device and the backend of its group."""
+    """Where this rank runs: its rank/world size, its compute device and the backend of its
+    group."""
 
     rank: int = 0
     world_size: int = 1
@@ -68,9 +69,9 @@ def pg_timeout_s() -> float:
 
 
 def init_distributed(ctx, timeout_s: float | None = None) -> DistEnv:
-    """Join (or create) the group of ``ctx``'s worker group; world size 1: no group. Every collective
-    of the group raises after ``timeout_s`` (default :func:`pg_timeout_s`) without its peers, so a
-    dead or stuck peer cannot hold a barrier for torch's default 30 minutes.
+    """Join (or create) the group of ``ctx``'s worker group; world size 1: no group. Every
+    collective of the group raises after ``timeout_s`` (default :func:`pg_timeout_s`) without its
+    peers, so a dead or stuck peer cannot hold a barrier for torch's default 30 minutes.
 
     Raises when ranks of a group of world size > 1 share one process (the ``local`` backend builds
     every rank in the driver, one after another, so the first rendezvous would wait forever).
@@ -82,7 +83,8 @@ def init_distributed(ctx, timeout_s: float | None = None) -> DistEnv:
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     if env_rank != str(ctx.rank) or env_world != str(ctx.world_size):
         raise RuntimeError(
-            f"role {ctx.role!r}: world size {ctx.world_size} needs one process per rank (backend 'ray', or a launcher "
+            f"role {ctx.role!r}: world size {ctx.world_size} needs one process per rank (backend "
+            "'ray', or a launcher "
             f"setting RANK/WORLD_SIZE); this process has RANK={env_rank} WORLD_SIZE={env_world}. "
             "Use the ray backend or one worker for this role."
         )
@@ -90,7 +92,8 @@ def init_distributed(ctx, timeout_s: float | None = None) -> DistEnv:
     if dist.is_initialized():
         if dist.get_rank() != ctx.rank or dist.get_world_size() != ctx.world_size:
             raise RuntimeError(
-                f"role {ctx.role!r} rank {ctx.rank}/{ctx.world_size}: this process already belongs to a "
+                f"role {ctx.role!r} rank {ctx.rank}/{ctx.world_size}: this process already belongs "
+                "to a "
                 f"group as rank {dist.get_rank()}/{dist.get_world_size()}"
             )
         _users += 1
@@ -112,11 +115,12 @@ def init_distributed(ctx, timeout_s: float | None = None) -> DistEnv:
 def teardown_distributed() -> None:
     """Leave the group; the last user of this process destroys it (after a barrier).
 
-    In a process that ran FSDP2 the group's C++ object outlives this call: FSDP2's autograd hooks form
-    Python/C++ reference cycles that gc cannot break, and they hold the mesh and so the group. Its gloo
-    threads then run into interpreter shutdown, which aborts about one exit in seven ("terminate called
-    without an active exception"). Ray workers are killed, never exited; a process launched per rank
-    should leave with ``os._exit`` once its results are written (as the tests' rank processes do)."""
+    In a process that ran FSDP2 the group's C++ object outlives this call: FSDP2's autograd hooks
+    form Python/C++ reference cycles that gc cannot break, and they hold the mesh and so the group.
+    Its gloo threads then run into interpreter shutdown, which aborts about one exit in seven
+    ("terminate called without an active exception"). Ray workers are killed, never exited; a
+    process launched per rank should leave with ``os._exit`` once its results are written (as the
+    tests' rank processes do)."""
     global _users
     if not dist.is_initialized():
         return
@@ -143,7 +147,8 @@ def _device_of_group() -> torch.device:
 
 
 def all_reduce(values: list[float] | torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """Float64 all-reduce (``sum`` or ``max``) of a small vector; a plain tensor when there is no group."""
+    """Float64 all-reduce (``sum`` or ``max``) of a small vector; a plain tensor when there is no
+    group."""
     t = torch.as_tensor(values, dtype=torch.float64)
     if world_size() == 1:
         return t

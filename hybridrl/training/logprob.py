@@ -16,8 +16,8 @@ sampler's own filter code (``rollout/sampler.py``). The engine's behaviour log-p
 then the same quantity, and at equal weights an importance ratio between them is 1. The entropy is
 that distribution's too (see docs/algorithms.md, "Filtered log-probs").
 
-Precision: the forward runs under the model's autocast mark (CPU bf16, ``training/precision.py``); its
-logits are cast to fp32 before any log-softmax, so log-probs, ratios and the KL are fp32 math.
+Precision: the forward runs under the model's autocast mark (CPU bf16, ``training/precision.py``);
+its logits are cast to fp32 before any log-softmax, so log-probs, ratios and the KL are fp32 math.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def _as_sampling(sampling) -> SamplingParams:
 
 
 def length_buckets(lengths: torch.Tensor, token_budget: int) -> list[torch.Tensor]:
-    """Row indices in groups of similar length (shortest first) whose padded size, rows x longest, stays
-    within ``token_budget`` (at least one row each): long-tailed lengths are not all padded to the longest."""
+    """Row indices in groups of similar length (shortest first) whose padded size, rows x longest,
+    stays within ``token_budget`` (at least one row each): long-tailed lengths are not all padded to
+    the longest."""
     order = torch.argsort(lengths, stable=True)
     groups, start = [], 0
     for end in range(1, len(order) + 1):
@@ -63,8 +64,9 @@ def length_buckets(lengths: torch.Tensor, token_budget: int) -> list[torch.Tenso
 
 
 def trim(mb: Batch) -> Batch:
-    """``mb`` without the columns that are padding in every row (the prompts' common left padding, the
-    responses' common right padding). Positions come from the attention mask: the outputs are unchanged."""
+    """``mb`` without the columns that are padding in every row (the prompts' common left padding,
+    the responses' common right padding). Positions come from the attention mask: the outputs are
+    unchanged."""
     P, R = mb["prompts"].shape[1], mb["responses"].shape[1]
     p = int(mb["attention_mask"][:, :P].sum(-1).max())
     r = max(1, int(mb["response_mask"].sum(-1).max()))
@@ -117,9 +119,9 @@ def dummy_micro_batch(batch: Batch) -> Batch:
 def dp_micro_batches(
     batch: Batch, token_budget: int, pad_from: Batch | None = None
 ) -> tuple[list[Batch], int, torch.Tensor]:
-    """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with dummies (made
-    from ``pad_from``, default ``batch``) to the largest count over the ranks (a collective when the world size
-    is > 1; world size 1: no padding)."""
+    """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with
+    dummies (made from ``pad_from``, default ``batch``) to the largest count over the ranks (a
+    collective when the world size is > 1; world size 1: no padding)."""
     mbs, order = micro_batches(batch, token_budget) if len(batch) else ([], None)
     n = len(mbs)
     if distributed.world_size() > 1:
@@ -133,8 +135,8 @@ def dp_micro_batches(
 def response_log_probs(
     model, mb: Batch, sampling: SamplingParams | float = 1.0, with_entropy: bool = False
 ):
-    """(log_probs, entropy or None), each (B, R), zero where ``response_mask`` is 0, under the distribution
-    ``sampling`` describes (a SamplingParams, or a bare temperature)."""
+    """(log_probs, entropy or None), each (B, R), zero where ``response_mask`` is 0, under the
+    distribution ``sampling`` describes (a SamplingParams, or a bare temperature)."""
     input_ids, attn = mb["input_ids"], mb["attention_mask"]
     responses = mb["responses"]
     resp_len = responses.shape[1]
@@ -160,7 +162,8 @@ def response_log_probs(
 
 
 def model_device(model) -> torch.device:
-    """Where a micro-batch must go: the compute device (a sharded model's parameters may be CPU-offloaded)."""
+    """Where a micro-batch must go: the compute device (a sharded model's parameters may be
+    CPU-offloaded)."""
     from hybridrl.training.fsdp import is_sharded
 
     return distributed.compute_device() if is_sharded(model) else next(model.parameters()).device
@@ -168,8 +171,9 @@ def model_device(model) -> torch.device:
 
 @torch.no_grad()
 def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
-    """``cat(fn(model, mb))`` over this rank's micro-batches (on the model's device, result on the CPU);
-    the ranks of a sharded model run in lockstep (dummy micro-batches pad the shorter ranks)."""
+    """``cat(fn(model, mb))`` over this rank's micro-batches (on the model's device, result on the
+    CPU); the ranks of a sharded model run in lockstep (dummy micro-batches pad the shorter
+    ranks)."""
     model.eval()
     device = model_device(model)
     mbs, n_real, order = dp_micro_batches(batch, token_budget)

@@ -31,13 +31,17 @@ Activations (what autograd saves for backward in the micro-batch; counted
 tensor by tensor for transformers' Qwen2 decoder layer under SDPA with a
 padding mask, which this module was calibrated against), bytes per token:
 
-* per layer  = 2·(4h + 2ah + 4)            two RMSNorms: fp32 input, normalised, weighted output, 1/rms
-             + a·(2h + 2h)                  q and o-input (SDPA output); k and v after repeat_kv (H heads)
+* per layer  = 2·(4h + 2ah + 4)            two RMSNorms: fp32 input, normalised, weighted output,
+  1/rms
+             + a·(2h + 2h)                  q and o-input (SDPA output); k and v after repeat_kv (H
+               heads)
              + 4H + a·T                     SDPA logsumexp and the (float) attention mask row
              + 4a·I                         MLP: gate, silu(gate), up, silu(gate)·up
              + 7a·r (LoRA)                  the adapters' low-rank activations
-* head       = 4h + 2ah + 4 + a·V + 3·4V    final norm, logits, fp32 log-softmax, softmax (entropy), dlogits
-* backward   = a·(h + I)                    the gradients of a hidden state and an MLP intermediate in
+* head       = 4h + 2ah + 4 + a·V + 3·4V    final norm, logits, fp32 log-softmax, softmax (entropy),
+  dlogits
+* backward   = a·(h + I)                    the gradients of a hidden state and an MLP intermediate
+  in
                                             flight during a layer's backward (calibrated against the
                                             live-tensor peak measured by bench/memory.py)
 
@@ -134,13 +138,15 @@ class Shape:
 
         if get("num_experts", "num_local_experts", "n_routed_experts"):
             raise ValueError(
-                "mixture-of-experts configs are not supported by the estimator (dense decoders only)"
+                "mixture-of-experts configs are not supported by the estimator (dense decoders "
+                "only)"
             )
         h, L, H = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads")
         inter, V = get("intermediate_size"), get("vocab_size")
         if None in (h, L, H, inter, V):
             raise ValueError(
-                "config lacks hidden_size / num_hidden_layers / num_attention_heads / intermediate_size / vocab_size"
+                "config lacks hidden_size / num_hidden_layers / num_attention_heads / "
+                "intermediate_size / vocab_size"
             )
         model_type = getattr(cfg, "model_type", "")
         attn_bias = get("attention_bias", default=None)
@@ -212,9 +218,9 @@ def estimate(model, layout: Layout | None = None) -> dict:
 
     Returns a dict with ints ``weights``, ``gradients``, ``optimizer``, ``states`` (their sum),
     ``activations`` and ``workspace`` (None for a bare parameter count), ``total`` (all terms),
-    ``device_total`` / ``host_total`` (split by where each term lives), ``device`` (term -> "accelerator"
-    or "cpu"), ``breakdown`` (optimizer master/m/v and activation parts), ``n_params``,
-    ``trainable_params`` and ``layout``.
+    ``device_total`` / ``host_total`` (split by where each term lives), ``device`` (term ->
+    "accelerator" or "cpu"), ``breakdown`` (optimizer master/m/v and activation parts),
+    ``n_params``, ``trainable_params`` and ``layout``.
     """
     lay = layout or Layout()
     shape = None
@@ -301,7 +307,8 @@ def format_table(result: dict) -> str:
         f"world {lay['world_size']}, sharding {lay['sharding']}, {lay['param_dtype']}"
         f"{' + fp32 master' if lay['param_dtype'] != 'fp32' and lay['master_fp32'] else ''}, "
         f"offload {'on' if lay['cpu_offload'] else 'off'}, LoRA r={lay['lora_rank']}, "
-        f"AC {'on' if lay['activation_checkpointing'] else 'off'}, micro-batch {lay['micro_batch_tokens']} tokens"
+        f"AC {'on' if lay['activation_checkpointing'] else 'off'}, micro-batch "
+        f"{lay['micro_batch_tokens']} tokens"
     )
     rows = [("term", "bytes/device", "where")]
     opt = result["breakdown"]["optimizer"]
@@ -345,7 +352,8 @@ _SUFFIX = {
 
 
 def resolve_model(spec: str):
-    """A built-in size name, a config.json / checkpoint directory, or a parameter count (7e9, 70B, 1.5M)."""
+    """A built-in size name, a config.json / checkpoint directory, or a parameter count (7e9, 70B,
+    1.5M)."""
     from hybridrl.models.factory import SIZES
 
     if spec in SIZES:
@@ -419,7 +427,8 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hybridrl memory MODEL [flags]``: print the table; 2 and one line on stderr for bad input."""
+    """``hybridrl memory MODEL [flags]``: print the table; 2 and one line on stderr for bad
+    input."""
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         layout = Layout(

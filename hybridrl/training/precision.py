@@ -1,23 +1,25 @@
-"""Compute precision on the CPU: bf16 where this CPU runs bf16 matmuls natively and it pays for this model.
+"""Compute precision on the CPU: bf16 where this CPU runs bf16 matmuls natively and it pays for this
+model.
 
-A CPU with AMX (``amx_bf16``) runs a bf16 matmul several times faster than an fp32 one; one with only
-``avx512_bf16`` a little faster; one with neither emulates bf16 and is slower (fp16 on a CPU is slower
-still, so it is never offered). Whether bf16 pays for a model also depends on its size: the tiny W1 model
-is dominated by element-wise work and the casts autocast adds, and runs slower in bf16 even on AMX. So
-``auto`` picks bf16 only when (1) ``/proc/cpuinfo`` names a native bf16 matmul instruction and (2) a
-measurement says so: one decoder layer of the model itself, copied, run in fp32 and in bf16 alternately
-on 256 synthetic tokens (forward + backward for actor, critic and reference, which follows the actor so that
-their log-probs agree at equal weights; forward only for the rollout engine), best of a few alternating runs,
-must be at least ``MIN_SPEEDUP`` faster in bf16. ``torch.backends.cpu.get_cpu_capability()`` is not
-enough: it reports ``AVX512`` on an AMX machine.
+A CPU with AMX (``amx_bf16``) runs a bf16 matmul several times faster than an fp32 one; one with
+only ``avx512_bf16`` a little faster; one with neither emulates bf16 and is slower (fp16 on a CPU is
+slower still, so it is never offered). Whether bf16 pays for a model also depends on its size: the
+tiny W1 model is dominated by element-wise work and the casts autocast adds, and runs slower in bf16
+even on AMX. So ``auto`` picks bf16 only when (1) ``/proc/cpuinfo`` names a native bf16 matmul
+instruction and (2) a measurement says so: one decoder layer of the model itself, copied, run in
+fp32 and in bf16 alternately on 256 synthetic tokens (forward + backward for actor, critic and
+reference, which follows the actor so that their log-probs agree at equal weights; forward only for
+the rollout engine), best of a few alternating runs, must be at least ``MIN_SPEEDUP`` faster in
+bf16. ``torch.backends.cpu.get_cpu_capability()`` is not enough: it reports ``AVX512`` on an AMX
+machine.
 
-Training in bf16 is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``): parameters, gradients and
-optimizer state stay fp32 (the master weights); matmuls run in bf16; the loss math casts the logits to
-fp32 first (``training/logprob.py``). The rollout engine in bf16 holds bf16 weights and KV and reports
-fp32 log-probs (``rollout/precision.py``).
+Training in bf16 is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``): parameters,
+gradients and optimizer state stay fp32 (the master weights); matmuls run in bf16; the loss math
+casts the logits to fp32 first (``training/logprob.py``). The rollout engine in bf16 holds bf16
+weights and KV and reports fp32 log-probs (``rollout/precision.py``).
 
-``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to without measuring: for reproducible
-runs and for the test suite, whose exactness checks compare with fp32 references.
+``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to without measuring: for
+reproducible runs and for the test suite, whose exactness checks compare with fp32 references.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-MIN_SPEEDUP = 1.3  # below this the gain is within run-to-run noise on a shared machine; fp32 is then the safer choice
+# below this the gain is within run-to-run noise on a shared machine; fp32 is then the safer choice
+MIN_SPEEDUP = 1.3
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 matmul instructions, best first
 ENV_OVERRIDE = "HYBRIDRL_AUTO_PRECISION"
 PROBE_TOKENS = (
@@ -60,10 +63,11 @@ class Precision:
         return f"{what} precision: {name} ({self.reason})"
 
 
-# --- what the CPU offers ------------------------------------------------------------------------------------
+# --- what the CPU offers --------------------------------------------------------------------------
 def cpu_bf16_support(cpuinfo: str | Path = "/proc/cpuinfo") -> str | None:
-    """The best native bf16 matmul instruction set of this CPU (``amx_bf16`` or ``avx512_bf16``), or None
-    (no such flag, or no ``/proc/cpuinfo`` to read: bf16 is then assumed emulated, i.e. slow)."""
+    """The best native bf16 matmul instruction set of this CPU (``amx_bf16`` or ``avx512_bf16``), or
+    None (no such flag, or no ``/proc/cpuinfo`` to read: bf16 is then assumed emulated, i.e.
+    slow)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -81,11 +85,12 @@ def best_times(
     min_reps: int = 3,
     max_reps: int = 25,
 ) -> dict[str, float]:
-    """Fewest CPU seconds of each function (this process's CPU time, ``time.process_time``), run alternately
-    (after one warm-up each) for about ``budget_s`` of it (at least ``min_reps`` rounds). CPU time, not wall time:
-    on a shared machine the wall time of a run mostly measures the other processes (with the load at 4 per core
-    here, wall-time probes judged the small model's 1.5x bf16 gain as 1.0x); alternating makes what is left of
-    the load (caches, memory bandwidth) hit every variant alike, and the fewest is the least disturbed run."""
+    """Fewest CPU seconds of each function (this process's CPU time, ``time.process_time``), run
+    alternately (after one warm-up each) for about ``budget_s`` of it (at least ``min_reps``
+    rounds). CPU time, not wall time: on a shared machine the wall time of a run mostly measures the
+    other processes (with the load at 4 per core here, wall-time probes judged the small model's
+    1.5x bf16 gain as 1.0x); alternating makes what is left of the load (caches, memory bandwidth)
+    hit every variant alike, and the fewest is the least disturbed run."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -109,8 +114,9 @@ def matmul_speedup(n: int = 512) -> float:
 
 
 def _layer_call(model: nn.Module):
-    """``fn(h)`` running a copy of the model's first decoder layer on hidden states ``h`` (batch, seq, hidden),
-    or None when the model is not a transformers decoder with a rotary embedding (then the matmul probe is used)."""
+    """``fn(h)`` running a copy of the model's first decoder layer on hidden states ``h`` (batch,
+    seq, hidden), or None when the model is not a transformers decoder with a rotary embedding (then
+    the matmul probe is used)."""
     from hybridrl.training.fsdp import decoder_layers
 
     base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
@@ -133,8 +139,9 @@ def _layer_call(model: nn.Module):
 
 
 def model_speedup(model: nn.Module, train: bool) -> float:
-    """fp32 time over bf16-autocast time of one decoder layer of ``model`` (a copy) on ``PROBE_TOKENS`` tokens:
-    forward + backward when ``train``, forward only otherwise. Falls back to :func:`matmul_speedup`."""
+    """fp32 time over bf16-autocast time of one decoder layer of ``model`` (a copy) on
+    ``PROBE_TOKENS`` tokens: forward + backward when ``train``, forward only otherwise. Falls back
+    to :func:`matmul_speedup`."""
     found = _layer_call(model)
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
@@ -158,10 +165,10 @@ def model_speedup(model: nn.Module, train: bool) -> float:
 
 
 class _SpeedupCache:
-    """Measured speed-ups by layer shape, per process: actor, reference and critic of one process share a shape
-    (the critic's trunk is the policy's), and a measurement takes up to a second for a larger model, so each
-    shape is measured once, and the three roles reach the same verdict. The thread count is part of the key
-    (the gain depends on it)."""
+    """Measured speed-ups by layer shape, per process: actor, reference and critic of one process
+    share a shape (the critic's trunk is the policy's), and a measurement takes up to a second for a
+    larger model, so each shape is measured once, and the three roles reach the same verdict. The
+    thread count is part of the key (the gain depends on it)."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple, float] = {}
@@ -185,7 +192,7 @@ class _SpeedupCache:
 SPEEDUPS = _SpeedupCache()
 
 
-# --- the decision -------------------------------------------------------------------------------------------
+# --- the decision ---------------------------------------------------------------------------------
 def decide(
     setting: str,
     *,
@@ -195,9 +202,10 @@ def decide(
     env: str | None = None,
     threshold: float = MIN_SPEEDUP,
 ) -> Precision:
-    """The CPU compute precision for ``setting`` (``auto``, ``fp32``, ``bf16``). ``support()`` names the CPU's
-    native bf16 instruction set (or None) and ``speedup()`` measures bf16's gain; both are called only when
-    ``auto`` needs them. ``env``: the ``HYBRIDRL_AUTO_PRECISION`` value, which fixes what ``auto`` means."""
+    """The CPU compute precision for ``setting`` (``auto``, ``fp32``, ``bf16``). ``support()`` names
+    the CPU's native bf16 instruction set (or None) and ``speedup()`` measures bf16's gain; both are
+    called only when ``auto`` needs them. ``env``: the ``HYBRIDRL_AUTO_PRECISION`` value, which
+    fixes what ``auto`` means."""
     if setting not in ("auto", "fp32", "bf16"):
         raise ValueError(f"{key} must be auto, fp32 or bf16, got {setting!r}")
     if setting == "fp32":
@@ -229,13 +237,15 @@ def decide(
         )
     return Precision(
         torch.float32,
-        f"{key}=auto: CPU {found}, but bf16 measured only {gain:.2f}x fp32 on one layer of this model "
+        f"{key}=auto: CPU {found}, but bf16 measured only {gain:.2f}x fp32 on one layer of this "
+        "model "
         f"(needs {threshold:g}x)",
     )
 
 
 def cpu_precision(setting: str, model: nn.Module, *, train: bool, key: str) -> Precision:
-    """:func:`decide` with this CPU's flags and a measurement on ``model`` (cached per process and shape)."""
+    """:func:`decide` with this CPU's flags and a measurement on ``model`` (cached per process and
+    shape)."""
     return decide(
         setting,
         support=cpu_bf16_support,
@@ -245,7 +255,7 @@ def cpu_precision(setting: str, model: nn.Module, *, train: bool, key: str) -> P
     )
 
 
-# --- autocast -------------------------------------------------------------------------------------------------
+# --- autocast -------------------------------------------------------------------------------------
 _ATTR = "_hybridrl_autocast_dtype"
 
 
@@ -260,6 +270,7 @@ def autocast_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def autocast(model: nn.Module):
-    """The context a forward of ``model`` runs in: CPU bf16 autocast when the model is marked for it."""
+    """The context a forward of ``model`` runs in: CPU bf16 autocast when the model is marked for
+    it."""
     dtype = autocast_dtype(model)
     return nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)

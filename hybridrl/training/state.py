@@ -2,17 +2,18 @@
 
 A role checkpoint directory ``path``::
 
-    path/config.json, model.safetensors ...   transformers format (rank 0; weights only when ``hf_weights``)
-    path/tokenizer*                            the tokenizer, when the role has one
-    path/dcp/                                  sharded layout: model + optimizer shards (every rank) and the
+    path/config.json, model.safetensors ...   transformers format (rank 0; weights only when
+    ``hf_weights``) path/tokenizer*                            the tokenizer, when the role has one
+    path/dcp/                                  sharded layout: model + optimizer shards (every rank)
+    and the
                                                extra state (shuffle RNG) -- see ``training/fsdp.py``
     path/train_state.pt                        single-process layout: optimizer + shuffle RNG
 
 ``layout="auto"`` writes the sharded layout for an FSDP-wrapped model and the single-process one
 otherwise (``"dcp"`` forces the sharded layout, which also works in one process). Every rank of the
 role calls :func:`save_trainable` / :func:`load_trainable` (the sharded parts are collectives);
-either layout loads. ``hybridrl.training.fsdp.export_hf(path, out)`` rebuilds a transformers directory
-from ``path/dcp`` alone.
+either layout loads. ``hybridrl.training.fsdp.export_hf(path, out)`` rebuilds a transformers
+directory from ``path/dcp`` alone.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def save_trainable(
 
 
 def _load_hf_weights(path: Path, model) -> None:
-    """Copy the transformers-format weights at ``path`` into ``model``, every parameter and persistent buffer
-    (a tied copy, which the format stores once, excepted); raises when the names do not match."""
+    """Copy the transformers-format weights at ``path`` into ``model``, every parameter and
+    persistent buffer (a tied copy, which the format stores once, excepted); raises when the names
+    do not match."""
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -107,7 +109,8 @@ def _load_hf_weights(path: Path, model) -> None:
     missing = sorted(k for k in set(own) - set(saved) if own[k].data_ptr() not in stored)
     if unexpected or missing:
         raise ValueError(
-            f"{path}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"{path}: weights do not match the model (missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]})"
         )
     with torch.no_grad():
         for k, t in saved.items():
@@ -115,8 +118,8 @@ def _load_hf_weights(path: Path, model) -> None:
 
 
 def load_trainable(path: str | Path, model, optimizer, generator: torch.Generator) -> None:
-    """Weights, optimizer and RNG state, from either layout: the role equals the one that saved, however its
-    model was built (e.g. a critic's head initialised for a fresh run)."""
+    """Weights, optimizer and RNG state, from either layout: the role equals the one that saved,
+    however its model was built (e.g. a critic's head initialised for a fresh run)."""
     path = Path(path)
     if is_complete(path / "dcp"):
         extra = load_sharded(path / "dcp", model, optimizer)

@@ -38,7 +38,8 @@ LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
 def minibatch_rows(
     n_local: int, generator: torch.Generator, minibatch_size: int
 ) -> list[torch.Tensor]:
-    """This rank's rows (indices into its chunk of ``n_local`` rows) of each global mini-batch of one epoch.
+    """This rank's rows (indices into its chunk of ``n_local`` rows) of each global mini-batch of
+    one epoch.
 
     Rank r holds rows ``[offset_r, offset_r + n_local)`` of the global batch (DP_COMPUTE chunks are
     contiguous, in rank order). Consumes the generator exactly as the single-process shuffle does.
@@ -54,18 +55,21 @@ def minibatch_rows(
 
 
 def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: int) -> list[Batch]:
-    """This rank's part of each global mini-batch of one epoch (world size 1: ``batch.shuffle(g).split(m)``)."""
+    """This rank's part of each global mini-batch of one epoch (world size 1:
+    ``batch.shuffle(g).split(m)``)."""
     return [batch.index(rows) for rows in minibatch_rows(len(batch), generator, minibatch_size)]
 
 
 def first_epoch_map(model, batch: Batch, generator: torch.Generator, section, fn) -> torch.Tensor:
-    """``fn(model, mb)`` (B, R), no gradient, over the micro-batches that the next :func:`run_updates` with
-    ``generator`` cuts in its first epoch: the same rows, grouped and trimmed alike, so each row's forward has
-    the shapes of that update's forward. ``generator`` is only peeked at (a copy draws the permutation).
+    """``fn(model, mb)`` (B, R), no gradient, over the micro-batches that the next
+    :func:`run_updates` with ``generator`` cuts in its first epoch: the same rows, grouped and
+    trimmed alike, so each row's forward has the shapes of that update's forward. ``generator`` is
+    only peeked at (a copy draws the permutation).
 
-    Why: the old log-probs are then bit for bit the update's first forward on deterministic kernels (the
-    ratio of the first mini-batch is exactly 1); a differently grouped batch changes the low bits of some
-    rows (other padding widths and matmul shapes). A collective when the world size is > 1."""
+    Why: the old log-probs are then bit for bit the update's first forward on deterministic kernels
+    (the ratio of the first mini-batch is exactly 1); a differently grouped batch changes the low
+    bits of some rows (other padding widths and matmul shapes). A collective when the world size is
+    > 1."""
     peek = torch.Generator()
     peek.set_state(generator.get_state())
     out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
@@ -75,7 +79,8 @@ def first_epoch_map(model, batch: Batch, generator: torch.Generator, section, fn
 
 
 def is_single_pass(section, total_rows: int) -> bool:
-    """One epoch over one mini-batch: the update runs one forward per row, with the weights it started from."""
+    """One epoch over one mini-batch: the update runs one forward per row, with the weights it
+    started from."""
     return section.ppo_epochs == 1 and section.ppo_minibatch_size >= total_rows
 
 
@@ -96,10 +101,10 @@ def run_updates(
     norm_len: float,
     prefix: str,
 ) -> dict[str, float]:
-    """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in mini-batches of
-    ``section.ppo_minibatch_size``, micro-batches under ``section.micro_batch_tokens``, gradients clipped at
-    ``section.grad_clip`` (``section``: the role's config, ActorConfig or CriticConfig); metrics averaged
-    over optimizer steps."""
+    """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in
+    mini-batches of ``section.ppo_minibatch_size``, micro-batches under
+    ``section.micro_batch_tokens``, gradients clipped at ``section.grad_clip`` (``section``: the
+    role's config, ActorConfig or CriticConfig); metrics averaged over optimizer steps."""
     minibatch_size, epochs = section.ppo_minibatch_size, section.ppo_epochs
     micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
     model.train()
