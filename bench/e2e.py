@@ -276,14 +276,14 @@ def run_hybridrl(spec: dict) -> dict:
     from hybridrl.trainers import sync
 
     seen: list[list[int]] = []
-    original = collect_mod.prompt_batch
+    original = collect_mod.prompt_sample
 
-    def recording(prompts, tokenizer):  # the ids the rollout is given, step by step
-        batch = original(prompts, tokenizer)
-        seen.extend(batch.meta["prompt_ids"])
-        return batch
+    def recording(prompt, tokenizer):  # the ids the rollout is given, step by step
+        sample = original(prompt, tokenizer)
+        seen.append(list(sample.prompt_ids))
+        return sample
 
-    collect_mod.prompt_batch = recording
+    collect_mod.prompt_sample = recording
 
     class CpuTimer(session_mod.PhaseTimer):  # also this process's CPU seconds per step
         def pop(self):

@@ -7,11 +7,12 @@ The default job (W1, tiny Qwen2, 32 prompts x 8 samples: the config's defaults) 
 ``actor.ppo_minibatch_size=256``: one optimizer step per batch, on-policy, so
 ``actor.reuse_old_log_probs: auto`` takes the old log-probs from the update's forward and ``never``
 runs the separate pass. One session (warm start, roles, evaluation before training) then runs the
-driver's step (collect, learn, weight sync) with the two settings alternating step by step (auto,
-never, never, auto, auto, never, ...): both see the same machine load and the same policy, since the
-two give the same weights bit for bit (``tests/test_reuse_old_log_probs.py``). The first
-``--warmup`` steps are not counted, then ``--steps`` of each. Extra ``key=value`` arguments override
-the config (e.g. ``sft.steps=50`` for a quick run).
+driver's step (collect, the learner's train_step, weight sync) with the two settings alternating
+step by step (auto, never, never, auto, auto, never, ...): both see the same machine load and the
+same policy, since the two give the same weights bit for bit
+(``tests/test_reuse_old_log_probs.py``). The first ``--warmup`` steps are not counted, then
+``--steps`` of each. Extra ``key=value`` arguments override the config (e.g. ``sft.steps=50`` for a
+quick run).
 
 Prints one JSON object: per setting the median step time and the median ``old_log_prob`` and
 ``update`` phases, and ``step_ratio`` = median step (never) / median step (auto).
@@ -33,9 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from hybridrl.config import Config, load_config  # noqa: E402
 from hybridrl.trainers.collect import collect  # noqa: E402
-from hybridrl.trainers.learn import learn  # noqa: E402
 from hybridrl.trainers.session import open_session  # noqa: E402
-from hybridrl.trainers.shaping import RewardShaper  # noqa: E402
 
 SETTINGS = ("auto", "never")
 
@@ -72,17 +71,17 @@ def main() -> None:
         ],
     )
     session = open_session(cfg, resume=False)
-    shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
     rows: dict[str, list[dict]] = {s: [] for s in SETTINGS}
     cursor = 0
     try:
         plan = ["auto"] * args.warmup + order(args.steps)
         for step, setting in enumerate(plan):
-            cfg.actor.reuse_old_log_probs = setting  # read by trainers/learn.py at every step
+            # read by the learner's train_step at every step (the local backend shares this cfg)
+            cfg.actor.reuse_old_log_probs = setting
             session.timer.pop()
             t0 = time.perf_counter()
-            batch, cursor, _ = collect(
-                session.roles,
+            samples, cursor, _ = collect(
+                session.roles.rollout,
                 session.task,
                 session.tokenizer,
                 cfg,
@@ -91,18 +90,10 @@ def main() -> None:
                 seed=cfg.trainer.seed + step,
                 timer=session.timer,
             )
-            _, metrics = learn(
-                session.roles.actor,
-                session.roles.reference,
-                session.roles.critic,
-                batch,
-                shape,
-                cfg,
-                session.timer,
-            )
+            metrics = session.roles.learner.train_step(step, samples)["metrics"]
             session.roles.sync_weights(step + 1)
             seconds = time.perf_counter() - t0
-            phases = session.timer.pop()
+            session.timer.pop()
             assert metrics["actor/old_log_prob_reused"] == float(setting == "auto"), (
                 setting,
                 metrics,
@@ -111,9 +102,9 @@ def main() -> None:
                 rows[setting].append(
                     {
                         "step": seconds,
-                        "old_log_prob": phases.get("timing/old_log_prob", 0.0),
-                        "update": phases.get("timing/update", 0.0),
-                        "response_length": batch["response_mask"].sum(-1).float().mean().item(),
+                        "old_log_prob": metrics.get("timing/old_log_prob", 0.0),
+                        "update": metrics.get("timing/update", 0.0),
+                        "response_length": metrics["response/length_mean"],
                     }
                 )
     finally:

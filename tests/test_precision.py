@@ -96,15 +96,25 @@ def make_cfg(precision: str) -> Config:
     return cfg
 
 
+def make_learner(cfg: Config):
+    from hybridrl.workers import Learner
+
+    return Learner(CTX, cfg, None)
+
+
+def dist_env():
+    from hybridrl.training import distributed
+
+    return distributed.init_distributed(CTX)
+
+
 @pytest.mark.parametrize("gain,want", [(2.0, "bf16 autocast"), (1.1, "fp32")])
 def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, want):
-    from hybridrl.workers import ActorWorker
-
     monkeypatch.delenv(training_precision.ENV_OVERRIDE, raising=False)
     monkeypatch.setattr(training_precision, "cpu_bf16_support", lambda: "amx_bf16")
     monkeypatch.setattr(training_precision.SPEEDUPS, "get", lambda model, train: gain)
     with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
-        actor = ActorWorker(CTX, make_cfg("auto"), None)
+        actor = make_learner(make_cfg("auto"))
     lines = [r.getMessage() for r in caplog.records if "training precision" in r.getMessage()]
     assert lines == [
         f"training precision: {want} (fsdp.mixed_precision=auto: CPU amx_bf16, "
@@ -120,8 +130,6 @@ def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, wan
 
 
 def test_actor_reference_and_critic_share_one_measurement_and_its_verdict(monkeypatch):
-    from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker
-
     calls = []
     monkeypatch.delenv(training_precision.ENV_OVERRIDE, raising=False)
     monkeypatch.setattr(training_precision, "cpu_bf16_support", lambda: "amx_bf16")
@@ -129,23 +137,22 @@ def test_actor_reference_and_critic_share_one_measurement_and_its_verdict(monkey
     monkeypatch.setattr(
         training_precision, "model_speedup", lambda model, train: calls.append(train) or 1.5
     )
-    workers = [
-        cls(CTX, make_cfg("auto"), None) for cls in (ActorWorker, ReferenceWorker, CriticWorker)
-    ]
+    cfg = make_cfg("auto")
+    cfg.algorithm.advantage = "gae"  # the learner then holds a critic, and a reference (kl_coef)
+    learner = make_learner(cfg)
+    models = [learner.model, learner.reference.model, learner.critic.model]
     assert calls == [True]  # one forward + backward measurement per process and layer shape
-    assert all(training_precision.autocast_dtype(w.model) == torch.bfloat16 for w in workers)
+    assert all(training_precision.autocast_dtype(m) == torch.bfloat16 for m in models)
 
 
 @pytest.fixture(scope="module")
 def steps():
-    """One update_policy of the same actor on the same batch in fp32 and in bf16 (forced)."""
-    from hybridrl.workers import ActorWorker
-
+    """One update_policy of the same policy on the same batch in fp32 and in bf16 (forced)."""
     out = {}
     for precision in ("fp32", "bf16"):
-        actor = ActorWorker(CTX, make_cfg(precision), None)
+        actor = make_learner(make_cfg(precision))
         before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
-        batch = out.get("batch") or make_batch(ActorWorker(CTX, make_cfg("fp32"), None))
+        batch = out.get("batch") or make_batch(make_learner(make_cfg("fp32")))
         logp = actor.compute_log_prob(batch)["old_log_probs"]
         metrics = actor.update_policy(batch)
         out |= {
@@ -208,26 +215,27 @@ def test_bf16_step_loss_is_close_to_the_fp32_step(steps):
 
 
 def test_reference_and_critic_in_bf16(steps, caplog):
-    from hybridrl.workers import CriticWorker, ReferenceWorker
+    from hybridrl.workers.critic import Critic
+    from hybridrl.workers.reference import Reference
 
     batch = steps["batch"]
     with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
-        ref16 = ReferenceWorker(CTX, make_cfg("bf16"), None)
+        ref16 = Reference(make_cfg("bf16"), None, dist_env())
     assert any(
         "reference / log-prob precision: bf16 autocast (fsdp.mixed_precision=bf16" in r.getMessage()
         for r in caplog.records
     )
-    ref32 = ReferenceWorker(CTX, make_cfg("fp32"), None)
-    r16, r32 = (w.compute_ref_log_prob(batch)["ref_log_probs"] for w in (ref16, ref32))
+    ref32 = Reference(make_cfg("fp32"), None, dist_env())
+    r16, r32 = (ref.log_probs(batch)["ref_log_probs"] for ref in (ref16, ref32))
     assert r16.dtype == torch.float32 and 0 < (r16 - r32).abs().max().item() <= 0.02
     # equal weights, equal precision: the reference reproduces the actor's log-probs exactly (KL 0
     # at the start)
     assert torch.equal(r16, steps["bf16"]["logp"])
     metrics, values = {}, {}
     for precision in ("fp32", "bf16"):
-        critic = CriticWorker(CTX, make_cfg(precision), None)
-        metrics[precision] = critic.update_critic(batch)
-        values[precision] = critic.compute_values(batch)["values"]
+        critic = Critic(make_cfg(precision), None, dist_env())
+        metrics[precision] = critic.update(batch)
+        values[precision] = critic.values(batch)["values"]
         assert all(p.dtype == torch.float32 for p in critic.model.parameters())
     assert (
         values["bf16"].dtype == torch.float32
