@@ -120,18 +120,18 @@ def w1_batch(vocab: int, rows: int = 256, p_len: int = 10, r_len: int = 16, seed
 
 
 def step(reps: int) -> dict:
-    from hybridrl.workers import ActorWorker
+    from hybridrl.workers import Learner
 
     out = {}
     ctx = WorkerContext(
-        rank=0, world_size=1, role="actor", pool="p", num_threads=torch.get_num_threads()
+        rank=0, world_size=1, role="learner", pool="p", num_threads=torch.get_num_threads()
     )
     for size in SIZES:
         actors = {}
         for prec in ("fp32", "bf16"):
             cfg = Config()
             cfg.model.name, cfg.fsdp.mixed_precision = size, prec
-            actors[prec] = ActorWorker(ctx, cfg, None)
+            actors[prec] = Learner(ctx, cfg, None)
         batch = w1_batch(actors["fp32"].model.config.vocab_size)
         upd = alternate(
             {p: functools.partial(a.update_policy, batch) for p, a in actors.items()}, reps

@@ -64,10 +64,10 @@ def test_kv_pool_sized_from_free_device_memory():
 def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
     from test_lora import make_cfg, rl_batch
 
-    from hybridrl.workers import ActorWorker
+    from hybridrl.workers import Learner
 
     cfg: Config = make_cfg(rank=0, lr=1e-3)
-    actor = ActorWorker(WorkerContext(rank=0, world_size=1, role="actor", pool="p"), cfg, None)
+    actor = Learner(WorkerContext(rank=0, world_size=1, role="learner", pool="p"), cfg, None)
     assert next(actor.model.parameters()).device.type == "cuda"
     batch = rl_batch(actor)
     metrics = actor.update_policy(batch)

@@ -1,6 +1,6 @@
-"""The FSDP2 engine on 2 gloo ranks (CPU): a data-parallel step of the real ActorWorker equals the
+"""The FSDP2 engine on 2 gloo ranks (CPU): a data-parallel step of the real Learner equals the
 single-process step on the same batch (both sharding modes, activation checkpointing on and off; and in
-CPU bf16 autocast, within bf16's rounding),
+CPU bf16 autocast, within bf16's rounding), as do the learner's reference and critic,
 sharded DCP checkpoints round-trip exactly, a crash mid-save leaves the previous checkpoint
 loadable, and ``export_hf`` writes a directory transformers loads with the same logits.
 
@@ -29,8 +29,13 @@ VARIANTS = [("full", False), ("full", True), ("grad_op", False), ("grad_op", Tru
 TOL = 1e-5
 
 
-def make_cfg(sharding: str = "full", ac: bool = False, precision: str = "fp32") -> Config:
+def make_cfg(
+    sharding: str = "full", ac: bool = False, precision: str = "fp32", advantage: str = "grpo"
+) -> Config:
+    """The learner of these tests; ``advantage="gae"`` gives it a critic (the default
+    ``kl_coef`` > 0 gives every learner a reference)."""
     cfg = Config()
+    cfg.algorithm.advantage = advantage
     cfg.actor.ppo_minibatch_size = 4
     cfg.actor.micro_batch_tokens = (
         1  # one row per micro-batch: ranks get unequal micro-batch counts
@@ -40,11 +45,11 @@ def make_cfg(sharding: str = "full", ac: bool = False, precision: str = "fp32") 
     return cfg
 
 
-def make_batch(actor, n: int = 9, prompt_len: int = 5, resp_len: int = 6, seed: int = 0) -> Batch:
+def make_batch(learner, n: int = 9, prompt_len: int = 5, resp_len: int = 6, seed: int = 0) -> Batch:
     """A left-padded prompt ++ right-padded response batch with ragged lengths; 9 rows: chunks 5 + 4 and
     mini-batches of 4, 4, 1 (the last one leaves a rank with no rows)."""
     g = torch.Generator().manual_seed(seed)
-    vocab = actor.model.config.vocab_size
+    vocab = learner.model.config.vocab_size
     p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
     r_len = torch.randint(1, resp_len + 1, (n,), generator=g)
     prompts = torch.randint(3, vocab, (n, prompt_len), generator=g)
@@ -61,7 +66,7 @@ def make_batch(actor, n: int = 9, prompt_len: int = 5, resp_len: int = 6, seed: 
             "response_mask": rmask.float(),
         }
     )
-    old = actor.compute_log_prob(batch)["old_log_probs"]
+    old = learner.compute_log_prob(batch)["old_log_probs"]
     adv = torch.randn(n, 1, generator=g).expand(n, resp_len) * rmask
     return batch | Batch(
         {
@@ -75,8 +80,8 @@ def make_batch(actor, n: int = 9, prompt_len: int = 5, resp_len: int = 6, seed: 
     )
 
 
-def full_weights(actor) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for bucket in actor.weight_buckets(1 << 20) for n, t in bucket}
+def full_weights(learner) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in learner.weight_buckets(1 << 20) for n, t in bucket}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -84,52 +89,55 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def layout(actor) -> dict:
+def layout(learner) -> dict:
     """What the wrapping did: sharded parameters, resharding after forward, activation checkpointing."""
     from torch.distributed.tensor import DTensor
 
-    params = list(actor.model.parameters())
-    layer = actor.model.model.layers[0]
+    params = list(learner.model.parameters())
+    layer = learner.model.model.layers[0]
     return {
         "sharded": all(isinstance(p, DTensor) for p in params),
         "local_numel": sum(p.to_local().numel() for p in params),
         "numel": sum(p.numel() for p in params),
         "reshard_after_forward": layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
         is not None,
-        "checkpointing": bool(getattr(actor.model, "is_activation_checkpointing", False)),
+        "checkpointing": bool(getattr(learner.model, "is_activation_checkpointing", False)),
     }
 
 
 # --- the two ranks ----------------------------------------------------------------------------------------
 def rank_main(rank: int, port: int, workdir: str) -> None:
+    from torch.distributed.tensor import DTensor
+
     from hybridrl.training.distributed import teardown_distributed
     from hybridrl.training.fsdp import full_state_dict
-    from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker
+    from hybridrl.workers import Learner
+    from hybridrl.workers.reference import Reference
 
     torch.set_num_threads(1)
     work = Path(workdir)
     batch = Batch(torch.load(work / "batch.pt", weights_only=True))
     part = batch.chunk(WORLD)[rank]
     ctx = WorkerContext(
-        rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1
+        rank=rank, world_size=WORLD, role="learner", pool="p", master_port=port, num_threads=1
     )
     out: dict = {}
     workers = []
     for sharding, ac in VARIANTS:
-        actor = ActorWorker(ctx, make_cfg(sharding, ac), None)
-        workers.append(actor)
-        logp = actor.compute_log_prob(part)["old_log_probs"]
-        metrics = actor.update_policy(part)
+        learner = Learner(ctx, make_cfg(sharding, ac), None)
+        workers.append(learner)
+        logp = learner.compute_log_prob(part)["old_log_probs"]
+        metrics = learner.update_policy(part)
         out[(sharding, ac)] = {
-            "weights": full_weights(actor),
+            "weights": full_weights(learner),
             "metrics": metrics,
             "logp": logp,
-            "layout": layout(actor),
+            "layout": layout(learner),
         }
     # CPU bf16 autocast over sharded fp32 parameters (gathers, gradients and optimizer state stay fp32)
     from hybridrl.training.precision import autocast_dtype
 
-    bf16 = ActorWorker(ctx, make_cfg(precision="bf16"), None)
+    bf16 = Learner(ctx, make_cfg(precision="bf16"), None)
     workers.append(bf16)
     out["bf16"] = {
         "logp": bf16.compute_log_prob(part)["old_log_probs"],
@@ -144,25 +152,27 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     before, out["auto"] = os.environ.get(ENV_OVERRIDE), {}
     for verdicts in (("bf16", "bf16"), ("bf16", "fp32")):
         os.environ[ENV_OVERRIDE] = verdicts[rank]
-        w = ReferenceWorker(ctx, make_cfg(precision="auto"), None)
-        workers.append(w)
-        out["auto"][verdicts] = autocast_dtype(w.model)
+        ref_model = Reference(make_cfg(precision="auto"), None, workers[0].dist)
+        out["auto"][verdicts] = autocast_dtype(ref_model.model)
     if before is None:
         del os.environ[ENV_OVERRIDE]
     else:
         os.environ[ENV_OVERRIDE] = before
-    # the other trained roles on the same engine: reference (no optimizer) and critic
-    ref_worker = ReferenceWorker(ctx, make_cfg(), None)
-    critic = CriticWorker(ctx, make_cfg(), None)
-    workers += [ref_worker, critic]
-    out["reference"] = ref_worker.compute_ref_log_prob(part)["ref_log_probs"]
-    out["values"] = critic.compute_values(part)["values"]
-    out["critic_metrics"] = critic.update_critic(part)
-    out["critic_weights"] = {n: t.clone() for n, t in full_state_dict(critic.model).items()}
+    # the learner's other models on the same engine: reference (no optimizer) and critic (gae)
+    ppo = Learner(ctx, make_cfg(advantage="gae"), None)
+    workers.append(ppo)
+    out["parts"] = {
+        name: all(isinstance(p, DTensor) for p in held.model.parameters())
+        for name, held in (("reference", ppo.reference), ("critic", ppo.critic))
+    }
+    out["reference"] = ppo.reference.log_probs(part)["ref_log_probs"]
+    out["values"] = ppo.critic.values(part)["values"]
+    out["critic_metrics"] = ppo.critic.update(part)
+    out["critic_weights"] = {n: t.clone() for n, t in full_state_dict(ppo.critic.model).items()}
     # sharded checkpoint: save after one step, load into a fresh worker, compare, and train one more step on both
     trained = workers[0]
     trained.save_checkpoint(str(work / "ckpt"))
-    fresh = ActorWorker(ctx, make_cfg(), None)
+    fresh = Learner(ctx, make_cfg(), None)
     fresh.load_state(str(work / "ckpt"))
     workers.append(fresh)
     same_optim = all(
@@ -229,11 +239,11 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launch the 2 ranks and the crash process, compute the single-process reference meanwhile."""
-    from hybridrl.workers import ActorWorker, CriticWorker, ReferenceWorker
+    from hybridrl.workers import Learner
 
     work = tmp_path_factory.mktemp("fsdp")
-    ctx1 = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1)
-    single = ActorWorker(ctx1, make_cfg(), None)
+    ctx1 = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
+    single = Learner(ctx1, make_cfg(), None)
     batch = make_batch(single)
     torch.save(batch.tensors, work / "batch.pt")
     port = find_free_port("127.0.0.1")
@@ -257,21 +267,18 @@ def runs(tmp_path_factory):
     logp = single.compute_log_prob(batch)["old_log_probs"]
     metrics = single.update_policy(batch)
     reference = {"weights": full_weights(single), "metrics": metrics, "logp": logp, "batch": batch}
-    bf16 = ActorWorker(ctx1, make_cfg(precision="bf16"), None)
+    bf16 = Learner(ctx1, make_cfg(precision="bf16"), None)
     reference["bf16"] = {
         "logp": bf16.compute_log_prob(batch)["old_log_probs"],
         "metrics": bf16.update_policy(batch),
         "weights": full_weights(bf16),
     }
-    ref_worker, critic = (
-        ReferenceWorker(ctx1, make_cfg(), None),
-        CriticWorker(ctx1, make_cfg(), None),
-    )
-    reference["reference"] = ref_worker.compute_ref_log_prob(batch)["ref_log_probs"]
-    reference["values"] = critic.compute_values(batch)["values"]
-    reference["critic_metrics"] = critic.update_critic(batch)
+    ppo = Learner(ctx1, make_cfg(advantage="gae"), None)
+    reference["reference"] = ppo.reference.log_probs(batch)["ref_log_probs"]
+    reference["values"] = ppo.critic.values(batch)["values"]
+    reference["critic_metrics"] = ppo.critic.update(batch)
     reference["critic_weights"] = {
-        n: t.detach().clone() for n, t in critic.model.state_dict().items()
+        n: t.detach().clone() for n, t in ppo.critic.model.state_dict().items()
     }
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(
@@ -336,6 +343,7 @@ def test_auto_precision_is_bf16_only_where_every_rank_measured_it(runs):
 
 def test_reference_and_critic_on_two_ranks(runs):
     ref, got = runs["ref"], runs["ranks"]
+    assert got["parts"] == {"reference": True, "critic": True}  # both sharded by FSDP2
     n0 = len(ref["batch"].chunk(WORLD)[0])  # rank 0's rows
     assert (got["reference"] - ref["reference"][:n0]).abs().max().item() <= 1e-5
     assert (got["values"] - ref["values"][:n0]).abs().max().item() <= 1e-5
@@ -346,10 +354,12 @@ def test_reference_and_critic_on_two_ranks(runs):
 
 
 def test_step_changes_weights(runs):
-    from hybridrl.workers import ActorWorker
+    from hybridrl.workers import Learner
 
-    fresh = ActorWorker(
-        WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), make_cfg(), None
+    fresh = Learner(
+        WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1),
+        make_cfg(),
+        None,
     )
     assert max_diff(full_weights(fresh), runs["ref"]["weights"]) > 10 * TOL
 
@@ -377,10 +387,12 @@ def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     # the same weights loaded into an unsharded model by name
-    from hybridrl.workers import ActorWorker
+    from hybridrl.workers import Learner
 
-    plain = ActorWorker(
-        WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), make_cfg(), None
+    plain = Learner(
+        WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1),
+        make_cfg(),
+        None,
     ).model
     with torch.no_grad():
         for n, p in plain.named_parameters():
@@ -429,27 +441,28 @@ def test_crash_mid_save_keeps_previous_checkpoint(runs):
 
 @pytest.mark.slow
 def test_ray_worker_group_of_two_fsdp_ranks(runs, tmp_path):
-    """The same step through the real controller: a ray WorkerGroup of 2 actor ranks (DP_COMPUTE)."""
+    """The same step through the real controller: a ray WorkerGroup of 2 learner ranks
+    (DP_COMPUTE)."""
     from hybridrl.controller import ResourcePool, WorkerGroup
-    from hybridrl.workers import ActorWorker
+    from hybridrl.workers import Learner
 
     batch = runs["ref"]["batch"]
     pool = ResourcePool("fsdp-test", workers_per_node=WORLD)
-    actor = WorkerGroup(ActorWorker, pool, role="actor", backend="ray", args=(make_cfg(), None))
+    learner = WorkerGroup(Learner, pool, role="learner", backend="ray", args=(make_cfg(), None))
     try:
-        logp = actor.compute_log_prob(batch)["old_log_probs"]
+        logp = learner.compute_log_prob(batch)["old_log_probs"]
         assert (logp - batch["old_log_probs"]).abs().max().item() <= 1e-5
-        m0, m1 = actor.update_policy(batch)
+        m0, m1 = learner.update_policy(batch)
         assert m0 == m1 and m0["actor/pg_loss"] == pytest.approx(
             runs["ref"]["metrics"]["actor/pg_loss"], rel=1e-4
         )
-        weights = {n: t for bucket in actor.weight_buckets(1 << 20)[0] for n, t in bucket}
+        weights = {n: t for bucket in learner.weight_buckets(1 << 20)[0] for n, t in bucket}
         assert max_diff(runs["ref"]["weights"], weights) <= TOL
-        actor.save_checkpoint(str(tmp_path / "ckpt"))
+        learner.save_checkpoint(str(tmp_path / "ckpt"))
         assert is_complete(tmp_path / "ckpt" / "dcp")
-        actor.close()
+        learner.close()
     finally:
-        actor.shutdown()
+        learner.shutdown()
         pool.release()
 
 

@@ -19,11 +19,11 @@ from hybridrl.protocol import Batch
 from hybridrl.rollout import ROLLOUT_BACKENDS
 from hybridrl.training import lora as L
 from hybridrl.training.fsdp import export_hf, iter_weight_buckets
-from hybridrl.workers import ActorWorker
+from hybridrl.workers import Learner
 from hybridrl.workers.common import load_model
 
 TOL = 1e-5
-CTX1 = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1)
+CTX1 = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
 
 
 def make_cfg(rank: int = 8, lr: float = 1e-2) -> Config:
@@ -56,7 +56,7 @@ def make_batch(
     )
 
 
-def rl_batch(actor: ActorWorker, seed: int = 0) -> Batch:
+def rl_batch(actor: Learner, seed: int = 0) -> Batch:
     batch = make_batch(actor.tokenizer.vocab_size if actor.tokenizer else 64, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     old = actor.compute_log_prob(batch)["old_log_probs"]
@@ -78,7 +78,7 @@ def logits(model, batch: Batch) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-def merged_model(actor: ActorWorker):
+def merged_model(actor: Learner):
     plain, _ = load_model(actor.cfg, None)
     plain.load_state_dict(L.merged_weights(actor.model), strict=False)
     return plain
@@ -93,7 +93,7 @@ def hf_rollout(cfg: Config, model=None):
 @pytest.fixture(scope="module")
 def trained():
     """A LoRA actor after two updates, with its batch."""
-    actor = ActorWorker(CTX1, make_cfg(), None)
+    actor = Learner(CTX1, make_cfg(), None)
     batch = rl_batch(actor)
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
     actor.update_policy(batch)
@@ -125,7 +125,7 @@ def test_sync_matches_merged_model_and_does_not_accumulate(trained):
     want = logits(merged_model(actor), batch)
     # the actor's own (unmerged) forward agrees with the merged weights
     assert (logits(actor.model, batch) - want).abs().max().item() <= TOL
-    fresh = ActorWorker(CTX1, make_cfg(), None)  # a new actor's first sync sends the base too
+    fresh = Learner(CTX1, make_cfg(), None)  # a new actor's first sync sends the base too
     rollout = hf_rollout(actor.cfg)
     first = actor.weight_buckets(mode="base")
     assert (
@@ -221,7 +221,7 @@ def test_checkpoint_resume_and_export(trained, tmp_path):
     ).is_file()
     assert (path / "adapter" / "adapter_model.safetensors").is_file() and L.is_lora_checkpoint(path)
     # resume as the trainer does: built from the checkpoint (the merged weights), then load_state
-    resumed = ActorWorker(CTX1, make_cfg(), str(path))
+    resumed = Learner(CTX1, make_cfg(), str(path))
     resumed.load_state(str(path))
     a = {n: p.detach() for n, p in actor.model.named_parameters()}
     assert all(torch.equal(a[n], p) for n, p in resumed.model.named_parameters())
@@ -258,9 +258,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     work = Path(workdir)
     batch = Batch(torch.load(work / "batch.pt", weights_only=True))
     ctx = WorkerContext(
-        rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1
+        rank=rank, world_size=WORLD, role="learner", pool="p", master_port=port, num_threads=1
     )
-    actor = ActorWorker(ctx, make_cfg(lr=FSDP_LR), None)
+    actor = Learner(ctx, make_cfg(lr=FSDP_LR), None)
     from torch.distributed.tensor import DTensor
 
     params = dict(actor.model.named_parameters())
@@ -273,7 +273,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     buckets = actor.weight_buckets(mode="base")
     merged = L.merged_weights(actor.model)
     actor.save_checkpoint(str(work / "ckpt"))
-    fresh = ActorWorker(ctx, make_cfg(lr=FSDP_LR), str(work / "ckpt"))
+    fresh = Learner(ctx, make_cfg(lr=FSDP_LR), str(work / "ckpt"))
     fresh.load_state(str(work / "ckpt"))
     reloaded = L.merged_weights(fresh.model)
     actor.close()
@@ -289,7 +289,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 def test_two_fsdp_ranks_equal_one_process(tmp_path):
     from hybridrl.controller.worker import find_free_port
 
-    single = ActorWorker(CTX1, make_cfg(lr=FSDP_LR), None)
+    single = Learner(CTX1, make_cfg(lr=FSDP_LR), None)
     batch = rl_batch(single)
     torch.save(batch.tensors, tmp_path / "batch.pt")
     port = find_free_port("127.0.0.1")

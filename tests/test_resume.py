@@ -1,6 +1,7 @@
-"""Exact resume (local backend, deterministic on CPU): 2k steps in one run == k steps, stop, resume for k more,
-for GRPO and for PPO with a critic; a critic rebuilt from its checkpoint equals the saved one bit for bit in
-both checkpoint layouts (``train_state.pt`` in one process, ``dcp/`` for a sharded model).
+"""Exact resume (local backend, deterministic on CPU): 2k steps in one run == k steps, stop, resume
+for k more, for GRPO and for PPO with a critic; a critic (the learner's ``Critic``) rebuilt from its
+checkpoint equals the saved one bit for bit in both checkpoint layouts (``train_state.pt`` in one
+process, ``dcp/`` for a sharded model).
 
 The sharded layout runs in a subprocess (``python tests/test_resume.py critic-dcp WORKDIR PORT``): FSDP2 on a
 1-rank gloo group, which must not outlive its process (see the exit there)."""
@@ -19,6 +20,7 @@ from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
 from hybridrl.protocol import Batch
 from hybridrl.trainers.sync import train
+from hybridrl.training.distributed import DistEnv, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 2
@@ -133,7 +135,7 @@ def test_ppo_resume_is_exact(tmp_path):
     assert critic_at_k["score.weight"].abs().sum() > 0  # a head to lose, had the resume reset it
 
 
-# --- the critic role, rebuilt from its checkpoint ---------------------------------------------------------
+# --- the critic, rebuilt from its checkpoint ------------------------------------------------------
 def critic_cfg() -> Config:
     return load_config(
         Config, ROOT / "examples" / "arith_ppo.yaml", PPO + ["controller.num_threads=1"]
@@ -155,7 +157,7 @@ def critic_batch(critic, n: int = 8, prompt_len: int = 5, resp_len: int = 6) -> 
     )
     return batch | Batch(
         {
-            "values": critic.compute_values(batch)["values"],
+            "values": critic.values(batch)["values"],
             "returns": torch.randn(n, resp_len, generator=g) * rmask,
         }
     )
@@ -179,30 +181,29 @@ def snapshot(critic) -> dict:
     }
 
 
-def critic_round_trip(ctx: WorkerContext, path: Path) -> dict:
+def critic_round_trip(dist: DistEnv, path: Path) -> dict:
     """Train a critic 3 updates, save, rebuild from the checkpoint as a resumed run does, then train both once more."""
     from hybridrl.training.fsdp import is_sharded
-    from hybridrl.workers import CriticWorker
+    from hybridrl.workers.critic import Critic
 
-    trained = CriticWorker(ctx, critic_cfg(), None)
+    trained = Critic(critic_cfg(), None, dist)
     batch = critic_batch(trained)
     for _ in range(3):
-        trained.update_critic(batch)
-    trained.save_checkpoint(str(path))
-    resumed = CriticWorker(ctx, critic_cfg(), str(path))  # as open_session does
-    resumed.load_state(str(path))
-    fresh = CriticWorker(
-        ctx, critic_cfg(), None
-    )  # load_state alone restores everything, however the role was built
-    fresh.load_state(str(path))
+        trained.update(batch)
+    trained.save(str(path))
+    # as open_session does: the learner's critic built from the checkpoint, then loaded
+    resumed = Critic(critic_cfg(), str(path), dist)
+    resumed.load(str(path))
+    fresh = Critic(critic_cfg(), None, dist)  # load alone restores everything, however it was built
+    fresh.load(str(path))
     out = {
         "saved": snapshot(trained),
         "resumed": snapshot(resumed),
         "loaded": snapshot(fresh),
         "sharded": is_sharded(fresh.model),
     }
-    trained.update_critic(batch)
-    resumed.update_critic(batch)
+    trained.update(batch)
+    resumed.update(batch)
     return out | {"saved_next": snapshot(trained), "resumed_next": snapshot(resumed)}
 
 
@@ -255,8 +256,8 @@ def test_value_model_keeps_a_saved_head_and_starts_a_missing_one_at_zero(tmp_pat
 
 
 def test_critic_rebuilt_from_a_single_process_checkpoint_is_the_saved_one(tmp_path):
-    ctx = WorkerContext(rank=0, world_size=1, role="critic", pool="p", num_threads=1)
-    out = critic_round_trip(ctx, tmp_path / "critic")
+    ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
+    out = critic_round_trip(init_distributed(ctx), tmp_path / "critic")
     assert not out["sharded"]
     check_round_trip(out)
     assert (tmp_path / "critic" / "train_state.pt").is_file() and not (
@@ -268,14 +269,10 @@ def critic_dcp_main(workdir: str, port: int) -> None:
     """A critic sharded by FSDP2 on a 1-rank gloo group (what world size > 1 does), so it saves ``dcp/``."""
     import torch.distributed as dist
 
-    import hybridrl.workers.critic as critic_mod
-    from hybridrl.training.distributed import DistEnv
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    critic_mod.init_distributed = lambda ctx: DistEnv(0, 1, torch.device("cpu"), "gloo")
-    ctx = WorkerContext(rank=0, world_size=1, role="critic", pool="p", num_threads=1)
-    torch.save(critic_round_trip(ctx, Path(workdir) / "critic"), Path(workdir) / "out.pt")
+    group = DistEnv(0, 1, torch.device("cpu"), "gloo")
+    torch.save(critic_round_trip(group, Path(workdir) / "critic"), Path(workdir) / "out.pt")
 
 
 def test_critic_rebuilt_from_a_sharded_checkpoint_is_the_saved_one(tmp_path):
