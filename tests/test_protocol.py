@@ -59,8 +59,8 @@ def test_with_response_is_a_copy_that_keeps_the_prompts_metadata():
 
 
 def test_samples_of_one_prompt_share_no_mutable_field():
-    """Each sample is scored on its own (``reward``, ``reward_extras`` set in place): scoring one must not
-    change its siblings nor the prompt, whatever the prompt already carries."""
+    """Each sample is scored on its own (``reward``, ``reward_extras`` set in place): scoring one
+    must not change its siblings nor the prompt, whatever the prompt already carries."""
     prompt = Sample([1, 5], uid="u", reward_extras={"baseline_rewards": 0.5}, metadata={"k": 1})
     a = prompt.with_response([7], [-0.1], [0], "finished")
     b = prompt.with_response([8], [-0.2], [0], "truncated")
