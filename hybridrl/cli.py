@@ -140,9 +140,8 @@ def distill_draft(argv: list[str]) -> int:
     try:
         task = TASKS.get(args.task)(seed=0)
         target, tok = load_model_and_tokenizer(args.target, "", 0, task.tokenizer())
-        draft_path = (
-            args.draft if Path(args.draft).exists() else None
-        )  # a built-in size: built on the task's tokenizer
+        # a built-in size: built on the task's tokenizer
+        draft_path = args.draft if Path(args.draft).exists() else None
         if draft_path is None and args.draft not in SIZES:
             raise FileNotFoundError(
                 f"draft {args.draft!r} is neither a checkpoint directory nor a built-in size "

@@ -24,28 +24,22 @@ class Sample:
 
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(
-        default_factory=list
-    )  # behaviour log-prob of each response token
-    versions: list[int] = field(
-        default_factory=list
-    )  # weight version that produced each response token
-    loss_mask: list[int] | None = (
-        None  # per response token: 1 trained on, 0 not (a tool's output); None: all
-    )
+    # behaviour log-prob of each response token
+    log_probs: list[float] = field(default_factory=list)
+    # weight version that produced each response token
+    versions: list[int] = field(default_factory=list)
+    # per response token: 1 trained on, 0 not (a tool's output); None: all
+    loss_mask: list[int] | None = None
     status: str = "pending"  # pending (a prompt) | finished | truncated | aborted
     uid: str = ""  # group id: all samples of one prompt share it (and it names the request)
     task_id: str = ""
     reward: float | None = None  # None until scored
-    reward_extras: dict[str, float] = field(
-        default_factory=dict
-    )  # e.g. error (1: the reward function raised)
-    routing: Any = (
-        None  # per-token routing data of a mixture-of-experts model (routing replay); None: none
-    )
-    metadata: dict[str, Any] = field(
-        default_factory=dict
-    )  # the task's Prompt, stream index, engine stats ...
+    # e.g. error (1: the reward function raised)
+    reward_extras: dict[str, float] = field(default_factory=dict)
+    # per-token routing data of a mixture-of-experts model (routing replay); None: none
+    routing: Any = None
+    # the task's Prompt, stream index, engine stats ...
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def with_response(self, response_ids, log_probs, versions, status: str, **metadata) -> Sample:
         """A copy of this prompt sample with a generated response (the prompt's metadata kept)."""

@@ -273,9 +273,8 @@ def remax_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     return {"advantages": zero_pad(returns - base.unsqueeze(-1), m), "returns": returns}
 
 
-remax_advantage.needs_greedy_baseline = (
-    True  # the trainer generates and scores one greedy response per prompt
-)
+# the trainer generates and scores one greedy response per prompt
+remax_advantage.needs_greedy_baseline = True
 
 
 @ADVANTAGES.register("grpo_passk")
@@ -308,9 +307,8 @@ def grpo_passk_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     return {"advantages": _broadcast(out.to(scores.dtype), batch["response_mask"])}
 
 
-grpo_passk_advantage.min_group_size = (
-    2  # checked against trainer.samples_per_prompt when the config loads
-)
+# checked against trainer.samples_per_prompt when the config loads
+grpo_passk_advantage.min_group_size = 2
 
 
 @ADVANTAGES.register("opo")

@@ -49,9 +49,8 @@ def _straight_through(
     value: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor
 ) -> torch.Tensor:
     grad_path = k2(logp, ref_logp)
-    return value.detach() + (
-        grad_path - grad_path.detach()
-    )  # (g - g) is exactly 0: the value is unchanged
+    # (g - g) is exactly 0: the value is unchanged
+    return value.detach() + (grad_path - grad_path.detach())
 
 
 @KL_ESTIMATORS.register("k1+")
@@ -61,9 +60,8 @@ def k1_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @KL_ESTIMATORS.register("k2+")
 def k2_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    return _straight_through(
-        k2(logp, ref_logp), logp, ref_logp
-    )  # the same as k2, value and gradient
+    # the same as k2, value and gradient
+    return _straight_through(k2(logp, ref_logp), logp, ref_logp)
 
 
 @KL_ESTIMATORS.register("k3+")

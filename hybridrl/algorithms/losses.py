@@ -22,9 +22,8 @@ from hybridrl.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
 LOG_RATIO_CLAMP = 20.0  # a stale or broken sample cannot produce inf/NaN
-GSPO_TOKEN_LOG_RATIO_MAX = (
-    10.0  # gspo_token: veRL's upper bound on the token-level combined log-ratio
-)
+# gspo_token: veRL's upper bound on the token-level combined log-ratio
+GSPO_TOKEN_LOG_RATIO_MAX = 10.0
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -242,9 +241,8 @@ def decoupled_ppo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor
             "actor/behav_weight_mean": masked_mean(w, m).item(),
             "actor/behav_weight_max": masked_max(w, m),
             "actor/behav_capped_frac": masked_mean((m & ~keep).to(f), m).item(),
-            "actor/behav_approx_kl": masked_mean(
-                -behav_lr, m
-            ).item(),  # k1 of mu vs prox: mean(mu - prox)
+            # k1 of mu vs prox: mean(mu - prox)
+            "actor/behav_approx_kl": masked_mean(-behav_lr, m).item(),
         }
     return loss, metrics
 

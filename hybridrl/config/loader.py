@@ -85,9 +85,8 @@ class _Dumper(yaml.SafeDumper):
     """``SafeDumper`` that quotes strings :class:`_Loader` would read as floats."""
 
     def represent_str(self, data: str) -> yaml.ScalarNode:
-        if (
-            "\x85" in data
-        ):  # PyYAML mangles NEL in single-quoted/plain scalars: use an escaped double-quoted one
+        # PyYAML mangles NEL in single-quoted/plain scalars: use an escaped double-quoted one
+        if "\x85" in data:
             return self.represent_scalar("tag:yaml.org,2002:str", data, style='"')
         return super().represent_str(data)
 

@@ -25,9 +25,8 @@ RankCall = tuple[int, tuple, dict]
 class Dispatch(str, Enum):
     ONE_TO_ALL = "one_to_all"  # same args to every rank -> list of per-rank results
     ALL_FIRST = "all_first"  # same args to every rank (a collective) -> rank 0's result
-    DP_COMPUTE = (
-        "dp_compute"  # first arg (a Batch or list) chunked by rank -> Batch.concat / one list
-    )
+    # first arg (a Batch or list) chunked by rank -> Batch.concat / one list
+    DP_COMPUTE = "dp_compute"
     RANK_ZERO = "rank_zero"  # only rank 0 runs -> its result
 
 

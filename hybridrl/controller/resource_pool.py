@@ -40,9 +40,8 @@ class ResourcePool:
     cpus_per_worker: float = 1
     gpus_per_worker: float = 0
     max_colocate: int = 8  # how many WorkerGroups may share this pool (ray)
-    resources: dict[str, float] = field(
-        default_factory=dict
-    )  # custom Ray resources per worker (node pinning)
+    # custom Ray resources per worker (node pinning)
+    resources: dict[str, float] = field(default_factory=dict)
     _placement_groups: list[Any] = field(
         default_factory=list, init=False, repr=False, compare=False
     )

@@ -92,9 +92,8 @@ def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokeni
     if tokenizer.pad_token_id is None:  # Llama-style tokenizers have none; padding is masked anyway
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
-    if (
-        len(tokenizer) > model.config.vocab_size
-    ):  # e.g. a default unk token added on reload: its id has no embedding
+    # e.g. a default unk token added on reload: its id has no embedding
+    if len(tokenizer) > model.config.vocab_size:
         log.warning(
             "%s: the tokenizer has %d tokens, the model's vocabulary %d rows; ids from %d on would "
             "fail "

@@ -52,15 +52,15 @@ from hybridrl.registry import Registry
 
 ROLLOUT_BACKENDS = Registry("rollout backend")  # name -> cls(model, tokenizer, cfg: RolloutConfig)
 
+# adapter entries of a weight sync
 LORA_A, LORA_B, LORA_SCALING = (
     ".lora_A",
     ".lora_B",
     ".lora_scaling",
-)  # adapter entries of a weight sync
+)
 _LORA_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING)
-_IGNORED = (
-    "rotary_emb.inv_freq",
-)  # buffers some checkpoints carry; computed from the config, never synced
+# buffers some checkpoints carry; computed from the config, never synced
+_IGNORED = ("rotary_emb.inv_freq",)
 _SHOWN = 5  # names quoted in a sync error
 
 
@@ -134,9 +134,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     min_p: float = 0.0
-    stop: tuple[
-        str, ...
-    ] = ()  # stop strings: the response ends with the token that completes one (rollout/stop.py)
+    # stop strings: the response ends with the token that completes one (rollout/stop.py)
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     return_raw_log_probs: bool = False
 
@@ -171,12 +170,10 @@ class RolloutEngine(ABC):
         self._unpaused.set()
         self._stepping = threading.Lock()  # held by a default step() while it generates
         self._aborted: set[str] = set()
-        self._lora_base: dict[
-            str, torch.Tensor
-        ] = {}  # "<module>.weight" -> its base value (adapted modules)
-        self._sync_failure: str | None = (
-            None  # why the last weight sync failed (the weights may be half-updated)
-        )
+        # "<module>.weight" -> its base value (adapted modules)
+        self._lora_base: dict[str, torch.Tensor] = {}
+        # why the last weight sync failed (the weights may be half-updated)
+        self._sync_failure: str | None = None
         self._queue_lock = threading.Lock()
         self._queue: list[tuple[Sample, SamplingParams]] = []  # added, not yet stepped
         self._results: dict[str, list[Sample]] = defaultdict(list)  # uid -> samples ready
@@ -255,9 +252,8 @@ class RolloutEngine(ABC):
         :meth:`check_servable` refuses generation until a later sync succeeds."""
         try:
             live = self._weight_tensors()
-        except (
-            NotImplementedError
-        ):  # the backend cannot name its weights: unknown and missing names go unchecked
+        # the backend cannot name its weights: unknown and missing names go unchecked
+        except NotImplementedError:
             live = None
         check = SyncCheck(live, self._sync_aliases())
         try:

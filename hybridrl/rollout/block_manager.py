@@ -33,9 +33,8 @@ from collections import OrderedDict
 
 from hybridrl.rollout.sequence import Sequence
 
-NO_HASH = (
-    b""  # the parent digest of a sequence's first block, and the digest of an unregistered block
-)
+# the parent digest of a sequence's first block, and the digest of an unregistered block
+NO_HASH = b""
 
 
 def block_hash(prev_hash: bytes, tokens: list[int]) -> bytes:
@@ -66,9 +65,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict(
-            (i, None) for i in range(num_blocks)
-        )  # LRU order
+        # LRU order
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.epoch = 0
 
@@ -143,9 +141,8 @@ class BlockManager:
         ]
         seq.num_computed = len(hits) * self.block_size
         draft = next((i for i, bid in enumerate(hits) if not self.blocks[bid].draft), len(hits))
-        seq.num_draft_computed = (
-            draft * self.block_size
-        )  # the draft prefills the hits it has no KV for
+        # the draft prefills the hits it has no KV for
+        seq.num_draft_computed = draft * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.num_draft_blocks = draft
         seq.last_hash = h

@@ -81,28 +81,23 @@ class StepInputs:
     cos: torch.Tensor  # (T, 1, D)
     sin: torch.Tensor
     slots: torch.Tensor  # (T,) cache slot of each new token
-    kv_blocks: (
-        torch.Tensor | None
-    )  # (B * nb,) block table of each sequence, padded with block 0 (masked); None: reuse
+    # (B * nb,) block table of each sequence, padded with block 0 (masked); None: reuse
+    kv_blocks: torch.Tensor | None
     bias: torch.Tensor  # (B, qmax, kmax) additive attention mask
     batch: int
     qmax: int
     kmax: int
-    q_pad_index: (
-        torch.Tensor | None
-    )  # (B * qmax,) flat token index per padded query (None: decode only)
+    # (B * qmax,) flat token index per padded query (None: decode only)
+    q_pad_index: torch.Tensor | None
     out_index: torch.Tensor | None  # (T,) padded row of each token
     last_index: torch.Tensor  # (B,) flat index of each sequence's last query token
-    reuse: bool = (
-        False  # decode step over (a subset of) the kept batch: the gathered context is still valid
-    )
+    # decode step over (a subset of) the kept batch: the gathered context is still valid
+    reuse: bool = False
     pos: torch.Tensor | None = None  # (B,) position of each new token (decode)
-    rows: torch.Tensor | None = (
-        None  # (B,) kept-buffer row of each sequence (None: row b is sequence b)
-    )
-    num_rows: int = (
-        0  # rows of the kept buffers (>= B; the extra rows belong to sequences that left)
-    )
+    # (B,) kept-buffer row of each sequence (None: row b is sequence b)
+    rows: torch.Tensor | None = None
+    # rows of the kept buffers (>= B; the extra rows belong to sequences that left)
+    num_rows: int = 0
 
 
 class ModelRunner:
@@ -155,9 +150,8 @@ class ModelRunner:
             )
         else:
             inv_freq, scaling = default_inv_freq(config, D)
-        self._build_rope(
-            inv_freq, scaling, s.max_positions + 64
-        )  # + room for speculative lookahead
+        # + room for speculative lookahead
+        self._build_rope(inv_freq, scaling, s.max_positions + 64)
         self.k_cache = self.v_cache = None
         self.num_blocks = 0
         self._kbuf = self._vbuf = None
@@ -235,9 +229,8 @@ class ModelRunner:
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], -1)
         self.cos_table = (emb.cos() * scaling).to(self.device, self.dtype)
-        half = inv_freq.shape[
-            0
-        ]  # sin_table holds (-sin, sin) over the halves: the sign of rotate_half
+        # sin_table holds (-sin, sin) over the halves: the sign of rotate_half
+        half = inv_freq.shape[0]
         self.sin_table = (
             emb.sin() * scaling * torch.cat([-torch.ones(half), torch.ones(half)])
         ).to(self.device, self.dtype)
@@ -258,9 +251,8 @@ class ModelRunner:
     def allocate_kv(self, num_blocks: int) -> None:
         s = self.spec
         shape = (s.num_layers, s.num_kv_heads, num_blocks * self.block_size, s.head_dim)
-        self.k_cache = torch.zeros(
-            shape, device=self.device, dtype=self.dtype
-        )  # zeros: masked slots stay finite
+        # zeros: masked slots stay finite
+        self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.num_blocks = num_blocks
 

@@ -44,9 +44,8 @@ def uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.T
     h = _mix32(h ^ (seeds >> 32))
     h = _mix32(h ^ counters)
     h2 = _mix32(h ^ 0x5BD1E995)
-    return (
-        (h >> 5).double() * 67108864.0 + (h2 >> 6).double() + 0.5
-    ) / 9007199254740992.0  # 53 bits
+    # 53 bits
+    return ((h >> 5).double() * 67108864.0 + (h2 >> 6).double() + 0.5) / 9007199254740992.0
 
 
 @dataclass
@@ -213,9 +212,8 @@ def processed_logprobs(
     return _masked_log_softmax(scaled, filter_mask(scaled, st), keep)
 
 
-FILTER_CHUNK_ELEMENTS = (
-    1 << 26
-)  # the trainer filters this many logits at a time (bounds the sort's buffers)
+# the trainer filters this many logits at a time (bounds the sort's buffers)
+FILTER_CHUNK_ELEMENTS = 1 << 26
 
 
 def filtered_log_softmax(

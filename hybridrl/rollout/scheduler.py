@@ -25,9 +25,8 @@ from hybridrl.rollout.sequence import Sequence, Status
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(
-        default_factory=list
-    )  # query tokens of each sequence in this step
+    # query tokens of each sequence in this step
+    num_tokens: list[int] = field(default_factory=list)
     lookahead: int = 0  # extra slots reserved for decoding sequences (speculative tokens)
 
     def __len__(self) -> int:
@@ -81,9 +80,8 @@ class Scheduler:
                 continue
             q = min(len(seq) - seq.num_computed, budget)
             need = seq.num_computed + q + (lookahead if q == 1 else 0)
-            if (
-                need > len(seq.block_table) * bs
-            ):  # needs a new block (a decode step usually does not)
+            # needs a new block (a decode step usually does not)
+            if need > len(seq.block_table) * bs:
                 while not self.bm.can_append(seq, need):
                     victim = self.running[-1]
                     self.preempt(victim)

@@ -40,9 +40,8 @@ def request_seed(seed: int, request_id: str) -> int:
     """The seed of request ``request_id`` in a call seeded with ``seed``; its sample ``i`` uses
     ``derive_seed(request_seed(...), i)``. It depends on the request's identity, not on its position in the
     call, so a prompt draws the same numbers however the prompts are split among data-parallel ranks."""
-    digest = hashlib.blake2b(
-        request_id.encode(), digest_size=8
-    ).digest()  # stable across processes, unlike hash()
+    # stable across processes, unlike hash()
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
     return derive_seed(seed, int.from_bytes(digest, "little"))
 
 
@@ -70,9 +69,8 @@ class Sequence:
         self.sample_index = sample_index
         self.params = params
         self.seed = seed  # this sample's seed
-        self.base_seed = (
-            seed if base_seed is None else base_seed
-        )  # the request's: children derive theirs from it
+        # the request's: children derive theirs from it
+        self.base_seed = seed if base_seed is None else base_seed
         self.stop_ids = stop_ids
         self.tag = tag  # the caller's object for the request (the prompt Sample)
         self.token_ids: list[int] = list(prompt_ids)
@@ -85,12 +83,10 @@ class Sequence:
         self.num_computed = 0  # tokens whose KV is in the cache
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.last_hash = b""  # digest of block num_hashed_blocks - 1 (b"": none)
-        self.hash_epoch = (
-            -1
-        )  # block-manager epoch its KV was computed in (stale after a weight change)
-        self.num_draft_computed = (
-            0  # tokens whose KV is in the draft model's cache (speculative decoding)
-        )
+        # block-manager epoch its KV was computed in (stale after a weight change)
+        self.hash_epoch = -1
+        # tokens whose KV is in the draft model's cache (speculative decoding)
+        self.num_draft_computed = 0
         self.num_draft_blocks = 0  # leading registered blocks marked as holding the draft's KV too
         # outputs
         self.log_probs: list[float] = []

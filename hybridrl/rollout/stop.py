@@ -20,9 +20,8 @@ _REPLACEMENT = "\ufffd"  # what a window starting inside a multi-byte character 
 
 def stop_hit(tokenizer, ids: Sequence[int], start: int, stops: Sequence[str]) -> bool:
     """Whether one of ``stops`` ends inside the last token of ``ids``, whose completion is ``ids[start:]``."""
-    need = max(
-        len(s) for s in stops
-    )  # one character more than an occurrence needs before the newest token
+    # one character more than an occurrence needs before the newest token
+    need = max(len(s) for s in stops)
     n = len(ids) - start
     m = min(n, need + 1)
     while True:

@@ -67,9 +67,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 kl = roles.learner.kl_reward_coef()
                 extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
                 save_checkpoint(s.run_dir, done, roles, state | extra, cfg)
-            tick = (
-                time.perf_counter()
-            )  # evaluation and checkpoints do not count as the learner's idleness
+            # evaluation and checkpoints do not count as the learner's idleness
+            tick = time.perf_counter()
     finally:  # stop generating first, so nothing writes into a closing buffer
         try:
             roles.rollout.stop_stream()

@@ -33,9 +33,8 @@ from collections import deque
 
 from hybridrl.protocol import Sample
 
-Group = list[
-    Sample
-]  # the scored samples of one prompt; metadata: "index" (stream position), "admitted"
+# the scored samples of one prompt; metadata: "index" (stream position), "admitted"
+Group = list[Sample]
 
 
 def _index(group: Group) -> int:
@@ -95,9 +94,8 @@ class TrajectoryBuffer:
         """The batch for ``version``, or None while training now could force a later sample past its deadline."""
         if len(self.ready) < self.B:
             return None
-        self.ready.sort(
-            key=_admitted
-        )  # earliest deadline (admitted + k) first; stable: arrival order
+        # earliest deadline (admitted + k) first; stable: arrival order
+        self.ready.sort(key=_admitted)
         left = sorted([_admitted(g) for g in self.ready[self.B :]] + list(self.running.values()))
         # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due by t?
         if any(i + 1 > (adm + self.k - version) * self.B for i, adm in enumerate(left)):

@@ -24,9 +24,8 @@ def save_checkpoint(run_dir: Path, step: int, roles, trainer_state: dict, cfg: C
     final, tmp = root / f"{PREFIX}{step:06d}", root / f".tmp-{PREFIX}{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    roles.learner.save_checkpoint(
-        str(tmp / "model"), str(tmp / "critic")
-    )  # critic: when there is one
+    # critic: when there is one
+    roles.learner.save_checkpoint(str(tmp / "model"), str(tmp / "critic"))
     (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1))
     (tmp / "config.yaml").write_text(dump_yaml(cfg))
     shutil.rmtree(final, ignore_errors=True)

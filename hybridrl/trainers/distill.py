@@ -122,9 +122,8 @@ def distill_draft(
             lp = _log_probs(target, ids, attn, temperature)
         lq = _log_probs(draft, ids, attn, temperature)
         n = mask.sum().clamp(min=1)
-        kl = torch.where(lp.isfinite(), lp.exp() * (lp - lq), 0.0).sum(
-            -1
-        )  # 0 where the target gives p = 0
+        # 0 where the target gives p = 0
+        kl = torch.where(lp.isfinite(), lp.exp() * (lp - lq), 0.0).sum(-1)
         loss = (kl * mask).sum() / n
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -27,16 +27,13 @@ ROLE_CLASSES = {"learner": Learner, "rollout": RolloutWorker}
 
 @dataclass
 class Roles:
-    learner: (
-        Learner | None
-    )  # a WorkerGroup or RoleView of Learner (None: a run that only generates)
+    # a WorkerGroup or RoleView of Learner (None: a run that only generates)
+    learner: Learner | None
     rollout: RolloutWorker  # a WorkerGroup or RoleView of RolloutWorker
-    groups: list[WorkerGroup] = field(
-        default_factory=list
-    )  # the processes behind the roles, each once
-    pools: list[ResourcePool] = field(
-        default_factory=list
-    )  # their placement groups, released at shutdown
+    # the processes behind the roles, each once
+    groups: list[WorkerGroup] = field(default_factory=list)
+    # their placement groups, released at shutdown
+    pools: list[ResourcePool] = field(default_factory=list)
     transport: str = "memory"  # weight sync: memory (one process), fused, shm (one node) or store
 
     def __post_init__(self):
@@ -73,9 +70,8 @@ class Roles:
         if self.transport == "shm":
             attempt(None, self.learner.apply_all, weight_sync.release_stage)
         for role in (self.learner, self.rollout):
-            if (
-                role is not None and role.world_size > 1 and "close" in role.methods
-            ):  # leave torch.distributed
+            # leave torch.distributed
+            if role is not None and role.world_size > 1 and "close" in role.methods:
                 attempt(_group_of(role), role.close)
         failed.clear()  # every group is killed and every pool released, whatever failed before
         for group in self.groups:

@@ -34,9 +34,8 @@ from hybridrl.workers.common import load_model, make_task
 
 log = logging.getLogger(__name__)
 
-CHECK_SEED_OFFSET = (
-    20_000  # the check's sampling seed is trainer.seed + this (RL's evaluation uses + 10_000)
-)
+# the check's sampling seed is trainer.seed + this (RL's evaluation uses + 10_000)
+CHECK_SEED_OFFSET = 20_000
 
 
 def warm_start_path(cfg: Config) -> Path:
@@ -145,9 +144,8 @@ class HeldoutCheck:
 def _train_step(model, opt, sched, ids, attn, labels, micro_batch_tokens: int) -> float:
     n_labels, lengths, loss = (labels[:, 1:] != -100).sum(), attn.sum(-1), 0.0
     opt.zero_grad(set_to_none=True)
-    for rows in length_buckets(
-        lengths, micro_batch_tokens
-    ):  # similar lengths together, cut to the longest
+    # similar lengths together, cut to the longest
+    for rows in length_buckets(lengths, micro_batch_tokens):
         w = int(lengths[rows].max())
         logits = model(
             input_ids=ids[rows, :w], attention_mask=attn[rows, :w], use_cache=False
@@ -261,8 +259,7 @@ def ensure_warm_start(cfg: Config, progress: bool = True) -> str | None:
         run_sft(cfg, path, progress)
     elif cfg.sft.steps is None and (path / "sft.json").is_file():
         record = json.loads((path / "sft.json").read_text())
-        if (
-            record.get("target_met") is False
-        ):  # a cached warm start that missed its target: say so on every run
+        # a cached warm start that missed its target: say so on every run
+        if record.get("target_met") is False:
             log.warning(_cap_message(cfg, record.get("accuracy")))
     return str(path)

@@ -32,9 +32,8 @@ def overlong_penalty(
 class RewardShaper:
     def __init__(self, alg: AlgorithmConfig, max_new_tokens: int, kl_value: float | None = None):
         self.alg, self.max_len = alg, max_new_tokens
-        coef = (
-            alg.kl_reward_coef if kl_value is None else kl_value
-        )  # a resumed run continues the adaptive coefficient
+        # a resumed run continues the adaptive coefficient
+        coef = alg.kl_reward_coef if kl_value is None else kl_value
         self.kl = (
             AdaptiveKLController(coef, alg.kl_target, alg.kl_horizon)
             if alg.kl_ctrl == "adaptive"

@@ -63,9 +63,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     layers = getattr(base, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
         return list(layers)
-    for (
-        module
-    ) in model.modules():  # any other architecture: the longest ModuleList of identical blocks
+    # any other architecture: the longest ModuleList of identical blocks
+    for module in model.modules():
         if (
             isinstance(module, nn.ModuleList)
             and len(module) > 1
@@ -166,9 +165,8 @@ def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    offload = (
-        cfg.cpu_offload and env.device.type == "cuda"
-    )  # on a CPU-only rank everything is in CPU memory anyway
+    # on a CPU-only rank everything is in CPU memory anyway
+    offload = cfg.cpu_offload and env.device.type == "cuda"
     common = dict(
         mesh=mesh,
         mp_policy=mixed_precision_policy(cfg, env.device),
@@ -180,9 +178,8 @@ def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -
     # the root's parameters (embeddings, final norm, head) are used last in forward and first in backward:
     # keeping them gathered in between saves one all-gather (it costs the unsharded root until backward)
     fully_shard(model, reshard_after_forward=False, **common)
-    for (
-        module
-    ) in model.modules():  # every unit: sum over ranks (losses carry the global normalisation)
+    # every unit: sum over ranks (losses carry the global normalisation)
+    for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
@@ -379,9 +376,8 @@ def export_hf(
     ckpt = Path(checkpoint)
     shards = ckpt / "dcp" if is_complete(ckpt / "dcp") else ckpt
     if not is_complete(shards):
-        if (
-            any(ckpt.glob("*.safetensors")) and (ckpt / "config.json").is_file()
-        ):  # single-process layout
+        # single-process layout
+        if any(ckpt.glob("*.safetensors")) and (ckpt / "config.json").is_file():
             return _copy_hf(ckpt, Path(out_dir), dtype)
         raise FileNotFoundError(
             f"{ckpt}: no complete sharded checkpoint (and no transformers weights)"

@@ -78,9 +78,8 @@ def trim(mb: Batch) -> Batch:
             out[key] = t[:, P - p : P + r]
         elif key == "prompts":
             out[key] = t[:, P - p :]
-        elif (
-            t.dim() >= 2 and t.shape[1] == R
-        ):  # response-shaped: log-probs, masks, advantages, versions ...
+        # response-shaped: log-probs, masks, advantages, versions ...
+        elif t.dim() >= 2 and t.shape[1] == R:
             out[key] = t[:, :r]
         else:
             out[key] = t
@@ -91,9 +90,8 @@ def micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.T
     """``(micro-batches, order)``: rows grouped by length (:func:`length_buckets`) and trimmed
     (:func:`trim`); ``order`` lists the rows in the order the micro-batches hold them."""
     P = batch["prompts"].shape[1]
-    lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(
-        -1
-    )  # padded width bound
+    # padded width bound
+    lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(-1)
     groups = length_buckets(lengths, token_budget)
     return [trim(batch.index(idx)) for idx in groups], torch.cat(groups) if groups else torch.zeros(
         0, dtype=torch.long
@@ -145,9 +143,8 @@ def response_log_probs(
         logits = model(
             input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False
         ).logits
-    logits = logits[
-        :, -resp_len - 1 : -1
-    ].float()  # the loss math (log-softmax, ratios, KL) stays fp32
+    # the loss math (log-softmax, ratios, KL) stays fp32
+    logits = logits[:, -resp_len - 1 : -1].float()
     logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
     mask = mb["response_mask"]
     # zero_pad is a where, not a product: a padding position's token may be filtered out

@@ -42,9 +42,8 @@ log = logging.getLogger(__name__)
 MIN_SPEEDUP = 1.3
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # native bf16 matmul instructions, best first
 ENV_OVERRIDE = "HYBRIDRL_AUTO_PRECISION"
-PROBE_TOKENS = (
-    256  # a micro-batch's worth for W1; the probe then takes 0.1-0.5 s for the built-in sizes
-)
+# a micro-batch's worth for W1; the probe then takes 0.1-0.5 s for the built-in sizes
+PROBE_TOKENS = 256
 
 
 @dataclass(frozen=True)

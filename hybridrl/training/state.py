@@ -77,9 +77,8 @@ def save_trainable(
                 model.save_pretrained(path, state_dict=sd)
             else:
                 model.config.save_pretrained(path)
-            config = json.loads(
-                (path / "config.json").read_text()
-            )  # the class name, not FSDP's subclass
+            # the class name, not FSDP's subclass
+            config = json.loads((path / "config.json").read_text())
             config["architectures"] = [_plain_class_name(model)]
             (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         del sd

@@ -125,9 +125,8 @@ def run_updates(
                     loss = loss * 0.0
                 loss.backward()
                 if i < n_real:
-                    share = (
-                        float(mb["response_mask"].sum()) / n_tokens
-                    )  # token-weighted mean over the mini-batch
+                    # token-weighted mean over the mini-batch
+                    share = float(mb["response_mask"].sum()) / n_tokens
                     for k, v in metrics.items():
                         sums[k] += v * share
                 else:
@@ -136,9 +135,8 @@ def run_updates(
             grad_norm += clip_grad_norm(model, grad_clip)
             optimizer.step()
             steps += 1
-    if (
-        distributed.world_size() > 1
-    ):  # each rank summed its tokens' shares: the sum over ranks is the global mean
+    # each rank summed its tokens' shares: the sum over ranks is the global mean
+    if distributed.world_size() > 1:
         keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
         sums = dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
     out = {k: v / max(steps, 1) for k, v in sums.items()}

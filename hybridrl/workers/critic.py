@@ -58,9 +58,8 @@ def build_value_model(cfg: Config, model_path: str | None):
 def response_values(model, mb: Batch) -> torch.Tensor:
     attn, resp_len = mb["attention_mask"], mb["responses"].shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    with autocast(
-        model
-    ):  # bf16 matmuls when the model is marked for it; the values and the loss are fp32
+    # bf16 matmuls when the model is marked for it; the values and the loss are fp32
+    with autocast(model):
         out = model(
             input_ids=mb["input_ids"],
             attention_mask=attn,

@@ -99,9 +99,8 @@ def dropout_in_training(model) -> bool:
 @torch.no_grad()
 def move_training_state(model, optimizer, device: torch.device) -> None:
     """A model's parameters and its optimizer's states (exp_avg, exp_avg_sq ...) to ``device``."""
-    model.to(
-        device
-    )  # FSDP2 keeps the sharded parameters' identity: the optimizer still refers to them
+    # FSDP2 keeps the sharded parameters' identity: the optimizer still refers to them
+    model.to(device)
     for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
             if torch.is_tensor(value) and key != "step":  # Adam's step counter stays on the CPU
@@ -134,9 +133,8 @@ class Learner(Worker):
         model, self.tokenizer = load_model(cfg, model_path)
         self.lora = lora_lib.lora_settings(cfg)
         self.base_source = model_path  # where the (LoRA base) weights came from; None: built-in
-        self._base_synced = (
-            False  # LoRA: the rollout has our base weights (the first sync sends them)
-        )
+        # LoRA: the rollout has our base weights (the first sync sends them)
+        self._base_synced = False
         if self.lora is not None:
             model = lora_lib.apply_lora(model, self.lora, seed=cfg.model.seed)
         self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
@@ -149,9 +147,8 @@ class Learner(Worker):
         self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
-        self.sampling = sampling_of(
-            cfg.rollout
-        )  # log-probs under the rollout's filtered distribution
+        # log-probs under the rollout's filtered distribution
+        self.sampling = sampling_of(cfg.rollout)
         self._taken: torch.Tensor | None = None  # old log-probs noted by the running / last update
         ref_path = reference_path or model_path
         self.reference = Reference(cfg, ref_path, self.dist) if needs_reference(cfg) else None
@@ -159,9 +156,8 @@ class Learner(Worker):
         self.critic = Critic(cfg, critic_from, self.dist) if needs_critic(cfg) else None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.timer = PhaseTimer()
-        self.transports: dict[
-            str, weight_sync.WeightTransport
-        ] = {}  # weight sync, by name, built on first use
+        # weight sync, by name, built on first use
+        self.transports: dict[str, weight_sync.WeightTransport] = {}
 
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)

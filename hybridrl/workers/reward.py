@@ -40,10 +40,11 @@ class Scorer:
             try:
                 s.reward, extras = compute_reward(self.fn, prompt, text, finished=finished)
                 s.reward_extras["reward_errors"] = 0.0
+                # numbers a reward function returns beside its score
                 for (
                     key,
                     value,
-                ) in extras.items():  # numbers a reward function returns beside its score
+                ) in extras.items():
                     if isinstance(value, (int, float)) and not isinstance(value, bool):
                         s.reward_extras[f"reward/{key}"] = float(value)
             except Exception as e:  # a user's reward function must not kill the run

@@ -21,9 +21,8 @@ class RolloutWorker(Worker):
         self.backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, self.tokenizer, cfg.rollout)
         self.scorer = Scorer(cfg, self.tokenizer)
         self.stream: RolloutStream | None = None
-        self.transports: dict[
-            str, weight_sync.WeightTransport
-        ] = {}  # weight sync, by name, built on first use
+        # weight sync, by name, built on first use
+        self.transports: dict[str, weight_sync.WeightTransport] = {}
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:

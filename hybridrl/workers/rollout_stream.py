@@ -39,9 +39,8 @@ class RolloutStream:
     ):
         self.backend, self.buffer, self.task, self.tokenizer = backend, buffer, task, tokenizer
         self.scorer, self.params, self.seed, self.max_groups = scorer, params, seed, max_groups
-        self.pending: list[
-            Sample
-        ] = []  # prompt samples generating (metadata: index, admitted version)
+        # prompt samples generating (metadata: index, admitted version)
+        self.pending: list[Sample] = []
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.idle_s = self.busy_s = 0.0
@@ -97,9 +96,8 @@ class RolloutStream:
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through check()/stats()
             log.exception("rollout stream failed")
             self.error = e
-            self.buffer.close(
-                f"the rollout stream failed: {e!r}"
-            )  # the learner stops waiting for data
+            # the learner stops waiting for data
+            self.buffer.close(f"the rollout stream failed: {e!r}")
 
     def stats(self) -> dict[str, float]:
         """Since the last call: the idle fraction (no prompt admitted) and the groups generated."""

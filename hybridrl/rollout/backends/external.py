@@ -42,9 +42,8 @@ from hybridrl.rollout.sequence import request_seed
 # engine finish reason -> Sample.status (None: the engine gave none, i.e. the request did not finish)
 STATUS = {"stop": "finished", "length": "truncated", "abort": "aborted", None: "aborted"}
 
-Output = tuple[
-    list[int], list[float], "str | None"
-]  # (token ids, behaviour log-probs, finish reason) of one sample
+# (token ids, behaviour log-probs, finish reason) of one sample
+Output = tuple[list[int], list[float], "str | None"]
 
 
 def usable_backends() -> list[str]:

@@ -47,9 +47,8 @@ class _SeededDraw(LogitsProcessor):
     ):
         self.params = params
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
-        self.positions = (
-            torch.tensor(prompt_lens, dtype=torch.long, device=device) - width
-        )  # + width of input_ids
+        # + width of input_ids
+        self.positions = torch.tensor(prompt_lens, dtype=torch.long, device=device) - width
         self.log_probs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:

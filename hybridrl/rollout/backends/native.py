@@ -105,9 +105,8 @@ class NativeRollout(RolloutEngine):
         return self.engine.update_weights(named_tensors, version)
 
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        return (
-            self.engine.named_weights()
-        )  # live views by transformers name (LoRA merge reads them)
+        # live views by transformers name (LoRA merge reads them)
+        return self.engine.named_weights()
 
     def pause(self) -> None:
         super().pause()
