@@ -3,14 +3,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# `auto` precision (fsdp.mixed_precision, rollout.dtype) means fp32 in the suite: its exactness checks compare with
-# fp32 references, and a measured choice would differ between machines; the bf16 tests ask for bf16 explicitly.
+# `auto` precision (fsdp.mixed_precision, rollout.dtype) means fp32 in the suite: its exactness
+# checks compare with fp32 references, and a measured choice would differ between machines; the
+# bf16 tests ask for bf16 explicitly.
 os.environ.setdefault("HYBRIDRL_AUTO_PRECISION", "fp32")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests draw the same examples on every run (a CI failure reproduces locally; set
-# HYPOTHESIS_PROFILE=explore to search afresh), with no per-example deadline on a shared 2-core machine.
+# HYPOTHESIS_PROFILE=explore to search afresh), with no per-example deadline on a shared 2-core
+# machine.
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

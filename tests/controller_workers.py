@@ -1,5 +1,6 @@
-"""Worker classes for tests/test_controller.py and tests/test_worker_failure.py (a module of their own so Ray
-can ship them to its worker processes by value), and the Ray cluster fixture both use."""
+"""Worker classes for tests/test_controller.py and tests/test_worker_failure.py (a module of
+their own so Ray can ship them to its worker processes by value), and the Ray cluster fixture
+those two and tests/test_weight_transport.py use."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from hybridrl.protocol import Batch
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster for one test module; this module's classes are shipped by value (they live outside
-    any installed package)."""
+    """A local Ray cluster for one test module; this module's classes are shipped by value (they
+    live outside any installed package)."""
     import ray
 
     from hybridrl.controller import init_ray
@@ -140,7 +141,8 @@ class GlooWorker(Worker):
     def total(
         self, value: float, late_rank: int = -1, delay_s: float = 0.0, skip_rank: int = -1
     ) -> float:
-        """All-reduce ``value`` over the group; ``late_rank`` sleeps ``delay_s`` first, ``skip_rank`` never joins."""
+        """All-reduce ``value`` over the group; ``late_rank`` sleeps ``delay_s`` first,
+        ``skip_rank`` never joins."""
         import time
 
         from hybridrl.training.distributed import all_reduce

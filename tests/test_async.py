@@ -13,18 +13,36 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import Config, RolloutConfig, load_config
 from hybridrl.protocol import Sample
-from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.tasks.reverse import ReverseTask
 from hybridrl.trainers.async_ import train
-from hybridrl.trainers.buffer import Group, TrajectoryBuffer
+from hybridrl.trainers.buffer import TrajectoryBuffer
 
 torch.set_num_threads(1)
 
 
-def group(index, version, stamps=()):
-    s = Sample([1], [3] * len(stamps), [0.0] * len(stamps), list(stamps), uid=f"p{index}")
-    return Group(index, version, [s], [0.0], [0.0])
+def group(index, version, stamps=(), n=1) -> list[Sample]:
+    """Prompt ``index``'s ``n`` scored samples, admitted at ``version`` (a group, as a rollout puts it)."""
+    meta = {"index": index, "admitted": version}
+    return [
+        Sample(
+            [1],
+            [3] * len(stamps),
+            [0.0] * len(stamps),
+            list(stamps),
+            status="finished",
+            uid=f"p{index}",
+            reward=0.0,
+            metadata=dict(meta),
+        )
+        for _ in range(n)
+    ]
+
+
+def indices(samples: list[Sample]) -> list[int]:
+    """The prompt index of each sample of a batch (the buffer hands out a flat list, group by group)."""
+    return [s.metadata["index"] for s in samples]
 
 
 # --- the buffer's staleness rule, without a model ------------------------------------------------------
@@ -33,9 +51,9 @@ def test_admission_capacity_follows_the_areal_rule():
     assert buf.admit(10, version=0) == [0, 1, 2, 3]  # (1 + 0 + 1) * 2 - 0
     assert buf.admit(10, version=0) == []
     for i in (0, 1):
-        buf.put(group(i, 0))
+        buf.put(group(i, 0, n=2))
     assert buf.admit(10, version=0) == []  # accepted groups count until trained
-    assert [g.index for g in buf.get_batch(0, timeout=1)] == [0, 1]
+    assert indices(buf.get_batch(0, timeout=1)) == [0, 0, 1, 1]  # both groups, each whole
     assert buf.admit(10, version=0) == []  # weights 1 not yet at the rollout
     assert buf.admit(10, version=1) == [4, 5]
     with pytest.raises(KeyError):
@@ -55,7 +73,7 @@ def test_learner_waits_for_groups_that_would_become_too_stale():
     with pytest.raises(TimeoutError, match="no training batch for version 1"):
         buf.get_batch(1, timeout=0.05)
     threading.Timer(0.05, lambda: buf.put(group(2, 0))).start()
-    assert sorted(g.index for g in buf.get_batch(1, timeout=5)) == [2, 3]
+    assert sorted(indices(buf.get_batch(1, timeout=5))) == [2, 3]
 
 
 def test_resumed_buffer_hands_out_untrained_prompts_first():
@@ -100,10 +118,10 @@ def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
         v = version["trainer"]
         batch = buf.get_batch(v, timeout=0)
         assert len(batch) == B
-        assert all(v - g.samples[0].versions[0] <= k for g in batch)
+        assert all(v - s.versions[0] <= k for s in batch)
         if k == 0:
-            assert all(g.samples[0].versions[0] == v for g in batch)
-        trained.extend(g.index for g in batch)
+            assert all(s.versions[0] == v for s in batch)
+        trained.extend(indices(batch))
         version["trainer"] = v + 1
 
     for _ in range(400):
@@ -151,7 +169,7 @@ def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     cfg = RolloutConfig(backend="native", kv_cache_bytes=1 << 20, block_size=4)
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     eng = NativeRollout(old, Tok(), cfg)
-    req = GenerationRequest("r", [1, 5, 7, 9, 11], uid="u")
+    req = Sample(prompt_ids=[1, 5, 7, 9, 11], uid="r")
     eng.add([req], params)
     while eng.engine.stats_acc["tokens"] < 10:
         eng.step()
@@ -166,7 +184,7 @@ def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     assert eng.stats()["engine/interrupted"] == 1
     # the tokens after the update are what the new weights generate from the prompt plus the tokens so far
     fresh = NativeRollout(new, Tok(), cfg).generate(
-        [GenerationRequest("f", req.prompt_ids + out.response_ids[:cut])],
+        [Sample(prompt_ids=req.prompt_ids + out.response_ids[:cut], uid="f")],
         SamplingParams(temperature=0, max_new_tokens=24 - cut, ignore_eos=True),
     )
     assert fresh[0].response_ids == out.response_ids[cut:]
@@ -266,7 +284,7 @@ def test_two_learner_ranks_on_ray(tmp_path):
     pools = [
         "controller.backend=ray",
         "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
-        "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}",
+        "controller.placement={learner: train, rollout: gen}",
     ]
     try:
         summary = train(
@@ -284,8 +302,26 @@ def test_two_learner_ranks_on_ray(tmp_path):
 def test_async_config_errors():
     with pytest.raises(Exception, match="rollout needs its own pool"):
         load_config(Config, None, ["trainer.mode=async", "controller.backend=ray"])
-    with pytest.raises(Exception, match="streams requests through the native engine"):
-        load_config(Config, None, ["trainer.mode=async", "rollout.backend=hf"])
+
+
+def test_async_training_runs_with_the_hf_backend(tmp_path):
+    """Every backend streams (the engine's default add/step/done/take runs one generate per step), so
+    asynchronous training takes a backend other than native: hf trains within the staleness bound."""
+    cfg = make_cfg(
+        tmp_path, "rollout.backend=hf", "trainer.total_steps=2", "asynchronous.max_staleness=1"
+    )
+    assert cfg.rollout.backend == "hf"
+    summary = train(cfg)
+    assert summary["mode"] == "async" and summary["steps"] == 2
+    rows = trace(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    lags = [x for r in rows for x in r["staleness"]]
+    assert len(lags) == 2 * 8 and max(lags) <= 1
+    metrics = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert all("reward/mean" in m and "actor/pg_loss" in m for m in metrics[1:])
 
 
 class FailingTask(ReverseTask):

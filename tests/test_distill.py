@@ -8,7 +8,8 @@ import torch
 from test_rollout_spec import Tok, qwen, rcfg
 
 from hybridrl.cli import main
-from hybridrl.rollout import GenerationRequest, SamplingParams
+from hybridrl.protocol import Sample
+from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.trainers.distill import agreement, distill_draft
 
@@ -29,11 +30,13 @@ def test_agreement_is_the_acceptance_probability_of_rejection_sampling():
 
 def spec_acceptance(target, draft, prompts) -> float:
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
-    eng.engine.spec.auto = False  # speculate on every eligible step
-    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
-    params.ignore_eos = True
-    eng.generate([GenerationRequest(f"r{i}", p) for i, p in enumerate(prompts)], params)
-    return eng.stats()["engine/spec_acceptance"]
+    spec = eng.engine.spec
+    spec.choose_k = lambda batch_size: spec.max_k  # speculate on every eligible step
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True)
+    eng.generate([Sample(prompt_ids=p, uid=f"r{i}") for i, p in enumerate(prompts)], params)
+    stats = eng.stats()
+    assert stats["engine/spec_steps"] > 0  # the acceptance below was measured
+    return stats["engine/spec_acceptance"]
 
 
 def test_distilled_draft_is_accepted_more_often_by_the_engine():

@@ -1,6 +1,8 @@
-"""Placement: colocated roles taking turns (fused worker), and a two-simulated-node Ray cluster placing the
-rollout pool on the second node with the weight sync going through the object store."""
+"""Placement: the learner and the rollout colocated in one process taking turns (ColocatedWorker), a
+two-simulated-node Ray cluster placing the rollout pool on the second node with the weight sync going
+through the object store, and the one-node shared-memory sync between the real workers."""
 
+import os
 import sys
 
 import pytest
@@ -8,15 +10,16 @@ import ray
 import torch
 
 from hybridrl.config import Config, load_config
-from hybridrl.controller import ResourcePool, WorkerGroup
-from hybridrl.controller.colocated import RoleView
+from hybridrl.controller import ResourcePool, WorkerContext, WorkerGroup
+from hybridrl.controller.colocated import ColocatedWorker, RoleView
+from hybridrl.protocol import prompt_sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.trainers import weight_sync
-from hybridrl.trainers.evaluate import prompt_batch
-from hybridrl.trainers.roles import ROLE_CLASSES, build_roles
+from hybridrl.trainers.roles import ROLE_CLASSES, Roles, build_roles
 from hybridrl.training.distributed import pg_timeout_s
-from hybridrl.workers.colocated import ColocatedWorker
 from hybridrl.workers.common import load_tokenizer, make_task
+from hybridrl.workers.learner import Learner
+from hybridrl.workers.rollout import RolloutWorker
 
 IDS = torch.tensor([[1, 4, 5, 13, 6, 15, 7, 8]])
 
@@ -28,7 +31,7 @@ def small_cfg(*extra) -> Config:
 
 
 def perturb(worker, scale: float) -> None:
-    """Make the actor's weights differ from the rollout's (every rank: in-place on its shards)."""
+    """Make the learner's weights differ from the rollout's (every rank: in-place on its shards)."""
     with torch.no_grad():
         for p in worker.model.parameters():
             p.mul_(scale)
@@ -36,9 +39,9 @@ def perturb(worker, scale: float) -> None:
 
 def rollout_state(worker) -> tuple[dict, torch.Tensor | None]:
     """The rollout's live weights (and, for the hf backend, its logits on IDS)."""
-    model = getattr(worker.engine, "model", None)
-    if model is None:  # native: the runner's weights by transformers name
-        return {n: t.clone() for n, t in worker.engine.engine.runner._targets.items()}, None
+    model = getattr(worker.backend, "model", None)
+    if model is None:  # native: the engine's weights by transformers name
+        return {n: t.clone() for n, t in worker.backend.engine.named_weights().items()}, None
     with torch.no_grad():
         return {n: p.detach().clone() for n, p in model.named_parameters()}, model(IDS).logits
 
@@ -49,6 +52,15 @@ def node_of(worker) -> str:
 
 def group_timeout(worker) -> float:
     return pg_timeout_s()
+
+
+def prompts_of(cfg: Config, n: int) -> list:
+    tok = load_tokenizer(cfg, None)
+    return [prompt_sample(make_task(cfg).prompt(i), tok) for i in range(n)]
+
+
+def all_weights(buckets: list[list]) -> dict[str, torch.Tensor]:
+    return dict(item for bucket in buckets for item in bucket)
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -70,28 +82,57 @@ def check_synced(
         torch.testing.assert_close(rollout_logits, model(IDS).logits, rtol=0, atol=1e-5)
 
 
+def count_calls(part, counts: dict, role: str) -> None:
+    """Wrap ``part``'s ``sleep`` and ``wake`` so that ``counts[(role, name)]`` counts their calls."""
+    for name in ("sleep", "wake"):
+        inner = getattr(part, name)
+
+        def counted(inner=inner, key=(role, name)):
+            counts[key] = counts.get(key, 0) + 1
+            return inner()
+
+        setattr(part, name, counted)
+
+
 def test_colocated_roles_take_turns_and_sync_in_memory():
     cfg = small_cfg("rollout.backend=native", "rollout.kv_cache_bytes=1048576")
-    parts = {r: (ROLE_CLASSES[r], (cfg, None)) for r in ("actor", "rollout")}
-    group = WorkerGroup(ColocatedWorker, ResourcePool(), role="actor+rollout", args=(parts,))
-    actor, rollout = (
-        RoleView(group, "actor", ROLE_CLASSES["actor"]),
+    parts = {r: (ROLE_CLASSES[r], (cfg, None)) for r in ("learner", "rollout")}
+    group = WorkerGroup(ColocatedWorker, ResourcePool(), role="learner+rollout", args=(parts,))
+    learner, rollout = (
+        RoleView(group, "learner", ROLE_CLASSES["learner"]),
         RoleView(group, "rollout", ROLE_CLASSES["rollout"]),
     )
     fused = group.workers[0]
-    engine = fused.parts["rollout"].engine.engine
-    assert fused.phase == "train"
-    tok = load_tokenizer(cfg, None)
-    prompts = prompt_batch([make_task(cfg).prompt(i) for i in range(2)], tok)
-    samples = rollout.generate(prompts, SamplingParams(max_new_tokens=4, seed=0))
-    assert fused.phase == "rollout" and not engine.released and len(samples[0]) == 2
-    actor.apply_all(perturb, 1.01)  # a call into the actor: the KV pool is released while it trains
-    assert fused.phase == "train" and engine.released and fused.moves == 2
-    group.apply_all(weight_sync.sync_fused, 7)
-    full = dict(actor.weight_buckets()[0][0])
+    counts: dict = {}
+    for role, part in fused.parts.items():
+        count_calls(part, counts, role)
+    engine = fused.parts["rollout"].backend.engine
+    assert fused.turn is None and not engine.released
+    samples = rollout.generate(prompts_of(cfg, 2), SamplingParams(max_new_tokens=4, seed=0))
+    assert fused.turn == "rollout" and not engine.released
+    assert len(samples) == 2 and all(s.reward is not None for s in samples)  # scored where made
+    assert counts == {("learner", "sleep"): 1, ("rollout", "wake"): 1}
+    # a call into the learner: the KV pool is released while it trains
+    learner.apply_all(perturb, 1.01)
+    assert fused.turn == "learner" and engine.released
+    learner.weight_buckets()  # the learner has the device already: nobody sleeps or wakes
+    assert counts == {
+        ("learner", "sleep"): 1,
+        ("learner", "wake"): 1,
+        ("rollout", "sleep"): 1,
+        ("rollout", "wake"): 1,
+    }
+    roles = Roles(learner=learner, rollout=rollout, groups=[group])
+    assert roles.transport == "fused"  # one process: the weights are handed over in memory
+    roles.sync_weights(7)
+    full = all_weights(learner.weight_buckets()[0])
     weights, logits = rollout.apply_all(rollout_state)[0]
-    assert fused.parts["rollout"].engine.version == 7 and engine.released is False
+    assert fused.parts["rollout"].backend.version == 7
     check_synced(full, weights, logits, cfg)
+    again = rollout.generate(prompts_of(cfg, 2), SamplingParams(max_new_tokens=4, seed=0))
+    assert fused.turn == "rollout" and not engine.released  # woken for its turn
+    assert all(set(s.versions) == {7} for s in again)
+    assert counts[("rollout", "wake")] == 2 and counts[("learner", "sleep")] == 2
 
 
 @pytest.fixture()
@@ -116,7 +157,7 @@ def test_two_node_cluster_puts_rollout_on_second_node(two_node_cluster):
         "controller.backend=ray",
         f"controller.ray_address={cluster.address}",
         "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {workers_per_node: 1}}",
-        "controller.placement={actor: train, reference: train, critic: train, rollout: gen, reward: gen}",
+        "controller.placement={learner: train, rollout: gen}",
         "controller.pg_timeout_s=321",
     )
     # pin each pool to a node by a custom resource (PoolConfig.resources; ResourcePool reads it)
@@ -124,30 +165,25 @@ def test_two_node_cluster_puts_rollout_on_second_node(two_node_cluster):
     cfg.controller.pools["gen"].resources = {"node1": 0.01}
     roles = build_roles(cfg, None, None)
     try:
-        assert (
-            isinstance(roles.rollout, RoleView) and roles.rollout.group is roles.reward.group
-        )  # fused on "gen"
+        # one role per pool: each has a WorkerGroup of its own (nothing to colocate)
+        assert [g.role for g in roles.groups] == ["learner", "rollout"]
+        assert roles.learner is roles.groups[0] and roles.rollout is roles.groups[1]
         assert roles.rollout.apply_all(node_of) == [second.node_id]
-        assert set(roles.actor.apply_all(node_of)) == {cluster.head_node.node_id}
-        assert roles.actor.apply_all(group_timeout) == [
-            321.0,
-            321.0,
-        ]  # controller.pg_timeout_s reached both ranks
-        roles.actor.apply_all(perturb, 1.01)
-        roles.sync_weights(
-            3
-        )  # rank 0 -> object store on node 0 -> fetched by the rollout on node 1
-        full = dict(b for bucket in roles.actor.weight_buckets()[0] for b in bucket)
+        assert set(roles.learner.apply_all(node_of)) == {cluster.head_node.node_id}
+        # controller.pg_timeout_s reached both ranks
+        assert roles.learner.apply_all(group_timeout) == [321.0, 321.0]
+        assert roles.transport == "store"  # the rollout is on another node than learner rank 0
+        roles.learner.apply_all(perturb, 1.01)
+        # rank 0 -> object store on node 0 -> fetched by the rollout on node 1
+        roles.sync_weights(3)
+        full = all_weights(roles.learner.weight_buckets()[0])
         weights, logits = roles.rollout.apply_all(rollout_state)[0]
         check_synced(full, weights, logits, cfg)
-        tok = load_tokenizer(cfg, None)
-        prompts = prompt_batch([make_task(cfg).prompt(i) for i in range(2)], tok)
-        samples = [
-            s
-            for part in roles.rollout.generate(prompts, SamplingParams(max_new_tokens=4, seed=0))
-            for s in part
-        ]
+        samples = roles.rollout.generate(
+            prompts_of(cfg, 2), SamplingParams(max_new_tokens=4, seed=0)
+        )
         assert len(samples) == 2 and all(set(s.versions) == {3} for s in samples)
+        assert all(s.reward is not None for s in samples)  # scored on the second node
     finally:
         roles.shutdown()
 
@@ -178,68 +214,120 @@ def test_pack_roundtrip_any_dtype_and_shape():
     )
 
 
-def test_shared_memory_staging_roundtrip():
-    """The same-node path without Ray: actor rank 0 stages the buckets in /dev/shm, the rollout maps and loads."""
-    import os
-
-    cfg = small_cfg()
-    ctx = dict(rank=0, world_size=1, pool="p")
-    from hybridrl.controller import WorkerContext
-
-    actor = ROLE_CLASSES["actor"](WorkerContext(role="actor", **ctx), cfg, None)
-    rollout = ROLE_CLASSES["rollout"](WorkerContext(role="rollout", **ctx), cfg, None)
-    perturb(actor, 1.01)
-    path, meta = weight_sync.publish_shared(
-        actor, bucket_bytes=1 << 16
-    )  # many small buckets, one staging file
-    assert os.path.exists(path) and weight_sync.load_shared(rollout, (path, meta), 5) > 0
-    weights, logits = rollout_state(rollout)
-    check_synced(dict(actor.model.named_parameters()), weights, logits, cfg)
-    assert weight_sync.publish_shared(actor)[0] == path  # reused, not re-created
-    weight_sync.release_stage()
-    assert not os.path.exists(path)
-
-
-def test_shared_memory_sync_rehomes_a_single_rank_actor(tmp_path):
-    """One-node, separate-process path without Ray: the actor's weights move into the staging file once,
-    later syncs copy nothing on the actor side, training and checkpoints keep working."""
-    import torch
-
-    from hybridrl.config import Config
-    from hybridrl.controller import ResourcePool, WorkerGroup
-    from hybridrl.trainers import weight_sync as ws
-    from hybridrl.workers import ActorWorker, RolloutWorker
-
-    if ws.SHM_DIR is None:
-        pytest.skip("no /dev/shm")
-    cfg = Config()
-    actor = WorkerGroup(
-        ActorWorker, ResourcePool(), role="actor", args=(cfg, None), num_threads=1
+def local_workers(cfg: Config) -> tuple[Learner, RolloutWorker]:
+    """A learner and a rollout worker of world size 1, built as the local backend builds them."""
+    learner = WorkerGroup(
+        Learner, ResourcePool(), role="learner", args=(cfg, None), num_threads=1
     ).workers[0]
     rollout = WorkerGroup(
         RolloutWorker, ResourcePool(), role="rollout", args=(cfg, None), num_threads=1
     ).workers[0]
+    return learner, rollout
+
+
+@pytest.mark.skipif(weight_sync.SHM_DIR is None, reason="no /dev/shm")
+def test_shared_memory_staging_roundtrip():
+    """The same-node path without Ray: learner rank 0 stages the buckets in /dev/shm, the rollout maps
+    the file and loads; a later publish reuses the file, close removes it."""
+    cfg = small_cfg()
+    ctx = dict(rank=0, world_size=1, pool="p")
+    learner = Learner(WorkerContext(role="learner", **ctx), cfg, None)
+    rollout = RolloutWorker(WorkerContext(role="rollout", **ctx), cfg, None)
+    perturb(learner, 1.01)
+    # many small buckets, one staging file; the copying path (no re-homing)
+    writer = weight_sync.ShmTransport(bucket_bytes=1 << 16, rehome=False)
+    reader = weight_sync.ShmTransport()
+    handle = writer.publish(learner, 5)
+    assert os.path.exists(handle.path) and reader.load(rollout.backend, handle, 5) > 0
+    assert rollout.backend.version == 5
+    weights, logits = rollout_state(rollout)
+    check_synced(dict(learner.model.named_parameters()), weights, logits, cfg)
+    assert writer.publish(learner, 6).path == handle.path  # reused, not re-created
+    reader.close()
+    writer.close()
+    assert not os.path.exists(handle.path)
+
+
+@pytest.mark.skipif(weight_sync.SHM_DIR is None, reason="no /dev/shm")
+def test_shared_memory_sync_rehomes_a_single_rank_actor(tmp_path):
+    """One-node, separate-process path without Ray, through the workers' own transports
+    (``publish_weights`` / ``load_weights``, as Roles.sync_weights calls them): the learner's weights
+    move into the staging file once, later syncs copy nothing on the learner side, training and
+    checkpoints keep working, and closing the learner moves them back out and removes the file."""
+    learner, rollout = local_workers(Config())
+    closed = False
     try:
-        path, meta = ws.publish_shared(actor)
-        first_ptr = next(actor.model.parameters()).data_ptr()
+        handle = learner.publish_weights("shm", 1)
+        first_ptr = next(learner.model.parameters()).data_ptr()
+        assert learner.transports["shm"].rehomed  # the parameters live in the file now
         with torch.no_grad():  # an in-place update, as the optimizer does
-            for p in actor.model.parameters():
+            for p in learner.model.parameters():
                 p.add_(0.01)
+        again = learner.publish_weights("shm", 3)
         assert (
-            ws.publish_shared(actor)[0] == path
-            and next(actor.model.parameters()).data_ptr() == first_ptr
+            again.path == handle.path and next(learner.model.parameters()).data_ptr() == first_ptr
         )
-        assert ws.load_shared(rollout, (path, meta), 3) > 0
-        live = rollout.engine._weight_tensors()
-        for name, p in actor.model.named_parameters():
+        assert rollout.load_weights("shm", again, 3) > 0 and rollout.backend.version == 3
+        live = rollout.backend._weight_tensors()
+        for name, p in learner.model.named_parameters():
             if name in live:
                 assert torch.equal(live[name].reshape(p.shape), p), name
-        actor.model.save_pretrained(
-            tmp_path / "ckpt"
-        )  # safetensors must not see one shared storage
+        # safetensors must not see one shared storage
+        learner.model.save_pretrained(tmp_path / "ckpt")
         assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+        rollout.close()
+        learner.close()
+        closed = True
+        assert not os.path.exists(handle.path)
     finally:
-        ws.release_stage(actor)
-    assert not any(
-        p.data_ptr() == first_ptr for p in actor.model.parameters()
-    )  # moved back out of the file
+        if not closed:
+            for transport in [*learner.transports.values(), *rollout.transports.values()]:
+                transport.close()
+    # moved back out of the file
+    assert not any(p.data_ptr() == first_ptr for p in learner.model.parameters())
+
+
+def staging_path(worker) -> str | None:
+    return worker.transports["shm"].path
+
+
+@pytest.mark.skipif(weight_sync.SHM_DIR is None, reason="no /dev/shm")
+def test_one_node_ray_sync_goes_through_shared_memory_and_shutdown_removes_the_file():
+    """Learner and rollout in their own Ray processes on one node: the sync goes through a staging
+    file in /dev/shm, and shutting the roles down removes it (a file left there would hold the
+    weights' bytes of every run until the machine restarts)."""
+    cfg = small_cfg(
+        "controller.backend=ray",
+        "controller.pools={train: {cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
+        "controller.placement={learner: train, rollout: gen}",
+    )
+    roles = build_roles(cfg, None, None)
+    path = None
+    try:
+        assert roles.transport == "shm"
+        roles.learner.apply_all(perturb, 1.01)
+        roles.sync_weights(2)
+        path = roles.learner.apply_all(staging_path)[0]
+        assert path is not None and os.path.exists(path)
+        full = all_weights(roles.learner.weight_buckets()[0])
+        weights, logits = roles.rollout.apply_all(rollout_state)[0]
+        check_synced(full, weights, logits, cfg)
+    finally:
+        try:
+            roles.shutdown()
+        finally:
+            ray.shutdown()
+    assert not os.path.exists(path)
+
+
+def test_former_placement_keys_are_refused_with_their_replacement():
+    """actor, reference and critic are parts of the learner now, and the reward role is gone: a
+    placement naming them fails at load time and says what to write instead."""
+    for role, hint in (
+        ("actor", "placement.learner"),
+        ("reference", "placement.learner"),
+        ("critic", "placement.learner"),
+        ("reward", "drop placement.reward"),
+    ):
+        with pytest.raises(ValueError, match=hint):
+            small_cfg(f"controller.placement={{learner: global, rollout: global, {role}: global}}")

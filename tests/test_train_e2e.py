@@ -70,9 +70,9 @@ def test_two_steps_local_then_resume(tmp_path):
         "actor/entropy",
         "actor/grad_norm",
         "response/length_mean",
-        "timing/rollout",
-        "timing/reward",
+        "timing/rollout",  # generation and scoring, both on the rollout ranks
         "timing/reference",
+        "timing/advantage",
         "timing/old_log_prob",
         "timing/update",
         "timing/weight_sync",
@@ -103,7 +103,7 @@ def test_ray_first_step_matches_local(tmp_path, ray_cluster):
 
 
 def test_ppo_with_critic_runs_and_resumes(tmp_path):
-    """gae creates the critic role from the warm start; its state is checkpointed and resumed."""
+    """gae makes the learner build a critic from the warm start; its state is checkpointed and resumed."""
     summary = train(
         make_cfg(
             tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01"

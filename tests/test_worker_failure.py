@@ -18,7 +18,6 @@ import ray
 from controller_workers import (  # noqa: F401 (fixture)
     CloseCountWorker,
     CloseFailsWorker,
-    EchoWorker,
     GlooWorker,
     ray_cluster,
 )
@@ -61,60 +60,51 @@ def kill_later(pid: int, after_s: float) -> threading.Thread:
 def make_roles(
     train: ResourcePool,
     gen: ResourcePool,
-    actor_cls=GlooWorker,
-    reference_cls=GlooWorker,
+    learner_cls=GlooWorker,
+    rollout_cls=GlooWorker,
     backend: str = "ray",
 ) -> Roles:
-    """actor and reference: two 2-rank groups on ``train`` (each its own gloo group for GlooWorker);
-    rollout and reward: one 1-rank group on ``gen``."""
+    """The learner: a group on ``train``; the rollout: a group on ``gen`` (each its own gloo group for
+    GlooWorker, as many ranks as its pool has slots)."""
     groups = []
     try:
-        for cls, pool, role in (
-            (actor_cls, train, "actor"),
-            (reference_cls, train, "reference"),
-            (EchoWorker, gen, "rollout"),
-        ):
+        for cls, pool, role in ((learner_cls, train, "learner"), (rollout_cls, gen, "rollout")):
             groups.append(WorkerGroup(cls, pool, role=role, backend=backend))
     except BaseException:
         for group in groups:
             group.shutdown()
         raise
-    actor, reference, side = groups
-    return Roles(
-        actor=actor,
-        reference=reference,
-        rollout=side,
-        reward=side,
-        groups=groups,
-        pools=[train, gen],
-    )
+    learner, rollout = groups
+    return Roles(learner=learner, rollout=rollout, groups=groups, pools=[train, gen])
 
 
-def test_dead_rank_is_named_and_every_group_is_shut_down(ray_cluster):
-    """SIGKILL rank 1 of the actor group while rank 0 waits for it in an all-reduce: rank 0 fails with
-    gloo's "Connection closed by peer", but the error names rank 1 and its death. Then shutdown: the
-    actor's close fails (rank 1 is dead), the reference group still closes, every actor and placement
-    group goes, and only then does the close's error come out."""
+@pytest.mark.usefixtures("ray_cluster")
+def test_dead_rank_is_named_and_every_group_is_shut_down():
+    """SIGKILL rank 1 of the learner group while rank 0 waits for it in an all-reduce: rank 0 fails
+    with gloo's "Connection closed by peer", but the error names rank 1 and its death. Then shutdown:
+    the learner's close fails (rank 1 is dead), the rollout group still closes, every actor and
+    placement group goes, and only then does the close's error come out."""
     train = ResourcePool("train", workers_per_node=2, cpus_per_worker=0.5)
-    gen = ResourcePool("gen", cpus_per_worker=0.5)
+    gen = ResourcePool("gen", workers_per_node=2, cpus_per_worker=0.5)
     roles = make_roles(train, gen)
     try:
-        assert roles.actor.total(1.0) == [2.0, 2.0]
-        pids = roles.actor.pid()
+        assert roles.learner.total(1.0) == [2.0, 2.0]
+        assert roles.rollout.total(1.0) == [2.0, 2.0]  # a gloo group of its own
+        pids = roles.learner.pid()
         others = [a for g in roles.groups[1:] for a in g.workers]
-        other_pids = roles.reference.pid() + [roles.rollout.info()[0]["pid"]]
+        other_pids = roles.rollout.pid()
         pgs = list(train._placement_groups) + list(gen._placement_groups)
         killer = kill_later(pids[1], after_s=2.0)
         with pytest.raises(WorkerDiedError) as info:
-            roles.actor.total(1.0, late_rank=1, delay_s=60.0)
+            roles.learner.total(1.0, late_rank=1, delay_s=60.0)
         killer.join()
     except BaseException:
         roles.shutdown()
         raise
     err = info.value
     head, detail = str(err).split("\n", 1)
-    assert (err.role, err.rank, err.method) == ("actor", 1, "total")
-    assert head.startswith(f"worker role 'actor' rank 1 died in total() (pid {pids[1]} on node ")
+    assert (err.role, err.rank, err.method) == ("learner", 1, "total")
+    assert head.startswith(f"worker role 'learner' rank 1 died in total() (pid {pids[1]} on node ")
     assert "node id " in head and "killed by a signal" in head and "Connection closed" not in head
     # rank 0's own failure, if it reached the driver first, is told as a consequence of the death
     assert (
@@ -124,32 +114,32 @@ def test_dead_rank_is_named_and_every_group_is_shut_down(ray_cluster):
     with pytest.raises(
         WorkerDiedError, match=r"rank 1 died in total\(\)[^\n]*\n.*this one: pid\(\)"
     ):
-        roles.actor.pid()  # the broken group takes no more calls
+        roles.learner.pid()  # the broken group takes no more calls
     with pytest.raises(WorkerDiedError, match="rank 1 died") as shut:
         roles.shutdown()
-    assert "reference" not in " ".join(
-        getattr(shut.value, "__notes__", [])
-    )  # its close (a barrier) went through
+    # the rollout's close (a barrier) went through
+    assert "rollout" not in " ".join(getattr(shut.value, "__notes__", []))
     assert all(actor_dead(a) for a in others)
     assert all(process_gone(pid) for pid in other_pids + [pids[0]])
     assert {placement_group_table(pg)["state"] for pg in pgs} == {"REMOVED"}
 
 
-def test_busy_survivor_is_not_awaited(ray_cluster, monkeypatch):
+@pytest.mark.usefixtures("ray_cluster")
+def test_busy_survivor_is_not_awaited(monkeypatch):
     """Rank 1 dies in the all-reduce while rank 0 is busy for a minute: the driver reports the death
     at once instead of awaiting rank 0, and shutdown kills the busy survivor. The group's timeout set
     in the driver (HYBRIDRL_PG_TIMEOUT_S) reaches its ranks."""
     monkeypatch.setenv("HYBRIDRL_PG_TIMEOUT_S", "45")
     pool = ResourcePool("busy", workers_per_node=2, cpus_per_worker=0.5)
     try:
-        group = WorkerGroup(GlooWorker, pool, role="actor", backend="ray")
+        group = WorkerGroup(GlooWorker, pool, role="learner", backend="ray")
         try:
             assert group.timeout_s() == [45.0, 45.0]
             pids = group.pid()
             killer = kill_later(pids[1], after_s=2.0)
             start = time.monotonic()
             with pytest.raises(
-                WorkerDiedError, match=r"^worker role 'actor' rank 1 died in total\(\)"
+                WorkerDiedError, match=r"^worker role 'learner' rank 1 died in total\(\)"
             ) as info:
                 group.total(1.0, late_rank=0, delay_s=60.0)
             assert time.monotonic() - start < 30.0
@@ -166,15 +156,15 @@ def test_shutdown_closes_every_role_past_a_failing_close_local():
     """Local backend: the roles after the failing one are still closed and their groups stopped."""
     roles = make_roles(
         ResourcePool("t", workers_per_node=2),
-        ResourcePool("g"),
+        ResourcePool("g", workers_per_node=2),
         CloseFailsWorker,
         CloseCountWorker,
         "local",
     )
-    reference = roles.reference.workers
+    rollout = roles.rollout.workers
     with pytest.raises(WorkerError, match="close failed on purpose"):
         roles.shutdown()
-    assert [w.closed for w in reference] == [1, 1]
+    assert [w.closed for w in rollout] == [1, 1]
     assert all(group.workers == [] for group in roles.groups)
 
 
@@ -191,7 +181,7 @@ def test_process_group_timeout_bounds_a_missing_peer(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     ctx = WorkerContext(
-        rank=0, world_size=2, role="actor", pool="p", master_port=find_free_port("127.0.0.1")
+        rank=0, world_size=2, role="learner", pool="p", master_port=find_free_port("127.0.0.1")
     )
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="[Tt]imed out"):
