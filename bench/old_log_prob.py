@@ -48,6 +48,11 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def set_reuse(learner, setting: str) -> None:
+    """On every learner rank: the setting its next ``train_step`` reads."""
+    learner.cfg.actor.reuse_old_log_probs = setting
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -76,8 +81,7 @@ def main() -> None:
     try:
         plan = ["auto"] * args.warmup + order(args.steps)
         for step, setting in enumerate(plan):
-            # read by the learner's train_step at every step (the local backend shares this cfg)
-            cfg.actor.reuse_old_log_probs = setting
+            session.roles.learner.apply_all(set_reuse, setting)  # in the learner's own config
             session.timer.pop()
             t0 = time.perf_counter()
             samples, cursor, _ = collect(

@@ -14,10 +14,13 @@ import pytest
 import ray
 import torch
 from controller_workers import BrokenWorker, EchoWorker, ScoreWorker, ray_cluster  # noqa: F401 (fixture)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridrl.controller import (
     Dispatch,
     ResourcePool,
+    Worker,
     WorkerContext,
     WorkerError,
     WorkerGroup,
@@ -42,6 +45,39 @@ def group(request, shared_pool):
     wg = WorkerGroup(
         EchoWorker, shared_pool, role="actor", backend=request.param, kwargs={"tag": "t"}, env=env
     )
+    yield wg
+    wg.shutdown()
+
+
+class ListWorker(Worker):
+    """The list and ALL_FIRST dispatch modes through a real group (shipped to Ray by value, as
+    ``controller_workers``' classes are)."""
+
+    def __init__(self, ctx: WorkerContext):
+        super().__init__(ctx)
+        self.calls: list[tuple] = []
+
+    @register(Dispatch.DP_COMPUTE)
+    def tag(self, items: list, suffix: str = "") -> list:
+        self.calls.append(("tag", list(items)))
+        return [f"{x}{suffix}@{self.rank}" for x in items]
+
+    @register(Dispatch.ALL_FIRST)
+    def step(self, items: list) -> dict:
+        self.calls.append(("step", list(items)))
+        return {"rank": self.rank, "n": len(items)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def seen(self) -> list[tuple]:
+        return self.calls
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def list_group(request, shared_pool):
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    wg = WorkerGroup(ListWorker, shared_pool, role="lists", backend=request.param)
     yield wg
     wg.shutdown()
 
@@ -86,9 +122,53 @@ def test_plan_and_collect():
         (1, 1, "extra", {"k": 1}),
     ]
     assert plan(Dispatch.RANK_ZERO, 4, (1,), {}) == [(0, (1,), {})]
-    with pytest.raises(TypeError, match="Batch"):
-        plan(Dispatch.DP_COMPUTE, 2, ([1, 2],), {})
     assert collect(Dispatch.DP_COMPUTE, [1, 2]) == [1, 2]
+
+
+@pytest.mark.parametrize("first", [(1, 2), {"a": 1}, 3, "rows", None, torch.arange(4)])
+def test_dp_compute_refuses_a_first_argument_that_is_neither_a_batch_nor_a_list(first):
+    with pytest.raises(TypeError, match=f"Batch or a list.*got {type(first).__name__}"):
+        plan(Dispatch.DP_COMPUTE, 2, (first, [1, 2]), {})  # a list later on does not count
+    with pytest.raises(TypeError, match="got nothing"):
+        plan(Dispatch.DP_COMPUTE, 2, (), {"rows": [1, 2]})
+
+
+def test_plan_and_collect_split_a_list_as_they_split_a_batch():
+    items = [f"s{i}" for i in range(7)]
+    calls = plan(Dispatch.DP_COMPUTE, 3, (items, "extra"), {"k": 1})
+    assert calls == [
+        (0, (["s0", "s1", "s2"], "extra"), {"k": 1}),
+        (1, (["s3", "s4"], "extra"), {"k": 1}),
+        (2, (["s5", "s6"], "extra"), {"k": 1}),
+    ]
+    assert [len(a[0]) for _, a, _ in calls] == [len(c) for c in make_batch(7).chunk(3)]
+    # fewer items than ranks: the last ranks get empty lists (every rank still runs)
+    assert [a[0] for _, a, _ in plan(Dispatch.DP_COMPUTE, 3, ([1],), {})] == [[1], [], []]
+    assert [a[0] for _, a, _ in plan(Dispatch.DP_COMPUTE, 2, ([],), {})] == [[], []]
+    # the per-rank lists come back as one list in rank order; other results as a list of them
+    assert collect(Dispatch.DP_COMPUTE, [["s0", "s1"], [], ["s2"]]) == ["s0", "s1", "s2"]
+    assert collect(Dispatch.DP_COMPUTE, [[1], 2]) == [[1], 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 30), world=st.integers(1, 8))
+def test_prop_list_chunks_concat_to_the_list(n, world):
+    items = list(range(n))
+    calls = plan(Dispatch.DP_COMPUTE, world, (items,), {})
+    parts = [a[0] for _, a, _ in calls]
+    assert [r for r, _, _ in calls] == list(range(world))
+    assert [len(p) for p in parts] == [len(c) for c in make_batch(n).chunk(world)]
+    assert collect(Dispatch.DP_COMPUTE, parts) == items
+    assert all(p is not items for p in parts)  # each rank gets its own list
+
+
+def test_plan_and_collect_all_first():
+    args, kwargs = (make_batch(2), "x"), {"k": 1}
+    calls = plan(Dispatch.ALL_FIRST, 3, args, kwargs)
+    assert calls == [(r, args, kwargs) for r in range(3)]
+    assert all(a[0] is args[0] for _, a, _ in calls)  # the whole argument, not a chunk
+    assert collect(Dispatch.ALL_FIRST, [{"rank": 0}, {"rank": 1}, {"rank": 2}]) == {"rank": 0}
+    assert collect(Dispatch.ALL_FIRST, [[1, 2], [3]]) == [1, 2]  # a list result is not merged
 
 
 # --- both backends ----------------------------------------------------------
@@ -129,6 +209,24 @@ def test_dp_compute_splits_and_concats(group):
     seen = [h["seen_rows"] for h in group.history()]
     assert seen == [[chunks[0]["idx"].tolist()], [chunks[1]["idx"].tolist()]]
     assert group.count(batch) == [3, 2]  # non-Batch results come back as a list
+
+
+def test_dp_compute_splits_a_list_over_the_ranks_and_joins_the_results(list_group):
+    items = [f"s{i}" for i in range(5)]
+    out = list_group.tag(items, suffix="!")
+    assert out == ["s0!@0", "s1!@0", "s2!@0", "s3!@1", "s4!@1"]
+    assert [calls[-1] for calls in list_group.seen()] == [
+        ("tag", ["s0", "s1", "s2"]),
+        ("tag", ["s3", "s4"]),
+    ]
+    assert list_group.tag(["only"]) == ["only@0"]  # rank 1 got an empty list and returned one
+    assert [calls[-1] for calls in list_group.seen()] == [("tag", ["only"]), ("tag", [])]
+
+
+def test_all_first_runs_on_every_rank_and_returns_rank_zeros_result(list_group):
+    items = [f"s{i}" for i in range(5)]
+    assert list_group.step(items) == {"rank": 0, "n": 5}
+    assert [calls[-1] for calls in list_group.seen()] == [("step", items), ("step", items)]
 
 
 def test_rank_zero(group):

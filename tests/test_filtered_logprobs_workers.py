@@ -1,10 +1,11 @@
-"""The real rollout, actor and reference workers with filtered sampling (top-k and top-p from the config):
-at equal weights the actor's old log-probs equal the engine's behaviour log-probs (decoupled PPO's weight
-pi_prox / mu is 1), the reference's equal the actor's (the KL starts at 0), and the actor's loss applies
-the rollout correction weights."""
+"""The real rollout worker and learner (policy and reference) with filtered sampling (top-k and
+top-p from the config): at equal weights the learner's old log-probs equal the engine's behaviour
+log-probs (decoupled PPO's weight pi_prox / mu is 1), the reference's equal the policy's (the KL
+starts at 0), and the learner's policy loss applies the rollout correction weights."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -16,9 +17,9 @@ from hybridrl.algorithms import agg_totals
 from hybridrl.algorithms.rollout_correction import WEIGHT_KEY
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup
+from hybridrl.protocol import prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainers.evaluate import collate, prompt_batch
-from hybridrl.workers import ActorWorker, ReferenceWorker, RolloutWorker
+from hybridrl.workers import Learner, RolloutWorker
 from hybridrl.workers.common import make_task
 
 
@@ -42,7 +43,7 @@ def setup():
     cfg.validate()
     task = make_task(cfg)
     tok = task.tokenizer()
-    prompts = prompt_batch([task.prompt(i) for i in range(cfg.trainer.prompts_per_step)], tok)
+    prompts = [prompt_sample(task.prompt(i), tok) for i in range(cfg.trainer.prompts_per_step)]
     r = cfg.rollout  # the SamplingParams the trainer session builds from the config
     params = SamplingParams(
         temperature=r.temperature,
@@ -52,19 +53,19 @@ def setup():
         n=cfg.trainer.samples_per_prompt,
         seed=3,
     )
-    batch = collate(
+    batch = samples_to_batch(
         group(RolloutWorker, cfg, "rollout").generate(prompts, params), tok.pad_token_id
     )
-    actor = group(ActorWorker, cfg, "actor")
-    batch = (
-        batch
-        | actor.compute_log_prob(batch)
-        | group(ReferenceWorker, cfg, "reference").compute_ref_log_prob(batch)
-    )
-    return cfg, actor, batch
+    learner = group(Learner, cfg, "learner")
+    assert learner.workers[0].reference is None  # no KL term reads it: the learner builds none
+    with_kl = copy.deepcopy(cfg)
+    with_kl.algorithm.kl_coef = 0.01
+    reference = group(Learner, with_kl, "learner").workers[0].reference  # a KL term reads it
+    batch = batch | learner.compute_log_prob(batch) | reference.log_probs(batch)
+    return cfg, learner, batch
 
 
-def test_actor_and_reference_log_probs_equal_the_filtered_behaviour_log_probs(setup):
+def test_learner_and_reference_log_probs_equal_the_filtered_behaviour_log_probs(setup):
     _, _, batch = setup
     mask = batch["response_mask"].bool()
     gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()[mask]
@@ -76,18 +77,18 @@ def test_actor_and_reference_log_probs_equal_the_filtered_behaviour_log_probs(se
     assert torch.equal(batch["ref_log_probs"], batch["old_log_probs"])
 
 
-def test_actor_loss_multiplies_the_policy_loss_by_the_rollout_weights(setup):
-    _, actor, batch = setup
-    worker = actor.workers[0]
+def test_learner_loss_multiplies_the_policy_loss_by_the_rollout_weights(setup):
+    _, learner, batch = setup
+    worker = learner.workers[0]
     g = torch.Generator().manual_seed(0)
     mb = batch.index(slice(0, 8))
     mb["advantages"] = torch.randn(mb["responses"].shape, generator=g) * mb["response_mask"]
     totals = agg_totals(mb["response_mask"])
-    base, m1 = worker._loss(mb, totals)
+    base, m1 = worker.policy_loss(mb, totals)
     mb[WEIGHT_KEY] = torch.full(mb["responses"].shape, 2.0) * mb["response_mask"]
-    doubled, m2 = worker._loss(mb, totals)
+    doubled, m2 = worker.policy_loss(mb, totals)
     assert abs(base.item()) > 1e-4
     assert doubled.item() == pytest.approx(2 * base.item(), rel=1e-5)
     assert m2["actor/pg_loss"] == pytest.approx(2 * m1["actor/pg_loss"], rel=1e-5)
     mb[WEIGHT_KEY] = torch.zeros(mb["responses"].shape)
-    assert worker._loss(mb, totals)[0].item() == 0.0
+    assert worker.policy_loss(mb, totals)[0].item() == 0.0

@@ -1,73 +1,58 @@
-"""ReMax plumbing in trainers/collect.py: an estimator with ``needs_greedy_baseline`` gets one greedy response per
-prompt, scored by the reward role, as a per-row ``baseline_rewards`` column; the greedy responses are not trained on.
-Fake rollout and reward roles, so the rows and rewards are known by hand."""
+"""ReMax plumbing in trainers/collect.py: an estimator with ``needs_greedy_baseline`` gets one
+greedy response per prompt, scored on the rollout like the samples, as each sample's
+``reward_extras["baseline_rewards"]`` (a per-row ``baseline_rewards`` column of the learner's
+batch); the greedy responses are not trained on. A fake rollout role (generation and scoring), so
+the samples and rewards are known by hand."""
 
 from __future__ import annotations
 
 import contextlib
-import types
-
-import torch
 
 from hybridrl.config import Config, load_config
-from hybridrl.protocol import Batch, Sample
+from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.tasks import Prompt
 from hybridrl.trainers.collect import collect
 
 
+def score(samples: list[Sample]) -> list[Sample]:
+    """The fake reward: a sampled response scores 1 for token 5, else 0; a greedy one (token 7) its
+    length - 1. Set in place, as the rollout's scorer does."""
+    for s in samples:
+        greedy = s.response_ids[0] == 7
+        s.reward = float(len(s.response_ids) - 1) if greedy else float(s.response_ids[0] == 5)
+        s.reward_extras["reward_errors"] = 0.0
+    return samples
+
+
 class FakeRollout:
-    """Sampled responses: token 5 (reward 1) for even sample indices, token 6 (reward 0) otherwise; greedy: the
-    prompt's greedy reward is encoded as its response length (1 token -> 0.0, 2 tokens -> 1.0, ...)."""
+    """Sampled responses: token 5 (reward 1) for even sample indices, token 6 (reward 0) otherwise;
+    greedy: the prompt's greedy reward is encoded as its response length (1 token -> 0.0, 2 tokens
+    -> 1.0, ...). Every sample comes back scored, as from the real rollout role."""
 
     def __init__(self, greedy_len: dict, flat: tuple = ()):
-        self.greedy_len, self.flat, self.calls = (
-            greedy_len,
-            flat,
-            [],
-        )  # prompts in ``flat``: every sample scores 0
+        self.greedy_len, self.flat = greedy_len, flat  # prompts in ``flat``: every sample scores 0
+        self.calls: list[SamplingParams] = []
+        self.prompts: list[list[Sample]] = []
 
-    def generate(self, prompts: Batch, params: SamplingParams):
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         self.calls.append(params)
+        self.prompts.append(prompts)
         out = []
-        for p, ids in zip(prompts["prompt"], prompts["prompt_ids"]):
+        for p in prompts:
+            uid = p.metadata["prompt"].uid
+            assert p.uid == uid and p.status == "pending" and not p.response_ids
             if params.greedy:
-                out.append(
-                    Sample(
-                        list(ids),
-                        [7] * self.greedy_len[p.uid],
-                        [0.0] * self.greedy_len[p.uid],
-                        [0] * self.greedy_len[p.uid],
-                        uid=p.uid,
-                        extra={"prompt": p},
-                    )
-                )
+                n = self.greedy_len[uid]
+                out.append(p.with_response([7] * n, [0.0] * n, [0] * n, "finished"))
             else:
                 out += [
-                    Sample(
-                        list(ids),
-                        [5 if k % 2 == 0 and p.uid not in self.flat else 6],
-                        [0.0],
-                        [0],
-                        uid=p.uid,
-                        extra={"prompt": p},
+                    p.with_response(
+                        [5 if k % 2 == 0 and uid not in self.flat else 6], [0.0], [0], "finished"
                     )
                     for k in range(params.n)
                 ]
-        return [out[: len(out) // 2], out[len(out) // 2 :]]  # two "ranks"
-
-
-class FakeReward:
-    def score(self, batch: Batch) -> Batch:
-        rows = batch["responses"] * batch["response_mask"]
-        greedy = (rows == 7).sum(-1).float() - 1  # greedy: length - 1
-        sampled = (rows[:, 0] == 5).float()
-        return Batch(
-            {
-                "rewards": torch.where(rows[:, 0] == 7, greedy, sampled),
-                "reward_errors": torch.zeros(len(batch)),
-            }
-        )
+        return score(out)
 
 
 class FakeTask:
@@ -89,12 +74,16 @@ class Timer:
 
 
 def run(cfg: Config, greedy_len: dict, flat: tuple = ()):
-    roles = types.SimpleNamespace(rollout=FakeRollout(greedy_len, flat), reward=FakeReward())
+    rollout = FakeRollout(greedy_len, flat)
     params = SamplingParams(temperature=1.0, max_new_tokens=4, n=cfg.trainer.samples_per_prompt)
-    batch, cursor, metrics = collect(
-        roles, FakeTask(), FakeTokenizer(), cfg, params, 0, seed=0, timer=Timer()
+    samples, cursor, metrics = collect(
+        rollout, FakeTask(), FakeTokenizer(), cfg, params, 0, seed=0, timer=Timer()
     )
-    return roles, batch, cursor, metrics
+    return rollout, samples, cursor, metrics
+
+
+def baselines(samples: list[Sample]) -> list[float]:
+    return [s.reward_extras["baseline_rewards"] for s in samples]
 
 
 def test_remax_batch_gets_the_greedy_reward_of_its_prompt():
@@ -109,18 +98,26 @@ def test_remax_batch_gets_the_greedy_reward_of_its_prompt():
         ],
     )
     # greedy lengths p0: 3 tokens -> reward 2.0, p1: 1 token -> 0.0
-    roles, batch, cursor, metrics = run(cfg, {"p0": 3, "p1": 1})
-    assert batch["uid"] == ["p0", "p0", "p1", "p1"] and cursor == 2
+    rollout, samples, cursor, metrics = run(cfg, {"p0": 3, "p1": 1})
+    assert [s.uid for s in samples] == ["p0", "p0", "p1", "p1"] and cursor == 2
+    assert baselines(samples) == [2.0, 2.0, 0.0, 0.0]
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0]
+    # the greedy responses are not among the samples trained on
+    assert all(7 not in s.response_ids for s in samples)
+    assert metrics["reward/greedy_baseline_mean"] == 1.0
+    sampled, greedy = rollout.calls
+    assert not sampled.greedy and sampled.n == 2 and greedy.temperature == 0.0 and greedy.n == 1
+    assert rollout.prompts[0] == rollout.prompts[1]  # the greedy response answers the same prompts
+    # the learner's batch: one baseline per row, beside the rewards
+    batch = samples_to_batch(samples, FakeTokenizer.pad_token_id)
     assert batch["baseline_rewards"].tolist() == [2.0, 2.0, 0.0, 0.0]
     assert batch["rewards"].tolist() == [1.0, 0.0, 1.0, 0.0]
-    assert (batch["responses"] != 7).all()  # the greedy responses are not in the training batch
-    assert metrics["reward/greedy_baseline_mean"] == 1.0
-    sampled, greedy = roles.rollout.calls
-    assert not sampled.greedy and sampled.n == 2 and greedy.temperature == 0.0 and greedy.n == 1
+    assert (batch["responses"] != 7).all()
 
 
 def test_greedy_baseline_gets_the_overlong_penalty_the_samples_get():
-    # max_new_tokens 4, buffer 2: 3 tokens -> -(3 - 2)/2 = -.5, so p0's baseline is 2 - .5 = 1.5; 1 token: no penalty
+    # max_new_tokens 4, buffer 2: 3 tokens -> -(3 - 2)/2 = -.5, so p0's baseline is 2 - .5 = 1.5; 1
+    # token: no penalty
     cfg = load_config(
         Config,
         None,
@@ -133,8 +130,8 @@ def test_greedy_baseline_gets_the_overlong_penalty_the_samples_get():
             "algorithm.overlong_buffer=2",
         ],
     )
-    _, batch, _, _ = run(cfg, {"p0": 3, "p1": 1})
-    assert batch["baseline_rewards"].tolist() == [1.5, 1.5, 0.0, 0.0]
+    _, samples, _, _ = run(cfg, {"p0": 3, "p1": 1})
+    assert baselines(samples) == [1.5, 1.5, 0.0, 0.0]
 
 
 def test_other_estimators_generate_no_greedy_response():
@@ -147,13 +144,16 @@ def test_other_estimators_generate_no_greedy_response():
             "actor.ppo_minibatch_size=4",
         ],
     )
-    roles, batch, _, metrics = run(cfg, {"p0": 3, "p1": 1})
-    assert len(roles.rollout.calls) == 1 and "baseline_rewards" not in batch
+    rollout, samples, _, metrics = run(cfg, {"p0": 3, "p1": 1})
+    assert len(rollout.calls) == 1 and len(samples) == 4
+    assert all("baseline_rewards" not in s.reward_extras for s in samples)
+    assert "baseline_rewards" not in samples_to_batch(samples, FakeTokenizer.pad_token_id)
     assert "reward/greedy_baseline_mean" not in metrics
 
 
 def test_remax_with_dynamic_sampling_keeps_each_rows_baseline():
-    # filter_groups keeps rows one by one and concatenates them: the column must follow its rows
+    # filter_groups keeps samples group by group over the rounds: each keeps its own prompt's
+    # baseline
     cfg = load_config(
         Config,
         None,
@@ -166,7 +166,9 @@ def test_remax_with_dynamic_sampling_keeps_each_rows_baseline():
         ],
     )
     # p0's samples all score 0: its group is dropped, and the second round's p2 takes its place
-    _, batch, cursor, metrics = run(cfg, {"p0": 2, "p1": 4, "p2": 3, "p3": 1}, flat=("p0",))
-    assert batch["uid"] == ["p1", "p1", "p2", "p2"] and cursor == 4
+    _, samples, cursor, metrics = run(cfg, {"p0": 2, "p1": 4, "p2": 3, "p3": 1}, flat=("p0",))
+    assert [s.uid for s in samples] == ["p1", "p1", "p2", "p2"] and cursor == 4
+    assert baselines(samples) == [3.0, 3.0, 2.0, 2.0]
+    batch = samples_to_batch(samples, FakeTokenizer.pad_token_id)
     assert batch["baseline_rewards"].tolist() == [3.0, 3.0, 2.0, 2.0]
     assert metrics["rollout/sampling_rounds"] == 2 and metrics["rollout/informative_frac"] == 1.0

@@ -1,9 +1,11 @@
-"""On-policy steps take the old log-probs from the update's own forward (``actor.reuse_old_log_probs``).
+"""On-policy steps take the old log-probs from the update's own forward
+(``actor.reuse_old_log_probs``).
 
-The separate pass runs on the micro-batches of the update's first epoch (``training/update.py:first_epoch_map``),
-so it is an exact reference: a step that skips it equals, bit for bit, one that runs it. Checked on the actor
-(weights, metrics and the log-probs, with a small token budget so that a whole-batch grouping would differ)
-and on whole runs of the driver; plus when the pass must run (a reader before the update) and the decision."""
+The separate pass runs on the micro-batches of the update's first epoch
+(``training/update.py:first_epoch_map``), so it is an exact reference: a step that skips it equals,
+bit for bit, one that runs it. Checked on the learner's policy update (weights, metrics and the
+log-probs, with a small token budget so that a whole-batch grouping would differ) and on whole runs
+of the driver; plus when the pass must run (a reader before the update) and the decision."""
 
 from __future__ import annotations
 
@@ -19,16 +21,16 @@ from safetensors.torch import load_file
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
 from hybridrl.protocol import Batch
-from hybridrl.trainers.learn import reuses_old_log_probs
 from hybridrl.trainers.sync import train
 from hybridrl.training.logprob import batch_log_probs, response_log_probs
-from hybridrl.workers import ActorWorker
+from hybridrl.workers import Learner
+from hybridrl.workers.learner import reuses_old_log_probs
 
 INDICATOR = "actor/old_log_prob_reused"
 ROWS = 32
 
 
-# --- the decision ---------------------------------------------------------------------------------------
+# --- the decision ---------------------------------------------------------------------------------
 def config(*overrides: str) -> Config:
     return load_config(
         Config,
@@ -74,11 +76,11 @@ def test_the_decision_counts_the_global_batch():
     assert reuses_old_log_probs(cfg, 8) and not reuses_old_log_probs(cfg, 16)
 
 
-# --- the actor ---------------------------------------------------------------------------------------------
+# --- the learner's policy update ------------------------------------------------------------------
 def actor_cfg(*overrides: str) -> Config:
-    # 32 rows of ragged length in micro-batches of at most 100 padded tokens: several micro-batches whose
-    # grouping depends on the shuffle (on the machine this was written on, grouping the same rows over the
-    # unshuffled batch changes the low bits of about 20 log-probs)
+    # 32 rows of ragged length in micro-batches of at most 100 padded tokens: several micro-batches
+    # whose grouping depends on the shuffle (on the machine this was written on, grouping the same
+    # rows over the unshuffled batch changes the low bits of about 20 log-probs)
     return load_config(
         Config,
         None,
@@ -93,10 +95,10 @@ def actor_cfg(*overrides: str) -> Config:
     )
 
 
-def make_actor(cfg: Config) -> ActorWorker:
+def make_learner(cfg: Config) -> Learner:
     torch.set_num_threads(1)
-    return ActorWorker(
-        WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1), cfg, None
+    return Learner(
+        WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1), cfg, None
     )
 
 
@@ -126,8 +128,8 @@ def ragged_batch(
     )
 
 
-def state(actor: ActorWorker) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+def state(learner: Learner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -141,11 +143,11 @@ def assert_same(a: dict, b: dict) -> None:
     [("ppo_clip", "fp32"), ("decoupled_ppo", "fp32"), ("clip_cov", "fp32"), ("ppo_clip", "bf16")],
 )
 def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss, precision):
-    """Two identical actors, one step each on the same batch: one runs the pass, the other is given no old
-    log-probs. Weights after the step, metrics (the indicator aside) and the old log-probs are the same bits
-    (also in CPU bf16 autocast)."""
+    """Two identical learners, one step each on the same batch: one runs the pass, the other is
+    given no old log-probs. Weights after the step, metrics (the indicator aside) and the old
+    log-probs are the same bits (also in CPU bf16 autocast)."""
     cfg = actor_cfg(f"algorithm.policy_loss={loss}", f"fsdp.mixed_precision={precision}")
-    passed, reused = make_actor(cfg), make_actor(cfg)
+    passed, reused = make_learner(cfg), make_learner(cfg)
     batch = ragged_batch(passed.model.config.vocab_size)
     old = passed.compute_log_prob(batch)["old_log_probs"]
     m_pass = passed.update_policy(batch | Batch({"old_log_probs": old}))
@@ -164,39 +166,40 @@ def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss, pre
 
 
 def test_the_pass_is_the_update_forward_bit_for_bit():
-    """What makes the comparison above exact: the pass groups rows as the update's shuffled first epoch does.
-    Grouped over the whole batch instead (``batch_log_probs``), some rows get other low bits."""
-    actor = make_actor(actor_cfg())
-    batch = ragged_batch(actor.model.config.vocab_size, n=ROWS)
+    """What makes the comparison above exact: the pass groups rows as the update's shuffled first
+    epoch does. Grouped over the whole batch instead (``batch_log_probs``), some rows get other low
+    bits."""
+    learner = make_learner(actor_cfg())
+    batch = ragged_batch(learner.model.config.vocab_size, n=ROWS)
     seen = torch.zeros(tuple(batch["responses"].shape))
     batch = batch | Batch({"row": torch.arange(ROWS)})
-    old = actor.compute_log_prob(batch)["old_log_probs"]
+    old = learner.compute_log_prob(batch)["old_log_probs"]
     regrouped = batch_log_probs(
-        actor.model, batch, actor.cfg.actor.micro_batch_tokens, actor.sampling
+        learner.model, batch, learner.cfg.actor.micro_batch_tokens, learner.sampling
     )
-    loss = actor._loss
+    loss = learner.policy_loss
 
     def record(mb, totals):
-        logp, _ = response_log_probs(actor.model, mb, actor.sampling)
+        logp, _ = response_log_probs(learner.model, mb, learner.sampling)
         seen[mb["row"], : logp.shape[1]] = logp.detach()
         return loss(mb, totals)
 
-    actor._loss = record
-    actor.update_policy(batch | Batch({"old_log_probs": old}))
+    learner.policy_loss = record
+    learner.update_policy(batch | Batch({"old_log_probs": old}))
     assert torch.equal(seen, old)
     assert torch.allclose(regrouped, old, atol=1e-5)  # the same numbers up to rounding
 
 
 def test_reuse_needs_a_single_pass():
-    actor = make_actor(actor_cfg(f"actor.ppo_minibatch_size={ROWS // 2}"))
+    learner = make_learner(actor_cfg(f"actor.ppo_minibatch_size={ROWS // 2}"))
     with pytest.raises(ValueError, match="one epoch over one mini-batch"):
-        actor.update_policy(ragged_batch(actor.model.config.vocab_size))
+        learner.update_policy(ragged_batch(learner.model.config.vocab_size))
 
 
 def test_dropout_in_training_mode_falls_back_to_the_pass():
-    """A training forward with dropout is not the old policy's: the actor runs the pass itself."""
+    """A training forward with dropout is not the old policy's: the learner runs the pass itself."""
     cfg = actor_cfg()
-    passed, fallback = make_actor(cfg), make_actor(cfg)
+    passed, fallback = make_learner(cfg), make_learner(cfg)
     passed.model.config.attention_dropout = fallback.model.config.attention_dropout = (
         0.1  # read by the check only
     )
@@ -207,7 +210,7 @@ def test_dropout_in_training_mode_falls_back_to_the_pass():
     assert torch.equal(fallback.old_log_probs_of_last_update(batch)["old_log_probs"], old)
 
 
-# --- whole runs of the driver ---------------------------------------------------------------------------
+# --- whole runs of the driver ---------------------------------------------------------------------
 TINY = [
     "sft.steps=3",
     "sft.batch_size=16",
@@ -228,7 +231,8 @@ TINY = [
 
 
 def digit_credit(prompt, response: str, **_) -> float:
-    """Partial credit, so that a policy warm-started for 3 steps gets non-zero advantages (and gradients)."""
+    """Partial credit, so that a policy warm-started for 3 steps gets non-zero advantages (and
+    gradients)."""
     return sum(a == b for a, b in zip(response, prompt.answer)) / len(prompt.answer)
 
 
@@ -306,8 +310,9 @@ def test_the_pass_runs_when_something_reads_the_old_log_probs_before_the_update(
 
 
 def test_the_async_learner_skips_the_pass_alike(tmp_path):
-    """The asynchronous learner runs the same step (decoupled PPO: pi_prox from the update's forward, mu the
-    engine's); on-policy (max_staleness 0) its learning metrics equal those of a learner forced to run the pass."""
+    """The asynchronous learner runs the same step (decoupled PPO: pi_prox from the update's
+    forward, mu the engine's); on-policy (max_staleness 0) its learning metrics equal those of a
+    learner forced to run the pass."""
     from hybridrl.trainers.async_ import train as train_async
 
     rows = {}
@@ -353,18 +358,19 @@ def test_the_async_learner_skips_the_pass_alike(tmp_path):
         )
 
 
-# --- data parallel: two gloo ranks in subprocesses (``python tests/test_reuse_old_log_probs.py rank ...``) ----
+# --- data parallel: two gloo ranks in subprocesses ---------------------------------------------
+# (each runs ``python tests/test_reuse_old_log_probs.py rank ...``)
 WORLD = 2
 
 
-def full_weights(actor) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for bucket in actor.weight_buckets(1 << 20) for n, t in bucket}
+def full_weights(learner) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for bucket in learner.weight_buckets(1 << 20) for n, t in bucket}
 
 
 def dp_rank_main(rank: int, port: int, workdir: str) -> None:
-    """Each rank: two FSDP2 actors on its chunk, one after the pass, one without old log-probs. One row per
-    micro-batch and 31 rows (chunks of 16 and 15): rank 1 runs a dummy micro-batch, which must not overwrite
-    the log-probs of the row it copies."""
+    """Each rank: two FSDP2 learners on its chunk, one after the pass, one without old log-probs.
+    One row per micro-batch and 31 rows (chunks of 16 and 15): rank 1 runs a dummy micro-batch,
+    which must not overwrite the log-probs of the row it copies."""
     from pathlib import Path
 
     from hybridrl.training.distributed import teardown_distributed
@@ -373,10 +379,10 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
     work = Path(workdir)
     part = Batch(torch.load(work / "batch.pt", weights_only=True)).chunk(WORLD)[rank]
     ctx = WorkerContext(
-        rank=rank, world_size=WORLD, role="actor", pool="p", master_port=port, num_threads=1
+        rank=rank, world_size=WORLD, role="learner", pool="p", master_port=port, num_threads=1
     )
     cfg = actor_cfg("actor.micro_batch_tokens=1")
-    passed, reused = ActorWorker(ctx, cfg, None), ActorWorker(ctx, cfg, None)
+    passed, reused = Learner(ctx, cfg, None), Learner(ctx, cfg, None)
     old = passed.compute_log_prob(part)["old_log_probs"]
     out = {
         "pass": passed.update_policy(part | Batch({"old_log_probs": old})),
@@ -385,8 +391,8 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
         "taken": reused.old_log_probs_of_last_update(part)["old_log_probs"],
     }
     out |= {"w_pass": full_weights(passed), "w_reuse": full_weights(reused)}
-    for actor in (passed, reused):
-        actor.close()
+    for learner in (passed, reused):
+        learner.close()
     teardown_distributed()
     torch.save(out, work / f"rank{rank}.pt")
 
@@ -398,7 +404,7 @@ def test_two_ranks_without_the_pass_equal_two_ranks_with_it(tmp_path):
 
     from hybridrl.controller.worker import find_free_port
 
-    vocab = make_actor(actor_cfg()).model.config.vocab_size
+    vocab = make_learner(actor_cfg()).model.config.vocab_size
     torch.save(ragged_batch(vocab, n=ROWS - 1).tensors, tmp_path / "batch.pt")
     port = find_free_port("127.0.0.1")
     root = str(Path(__file__).resolve().parents[1])
@@ -435,6 +441,7 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "rank":
         dp_rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-        # as tests/test_fsdp.py: FSDP2's hooks can keep the gloo group alive into the interpreter's exit
+        # as tests/test_fsdp.py: FSDP2's hooks can keep the gloo group alive into the interpreter's
+        # exit
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)

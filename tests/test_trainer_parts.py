@@ -1,23 +1,27 @@
-"""Driver pieces: dynamic sampling, reward shaping, the critic role."""
+"""Driver and learner pieces: dynamic sampling, reward shaping, the learner's critic."""
 
 import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
-from hybridrl.protocol import Batch
+from hybridrl.protocol import Batch, Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainers.collect import informative_rows
-from hybridrl.trainers.evaluate import collate, prompt_batch
-from hybridrl.trainers.roles import needs_critic
+from hybridrl.trainers.collect import informative
 from hybridrl.trainers.shaping import RewardShaper, overlong_penalty
-from hybridrl.workers import CriticWorker, RolloutWorker
+from hybridrl.workers import Learner, RolloutWorker
 from hybridrl.workers.common import make_task
+from hybridrl.workers.learner import needs_critic
 
 
-def test_informative_rows_drops_equal_reward_groups():
-    uids = ["a", "a", "b", "b", "c", "c", "d"]
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0])
-    assert informative_rows(uids, rewards) == [0, 1]  # b and c are all-equal, d is a group of one
+def test_informative_drops_equal_reward_groups():
+    uids = ["a", "b", "a", "b", "c", "c", "d", "e", "e"]
+    rewards = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.25]
+    samples = [Sample([1], [2], uid=u, reward=r) for u, r in zip(uids, rewards)]
+    kept = informative(samples)
+    # b and c are all-equal, d is a group of one; each kept group's samples stay together
+    assert [(s.uid, s.reward) for s in kept] == [("a", 1.0), ("a", 0.0), ("e", 0.5), ("e", 0.25)]
+    assert all(any(k is s for s in samples) for k in kept)  # the samples themselves, not copies
+    assert informative([s for s in samples if s.uid in ("b", "c", "d")]) == []
 
 
 def test_overlong_penalty_by_hand():
@@ -48,7 +52,7 @@ def test_shaper_puts_score_on_last_token_and_penalises_kl():
     assert metrics["kl/coef"] == 0.5
 
 
-def test_gae_creates_a_critic_that_learns(tmp_path):
+def test_gae_gives_the_learner_a_critic_that_learns(tmp_path):
     cfg = load_config(
         Config,
         None,
@@ -66,22 +70,27 @@ def test_gae_creates_a_critic_that_learns(tmp_path):
     assert needs_critic(cfg) and not needs_critic(Config())
     pool = ResourcePool()
     rollout = WorkerGroup(RolloutWorker, pool, role="rollout", args=(cfg, None), num_threads=1)
-    critic = WorkerGroup(CriticWorker, pool, role="critic", args=(cfg, None), num_threads=1)
+    learner = WorkerGroup(Learner, pool, role="learner", args=(cfg, None), num_threads=1)
+    critic = learner.workers[0].critic
+    assert critic is not None and critic.model is not learner.workers[0].model
     task = make_task(cfg)
     tok = task.tokenizer()
-    prompts = prompt_batch([task.prompt(i) for i in range(4)], tok)
-    batch = collate(
+    prompts = [prompt_sample(task.prompt(i), tok) for i in range(4)]
+    batch = samples_to_batch(
         rollout.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=0)), tok.pad_token_id
     )
-    values = critic.compute_values(batch)["values"]
+    assert len(batch) == 8
+    values = critic.values(batch)["values"]
     assert torch.equal(values, torch.zeros_like(values))  # zero-initialised head
     returns = torch.ones_like(values) * batch["response_mask"]
     train = batch | Batch({"values": values, "returns": returns})
-    first = critic.update_critic(train)[0]["critic/vf_loss"]
+    first = critic.update(train)["critic/vf_loss"]
     for _ in range(3):
-        last = critic.update_critic(train)[0]["critic/vf_loss"]
+        last = critic.update(train)["critic/vf_loss"]
     assert last < first
-    new_values = critic.compute_values(batch)["values"]
+    new_values = critic.values(batch)["values"]
     assert (new_values * batch["response_mask"]).sum() > 0 and torch.all(
         new_values[batch["response_mask"] == 0] == 0
     )
+    without = WorkerGroup(Learner, pool, role="learner", args=(Config(), None), num_threads=1)
+    assert without.workers[0].critic is None  # GRPO needs no values: no critic is built

@@ -1,6 +1,7 @@
-"""The real worker classes (rollout, reward, reference, actor) in the local backend with the real tiny
-model: log-prob alignment between rollout and training layout, weight sync, reward errors,
-policy updates and exact gradient accumulation over micro-batches."""
+"""The real roles (the rollout worker, which generates and scores, and the learner: policy and
+reference) in the local backend with the real tiny model: log-prob alignment between rollout and
+training layout, weight sync, scoring on the rollout ranks and reward errors, policy updates and
+exact gradient accumulation over micro-batches."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ import torch
 from hybridrl.algorithms import compute_advantages
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup
-from hybridrl.protocol import Sample, samples_to_batch
+from hybridrl.protocol import Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.tasks import Prompt
-from hybridrl.trainers.evaluate import collate, prompt_batch
+from hybridrl.trainers.roles import Roles
 from hybridrl.training.logprob import micro_batches
-from hybridrl.workers import ActorWorker, ReferenceWorker, RewardWorker, RolloutWorker
+from hybridrl.workers import Learner, RolloutWorker
 from hybridrl.workers.common import make_task
 
 ATOL_LOGP = 1e-4
@@ -30,6 +31,11 @@ ATOL_LOGP = 1e-4
 
 def exploding_reward(prompt, response, *, finished=True):
     raise RuntimeError("boom")
+
+
+def length_reward(prompt, response: str, *, finished=True) -> dict:
+    """A score each response earns on its own: its length in characters (plus an extra number)."""
+    return {"score": float(len(response)), "finished": float(finished), "note": "not a number"}
 
 
 def make_cfg(**actor) -> Config:
@@ -63,7 +69,7 @@ def tokenizer(cfg):
 @pytest.fixture(scope="module")
 def prompts(cfg, tokenizer):
     task = make_task(cfg)
-    return prompt_batch([task.prompt(i) for i in range(cfg.trainer.prompts_per_step)], tokenizer)
+    return [prompt_sample(task.prompt(i), tokenizer) for i in range(cfg.trainer.prompts_per_step)]
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +78,8 @@ def rollout(cfg):
 
 
 @pytest.fixture(scope="module")
-def actor(cfg):
-    return group(ActorWorker, cfg, "actor")
+def learner(cfg):
+    return group(Learner, cfg, "learner")
 
 
 def sampled(cfg, seed=0):
@@ -95,34 +101,35 @@ def assert_logp_match(batch, logp):
     mask = batch["response_mask"].bool()
     diff = (batch["rollout_log_probs"] - logp).abs()[mask]
     assert diff.max().item() <= ATOL_LOGP, (
-        f"max |rollout - actor| log-prob = {diff.max().item():.3g}"
+        f"max |rollout - learner| log-prob = {diff.max().item():.3g}"
     )
     assert (logp[~mask] == 0).all()
 
 
 # --- rollout ------------------------------------------------------------------------------------
-def test_rollout_samples_and_logprob_alignment(cfg, tokenizer, prompts, rollout, actor):
+def test_rollout_samples_and_logprob_alignment(cfg, tokenizer, prompts, rollout, learner):
     samples = rollout.generate(prompts, sampled(cfg))
-    flat = [s for part in samples for s in part]
     n, G = cfg.trainer.prompts_per_step, cfg.trainer.samples_per_prompt
-    assert len(flat) == n * G
-    uids = [p.uid for p in prompts["prompt"]]
-    assert sorted(s.uid for s in flat) == sorted(uids * G)
-    for s in flat:
-        i = uids.index(s.uid)
-        assert (
-            s.prompt_ids == prompts["prompt_ids"][i] and s.prompt_ids[0] == tokenizer.bos_token_id
-        )
+    assert len(samples) == n * G
+    # G samples per prompt, in prompt order, over both halves of the DP split
+    assert [s.uid for s in samples] == [p.uid for p in prompts for _ in range(G)]
+    for s, p in zip(samples, [p for p in prompts for _ in range(G)]):
+        assert s.prompt_ids == p.prompt_ids and s.prompt_ids[0] == tokenizer.bos_token_id
+        assert s.prompt_ids is not p.prompt_ids
         assert len(s.response_ids) == len(s.log_probs) == len(s.versions) >= 1
         assert s.versions == [0] * len(s.response_ids)
         assert all(lp <= 0 and math.isfinite(lp) for lp in s.log_probs)
         assert s.status in ("finished", "truncated")
         assert (s.status == "finished") == (s.response_ids[-1] == tokenizer.eos_token_id)
-        assert s.extra["prompt"].uid == s.uid
-    batch = collate(samples, tokenizer.pad_token_id)
+        assert s.metadata["prompt"] is p.metadata["prompt"] and s.metadata["prompt"].uid == s.uid
+        # scored where it was generated: the learner gets a reward with every sample
+        assert s.reward in (0.0, 1.0) and s.reward_extras["reward_errors"] == 0.0
+    assert all(p.status == "pending" and not p.response_ids for p in prompts)  # prompts untouched
+    batch = samples_to_batch(samples, tokenizer.pad_token_id)
+    assert batch["rewards"].tolist() == [s.reward for s in samples]
     # prompts have different lengths, so the layout really is left-padded
     assert batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(1).unique().numel() > 1
-    logp = actor.compute_log_prob(batch)["old_log_probs"]
+    logp = learner.compute_log_prob(batch)["old_log_probs"]
     assert logp.shape == batch["responses"].shape
     assert_logp_match(batch, logp)
 
@@ -131,67 +138,82 @@ def test_logprob_alignment_at_temperature_below_one(tokenizer, prompts):
     # both sides divide the logits by the rollout temperature
     cfg = make_cfg()
     cfg.rollout.temperature = 0.7
-    rollout, actor = group(RolloutWorker, cfg, "rollout"), group(ActorWorker, cfg, "actor")
+    rollout, learner = group(RolloutWorker, cfg, "rollout"), group(Learner, cfg, "learner")
     params = replace(sampled(cfg, seed=4), temperature=0.7)
-    batch = collate(rollout.generate(prompts, params), tokenizer.pad_token_id)
-    assert_logp_match(batch, actor.compute_log_prob(batch)["old_log_probs"])
+    batch = samples_to_batch(rollout.generate(prompts, params), tokenizer.pad_token_id)
+    assert_logp_match(batch, learner.compute_log_prob(batch)["old_log_probs"])
 
 
 def test_rollout_same_seed_same_samples(cfg, prompts, rollout):
-    a = [s for part in rollout.generate(prompts, sampled(cfg, seed=3)) for s in part]
-    b = [s for part in rollout.generate(prompts, sampled(cfg, seed=3)) for s in part]
+    a = rollout.generate(prompts, sampled(cfg, seed=3))
+    b = rollout.generate(prompts, sampled(cfg, seed=3))
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    assert len({tuple(s.response_ids) for s in a}) > 1  # sampled, not one response repeated
 
 
-def test_greedy_is_deterministic_and_aligned(cfg, tokenizer, prompts, rollout, actor):
-    a = [s for part in rollout.generate(prompts, greedy(cfg)) for s in part]
+def test_greedy_is_deterministic_and_aligned(cfg, tokenizer, prompts, rollout, learner):
+    a = rollout.generate(prompts, greedy(cfg))
     torch.manual_seed(1234)  # greedy must not depend on the global RNG
-    b = [s for part in rollout.generate(prompts, greedy(cfg)) for s in part]
+    b = rollout.generate(prompts, greedy(cfg))
     assert len(a) == cfg.trainer.prompts_per_step
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert [s.log_probs for s in a] == [s.log_probs for s in b]
     batch = samples_to_batch(a, tokenizer.pad_token_id)
-    assert_logp_match(batch, actor.compute_log_prob(batch)["old_log_probs"])
+    assert_logp_match(batch, learner.compute_log_prob(batch)["old_log_probs"])
 
 
-def test_update_weights_syncs_rollout_to_actor(cfg, tokenizer, prompts):
-    rollout, actor = group(RolloutWorker, cfg, "rollout"), group(ActorWorker, cfg, "actor")
-    before = [s for part in rollout.generate(prompts, greedy(cfg)) for s in part]
+def test_update_weights_syncs_rollout_to_learner(cfg, tokenizer, prompts):
+    rollout, learner = group(RolloutWorker, cfg, "rollout"), group(Learner, cfg, "learner")
+    before = rollout.generate(prompts, greedy(cfg))
     b_before = samples_to_batch(before, tokenizer.pad_token_id)
-    model = actor.workers[0].model
+    model = learner.workers[0].model
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    # the actor changed, the rollout not yet: its behaviour log-probs no longer match
-    stale = actor.compute_log_prob(b_before)["old_log_probs"]
+    # the policy changed, the rollout not yet: its behaviour log-probs no longer match
+    stale = learner.compute_log_prob(b_before)["old_log_probs"]
     mask = b_before["response_mask"].bool()
     assert (stale - b_before["rollout_log_probs"]).abs()[mask].max() > 1e-2
     # small buckets: several of them, every tensor exactly once
-    buckets = actor.weight_buckets(bucket_bytes=64 << 10)[0]
+    buckets = learner.weight_buckets(bucket_bytes=64 << 10)[0]
     assert len(buckets) > 1
     names = [name for bucket in buckets for name, _ in bucket]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
-    loaded = rollout.update_weights(buckets, 7)
+    # the memory transport's handle is rank 0's buckets: the rollout loads them as they are
+    loaded = rollout.load_weights("memory", buckets, 7)
     assert loaded == [len(names)]
-    live = rollout.workers[0].engine._weight_tensors()  # the engine's weights by transformers name
+    live = rollout.workers[0].backend._weight_tensors()  # the engine's weights by transformers name
     assert (
         len(set(live) & {n for n, _ in model.named_parameters()}) >= len(names) - 1
     )  # all but a tied lm_head
     for name, p in model.named_parameters():
         if name in live:
             assert torch.equal(live[name].reshape(p.shape), p), name
-    after = [s for part in rollout.generate(prompts, greedy(cfg)) for s in part]
+    after = rollout.generate(prompts, greedy(cfg))
     assert all(s.versions == [7] * len(s.response_ids) for s in after)
     b_after = samples_to_batch(after, tokenizer.pad_token_id)
-    assert_logp_match(b_after, actor.compute_log_prob(b_after)["old_log_probs"])
-    # sampled rollouts match the new actor too
-    b_sampled = collate(rollout.generate(prompts, sampled(cfg, seed=11)), tokenizer.pad_token_id)
-    assert_logp_match(b_sampled, actor.compute_log_prob(b_sampled)["old_log_probs"])
+    assert_logp_match(b_after, learner.compute_log_prob(b_after)["old_log_probs"])
+    # sampled rollouts match the new policy too
+    b_sampled = samples_to_batch(
+        rollout.generate(prompts, sampled(cfg, seed=11)), tokenizer.pad_token_id
+    )
+    assert_logp_match(b_sampled, learner.compute_log_prob(b_sampled)["old_log_probs"])
+    # the driver's sync: the learner publishes through its transport, the rollout loads from it
+    roles = Roles(learner=learner, rollout=rollout)
+    assert roles.transport == "memory"
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    roles.sync_weights(8)
+    synced = rollout.generate(prompts, greedy(cfg))
+    assert all(s.versions == [8] * len(s.response_ids) for s in synced)
+    b_synced = samples_to_batch(synced, tokenizer.pad_token_id)
+    assert_logp_match(b_synced, learner.compute_log_prob(b_synced)["old_log_probs"])
 
 
-# --- reward -----------------------------------------------------------------------------------------
-def hand_batch(tokenizer, responses: list[tuple[str, str, str]]):
+# --- scoring on the rollout ranks ----------------------------------------------------------------
+def hand_samples(tokenizer, responses: list[tuple[str, str, str]]) -> list[Sample]:
     """(prompt text, answer, response text); each response ends with <eos>."""
     samples = []
     for i, (text, answer, resp) in enumerate(responses):
@@ -203,51 +225,86 @@ def hand_batch(tokenizer, responses: list[tuple[str, str, str]]):
                 ids,
                 [-0.1] * len(ids),
                 [0] * len(ids),
+                status="finished",
                 uid=p.uid,
                 task_id="arith",
-                extra={"prompt": p},
+                metadata={"prompt": p},
             )
         )
-    return samples_to_batch(samples, tokenizer.pad_token_id)
+    return samples
 
 
-def test_reward_exact_match(cfg, tokenizer):
-    reward = group(RewardWorker, cfg, "reward")
-    batch = hand_batch(
+def test_reward_exact_match(tokenizer, rollout):
+    scorer = rollout.workers[0].scorer  # what the rollout worker scores its samples with
+    samples = hand_samples(
         tokenizer, [("1+2=", "3", "3"), ("10+5=", "15", "16"), ("400+600=", "1000", "1000")]
     )
-    out = reward.score(batch)
-    assert out["rewards"].tolist() == [1.0, 0.0, 1.0]
-    assert out["reward_errors"].tolist() == [0.0, 0.0, 0.0]
+    assert scorer(samples) is samples  # scored in place
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
+    assert [s.reward_extras["reward_errors"] for s in samples] == [0.0, 0.0, 0.0]
+    batch = samples_to_batch(samples, tokenizer.pad_token_id)
+    assert batch["rewards"].tolist() == [1.0, 0.0, 1.0]
+    assert batch["reward_errors"].tolist() == [0.0, 0.0, 0.0]
     # a truncated sample (no <eos>) scores 0 even with the right digits
-    trunc = batch[[0]]
-    trunc["status"] = ["truncated"]
-    mask = trunc["response_mask"].clone()
-    mask[0, 1] = 0  # drop the <eos>: the response is just "3"
-    trunc["response_mask"] = mask
-    assert reward.score(trunc)["rewards"].tolist() == [0.0]
+    (trunc,) = hand_samples(tokenizer, [("1+2=", "3", "3")])
+    trunc.response_ids, trunc.status = trunc.response_ids[:-1], "truncated"  # just "3"
+    assert scorer([trunc])[0].reward == 0.0
 
 
-def test_reward_function_that_raises_scores_zero(tokenizer):
+def test_rollout_scores_each_sample_with_its_own_response(tokenizer, prompts):
+    cfg = make_cfg()
+    cfg.task.reward_fn = f"{__name__}:length_reward"
+    rollout = group(RolloutWorker, cfg, "rollout")
+    samples = rollout.generate(prompts, sampled(cfg, seed=5))
+    eos = tokenizer.eos_token_id
+    for s in samples:
+        ids = s.response_ids[:-1] if s.status == "finished" else s.response_ids
+        assert ids and eos not in ids
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert s.reward == float(len(text)), (s.reward, text)
+        assert s.reward_extras == {
+            "reward_errors": 0.0,
+            "reward/finished": float(s.status == "finished"),
+        }  # numbers a reward function returns beside its score, and only those
+    assert len({s.reward for s in samples}) > 1
+    batch = samples_to_batch(samples, tokenizer.pad_token_id)
+    assert batch["rewards"].tolist() == [s.reward for s in samples]
+    assert batch["reward/finished"].tolist() == [float(s.status == "finished") for s in samples]
+
+
+def test_reward_function_that_raises_scores_zero(tokenizer, prompts):
     cfg = make_cfg()
     cfg.task.reward_fn = f"{__name__}:exploding_reward"
-    reward = group(RewardWorker, cfg, "reward")
-    batch = hand_batch(tokenizer, [("1+2=", "3", "3"), ("2+2=", "4", "5")])
-    out = reward.score(batch)  # no exception
-    assert out["rewards"].tolist() == [0.0, 0.0]
-    assert out["reward_errors"].tolist() == [1.0, 1.0]
+    rollout = group(RolloutWorker, cfg, "rollout")
+    samples = hand_samples(tokenizer, [("1+2=", "3", "3"), ("2+2=", "4", "5")])
+    rollout.workers[0].scorer(samples)  # no exception
+    assert [s.reward for s in samples] == [0.0, 0.0]
+    assert [s.reward_extras["reward_errors"] for s in samples] == [1.0, 1.0]
+    # generation goes on: every generated sample comes back, scored 0 and marked
+    generated = rollout.generate(prompts, sampled(cfg, seed=6))
+    assert len(generated) == len(prompts) * cfg.trainer.samples_per_prompt
+    assert all(s.response_ids for s in generated)
+    assert [s.reward for s in generated] == [0.0] * len(generated)
+    batch = samples_to_batch(generated, tokenizer.pad_token_id)
+    assert batch["reward_errors"].tolist() == [1.0] * len(generated)
 
 
-# --- actor update -----------------------------------------------------------------------------------------
+# --- the learner's policy update ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def train_batch(cfg, tokenizer, prompts, rollout):
-    """A full step's batch (rollout, reward, reference, old log-probs, advantages) with rewards set by hand
-    so that the advantages are not all zero (the random model never answers correctly)."""
-    batch = collate(rollout.generate(prompts, sampled(cfg, seed=21)), tokenizer.pad_token_id)
-    batch = batch | group(RewardWorker, cfg, "reward").score(batch)
-    batch["rewards"] = torch.tensor([float(i % 2) for i in range(len(batch))])
-    batch = batch | group(ReferenceWorker, cfg, "reference").compute_ref_log_prob(batch)
-    batch = batch | group(ActorWorker, cfg, "actor").compute_log_prob(batch)
+    """A full step's batch (rollout with its scores, reference, old log-probs, advantages) with
+    rewards set by hand so that the advantages are not all zero (the random model never answers
+    correctly)."""
+    samples = rollout.generate(prompts, sampled(cfg, seed=21))
+    assert all(s.reward is not None for s in samples)
+    for i, s in enumerate(samples):
+        s.reward = float(i % 2)
+    batch = samples_to_batch(samples, tokenizer.pad_token_id)
+    assert "reward_errors" in batch
+    assert cfg.algorithm.kl_coef > 0  # a KL term reads the reference: the learner holds one
+    learner = group(Learner, cfg, "learner").workers[0]
+    batch = batch | learner.reference.log_probs(batch)
+    batch = batch | learner.compute_log_prob(batch)
     batch = compute_advantages(batch, cfg.algorithm)
     assert batch["advantages"].abs().sum() > 0
     return batch
@@ -258,9 +315,9 @@ def params_of(wg):
 
 
 def test_update_policy_metrics_and_weights_change(cfg, train_batch):
-    actor = group(ActorWorker, cfg, "actor")
-    before = params_of(actor)
-    (metrics,) = actor.update_policy(train_batch)
+    learner = group(Learner, cfg, "learner")
+    before = params_of(learner)
+    (metrics,) = learner.update_policy(train_batch)  # DP_COMPUTE: each rank's metrics
     for key in (
         "actor/pg_loss",
         "actor/kl_ref",
@@ -273,16 +330,17 @@ def test_update_policy_metrics_and_weights_change(cfg, train_batch):
     assert metrics["actor/entropy"] > 0
     # 8 samples / minibatch 4 = 2 optimizer steps per epoch
     assert metrics["actor/updates"] == len(train_batch) // cfg.actor.ppo_minibatch_size
-    after = params_of(actor)
+    after = params_of(learner)
     assert any(not torch.equal(before[n], after[n]) for n in before)
     # the policy moved: log-probs of the batch changed
-    new = actor.compute_log_prob(train_batch)["old_log_probs"]
+    new = learner.compute_log_prob(train_batch)["old_log_probs"]
     mask = train_batch["response_mask"].bool()
     assert (new - train_batch["old_log_probs"]).abs()[mask].max() > 0
 
 
 def record_grads(wg) -> list[dict[str, torch.Tensor]]:
-    """Wraps the worker's optimizer.step to keep a copy of the gradients it applies (instrumentation only)."""
+    """Wraps the worker's optimizer.step to keep a copy of the gradients it applies (instrumentation
+    only)."""
     worker, seen = wg.workers[0], []
     step = worker.optimizer.step
 
@@ -295,9 +353,8 @@ def record_grads(wg) -> list[dict[str, torch.Tensor]]:
 
 
 def test_micro_batching_is_exact_gradient_accumulation(train_batch):
-    width = train_batch["input_ids"].shape[1]
-    one = group(ActorWorker, make_cfg(micro_batch_tokens=1 << 20), "actor")
-    many = group(ActorWorker, make_cfg(micro_batch_tokens=1), "actor")  # one row per micro-batch
+    one = group(Learner, make_cfg(micro_batch_tokens=1 << 20), "learner")
+    many = group(Learner, make_cfg(micro_batch_tokens=1), "learner")  # one row per micro-batch
     assert len(micro_batches(train_batch[:4], 1)[0]) == 4
     assert len(micro_batches(train_batch[:4], 1 << 20)[0]) == 1
     g_one, g_many = record_grads(one), record_grads(many)
@@ -312,10 +369,11 @@ def test_micro_batching_is_exact_gradient_accumulation(train_batch):
         for n in a:
             scale = a[n].abs().max().item()
             assert (a[n] - b[n]).abs().max().item() <= tol * scale + 1e-12, (step, n)
-    # weights: AdamW's update lr * m/(sqrt(v)+eps) normalises each entry, so float32 rounding on entries with
-    # |grad| ~ eps (1e-8) shows up as differences of up to ~1% of lr (seen: 1.6e-6 at lr 2e-4) although the
-    # gradients agree to ~1e-7 relative (seen: 5.7e-6 at lr 1e-4 once micro-batches are trimmed to their own
-    # width, which changes the summation order). Weights are therefore compared at 10% of lr, gradients above.
+    # weights: AdamW's update lr * m/(sqrt(v)+eps) normalises each entry, so float32 rounding on
+    # entries with |grad| ~ eps (1e-8) shows up as differences of up to ~1% of lr (seen: 1.6e-6 at
+    # lr 2e-4) although the gradients agree to ~1e-7 relative (seen: 5.7e-6 at lr 1e-4 once
+    # micro-batches are trimmed to their own width, which changes the summation order). Weights are
+    # therefore compared at 10% of lr, gradients above.
     p_one, p_many = params_of(one), params_of(many)
     worst = max((p_one[n] - p_many[n]).abs().max().item() for n in p_one)
     assert worst <= 0.1 * one.workers[0].cfg.actor.lr, f"max weight difference {worst:.3g}"
@@ -330,8 +388,9 @@ def test_micro_batching_is_exact_gradient_accumulation(train_batch):
 
 
 def test_length_buckets_and_trimming_leave_log_probs_unchanged(cfg):
-    """Long-tailed rows are grouped by length and their common padding is cut (W3's 1..96-token answers):
-    the log-probs, in the batch's row order, equal one untrimmed forward over the whole batch."""
+    """Long-tailed rows are grouped by length and their common padding is cut (W3's 1..96-token
+    answers): the log-probs, in the batch's row order, equal one untrimmed forward over the whole
+    batch."""
     from hybridrl.models import load_model_and_tokenizer
     from hybridrl.training.logprob import batch_log_probs, response_log_probs
 
