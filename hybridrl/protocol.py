@@ -242,6 +242,12 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
     responses = pad_2d([s.response_ids for s in samples], pad_id, torch.long, width=width)
     attended = pad_2d([[1] * len(s.response_ids) for s in samples], 0, torch.long, width=width)
     masks = [[1] * len(s.response_ids) if s.loss_mask is None else s.loss_mask for s in samples]
+    for s, mask in zip(samples, masks):
+        if len(mask) != len(s.response_ids):
+            raise ValueError(
+                f"sample {s.uid!r}: loss_mask has {len(mask)} entries for {len(s.response_ids)} response "
+                "tokens (one 0/1 per response token, or None for all ones)"
+            )
     tensors = {
         "prompts": prompts,
         "responses": responses,

@@ -334,6 +334,29 @@ def test_samples_to_batch_trains_on_the_loss_mask_and_attends_to_every_response_
     assert b["response_mask"].dtype == torch.long
 
 
+def test_samples_to_batch_refuses_a_loss_mask_of_another_length():
+    bad = Sample([1], [7, 8, 9], [-0.1] * 3, [0] * 3, uid="u7", loss_mask=[1, 0])
+    with pytest.raises(
+        ValueError, match=r"sample 'u7': loss_mask has 2 entries for 3 response tokens"
+    ):
+        samples_to_batch([bad], pad_id=0)
+
+
+def test_response_lengths_count_tokens_that_are_not_trained_on():
+    """batch_metrics' response lengths are the responses' own, not the loss mask's sums."""
+    from hybridrl.trainers.metrics import batch_metrics
+
+    samples = [
+        Sample([1], [7, 8, 9, 2], [-0.1] * 4, [0] * 4, loss_mask=[1, 0, 0, 1], reward=1.0),
+        Sample([1, 5], [10, 11], [-0.2] * 2, [0] * 2, loss_mask=[0, 0], reward=0.0),
+    ]
+    b = samples_to_batch(samples, pad_id=0)
+    b["advantages"] = torch.zeros(2, 4)
+    b["reward_errors"] = torch.zeros(2)
+    m = batch_metrics(b)
+    assert m["response/length_mean"] == 3.0 and m["response/length_max"] == 4.0
+
+
 def scored(reward, **extras) -> Sample:
     return Sample([1], [3], [-1.0], [0], reward=reward, reward_extras=extras)
 

@@ -63,6 +63,8 @@ def registered_methods(cls: type) -> dict[str, Dispatch]:
 
 def chunk_list(items: list, n: int) -> list[list]:
     """``n`` contiguous parts whose sizes differ by at most one (as :meth:`Batch.chunk` splits)."""
+    if n < 1:
+        raise ValueError(f"chunk_list: n must be >= 1, got {n}")
     size, rem = divmod(len(items), n)
     bounds = [i * size + min(i, rem) for i in range(n + 1)]
     return [items[bounds[i] : bounds[i + 1]] for i in range(n)]

@@ -10,7 +10,8 @@ from hybridrl.protocol import Batch
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
-    rewards, lengths = batch["rewards"], batch["response_mask"].sum(-1).float()
+    width = batch["responses"].shape[1]  # lengths count every response token, trained on or not
+    rewards, lengths = batch["rewards"], batch["attention_mask"][:, -width:].sum(-1).float()
     extras = {k: batch[k].mean().item() for k in batch.tensors if k.startswith("reward/")}
     return extras | {
         "reward/mean": rewards.mean().item(),

@@ -67,11 +67,8 @@ class Roles:
                 if owner is not None:
                     failed.add(id(owner))
 
-        if self.transport == "shm":
-            attempt(None, self.learner.apply_all, weight_sync.release_stage)
-        for role in (self.learner, self.rollout):
-            # leave torch.distributed
-            if role is not None and role.world_size > 1 and "close" in role.methods:
+        for role in (self.learner, self.rollout):  # staging files released, torch.distributed left
+            if role is not None:
                 attempt(_group_of(role), role.close)
         failed.clear()  # every group is killed and every pool released, whatever failed before
         for group in self.groups:
