@@ -270,10 +270,10 @@ def save_model(size: str, seed: int, path: Path) -> None:
 def run_hybridrl(spec: dict) -> dict:
     import torch
 
-    import hybridrl.trainers.collect as collect_mod
-    import hybridrl.trainers.session as session_mod
+    import hybridrl.driver.collect as collect_mod
+    import hybridrl.driver.session as session_mod
     from hybridrl.config import Config, load_config
-    from hybridrl.trainers import sync
+    from hybridrl.driver import sync
 
     seen: list[list[int]] = []
     original = collect_mod.prompt_sample

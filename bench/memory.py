@@ -1,4 +1,4 @@
-"""Measured peak memory of one actor training step vs ``hybridrl.training.memory.estimate``.
+"""Measured peak memory of one actor training step vs ``hybridrl.parallel.memory.estimate``.
 
     python bench/memory.py [--model small] [--tokens 2048,8192] [--seq-len 32] [--micro-batches 2]
 
@@ -132,10 +132,10 @@ def child(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from hybridrl.learner.logprob import response_log_probs
     from hybridrl.models.factory import build_model
     from hybridrl.protocol import Batch
     from hybridrl.tasks import build_char_tokenizer
-    from hybridrl.training.logprob import response_log_probs
 
     tok = build_char_tokenizer()
     _trim()
@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, ROOT)
-    from hybridrl.training.memory import Layout, estimate, human, resolve_model
+    from hybridrl.parallel.memory import Layout, estimate, human, resolve_model
 
     cfg = resolve_model(args.model)
     env = dict(

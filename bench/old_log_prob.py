@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrl.config import Config, load_config  # noqa: E402
-from hybridrl.trainers.collect import collect  # noqa: E402
-from hybridrl.trainers.session import open_session  # noqa: E402
+from hybridrl.driver.collect import collect  # noqa: E402
+from hybridrl.driver.session import open_session  # noqa: E402
 
 SETTINGS = ("auto", "never")
 

@@ -3,7 +3,7 @@
 Prints one JSON object and a small table. Parts (``--only``):
 
 - ``probe``: the CPU's bf16 flag, an n x n matmul in bf16 against fp32, and what ``auto`` picks for
-  the built-in sizes (``training/precision.py``: one measured decoder layer, forward + backward for
+  the built-in sizes (``parallel/precision.py``: one measured decoder layer, forward + backward for
   training, forward only for the rollout), with the measured gains.
 - ``step``: W1 tiny and small, one actor ``update_policy`` (forward + backward + AdamW; 32 prompts x
   8 samples, 10 prompt + 16 response tokens, 4 mini-batches of 64) and one ``compute_log_prob``
@@ -47,11 +47,11 @@ sys.path.insert(0, str(ROOT))
 from hybridrl.config import Config, RolloutConfig  # noqa: E402
 from hybridrl.controller import WorkerContext  # noqa: E402
 from hybridrl.models.factory import build_model  # noqa: E402
+from hybridrl.parallel import precision as training_precision  # noqa: E402
 from hybridrl.protocol import Batch, Sample  # noqa: E402
 from hybridrl.rollout import SamplingParams  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
 from hybridrl.tasks.tokenizer import build_char_tokenizer  # noqa: E402
-from hybridrl.training import precision as training_precision  # noqa: E402
 
 TOK = build_char_tokenizer()
 SIZES = ("tiny", "small")
@@ -120,7 +120,7 @@ def w1_batch(vocab: int, rows: int = 256, p_len: int = 10, r_len: int = 16, seed
 
 
 def step(reps: int) -> dict:
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     out = {}
     ctx = WorkerContext(

@@ -284,13 +284,13 @@ def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
     }
 
 
-# Warm starts of the speculative pair: supervised training on correct sums (hybridrl.trainers.sft.run_sft), in stages
+# Warm starts of the speculative pair: supervised training on correct sums (hybridrl.driver.sft.run_sft), in stages
 # (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. They
 # train fixed step counts (sft.steps), not to the RL warm start's accuracy target: the pair is measured for speed and
 # acceptance, which needs no room left for RL, and the stage names in the cache spell out those counts. The
 # first full run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
 # --quick uses them when they are cached and otherwise trains the short QUICK_WARM_STARTS (about 30 s together).
-# The draft is then distilled towards the target on the target's own samples (DRAFT_DISTILL, hybridrl.trainers.distill):
+# The draft is then distilled towards the target on the target's own samples (DRAFT_DISTILL, hybridrl.driver.distill):
 # a draft that learnt the task alone agrees with a target that has not learnt it yet only where both are right.
 WARM_STARTS = {
     "small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
@@ -328,7 +328,7 @@ def stage_names(size: str, stages: list[dict]) -> list[str]:
 def warm(size: str, stages: list[dict]) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.trainers.sft import run_sft
+    from hybridrl.driver.sft import run_sft
 
     path = None
     for s, name in zip(stages, stage_names(size, stages)):
@@ -356,7 +356,7 @@ def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> 
     """``draft`` distilled towards ``target`` (cached like the warm starts)."""
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.trainers.distill import distill_draft
+    from hybridrl.driver.distill import distill_draft
 
     path = distill_path(target_name, draft_name, stage)
     if not (path / "config.json").is_file():

@@ -4,7 +4,7 @@
 
 The learner holding the actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are separate
 Ray actors on a local cluster. One sync is what the trainer does (``Roles.sync_weights`` with a transport of
-``trainers/weight_sync.py``, one instance per process): every actor rank runs ``publish`` (the ranks gather
+``parallel/weight_sync.py``, one instance per process): every actor rank runs ``publish`` (the ranks gather
 the weights in buckets) and rank 0 returns a handle; every rollout rank runs ``load`` with it. Transports:
 ``shm`` (the same-node path: rank 0 copies the buckets into a reused shared-memory staging file, the
 handle is its path and layout) and ``store`` (the cross-node path, reported as ``store_*``: rank 0 puts
@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from hybridrl.training.buckets import BUCKET_BYTES
+from hybridrl.parallel.buckets import BUCKET_BYTES
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,7 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def transport_of(worker, name: str, bucket_bytes: int = 0):
     """This process's transport ``name``, kept on the worker between syncs (a staging file is reused)."""
-    from hybridrl.trainers.weight_sync import make_transport
+    from hybridrl.parallel.weight_sync import make_transport
 
     held = worker.__dict__.setdefault("bench_transports", {})
     if name not in held:
@@ -76,10 +76,10 @@ def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
     """Bytes of an adapter-only sync / bytes of a full sync, from a real LoRA actor when available."""
     from hybridrl.config import Config, load_config
     from hybridrl.controller import WorkerContext
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     try:
-        from hybridrl.training import lora
+        from hybridrl.learner import lora
 
         lcfg = load_config(
             Config,
@@ -92,7 +92,7 @@ def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
             actor.weight_buckets()
         ) / full_bytes, "measured: Learner(lora_rank=8).weight_buckets() after the first sync"
     except Exception as exc:  # LoRA not available: count rank-8 adapter parameters on the targets
-        from hybridrl.workers.common import load_model
+        from hybridrl.models.loading import load_model
 
         model, _ = load_model(cfg, None)
         targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -120,7 +120,8 @@ def main() -> None:
 
     from hybridrl.config import Config, load_config
     from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
-    from hybridrl.workers import Learner, RolloutWorker
+    from hybridrl.learner import Learner
+    from hybridrl.rollout.worker import RolloutWorker
 
     cfg = load_config(Config, None, [f"model.name={args.model}", "controller.num_threads=1"])
     init_ray(num_cpus=max(2, args.actor_ranks + 1))

@@ -87,7 +87,7 @@ def export(argv: list[str]) -> int:
     )
     p.add_argument("out_dir")
     args = p.parse_args(argv)
-    from hybridrl.training.fsdp import export_hf
+    from hybridrl.parallel.fsdp import export_hf
 
     ckpt = Path(args.checkpoint)
     ckpt = ckpt / "model" if (ckpt / "model").is_dir() else ckpt
@@ -133,9 +133,9 @@ def distill_draft(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG
+    from hybridrl.driver.distill import distill_draft as run
     from hybridrl.models.factory import SIZES, load_model_and_tokenizer
     from hybridrl.tasks import TASKS
-    from hybridrl.trainers.distill import distill_draft as run
 
     try:
         task = TASKS.get(args.task)(seed=0)
@@ -175,7 +175,7 @@ def distill_draft(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "memory":
-        from hybridrl.training.memory import main as memory_main
+        from hybridrl.parallel.memory import main as memory_main
 
         return memory_main(argv[1:])
     if argv and argv[0] == "export":
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(cfg.controller.num_threads)
     if args.command == "sft":
-        from hybridrl.trainers.sft import run_sft, warm_start_path
+        from hybridrl.driver.sft import run_sft, warm_start_path
 
         print(
             "warm-start checkpoint written to "
@@ -207,13 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if args.command == "eval":
-        from hybridrl.trainers.evaluate import evaluate_checkpoint
+        from hybridrl.driver.evaluate import evaluate_checkpoint
 
         print(json.dumps(evaluate_checkpoint(cfg), indent=1))
         return 0
-    from hybridrl.trainers import async_, sync
+    from hybridrl.driver import asynchronous, sync
 
-    trainers = {"sync": sync.train, "async": async_.train}  # trainer.mode
+    trainers = {"sync": sync.train, "async": asynchronous.train}  # trainer.mode
     summary = trainers[cfg.trainer.mode](cfg, resume=args.resume)
     print(json.dumps(summary, indent=1))
     print(f"report: {Path(summary['run_dir']) / 'report.png'}")

@@ -122,7 +122,7 @@ class GlooWorker(Worker):
 
     def __init__(self, ctx: WorkerContext):
         super().__init__(ctx)
-        from hybridrl.training.distributed import init_distributed
+        from hybridrl.parallel.distributed import init_distributed
 
         self.dist = init_distributed(ctx)
 
@@ -133,7 +133,7 @@ class GlooWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def timeout_s(self) -> float:
         """The process-group timeout this rank's group was built with."""
-        from hybridrl.training.distributed import pg_timeout_s
+        from hybridrl.parallel.distributed import pg_timeout_s
 
         return pg_timeout_s()
 
@@ -145,7 +145,7 @@ class GlooWorker(Worker):
         ``skip_rank`` never joins."""
         import time
 
-        from hybridrl.training.distributed import all_reduce
+        from hybridrl.parallel.distributed import all_reduce
 
         if self.rank == late_rank:
             time.sleep(delay_s)
@@ -155,7 +155,7 @@ class GlooWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
-        from hybridrl.training.distributed import teardown_distributed
+        from hybridrl.parallel.distributed import teardown_distributed
 
         teardown_distributed()
 

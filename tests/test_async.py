@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import Config, RolloutConfig, load_config
+from hybridrl.driver.asynchronous import train
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
+from hybridrl.rollout.buffer import TrajectoryBuffer
 from hybridrl.tasks.reverse import ReverseTask
-from hybridrl.trainers.async_ import train
-from hybridrl.trainers.buffer import TrajectoryBuffer
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ E2E = load_bench()
 
 def test_prompts_are_the_trainers_stream():
     from hybridrl.config import Config
-    from hybridrl.workers.common import make_task
+    from hybridrl.models.loading import make_task
 
     task = make_task(Config())  # what the sync trainer draws from (trainer.seed 0)
     pairs = E2E.w1_prompts(40)

@@ -64,7 +64,7 @@ def test_kv_pool_sized_from_free_device_memory():
 def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
     from test_lora import make_cfg, rl_batch
 
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     cfg: Config = make_cfg(rank=0, lr=1e-3)
     actor = Learner(WorkerContext(rank=0, world_size=1, role="learner", pool="p"), cfg, None)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridrl.config import Config, load_config
-from hybridrl.trainers.sync import train
+from hybridrl.driver.sync import train
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import torch
 from test_rollout_spec import Tok, qwen, rcfg
 
 from hybridrl.cli import main
+from hybridrl.driver.distill import agreement, distill_draft
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
-from hybridrl.trainers.distill import agreement, distill_draft
 
 
 def test_agreement_is_the_acceptance_probability_of_rejection_sampling():

@@ -1,5 +1,5 @@
 """The trainer's log-probs are those of the distribution the rollout samples from: at equal weights the
-behaviour log-probs a backend reports and the recomputed ones (``training/logprob.py``) agree, for every
+behaviour log-probs a backend reports and the recomputed ones (``learner/logprob.py``) agree, for every
 sampling setting (temperature, top-k, top-p, min-p and combinations)."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import RolloutConfig
+from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
-from hybridrl.training.logprob import response_log_probs, sampling_of
 
 torch.set_num_threads(1)
 PAD = 0

@@ -17,10 +17,11 @@ from hybridrl.algorithms import agg_totals
 from hybridrl.algorithms.rollout_correction import WEIGHT_KEY
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup
+from hybridrl.learner import Learner
+from hybridrl.models.loading import make_task
 from hybridrl.protocol import prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
-from hybridrl.workers import Learner, RolloutWorker
-from hybridrl.workers.common import make_task
+from hybridrl.rollout.worker import RolloutWorker
 
 
 def group(cls, cfg, role):

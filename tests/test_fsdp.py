@@ -21,8 +21,8 @@ import torch
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
 from hybridrl.controller.worker import find_free_port
+from hybridrl.parallel.fsdp import FSDPConfig, export_hf, is_complete, load_sharded, save_sharded
 from hybridrl.protocol import Batch
-from hybridrl.training.fsdp import FSDPConfig, export_hf, is_complete, load_sharded, save_sharded
 
 WORLD = 2
 VARIANTS = [("full", False), ("full", True), ("grad_op", False), ("grad_op", True)]
@@ -109,10 +109,10 @@ def layout(learner) -> dict:
 def rank_main(rank: int, port: int, workdir: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from hybridrl.training.distributed import teardown_distributed
-    from hybridrl.training.fsdp import full_state_dict
-    from hybridrl.workers import Learner
-    from hybridrl.workers.reference import Reference
+    from hybridrl.learner import Learner
+    from hybridrl.learner.reference import Reference
+    from hybridrl.parallel.distributed import teardown_distributed
+    from hybridrl.parallel.fsdp import full_state_dict
 
     torch.set_num_threads(1)
     work = Path(workdir)
@@ -135,7 +135,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
             "layout": layout(learner),
         }
     # CPU bf16 autocast over sharded fp32 parameters (gathers, gradients and optimizer state stay fp32)
-    from hybridrl.training.precision import autocast_dtype
+    from hybridrl.parallel.precision import autocast_dtype
 
     bf16 = Learner(ctx, make_cfg(precision="bf16"), None)
     workers.append(bf16)
@@ -147,7 +147,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         "dtypes": {p.dtype for p in bf16.model.parameters()},
     }
     # auto with a process group: bf16 only where every rank measured it (the verdicts are injected per rank)
-    from hybridrl.training.precision import ENV_OVERRIDE
+    from hybridrl.parallel.precision import ENV_OVERRIDE
 
     before, out["auto"] = os.environ.get(ENV_OVERRIDE), {}
     for verdicts in (("bf16", "bf16"), ("bf16", "fp32")):
@@ -239,7 +239,7 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launch the 2 ranks and the crash process, compute the single-process reference meanwhile."""
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     work = tmp_path_factory.mktemp("fsdp")
     ctx1 = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
@@ -354,7 +354,7 @@ def test_reference_and_critic_on_two_ranks(runs):
 
 
 def test_step_changes_weights(runs):
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     fresh = Learner(
         WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1),
@@ -387,7 +387,7 @@ def test_export_loads_in_transformers_with_equal_logits(runs, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     # the same weights loaded into an unsharded model by name
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     plain = Learner(
         WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1),
@@ -444,7 +444,7 @@ def test_ray_worker_group_of_two_fsdp_ranks(runs, tmp_path):
     """The same step through the real controller: a ray WorkerGroup of 2 learner ranks
     (DP_COMPUTE)."""
     from hybridrl.controller import ResourcePool, WorkerGroup
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     batch = runs["ref"]["batch"]
     pool = ResourcePool("fsdp-test", workers_per_node=WORLD)

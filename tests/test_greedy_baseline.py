@@ -1,4 +1,4 @@
-"""ReMax plumbing in trainers/collect.py: an estimator with ``needs_greedy_baseline`` gets one
+"""ReMax plumbing in driver/collect.py: an estimator with ``needs_greedy_baseline`` gets one
 greedy response per prompt, scored on the rollout like the samples, as each sample's
 ``reward_extras["baseline_rewards"]`` (a per-row ``baseline_rewards`` column of the learner's
 batch); the greedy responses are not trained on. A fake rollout role (generation and scoring), so
@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 
 from hybridrl.config import Config, load_config
+from hybridrl.driver.collect import collect
 from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.tasks import Prompt
-from hybridrl.trainers.collect import collect
 
 
 def score(samples: list[Sample]) -> list[Sample]:

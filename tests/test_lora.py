@@ -1,4 +1,4 @@
-"""LoRA on the actor (``training/lora.py``): only the adapters train, the adapter-only weight sync merges
+"""LoRA on the actor (``learner/lora.py``): only the adapters train, the adapter-only weight sync merges
 into the rollout's base weights without accumulating, its bytes are a small fraction of a full sync,
 checkpoints resume and export, FSDP2 on 2 gloo ranks equals one process, and ``train()`` runs."""
 
@@ -15,12 +15,12 @@ import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
+from hybridrl.learner import Learner
+from hybridrl.learner import lora as L
+from hybridrl.models.loading import load_model
+from hybridrl.parallel.fsdp import export_hf, iter_weight_buckets
 from hybridrl.protocol import Batch
 from hybridrl.rollout import ROLLOUT_BACKENDS
-from hybridrl.training import lora as L
-from hybridrl.training.fsdp import export_hf, iter_weight_buckets
-from hybridrl.workers import Learner
-from hybridrl.workers.common import load_model
 
 TOL = 1e-5
 CTX1 = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
@@ -252,7 +252,7 @@ FSDP_LR = 1e-4  # Adam turns rounding-level gradient differences into steps of u
 
 
 def rank_main(rank: int, port: int, workdir: str) -> None:
-    from hybridrl.training.distributed import teardown_distributed
+    from hybridrl.parallel.distributed import teardown_distributed
 
     torch.set_num_threads(1)
     work = Path(workdir)
@@ -348,7 +348,7 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
 
 # --- the trainer --------------------------------------------------------------------------------------------
 def test_train_two_steps_with_lora_then_resume(tmp_path):
-    from hybridrl.trainers.sync import train
+    from hybridrl.driver.sync import train
 
     tiny = [
         "sft.steps=3",

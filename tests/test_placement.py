@@ -12,14 +12,14 @@ import torch
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerContext, WorkerGroup
 from hybridrl.controller.colocated import ColocatedWorker, RoleView
+from hybridrl.driver.placement import ROLE_CLASSES, Roles, build_roles
+from hybridrl.learner.learner import Learner
+from hybridrl.models.loading import load_tokenizer, make_task
+from hybridrl.parallel import weight_sync
+from hybridrl.parallel.distributed import pg_timeout_s
 from hybridrl.protocol import prompt_sample
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainers import weight_sync
-from hybridrl.trainers.roles import ROLE_CLASSES, Roles, build_roles
-from hybridrl.training.distributed import pg_timeout_s
-from hybridrl.workers.common import load_tokenizer, make_task
-from hybridrl.workers.learner import Learner
-from hybridrl.workers.rollout import RolloutWorker
+from hybridrl.rollout.worker import RolloutWorker
 
 IDS = torch.tensor([[1, 4, 5, 13, 6, 15, 7, 8]])
 
@@ -69,7 +69,7 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def check_synced(
     full: dict, rollout_weights: dict, rollout_logits: torch.Tensor, cfg: Config
 ) -> None:
-    from hybridrl.workers.common import load_model
+    from hybridrl.models.loading import load_model
 
     assert set(rollout_weights) <= set(full) | {"lm_head.weight"}
     for name, w in rollout_weights.items():

@@ -1,4 +1,4 @@
-"""CPU precision (``training/precision.py``): the decision (injected capability and measurement),
+"""CPU precision (``parallel/precision.py``): the decision (injected capability and measurement),
 the log line, and training / reference / critic steps under bf16 autocast against the same steps in
 fp32.
 
@@ -18,7 +18,7 @@ from test_fsdp import make_batch
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
-from hybridrl.training import precision as training_precision
+from hybridrl.parallel import precision as training_precision
 
 CTX = WorkerContext(rank=0, world_size=1, role="actor", pool="p", num_threads=1)
 
@@ -97,13 +97,13 @@ def make_cfg(precision: str) -> Config:
 
 
 def make_learner(cfg: Config):
-    from hybridrl.workers import Learner
+    from hybridrl.learner import Learner
 
     return Learner(CTX, cfg, None)
 
 
 def dist_env():
-    from hybridrl.training import distributed
+    from hybridrl.parallel import distributed
 
     return distributed.init_distributed(CTX)
 
@@ -113,7 +113,7 @@ def test_auto_logs_the_choice_and_marks_the_model(monkeypatch, caplog, gain, wan
     monkeypatch.delenv(training_precision.ENV_OVERRIDE, raising=False)
     monkeypatch.setattr(training_precision, "cpu_bf16_support", lambda: "amx_bf16")
     monkeypatch.setattr(training_precision.SPEEDUPS, "get", lambda model, train: gain)
-    with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
+    with caplog.at_level(logging.INFO, logger="hybridrl.parallel.fsdp"):
         actor = make_learner(make_cfg("auto"))
     lines = [r.getMessage() for r in caplog.records if "training precision" in r.getMessage()]
     assert lines == [
@@ -215,11 +215,11 @@ def test_bf16_step_loss_is_close_to_the_fp32_step(steps):
 
 
 def test_reference_and_critic_in_bf16(steps, caplog):
-    from hybridrl.workers.critic import Critic
-    from hybridrl.workers.reference import Reference
+    from hybridrl.learner.critic import Critic
+    from hybridrl.learner.reference import Reference
 
     batch = steps["batch"]
-    with caplog.at_level(logging.INFO, logger="hybridrl.training.fsdp"):
+    with caplog.at_level(logging.INFO, logger="hybridrl.parallel.fsdp"):
         ref16 = Reference(make_cfg("bf16"), None, dist_env())
     assert any(
         "reference / log-prob precision: bf16 autocast (fsdp.mixed_precision=bf16" in r.getMessage()

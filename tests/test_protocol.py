@@ -344,7 +344,7 @@ def test_samples_to_batch_refuses_a_loss_mask_of_another_length():
 
 def test_response_lengths_count_tokens_that_are_not_trained_on():
     """batch_metrics' response lengths are the responses' own, not the loss mask's sums."""
-    from hybridrl.trainers.metrics import batch_metrics
+    from hybridrl.learner.metrics import batch_metrics
 
     samples = [
         Sample([1], [7, 8, 9, 2], [-0.1] * 4, [0] * 4, loss_mask=[1, 0, 0, 1], reward=1.0),

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
+from hybridrl.driver.sync import train
+from hybridrl.parallel.distributed import DistEnv, init_distributed
 from hybridrl.protocol import Batch
-from hybridrl.trainers.sync import train
-from hybridrl.training.distributed import DistEnv, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 2
@@ -183,8 +183,8 @@ def snapshot(critic) -> dict:
 
 def critic_round_trip(dist: DistEnv, path: Path) -> dict:
     """Train a critic 3 updates, save, rebuild from the checkpoint as a resumed run does, then train both once more."""
-    from hybridrl.training.fsdp import is_sharded
-    from hybridrl.workers.critic import Critic
+    from hybridrl.learner.critic import Critic
+    from hybridrl.parallel.fsdp import is_sharded
 
     trained = Critic(critic_cfg(), None, dist)
     batch = critic_batch(trained)
@@ -234,8 +234,8 @@ def check_round_trip(out: dict) -> None:
 
 
 def test_value_model_keeps_a_saved_head_and_starts_a_missing_one_at_zero(tmp_path):
-    from hybridrl.workers.common import load_model
-    from hybridrl.workers.critic import build_value_model
+    from hybridrl.learner.critic import build_value_model
+    from hybridrl.models.loading import load_model
 
     policy, _ = load_model(critic_cfg(), None)
     policy.save_pretrained(tmp_path / "policy")
@@ -277,7 +277,7 @@ def critic_dcp_main(workdir: str, port: int) -> None:
 
 def test_critic_rebuilt_from_a_sharded_checkpoint_is_the_saved_one(tmp_path):
     from hybridrl.controller.worker import find_free_port
-    from hybridrl.training.fsdp import is_complete
+    from hybridrl.parallel.fsdp import is_complete
 
     env = os.environ | {
         "OMP_NUM_THREADS": "1",

@@ -2,7 +2,7 @@
 (``actor.reuse_old_log_probs``).
 
 The separate pass runs on the micro-batches of the update's first epoch
-(``training/update.py:first_epoch_map``), so it is an exact reference: a step that skips it equals,
+(``learner/update.py:first_epoch_map``), so it is an exact reference: a step that skips it equals,
 bit for bit, one that runs it. Checked on the learner's policy update (weights, metrics and the
 log-probs, with a small token budget so that a whole-batch grouping would differ) and on whole runs
 of the driver; plus when the pass must run (a reader before the update) and the decision."""
@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
+from hybridrl.driver.sync import train
+from hybridrl.learner import Learner
+from hybridrl.learner.learner import reuses_old_log_probs
+from hybridrl.learner.logprob import batch_log_probs, response_log_probs
 from hybridrl.protocol import Batch
-from hybridrl.trainers.sync import train
-from hybridrl.training.logprob import batch_log_probs, response_log_probs
-from hybridrl.workers import Learner
-from hybridrl.workers.learner import reuses_old_log_probs
 
 INDICATOR = "actor/old_log_prob_reused"
 ROWS = 32
@@ -313,7 +313,7 @@ def test_the_async_learner_skips_the_pass_alike(tmp_path):
     """The asynchronous learner runs the same step (decoupled PPO: pi_prox from the update's
     forward, mu the engine's); on-policy (max_staleness 0) its learning metrics equal those of a
     learner forced to run the pass."""
-    from hybridrl.trainers.async_ import train as train_async
+    from hybridrl.driver.asynchronous import train as train_async
 
     rows = {}
     for name, extra in (("auto", []), ("never", ["actor.reuse_old_log_probs=never"])):
@@ -373,7 +373,7 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
     which must not overwrite the log-probs of the row it copies."""
     from pathlib import Path
 
-    from hybridrl.training.distributed import teardown_distributed
+    from hybridrl.parallel.distributed import teardown_distributed
 
     torch.set_num_threads(1)
     work = Path(workdir)

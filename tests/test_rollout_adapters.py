@@ -201,7 +201,7 @@ def ref_logps(model, prompt, resp, temperature):
 
 # --- here ---------------------------------------------------------------------------------------------
 def test_importing_hybridrl_imports_neither_engine():
-    import hybridrl.workers.rollout  # noqa: F401
+    import hybridrl.rollout.worker  # noqa: F401
 
     assert {"vllm", "sglang"} <= set(ROLLOUT_BACKENDS.names())
     assert "vllm" not in sys.modules and "sglang" not in sys.modules

@@ -80,7 +80,7 @@ def test_bf16_engine_generates_with_fp32_log_probs_close_to_fp32():
 
 
 def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkeypatch, caplog):
-    from hybridrl.training import precision as P
+    from hybridrl.parallel import precision as P
 
     old, new = model(seed=0), model(seed=1)
     assert NativeRollout(old, Tok(), rcfg()).engine.runner.embed.dtype == torch.float32

@@ -17,10 +17,10 @@ from hybridrl.algorithms.rollout_correction import (
 )
 from hybridrl.config import Config
 from hybridrl.config.loader import ConfigError, load_config
+from hybridrl.learner.learner import Learner
+from hybridrl.learner.shaping import RewardShaper
 from hybridrl.protocol import Batch, Sample
 from hybridrl.telemetry import PhaseTimer
-from hybridrl.trainers.shaping import RewardShaper
-from hybridrl.workers.learner import Learner
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 

@@ -7,16 +7,16 @@ import logging
 import pytest
 
 from hybridrl.config import Config, load_config
-from hybridrl.tasks import TASKS, Prompt
-from hybridrl.tasks.arithmetic import ArithmeticTask
-from hybridrl.trainers.sft import (
+from hybridrl.driver.sft import (
     HeldoutCheck,
     ensure_warm_start,
     lr_factor,
     run_sft,
     warm_start_path,
 )
-from hybridrl.workers.common import load_model, make_task
+from hybridrl.models.loading import load_model, make_task
+from hybridrl.tasks import TASKS, Prompt
+from hybridrl.tasks.arithmetic import ArithmeticTask
 
 
 @TASKS.register("test_sft_seven")
@@ -66,7 +66,7 @@ def test_stops_at_the_target(tmp_path):
 
 def test_cap_stops_with_a_warning(tmp_path, caplog):
     cfg = cfg_for(tmp_path, "sft.target_accuracy=1.0", "sft.max_steps=6", "sft.eval_every=4")
-    with caplog.at_level(logging.WARNING, logger="hybridrl.trainers.sft"):
+    with caplog.at_level(logging.WARNING, logger="hybridrl.driver.sft"):
         path = ensure_warm_start(cfg, progress=False)
     rec = json.loads((tmp_path / "ws" / "sft.json").read_text())
     assert path == str(tmp_path / "ws")
@@ -77,7 +77,7 @@ def test_cap_stops_with_a_warning(tmp_path, caplog):
     assert "reached the cap sft.max_steps=6 before sft.target_accuracy=1" in caplog.text
     assert "Raise sft.max_steps" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hybridrl.trainers.sft"):
+    with caplog.at_level(logging.WARNING, logger="hybridrl.driver.sft"):
         ensure_warm_start(
             cfg, progress=False
         )  # cached: not retrained, but the miss is reported again

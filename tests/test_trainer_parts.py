@@ -4,13 +4,14 @@ import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
+from hybridrl.driver.collect import informative
+from hybridrl.learner import Learner
+from hybridrl.learner.learner import needs_critic
+from hybridrl.learner.shaping import RewardShaper, overlong_penalty
+from hybridrl.models.loading import make_task
 from hybridrl.protocol import Batch, Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainers.collect import informative
-from hybridrl.trainers.shaping import RewardShaper, overlong_penalty
-from hybridrl.workers import Learner, RolloutWorker
-from hybridrl.workers.common import make_task
-from hybridrl.workers.learner import needs_critic
+from hybridrl.rollout.worker import RolloutWorker
 
 
 def test_informative_drops_equal_reward_groups():

@@ -1,4 +1,4 @@
-"""Weight-sync transports (``trainers/weight_sync.py``): each one carries a built-in model's weights into a
+"""Weight-sync transports (``parallel/weight_sync.py``): each one carries a built-in model's weights into a
 rollout engine bit for bit, carries a later change, and releases what it holds; the shared-memory
 transport re-homes a single-process source's parameters into its staging file, where they keep training."""
 
@@ -15,9 +15,9 @@ from controller_workers import ray_cluster  # noqa: F401  (the fixture)
 from hybridrl.config import RolloutConfig
 from hybridrl.controller.colocated import RoleView
 from hybridrl.models.factory import build_model
-from hybridrl.rollout import ROLLOUT_BACKENDS
-from hybridrl.trainers import weight_sync
-from hybridrl.trainers.weight_sync import (
+from hybridrl.parallel import distributed, weight_sync
+from hybridrl.parallel.fsdp import iter_weight_buckets
+from hybridrl.parallel.weight_sync import (
     TRANSPORTS,
     FusedTransport,
     MemoryTransport,
@@ -27,8 +27,7 @@ from hybridrl.trainers.weight_sync import (
     choose_transport,
     make_transport,
 )
-from hybridrl.training import distributed
-from hybridrl.training.fsdp import iter_weight_buckets
+from hybridrl.rollout import ROLLOUT_BACKENDS
 
 torch.set_num_threads(1)
 

@@ -25,7 +25,7 @@ from ray.util import placement_group_table
 
 from hybridrl.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
 from hybridrl.controller.ray_backend import exit_cause
-from hybridrl.trainers.roles import Roles
+from hybridrl.driver.placement import Roles
 
 
 def actor_dead(actor) -> bool:
@@ -175,7 +175,7 @@ def test_process_group_timeout_bounds_a_missing_peer(monkeypatch):
 
     from hybridrl.controller import WorkerContext
     from hybridrl.controller.worker import find_free_port
-    from hybridrl.training.distributed import init_distributed
+    from hybridrl.parallel.distributed import init_distributed
 
     monkeypatch.setenv("HYBRIDRL_PG_TIMEOUT_S", "2")
     monkeypatch.setenv("RANK", "0")

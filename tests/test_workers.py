@@ -18,13 +18,14 @@ import torch
 from hybridrl.algorithms import compute_advantages
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup
+from hybridrl.driver.placement import Roles
+from hybridrl.learner import Learner
+from hybridrl.learner.logprob import micro_batches
+from hybridrl.models.loading import make_task
 from hybridrl.protocol import Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.worker import RolloutWorker
 from hybridrl.tasks import Prompt
-from hybridrl.trainers.roles import Roles
-from hybridrl.training.logprob import micro_batches
-from hybridrl.workers import Learner, RolloutWorker
-from hybridrl.workers.common import make_task
 
 ATOL_LOGP = 1e-4
 
@@ -391,8 +392,8 @@ def test_length_buckets_and_trimming_leave_log_probs_unchanged(cfg):
     """Long-tailed rows are grouped by length and their common padding is cut (W3's 1..96-token
     answers): the log-probs, in the batch's row order, equal one untrimmed forward over the whole
     batch."""
+    from hybridrl.learner.logprob import batch_log_probs, response_log_probs
     from hybridrl.models import load_model_and_tokenizer
-    from hybridrl.training.logprob import batch_log_probs, response_log_probs
 
     model, _ = load_model_and_tokenizer(None, "tiny", 0, make_task(cfg).tokenizer())
     g = torch.Generator().manual_seed(0)

@@ -36,7 +36,7 @@ START_TIMEOUT_S = 300.0
 # what to report
 DEATH_GRACE_S = 10.0
 # driver environment variables every rank inherits (a cluster joined by address does not share the
-# driver's environment): the torch.distributed timeout read by training/distributed.py
+# driver's environment): the torch.distributed timeout read by parallel/distributed.py
 FORWARDED_ENV = ("HYBRIDRL_PG_TIMEOUT_S",)
 _PLAIN = (int, float, bool, str, bytes, type(None))
 

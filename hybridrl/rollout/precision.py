@@ -2,7 +2,7 @@
 built from. Log-probs are always computed in fp32 (the runner returns fp32 logits, the sampler works on them).
 
 ``auto``: on CUDA, and for a model that is not fp32, the model's own dtype (the engine follows what it is
-given); on a CPU, :func:`hybridrl.training.precision.decide` with a forward-only measurement on the model:
+given); on a CPU, :func:`hybridrl.parallel.precision.decide` with a forward-only measurement on the model:
 bf16 where the CPU has native bf16 matmuls and they pay for this model's shape. ``fp32`` / ``bf16`` force it.
 Weights synced later (from an fp32 actor) are cast on load (``ModelRunner.load_weights`` copies in place).
 """
@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from hybridrl.training.precision import Precision, cpu_precision
+from hybridrl.parallel.precision import Precision, cpu_precision
 
 log = logging.getLogger(__name__)
 

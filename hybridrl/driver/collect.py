@@ -17,9 +17,9 @@ import torch
 from hybridrl.algorithms import ADVANTAGES
 from hybridrl.algorithms.advantages import group_rows
 from hybridrl.config import Config
+from hybridrl.learner.shaping import overlong_penalty
 from hybridrl.protocol import Sample, prompt_sample
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainers.shaping import overlong_penalty
 
 
 def informative(samples: list[Sample]) -> list[Sample]:

@@ -16,7 +16,7 @@ sampler's own filter code (``rollout/sampler.py``). The engine's behaviour log-p
 then the same quantity, and at equal weights an importance ratio between them is 1. The entropy is
 that distribution's too (see docs/algorithms.md, "Filtered log-probs").
 
-Precision: the forward runs under the model's autocast mark (CPU bf16, ``training/precision.py``);
+Precision: the forward runs under the model's autocast mark (CPU bf16, ``parallel/precision.py``);
 its logits are cast to fp32 before any log-softmax, so log-probs, ratios and the KL are fp32 math.
 """
 
@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algorithms.masking import zero_pad
+from hybridrl.parallel import distributed
+from hybridrl.parallel.precision import autocast
 from hybridrl.protocol import Batch
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.sampler import filtered_log_softmax
-from hybridrl.training import distributed
-from hybridrl.training.precision import autocast
 
 
 def sampling_of(rollout_cfg) -> SamplingParams:
@@ -139,7 +139,7 @@ def response_log_probs(
     responses = mb["responses"]
     resp_len = responses.shape[1]
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    with autocast(model):  # bf16 matmuls when the model is marked for it (training/precision.py)
+    with autocast(model):  # bf16 matmuls when the model is marked for it (parallel/precision.py)
         logits = model(
             input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False
         ).logits
@@ -161,7 +161,7 @@ def response_log_probs(
 def model_device(model) -> torch.device:
     """Where a micro-batch must go: the compute device (a sharded model's parameters may be
     CPU-offloaded)."""
-    from hybridrl.training.fsdp import is_sharded
+    from hybridrl.parallel.fsdp import is_sharded
 
     return distributed.compute_device() if is_sharded(model) else next(model.parameters()).device
 

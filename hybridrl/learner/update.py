@@ -27,10 +27,10 @@ from collections.abc import Callable
 import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
+from hybridrl.learner.logprob import batch_map, dp_micro_batches, model_device
+from hybridrl.parallel import distributed
+from hybridrl.parallel.fsdp import clip_grad_norm
 from hybridrl.protocol import Batch
-from hybridrl.training import distributed
-from hybridrl.training.fsdp import clip_grad_norm
-from hybridrl.training.logprob import batch_map, dp_micro_batches, model_device
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
 

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hybridrl.config import RolloutConfig
+from hybridrl.driver.sft import lr_factor
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout import SamplingParams
-from hybridrl.trainers.sft import lr_factor
 
 
 def agreement(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Place the two roles of a run on their resource pools (``controller.pools`` / ``controller.placement``):
-the learner (``workers/learner.py``: policy, reference, critic and the learning step) and the rollout
-(``workers/rollout.py``: generation and scoring).
+the learner (``learner/learner.py``: policy, reference, critic and the learning step) and the rollout
+(``rollout/worker.py``: generation and scoring).
 
 * ``local`` backend: one WorkerGroup per role, both in the driver process.
 * ``ray`` backend: roles on different pools get their own WorkerGroups (disaggregated); roles on one pool
@@ -8,7 +8,7 @@ the learner (``workers/learner.py``: policy, reference, critic and the learning 
   take turns on the device (colocated).
 
 The driver sees one object per role either way (a WorkerGroup or a RoleView of the colocated group) and
-calls :meth:`Roles.sync_weights`, which picks the weight-sync path (``trainers/weight_sync.py``).
+calls :meth:`Roles.sync_weights`, which picks the weight-sync path (``parallel/weight_sync.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from hybridrl.config import Config
 from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
 from hybridrl.controller.colocated import ColocatedWorker, RoleView
-from hybridrl.trainers import weight_sync
-from hybridrl.workers.learner import Learner
-from hybridrl.workers.rollout import RolloutWorker
+from hybridrl.learner.learner import Learner
+from hybridrl.parallel import weight_sync
+from hybridrl.rollout.worker import RolloutWorker
 
 ROLE_CLASSES = {"learner": Learner, "rollout": RolloutWorker}
 
@@ -42,7 +42,7 @@ class Roles:
 
     def sync_weights(self, version: int) -> None:
         """Learner -> rollout, bucketed and versioned, through the transport each side holds
-        (``trainers/weight_sync.py``); the driver passes only the handle (in one colocated group, not even
+        (``parallel/weight_sync.py``); the driver passes only the handle (in one colocated group, not even
         that)."""
         if self.transport == "fused":
             self.learner.group.apply_all(sync_colocated, version)
@@ -126,7 +126,7 @@ def build_roles(
             seed=cfg.trainer.seed,
             env={
                 "HYBRIDRL_PG_TIMEOUT_S": str(c.pg_timeout_s)
-            },  # read by training/distributed.py on each rank
+            },  # read by parallel/distributed.py on each rank
         )
         if c.backend == "local" or len(roles) == 1:
             for role in roles:

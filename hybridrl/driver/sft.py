@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hybridrl.config import Config, to_dict
+from hybridrl.learner.logprob import length_buckets
+from hybridrl.models.loading import load_model, make_task
 from hybridrl.protocol import pad_2d
 from hybridrl.rollout import SamplingParams
-from hybridrl.training.logprob import length_buckets
-from hybridrl.workers.common import load_model, make_task
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class HeldoutCheck:
     held-out order. Every check samples with the same seed, so two checks differ by the weights alone."""
 
     def __init__(self, cfg: Config, task, tokenizer):
-        from hybridrl.workers.reward import Scorer
+        from hybridrl.rollout.scoring import Scorer
 
         self.pool, self.size, self.tokenizer = task.heldout(), cfg.sft.eval_size, tokenizer
         self.pool_texts = {p.text for p in self.pool}
@@ -127,7 +127,7 @@ class HeldoutCheck:
 
     def __call__(self, model) -> tuple[float, int]:
         """(accuracy, number of prompts it was measured on)."""
-        from hybridrl.trainers.evaluate import model_accuracy
+        from hybridrl.driver.evaluate import model_accuracy
 
         prompts = [p for p in self.pool if p.text not in self.seen][: self.size]
         if not prompts:

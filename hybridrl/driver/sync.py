@@ -1,6 +1,6 @@
 """The synchronous RL driver: one plain loop (docs/architecture.md §1).
 
-Every step: the rollout generates and scores the step's samples (``trainers/collect.py``), the learner
+Every step: the rollout generates and scores the step's samples (``driver/collect.py``), the learner
 trains on them (``Learner.train_step``: reference and old log-probs, values, advantages, updates, all in
 the learner's processes), the new weights go to the rollout. It is the asynchronous driver with no
 staleness: generation waits for the weights it will sample with. Which algorithm runs is decided by
@@ -12,9 +12,9 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from hybridrl.config import Config
-from hybridrl.trainers.checkpoint import save_checkpoint
-from hybridrl.trainers.collect import collect
-from hybridrl.trainers.session import open_session
+from hybridrl.driver.checkpoint import save_checkpoint
+from hybridrl.driver.collect import collect
+from hybridrl.driver.session import open_session
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

@@ -13,7 +13,7 @@ Sharding (``FSDPConfig.sharding``), in ZeRO's terms (Rajbhandari et al. 1910.020
 Every decoder layer is one FSDP unit (its own all-gather / reduce-scatter), the root holds the
 rest (embeddings, final norm, a tied or untied LM head). Gradients are *summed* over ranks (the
 divide factor is 1): each rank's loss is already normalised by the global mini-batch totals
-(see ``training/update.py``), so the sum over ranks is the single-process gradient.
+(see ``learner/update.py``), so the sum over ranks is the single-process gradient.
 
 World size 1 never wraps: the model stays an ordinary module (``strategy: none`` semantics), so
 the single-process path is unchanged.
@@ -42,9 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridrl.config import FSDPConfig
-from hybridrl.training import distributed
-from hybridrl.training.buckets import BUCKET_BYTES, bucketed
-from hybridrl.training.distributed import DistEnv
+from hybridrl.parallel import distributed
+from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
+from hybridrl.parallel.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,10 @@ def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
 
 def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
     """The CPU compute precision ``fsdp.mixed_precision`` resolves to for ``model`` (still unsharded: ``auto``
-    measures forward + backward of a copy of one of its layers, ``training/precision.py``). With a process
+    measures forward + backward of a copy of one of its layers, ``parallel/precision.py``). With a process
     group, ``auto`` gives bf16 only if every rank measured it so, so that the ranks of a role compute alike.
     Every rank must call."""
-    from hybridrl.training import precision
+    from hybridrl.parallel import precision
 
     prec = precision.cpu_precision(
         cfg.mixed_precision, model, train=True, key="fsdp.mixed_precision"
@@ -131,7 +131,7 @@ def prepare_model(
     CPU offload); no group: the module moved to ``env.device``, unwrapped. On a CPU the model is then marked
     for bf16 autocast when ``fsdp.mixed_precision`` resolves to bf16 (:func:`cpu_precision_of`); on CUDA
     FSDP2's policy applies (:func:`mixed_precision_policy`). One log line says which precision runs and why."""
-    from hybridrl.training.precision import set_autocast
+    from hybridrl.parallel.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
     # the reference follows the actor's verdict (the same forward + backward measurement, cached): at equal
@@ -226,7 +226,7 @@ def iter_weight_buckets(
     dst: int = 0,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one tensor),
-    cut by :func:`hybridrl.training.buckets.bucketed`.
+    cut by :func:`hybridrl.parallel.buckets.bucketed`.
 
     Every rank must iterate to the end (each sharded parameter is one all-gather); rank ``dst`` gets the
     tensors (on the CPU when sharded), every other rank gets empty buckets in the same rhythm. Only one

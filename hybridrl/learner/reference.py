@@ -1,13 +1,13 @@
 """The reference policy: a frozen copy of the initial policy, giving log-probs for the KL terms. Part of
-the learner (``workers/learner.py``), sharded with FSDP2 like the policy when there is more than one rank."""
+the learner (``learner/learner.py``), sharded with FSDP2 like the policy when there is more than one rank."""
 
 from __future__ import annotations
 
 from hybridrl.config import Config
+from hybridrl.learner.logprob import batch_log_probs, sampling_of
+from hybridrl.models.loading import load_model
+from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
 from hybridrl.protocol import Batch
-from hybridrl.training.fsdp import fsdp_config_of, prepare_model
-from hybridrl.training.logprob import batch_log_probs, sampling_of
-from hybridrl.workers.common import load_model
 
 
 class Reference:

@@ -6,13 +6,13 @@ A role checkpoint directory ``path``::
     ``hf_weights``) path/tokenizer*                            the tokenizer, when the role has one
     path/dcp/                                  sharded layout: model + optimizer shards (every rank)
     and the
-                                               extra state (shuffle RNG) -- see ``training/fsdp.py``
+                                               extra state (shuffle RNG) -- see ``parallel/fsdp.py``
     path/train_state.pt                        single-process layout: optimizer + shuffle RNG
 
 ``layout="auto"`` writes the sharded layout for an FSDP-wrapped model and the single-process one
 otherwise (``"dcp"`` forces the sharded layout, which also works in one process). Every rank of the
 role calls :func:`save_trainable` / :func:`load_trainable` (the sharded parts are collectives);
-either layout loads. ``hybridrl.training.fsdp.export_hf(path, out)`` rebuilds a transformers
+either layout loads. ``hybridrl.parallel.fsdp.export_hf(path, out)`` rebuilds a transformers
 directory from ``path/dcp`` alone.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.training import distributed
-from hybridrl.training.fsdp import (
+from hybridrl.parallel import distributed
+from hybridrl.parallel.fsdp import (
     full_state_dict,
     is_complete,
     is_sharded,

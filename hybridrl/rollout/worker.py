@@ -1,16 +1,16 @@
 """The rollout role: a rollout backend (``rollout.backend``) behind the worker interface. It generates and
-scores: every sample leaves a rollout rank with its reward (``workers/reward.py``), in both training modes."""
+scores: every sample leaves a rollout rank with its reward (``rollout/scoring.py``), in both training modes."""
 
 from __future__ import annotations
 
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.models.loading import load_model, make_task
+from hybridrl.parallel import weight_sync
 from hybridrl.protocol import Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
-from hybridrl.trainers import weight_sync
-from hybridrl.workers.common import load_model, make_task
-from hybridrl.workers.reward import Scorer
-from hybridrl.workers.rollout_stream import RolloutStream
+from hybridrl.rollout.scoring import Scorer
+from hybridrl.rollout.stream import RolloutStream
 
 
 class RolloutWorker(Worker):
@@ -46,7 +46,7 @@ class RolloutWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:
         """Asynchronous training: generate continuously, taking prompts from and putting scored groups into
-        ``buffer`` (a :class:`~hybridrl.trainers.buffer.BufferHandle`) until :meth:`stop_stream`. Every rank gets
+        ``buffer`` (a :class:`~hybridrl.rollout.buffer.BufferHandle`) until :meth:`stop_stream`. Every rank gets
         the same ``seed``: a prompt's samples are seeded from it, the prompt's index and its uid, so they do
         not depend on which rank admitted the prompt."""
         if self.stream is not None:

@@ -7,10 +7,10 @@ process: the batch is built here, once, from the samples; the reference and old 
 the advantages and both updates run here; the driver gets metrics back, never tensors.
 
 The policy (its model and AdamW, optionally LoRA adapters) belongs to the learner itself; the reference
-(``workers/reference.py``) exists when a KL term reads it, the critic (``workers/critic.py``) when the
+(``learner/reference.py``) exists when a KL term reads it, the critic (``learner/critic.py``) when the
 advantage estimator needs values. With more than one rank the models are sharded with FSDP2, every rank
 gets the whole step, and each per-row pass runs on the rank's contiguous share of the rows (the ranks'
-results gathered), so the update equals the single-process one (``training/update.py``).
+results gathered), so the update equals the single-process one (``learner/update.py``).
 
 Decoupled PPO's three policies: behaviour = the rollout's log-probs (``rollout_log_probs``, possibly
 stale and mixed across versions), proximal = ``old_log_probs`` (these weights before the update), current
@@ -41,21 +41,20 @@ from hybridrl.algorithms.rollout_correction import (
 )
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.learner import lora as lora_lib
+from hybridrl.learner.critic import Critic
+from hybridrl.learner.logprob import response_log_probs, sampling_of
+from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
+from hybridrl.learner.reference import Reference
+from hybridrl.learner.shaping import RewardShaper
+from hybridrl.learner.state import load_trainable, save_trainable
+from hybridrl.learner.update import first_epoch_map, is_single_pass, run_updates
+from hybridrl.models.loading import load_model
+from hybridrl.parallel import distributed, weight_sync
+from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
+from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
-from hybridrl.trainers import weight_sync
-from hybridrl.trainers.metrics import batch_metrics, mean_over_ranks, staleness_metrics
-from hybridrl.trainers.shaping import RewardShaper
-from hybridrl.training import distributed
-from hybridrl.training import lora as lora_lib
-from hybridrl.training.buckets import BUCKET_BYTES, bucketed
-from hybridrl.training.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
-from hybridrl.training.logprob import response_log_probs, sampling_of
-from hybridrl.training.state import load_trainable, save_trainable
-from hybridrl.training.update import first_epoch_map, is_single_pass, run_updates
-from hybridrl.workers.common import load_model
-from hybridrl.workers.critic import Critic
-from hybridrl.workers.reference import Reference
 
 ROW = "update_row"  # a batch column: each row's index, so the update's forward can note its old log-probs
 
@@ -163,7 +162,7 @@ class Learner(Worker):
     @register(Dispatch.ALL_FIRST)
     def train_step(self, version: int, source) -> dict:
         """Train weights ``version`` on ``source``: the step's scored samples, or a trajectory buffer
-        (``trainers/buffer.py``) to take the next batch from. Returns ``metrics``, the trained prompts'
+        (``rollout/buffer.py``) to take the next batch from. Returns ``metrics``, the trained prompts'
         ``uids``, each sample's ``staleness`` (versions behind) and ``busy_s`` (time not spent waiting)."""
         t0 = time.perf_counter()
         samples = self._samples(source, version)
@@ -341,7 +340,7 @@ class Learner(Worker):
 
     @register(Dispatch.ALL_FIRST)
     def publish_weights(self, transport: str, version: int):
-        """Every rank: hand the weights to this learner's ``transport`` (``trainers/weight_sync.py``); the
+        """Every rank: hand the weights to this learner's ``transport`` (``parallel/weight_sync.py``); the
         handle the rollout loads from (rank 0)."""
         if transport not in self.transports:
             self.transports[transport] = weight_sync.make_transport(transport)
@@ -357,7 +356,7 @@ class Learner(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded model
-        + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of ``training/lora.py``); the critic
+        + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of ``learner/lora.py``); the critic
         the same way under ``critic_path`` when there is one."""
         if self.lora is not None:
             lora_lib.save_lora_checkpoint(

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridrl.config import Config
+from hybridrl.driver.checkpoint import latest_checkpoint
+from hybridrl.driver.evaluate import Evaluator
+from hybridrl.driver.placement import Roles, build_roles
+from hybridrl.driver.run_dir import open_run_dir, run_path, write_summary
+from hybridrl.driver.sft import ensure_warm_start
+from hybridrl.models.loading import load_tokenizer, make_task
 from hybridrl.rollout import SamplingParams
 from hybridrl.telemetry import MetricsLogger, PhaseTimer, write_report
-from hybridrl.trainers.checkpoint import latest_checkpoint
-from hybridrl.trainers.evaluate import Evaluator
-from hybridrl.trainers.roles import Roles, build_roles
-from hybridrl.trainers.run_dir import open_run_dir, run_path, write_summary
-from hybridrl.trainers.sft import ensure_warm_start
-from hybridrl.workers.common import load_tokenizer, make_task
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ machine.
 
 Training in bf16 is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``): parameters,
 gradients and optimizer state stay fp32 (the master weights); matmuls run in bf16; the loss math
-casts the logits to fp32 first (``training/logprob.py``). The rollout engine in bf16 holds bf16
+casts the logits to fp32 first (``learner/logprob.py``). The rollout engine in bf16 holds bf16
 weights and KV and reports fp32 log-probs (``rollout/precision.py``).
 
 ``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to without measuring: for
@@ -116,7 +116,7 @@ def _layer_call(model: nn.Module):
     """``fn(h)`` running a copy of the model's first decoder layer on hidden states ``h`` (batch,
     seq, hidden), or None when the model is not a transformers decoder with a rotary embedding (then
     the matmul probe is used)."""
-    from hybridrl.training.fsdp import decoder_layers
+    from hybridrl.parallel.fsdp import decoder_layers
 
     base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
     base = getattr(base, "model", base)  # a PEFT wrapper's inner transformers model

@@ -1,8 +1,8 @@
 """The asynchronous RL driver (``trainer.mode: async``; AReaL / LlamaRL style).
 
-Rollout ranks generate without pause (``workers/rollout_stream.py``) and put scored groups into the
-trajectory buffer (``trainers/buffer.py``), which admits new prompts only within the staleness bound
-``asynchronous.max_staleness``. The learner (``workers/learner.py``) takes each batch from the buffer
+Rollout ranks generate without pause (``rollout/stream.py``) and put scored groups into the
+trajectory buffer (``rollout/buffer.py``), which admits new prompts only within the staleness bound
+``asynchronous.max_staleness``. The learner (``learner/learner.py``) takes each batch from the buffer
 itself (``Learner.train_step``, the same call the synchronous driver makes with the step's samples).
 The driver schedules and monitors: train version v, sync the weights (the rollout is
 interrupted between two engine steps and continues every sequence), log, evaluate, checkpoint. No
@@ -17,9 +17,9 @@ import time
 from tqdm import tqdm
 
 from hybridrl.config import Config
-from hybridrl.trainers.buffer import make_buffer
-from hybridrl.trainers.checkpoint import save_checkpoint
-from hybridrl.trainers.session import open_session
+from hybridrl.driver.checkpoint import save_checkpoint
+from hybridrl.driver.session import open_session
+from hybridrl.rollout.buffer import make_buffer
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

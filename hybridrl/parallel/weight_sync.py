@@ -66,8 +66,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from hybridrl.parallel.buckets import BUCKET_BYTES, nbytes_of
 from hybridrl.registry import Registry
-from hybridrl.training.buckets import BUCKET_BYTES, nbytes_of
 
 __all__ = [
     "BUCKET_BYTES",
@@ -180,7 +180,7 @@ class FusedTransport(WeightTransport):
         return _rank0_buckets(source, self.bucket_bytes)
 
     def load(self, engine, handle: list[list[Named]] | None, version: int) -> int:
-        from hybridrl.training import distributed
+        from hybridrl.parallel import distributed
 
         if distributed.world_size() == 1:
             return engine.update_weights(_items(handle or []), version)
@@ -192,7 +192,7 @@ def _broadcast_buckets(buckets: list[list[Named]]) -> Iterator[Named]:
     receive each bucket as one flat tensor and yield views of it."""
     import torch.distributed as dist
 
-    from hybridrl.training import distributed
+    from hybridrl.parallel import distributed
 
     rank = distributed.rank()
     box = [[[(n, t.dtype, tuple(t.shape), nbytes_of(t)) for n, t in b] for b in buckets]]

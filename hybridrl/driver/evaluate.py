@@ -48,7 +48,7 @@ def model_accuracy(
 
     Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept between
     calls) and seeds each call from ``params.seed`` without touching the caller's RNG stream; scored by the
-    rollout's :class:`~hybridrl.workers.reward.Scorer`, as the RL evaluation is. Restores train mode.
+    rollout's :class:`~hybridrl.rollout.scoring.Scorer`, as the RL evaluation is. Restores train mode.
     """
     was_training = model.training
     try:
@@ -63,9 +63,9 @@ def model_accuracy(
 
 def evaluate_checkpoint(cfg) -> dict[str, float]:
     """``hybridrl eval``: accuracy of the checkpoint RL would start from (warm start or ``model.path``)."""
-    from hybridrl.trainers.roles import build_roles
-    from hybridrl.trainers.sft import ensure_warm_start
-    from hybridrl.workers.common import load_tokenizer, make_task
+    from hybridrl.driver.placement import build_roles
+    from hybridrl.driver.sft import ensure_warm_start
+    from hybridrl.models.loading import load_tokenizer, make_task
 
     path = ensure_warm_start(cfg, cfg.trainer.progress)
     roles = build_roles(cfg, path, path, learner=False)

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridrl.parallel import distributed
+from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.rollout.base import LORA_A, LORA_B, LORA_SCALING
-from hybridrl.training import distributed
-from hybridrl.training.buckets import BUCKET_BYTES, bucketed
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_DIR, STATE_DIR = "adapter", "lora_dcp"
@@ -135,7 +135,7 @@ def _scaling(module: nn.Module) -> float:
 
 # --- full values (collectives when sharded) ------------------------------------------------------------
 def _gather_device(model: nn.Module) -> torch.device:
-    from hybridrl.training.fsdp import is_sharded
+    from hybridrl.parallel.fsdp import is_sharded
 
     device = next(model.parameters()).device
     if (
@@ -150,7 +150,7 @@ def _gather_device(model: nn.Module) -> torch.device:
 def iter_full(model: nn.Module, which: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
     """``(peft_name, full value)`` of the parameters (``which``: all, adapter or base); every rank must iterate
     to the end (one all-gather per sharded parameter). Sharded values come back on the CPU."""
-    from hybridrl.training.fsdp import _full, is_sharded
+    from hybridrl.parallel.fsdp import _full, is_sharded
 
     sharded, device = is_sharded(model), _gather_device(model)
     for name, p in model.named_parameters():
@@ -241,7 +241,7 @@ def save_lora_checkpoint(
         get_optimizer_state_dict,
     )
 
-    from hybridrl.training.fsdp import _quiet_single_process, _replace_dir
+    from hybridrl.parallel.fsdp import _quiet_single_process, _replace_dir
 
     path = Path(path)
     merged = merged_weights(model)  # collective
@@ -305,7 +305,7 @@ def load_lora_state(
         set_optimizer_state_dict,
     )
 
-    from hybridrl.training.fsdp import _quiet_single_process
+    from hybridrl.parallel.fsdp import _quiet_single_process
 
     path = Path(path)
     if not is_lora_checkpoint(path):

@@ -15,14 +15,14 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
 from hybridrl.config import Config
+from hybridrl.learner.logprob import batch_map
+from hybridrl.learner.state import load_trainable, save_trainable
+from hybridrl.learner.update import run_updates
 from hybridrl.models.factory import model_size_config
+from hybridrl.models.loading import load_tokenizer
+from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
+from hybridrl.parallel.precision import autocast
 from hybridrl.protocol import Batch
-from hybridrl.training.fsdp import fsdp_config_of, prepare_model
-from hybridrl.training.logprob import batch_map
-from hybridrl.training.precision import autocast
-from hybridrl.training.state import load_trainable, save_trainable
-from hybridrl.training.update import run_updates
-from hybridrl.workers.common import load_tokenizer
 
 
 def build_value_model(cfg: Config, model_path: str | None):
