@@ -22,6 +22,7 @@ log-probs from it instead (π_old := sg[π_θ], ratio exactly 1) and runs no sep
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -191,7 +192,7 @@ class Learner(Worker):
             with timer.phase("critic_update"):
                 metrics |= on_my_rows(self.critic.update, batch)
         with timer.phase("update"):
-            metrics |= on_my_rows(self.update_policy, batch)
+            metrics |= on_my_rows(partial(self.update_policy, loss_fn=self.policy_loss), batch)
         if reuse:  # the update's first forward computed them: the gap metrics come now
             batch |= on_my_rows(self.old_log_probs_of_last_update, batch)
             batch, correction = rollout_correction(batch, alg)
@@ -253,8 +254,8 @@ class Learner(Worker):
         )
 
     @register(Dispatch.DP_COMPUTE)
-    def update_policy(self, batch: Batch) -> dict[str, float]:
-        """Train on ``batch`` with :meth:`policy_loss`. Without ``old_log_probs`` the old policy is the
+    def update_policy(self, batch: Batch, loss_fn=None) -> dict[str, float]:
+        """Train on ``batch`` with ``loss_fn`` (each micro-batch's objective; default :meth:`policy_loss`). Without ``old_log_probs`` the old policy is the
         update's own first forward, which needs one epoch over one mini-batch (checked over the global batch);
         a model with dropout in training mode computes them with the separate pass instead. Either way
         :meth:`old_log_probs_of_last_update` returns them afterwards; ``actor/old_log_prob_reused`` is 1 when
@@ -273,7 +274,7 @@ class Learner(Worker):
             self.model,
             self.optimizer,
             batch,
-            self.policy_loss,
+            loss_fn or self.policy_loss,
             self.cfg.actor,
             generator=self.shuffle,
             norm_len=self.cfg.loss_norm_len,
