@@ -144,7 +144,11 @@ class StubLearner:
         self.calls.append("old")
         return Batch({"old_log_probs": OLD})
 
-    def update_policy(self, batch):
+    def policy_loss(self, mb, totals):  # never called: the stub's update does not run micro-batches
+        raise AssertionError("policy_loss called")
+
+    def update_policy(self, batch, loss_fn=None):
+        assert loss_fn == self.policy_loss  # train_step names the objective it trains
         self.updated = batch
         return {"actor/pg_loss": 0.0}
 
