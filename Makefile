@@ -7,7 +7,7 @@ CONFIG  ?= examples/arith_grpo.yaml
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test test-all venv clean
+.PHONY: train test test-all lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ train: venv
 
 test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-all: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
