@@ -56,7 +56,8 @@ class PoolConfig:
     gpus_per_worker: float = _f(0.0, "GPUs reserved per worker (ray backend)", ge=0)
     resources: dict[str, float] = _f(
         {},
-        "custom Ray resources reserved per worker, e.g. {node1: 0.01}: pins the pool to nodes offering them (ray backend)",
+        "custom Ray resources reserved per worker, e.g. {node1: 0.01}: pins the pool to nodes "
+        "offering them (ray backend)",
     )
     num_threads: int | None = _f(
         None, "torch threads of this pool's workers (null: controller.num_threads)", ge=1
@@ -65,7 +66,10 @@ class PoolConfig:
 
 ROLES = ("learner", "rollout")  # the processes a run places: the trained models, the generation
 FORMER_ROLES = {  # placement keys of earlier versions, and what replaced them
-    "actor": "the actor, reference and critic are parts of the learner: place them with placement.learner",
+    "actor": (
+        "the actor, reference and critic are parts of the learner: "
+        "place them with placement.learner"
+    ),
     "reference": "the reference is part of the learner: place it with placement.learner",
     "critic": "the critic is part of the learner: place it with placement.learner",
     "reward": "samples are scored on the rollout ranks that generate them: drop placement.reward",
@@ -90,8 +94,8 @@ class ControllerConfig:
     )
     pg_timeout_s: float = _f(
         600.0,
-        "seconds a torch.distributed collective or rendezvous waits for a missing peer before it fails "
-        "(ray backend, world size > 1)",
+        "seconds a torch.distributed collective or rendezvous waits for a missing peer before it "
+        "fails (ray backend, world size > 1)",
         gt=0,
     )
 
@@ -111,7 +115,8 @@ class ControllerConfig:
                 )
             if pool not in self.pools:
                 raise ValueError(
-                    f"placement.{role} names pool {pool!r}, which is not in pools ({', '.join(self.pools)})"
+                    f"placement.{role} names pool {pool!r}, which is not in pools "
+                    f"({', '.join(self.pools)})"
                 )
 
 
@@ -119,7 +124,8 @@ class ControllerConfig:
 class RolloutConfig:
     backend: str = _f(
         "native",
-        "rollout backend: native (paged-KV engine), hf (transformers generate) or a registered/dotted one",
+        "rollout backend: native (paged-KV engine), hf (transformers generate) or a "
+        "registered/dotted one",
     )
     temperature: float = _f(1.0, "sampling temperature (0: greedy)", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
@@ -157,18 +163,21 @@ class RolloutConfig:
     )
     engine_model_path: str | None = _f(
         None,
-        "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and tokenizer are saved to a temporary directory)",
+        "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and "
+        "tokenizer are saved to a temporary directory)",
     )
     gpu_memory_utilization: float = _f(
         0.5,
-        "vllm, sglang: share of GPU memory the engine takes for weights and KV cache (sglang: mem_fraction_static)",
+        "vllm, sglang: share of GPU memory the engine takes for weights and KV cache "
+        "(sglang: mem_fraction_static)",
         gt=0,
         le=1,
     )
     tensor_parallel_size: int = _f(1, "vllm, sglang: GPUs the engine shards the model over", ge=1)
     engine_kwargs: dict = _f(
         {},
-        "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine (e.g. {dtype: bfloat16})",
+        "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine "
+        "(e.g. {dtype: bfloat16})",
     )
 
 
@@ -211,13 +220,13 @@ LOSS_AGG_MODES = [
 class AlgorithmConfig:
     advantage: str = _f(
         "grpo",
-        "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, remax, grpo_passk, "
-        "opo (registry name or dotted path)",
+        "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, "
+        "remax, grpo_passk, opo (registry name or dotted path)",
     )
     policy_loss: str = _f(
         "auto",
-        "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo, cispo, gmpo, clip_cov, kl_cov, sapo "
-        "(registry name or dotted path); "
+        "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo, cispo, gmpo, clip_cov, kl_cov, "
+        "sapo (registry name or dotted path); "
         "auto: decoupled_ppo when trainer.mode is async, else ppo_clip",
     )
     norm_adv_by_std: bool = _f(True, "grpo, grpo_passk: divide by the group's std (false: Dr.GRPO)")
@@ -269,7 +278,8 @@ class AlgorithmConfig:
     )
     clip_cov_seed: int = _f(
         0,
-        "clip_cov: seed of the random choice among candidates (mixed with a hash of the micro-batch)",
+        "clip_cov: seed of the random choice among candidates "
+        "(mixed with a hash of the micro-batch)",
     )
     kl_cov_ratio: float = _f(
         2e-3,
@@ -358,7 +368,7 @@ class CriticConfig:
 
 @dataclass
 class FSDPConfig:
-    """How trained roles (actor, critic) and the reference are sharded when their world size is > 1."""
+    """How trained roles (actor, critic) and the reference are sharded at world size > 1."""
 
     strategy: Literal["fsdp2", "none"] = _f(
         "fsdp2",
@@ -411,7 +421,8 @@ class SFTConfig:
     lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
     checkpoint: str | None = _f(
         None,
-        "warm-start checkpoint directory (null: a cache path derived from the model/task/sft config)",
+        "warm-start checkpoint directory "
+        "(null: a cache path derived from the model/task/sft config)",
     )
     enabled: bool = _f(True, "run (or reuse) the warm start before RL")
 
@@ -481,8 +492,9 @@ class Config:
             pool = self.controller.pools[self.controller.placement["learner"]]
             if pool.nodes * pool.workers_per_node > 1:
                 raise ValueError(
-                    f"the learner pool has {pool.nodes * pool.workers_per_node} workers: more than one "
-                    "learner rank needs one process per rank, i.e. controller.backend=ray"
+                    f"the learner pool has {pool.nodes * pool.workers_per_node} workers: "
+                    "more than one learner rank needs one process per rank, "
+                    "i.e. controller.backend=ray"
                 )
         if self.trainer.mode == "async":
             self._validate_async()
@@ -493,12 +505,13 @@ class Config:
         samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
         if samples % self.actor.ppo_minibatch_size:
             raise ValueError(
-                f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} must be a multiple of "
-                f"actor.ppo_minibatch_size = {self.actor.ppo_minibatch_size}"
+                f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} must be a "
+                f"multiple of actor.ppo_minibatch_size = {self.actor.ppo_minibatch_size}"
             )
 
     def _validate_estimator(self) -> None:
-        """What the advantage estimator declares it needs (attributes, not names) against the rest of the config."""
+        """What the advantage estimator declares it needs (attributes, not names) against the rest
+        of the config."""
         from hybridrl.algorithms.advantages import (
             ADVANTAGES,  # lazy: only the estimator's attributes are read
         )
@@ -524,6 +537,7 @@ class Config:
         place = self.controller.placement
         if self.controller.backend == "ray" and place["rollout"] == place["learner"]:
             raise ValueError(
-                "trainer.mode=async with controller.backend=ray: the rollout needs its own pool (rollout and "
-                "training run at the same time); map placement.rollout to a pool other than the learner's"
+                "trainer.mode=async with controller.backend=ray: the rollout needs its own pool "
+                "(rollout and training run at the same time); "
+                "map placement.rollout to a pool other than the learner's"
             )

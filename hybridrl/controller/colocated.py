@@ -1,15 +1,16 @@
 """Several roles in one process per device slot (colocation).
 
-Under the ``ray`` backend, roles placed on the same pool could each get their own actor on every slot
-(one process per role per device). A :class:`ColocatedWorker` instead holds one worker of every such role
-in a single process, so the roles hand tensors to each other in memory (weight sync without Ray), share
-the process's torch.distributed group, and take turns on the device: before a call into a role, every
-other role that has a ``sleep`` method sleeps (the learner moves its training state to host memory, the
-rollout frees its KV cache) and the called role wakes (``wake``), each only when the turn changes.
+Under the ``ray`` backend, roles placed on the same pool could each get their own actor on every
+slot (one process per role per device). A :class:`ColocatedWorker` instead holds one worker of every
+such role in a single process, so the roles hand tensors to each other in memory (weight sync
+without Ray), share the process's torch.distributed group, and take turns on the device: before a
+call into a role, every other role that has a ``sleep`` method sleeps (the learner moves its
+training state to host memory, the rollout frees its KV cache) and the called role wakes (``wake``),
+each only when the turn changes.
 
-The driver still sees one object per role: :class:`RoleView` exposes the ``@register``-ed methods of a
-role's class, with their dispatch modes, on top of the colocated group, so ``roles.learner.train_step(...)``
-reads the same whether the learner shares its processes or not.
+The driver still sees one object per role: :class:`RoleView` exposes the ``@register``-ed methods of
+a role's class, with their dispatch modes, on top of the colocated group, so
+``roles.learner.train_step(...)`` reads the same whether the learner shares its processes or not.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ class ColocatedWorker(Worker):
 
 
 class RoleView:
-    """One role of a WorkerGroup of :class:`ColocatedWorker`: the role class's registered methods as proxies,
-    plus ``apply_all``, ``world_size``, ``methods`` -- what the driver uses of a WorkerGroup."""
+    """One role of a WorkerGroup of :class:`ColocatedWorker`: the role class's registered methods as
+    proxies, plus ``apply_all``, ``world_size``, ``methods`` -- what the driver uses of a
+    WorkerGroup."""
 
     def __init__(self, group, role: str, cls: type):
         self.group, self.role, self.cls = group, role, cls

@@ -109,7 +109,10 @@ class WorkerGroup:
         return dict(self._methods)
 
     def __repr__(self) -> str:
-        return f"WorkerGroup({self.cls.__name__}, role={self.role!r}, pool={self.pool.name!r}, world_size={self.world_size}, backend={self.backend_name!r})"
+        return (
+            f"WorkerGroup({self.cls.__name__}, role={self.role!r}, pool={self.pool.name!r}, "
+            f"world_size={self.world_size}, backend={self.backend_name!r})"
+        )
 
     # --- calls ---------------------------------------------------------------
     def _proxy(self, name: str, mode: Dispatch):
@@ -139,8 +142,9 @@ class WorkerGroup:
         return self._run(name, [(rank, args, kwargs)])[0]
 
     def apply_all(self, fn, *args, **kwargs) -> list:
-        """``fn(worker, *args, **kwargs)`` on every rank (in the rank's process); per-rank results in rank order.
-        Under ray ``fn`` must be importable (or pickled by value) in the worker processes."""
+        """``fn(worker, *args, **kwargs)`` on every rank (in the rank's process); per-rank results
+        in rank order. Under ray ``fn`` must be importable (or pickled by value) in the worker
+        processes."""
         return self._run("apply", plan(Dispatch.ONE_TO_ALL, self.world_size, (fn, *args), kwargs))
 
     def _check_method(self, name: str) -> None:
@@ -151,15 +155,16 @@ class WorkerGroup:
         # only reached when normal lookup fails: explain unregistered methods
         if not name.startswith("_") and callable(getattr(self.__dict__.get("cls"), name, None)):
             raise AttributeError(
-                f"{self.cls.__name__}.{name} is not marked with @register, so the group has no proxy for it; "
-                f"mark it or use execute_all({name!r}, ...)"
+                f"{self.cls.__name__}.{name} is not marked with @register, so the group has no "
+                f"proxy for it; mark it or use execute_all({name!r}, ...)"
             )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # --- lifetime ------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop the group's workers (the pool stays reserved for others). Under ray every rank's actor
-        is killed, busy or dead; a kill that fails is raised only after the others were tried."""
+        """Stop the group's workers (the pool stays reserved for others). Under ray every rank's
+        actor is killed, busy or dead; a kill that fails is raised only after the others were
+        tried."""
         self._backend.shutdown()
 
     def __enter__(self) -> WorkerGroup:

@@ -1,9 +1,10 @@
-"""Bucketing a stream of named tensors for weight sync: the one place that decides bucket boundaries.
+"""Bucketing a stream of named tensors for weight sync: the one place that decides bucket
+boundaries.
 
-A bucket holds consecutive ``(name, tensor)`` pairs of at most ``bucket_bytes`` in all; a tensor larger than
-that is a bucket of its own. Every producer of weight buckets (the FSDP gather, the LoRA adapters, the
-rollout adapters that hand weights to an external engine) cuts its stream here, so a bucket size means the
-same thing everywhere.
+A bucket holds consecutive ``(name, tensor)`` pairs of at most ``bucket_bytes`` in all; a tensor
+larger than that is a bucket of its own. Every producer of weight buckets (the FSDP gather, the LoRA
+adapters, the rollout adapters that hand weights to an external engine) cuts its stream here, so a
+bucket size means the same thing everywhere.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ def nbytes_of(t: Tensor) -> int:
 def bucketed(
     named: Iterable[tuple[str, Tensor]], bucket_bytes: int = BUCKET_BYTES, *, keep: bool = True
 ) -> Iterator[list[tuple[str, Tensor]]]:
-    """Consecutive buckets of ``named``, each of at most ``bucket_bytes`` (or one larger tensor); only one
-    bucket is held at a time and the stream is read once, lazily.
+    """Consecutive buckets of ``named``, each of at most ``bucket_bytes`` (or one larger tensor);
+    only one bucket is held at a time and the stream is read once, lazily.
 
-    ``keep=False``: the stream is still consumed and cut at the same boundaries, but every bucket comes out
-    empty. Ranks that take part in a collective gather without receiving its result use it to yield in the
-    same rhythm as the rank that keeps the tensors.
+    ``keep=False``: the stream is still consumed and cut at the same boundaries, but every bucket
+    comes out empty. Ranks that take part in a collective gather without receiving its result use it
+    to yield in the same rhythm as the rank that keeps the tensors.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

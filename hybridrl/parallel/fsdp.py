@@ -1,7 +1,8 @@
 """The FSDP2 training engine: sharding a transformers model with ``fully_shard``, gathering its full
 weights in bounded buckets, and sharded checkpoints with torch.distributed.checkpoint (DCP).
 
-Sharding (``FSDPConfig.sharding``), in ZeRO's terms (Rajbhandari et al. 1910.02054; Ψ parameters, N ranks):
+Sharding (``FSDPConfig.sharding``), in ZeRO's terms
+(Rajbhandari et al. 1910.02054; Ψ parameters, N ranks):
 
 * ``full``: ZeRO-3-like. Parameters, gradients and optimizer states sharded; each decoder layer's
   parameters are all-gathered for its forward, freed after it (``reshard_after_forward=True``) and
@@ -56,9 +57,10 @@ def fsdp_config_of(cfg) -> FSDPConfig:
     return getattr(cfg, "fsdp", None) or FSDPConfig()
 
 
-# --- wrapping -------------------------------------------------------------------------------------------
+# --- wrapping -------------------------------------------------------------------------------------
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks (``model.model.layers`` for Qwen2/Llama-style transformers models)."""
+    """The repeated transformer blocks (``model.model.layers`` for Qwen2/Llama-style transformers
+    models)."""
     base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
     layers = getattr(base, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
@@ -75,7 +77,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute every decoder layer in backward (only the layer inputs are kept: O(L) activations)."""
+    """Recompute every decoder layer in backward (only the layer inputs are kept: O(L)
+    activations)."""
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False}
@@ -84,15 +87,16 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         raise TypeError(
-            f"{type(model).__name__} is not a transformers model: no per-layer activation checkpointing"
+            f"{type(model).__name__} is not a transformers model: "
+            "no per-layer activation checkpointing"
         )
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
 
 
 def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
-    """FSDP2's parameter / reduction dtypes. On a CPU always fp32: bf16 there is autocast over fp32 parameters
-    (:func:`prepare_model`), so gathers, gradients and optimizer state stay fp32."""
+    """FSDP2's parameter / reduction dtypes. On a CPU always fp32: bf16 there is autocast over fp32
+    parameters (:func:`prepare_model`), so gathers, gradients and optimizer state stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     bf16 = device.type == "cuda" and cfg.mixed_precision in ("bf16", "auto")
@@ -102,10 +106,10 @@ def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
 
 
 def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
-    """The CPU compute precision ``fsdp.mixed_precision`` resolves to for ``model`` (still unsharded: ``auto``
-    measures forward + backward of a copy of one of its layers, ``parallel/precision.py``). With a process
-    group, ``auto`` gives bf16 only if every rank measured it so, so that the ranks of a role compute alike.
-    Every rank must call."""
+    """The CPU compute precision ``fsdp.mixed_precision`` resolves to for ``model`` (still
+    unsharded: ``auto`` measures forward + backward of a copy of one of its layers,
+    ``parallel/precision.py``). With a process group, ``auto`` gives bf16 only if every rank
+    measured it so, so that the ranks of a role compute alike. Every rank must call."""
     from hybridrl.parallel import precision
 
     prec = precision.cpu_precision(
@@ -126,16 +130,17 @@ def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
 def prepare_model(
     model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable: bool = True
 ) -> nn.Module:
-    """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder layer + root
-    when the rank has a process group (world size > 1, or a launcher-made group of one: e.g. one GPU with
-    CPU offload); no group: the module moved to ``env.device``, unwrapped. On a CPU the model is then marked
-    for bf16 autocast when ``fsdp.mixed_precision`` resolves to bf16 (:func:`cpu_precision_of`); on CUDA
-    FSDP2's policy applies (:func:`mixed_precision_policy`). One log line says which precision runs and why."""
+    """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder
+    layer + root when the rank has a process group (world size > 1, or a launcher-made group of one:
+    e.g. one GPU with CPU offload); no group: the module moved to ``env.device``, unwrapped. On a
+    CPU the model is then marked for bf16 autocast when ``fsdp.mixed_precision`` resolves to bf16
+    (:func:`cpu_precision_of`); on CUDA FSDP2's policy applies (:func:`mixed_precision_policy`).
+    One log line says which precision runs and why."""
     from hybridrl.parallel.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
-    # the reference follows the actor's verdict (the same forward + backward measurement, cached): at equal
-    # weights its log-probs equal the actor's, so the KL term starts at exactly 0
+    # the reference follows the actor's verdict (the same forward + backward measurement, cached):
+    # at equal weights its log-probs equal the actor's, so the KL term starts at exactly 0
     prec = cpu_precision_of(model, cfg) if env.device.type == "cpu" else None
     model = _prepare(model, cfg, env, trainable)
     if prec is None:
@@ -175,8 +180,9 @@ def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -
     reshard = cfg.sharding == "full"
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard, **common)
-    # the root's parameters (embeddings, final norm, head) are used last in forward and first in backward:
-    # keeping them gathered in between saves one all-gather (it costs the unsharded root until backward)
+    # the root's parameters (embeddings, final norm, head) are used last in forward and first in
+    # backward: keeping them gathered in between saves one all-gather (it costs the unsharded root
+    # until backward)
     fully_shard(model, reshard_after_forward=False, **common)
     # every unit: sum over ranks (losses carry the global normalisation)
     for module in model.modules():
@@ -193,7 +199,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
-    """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: measure only); the norm before."""
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: measure only); the
+    norm before."""
     norm = torch.nn.utils.clip_grad_norm_(
         [p for p in model.parameters() if p.grad is not None], max_norm or float("inf")
     )
@@ -202,9 +209,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     return float(norm.item())
 
 
-# --- full weights -----------------------------------------------------------------------------------------
+# --- full weights ---------------------------------------------------------------------------------
 def _full(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The unsharded value of a parameter (a collective when it is a DTensor: every rank must call)."""
+    """The unsharded value of a parameter (a collective when it is a DTensor: every rank must
+    call)."""
     from torch.distributed.tensor import DTensor
 
     p = p.detach()
@@ -225,13 +233,13 @@ def iter_weight_buckets(
     device: torch.device | None = None,
     dst: int = 0,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one tensor),
-    cut by :func:`hybridrl.parallel.buckets.bucketed`.
+    """The full parameters as buckets of ``(name, tensor)`` of at most ``bucket_bytes`` (or one
+    tensor), cut by :func:`hybridrl.parallel.buckets.bucketed`.
 
-    Every rank must iterate to the end (each sharded parameter is one all-gather); rank ``dst`` gets the
-    tensors (on the CPU when sharded), every other rank gets empty buckets in the same rhythm. Only one
-    bucket is held at a time. Names are the model's own (``named_parameters``; a tied head appears once).
-    An unsharded model yields its parameters themselves (detached, no copy).
+    Every rank must iterate to the end (each sharded parameter is one all-gather); rank ``dst`` gets
+    the tensors (on the CPU when sharded), every other rank gets empty buckets in the same rhythm.
+    Only one bucket is held at a time. Names are the model's own (``named_parameters``; a tied head
+    appears once). An unsharded model yields its parameters themselves (detached, no copy).
     """
     sharded = is_sharded(model)
     device = device or next(model.parameters()).device
@@ -263,7 +271,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd if distributed.rank() == 0 else {}
 
 
-# --- sharded checkpoints ----------------------------------------------------------------------------------
+# --- sharded checkpoints --------------------------------------------------------------------------
 def is_complete(path: str | Path) -> bool:
     """A finished :func:`save_sharded` checkpoint (not a temporary directory)."""
     path = Path(path)
@@ -308,7 +316,8 @@ def _states(model: nn.Module, optimizer) -> dict:
 def save_sharded(
     path: str | Path, model: nn.Module, optimizer=None, extra: dict | None = None
 ) -> Path:
-    """Every rank writes its shards of model (+ optimizer) to ``path`` (one DCP checkpoint), rank 0 ``extra``.
+    """Every rank writes its shards of model (+ optimizer) to ``path`` (one DCP checkpoint), rank 0
+    ``extra``.
 
     ``extra``: plain state (tensors, numbers, strings, lists, dicts): LR scheduler, RNG states, data
     position, step. Written to ``.<name>.tmp`` next to ``path`` and renamed when complete. All ranks
@@ -334,8 +343,8 @@ def save_sharded(
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
-    """Load model (+ optimizer) shards from a :func:`save_sharded` checkpoint, whatever the world size that
-    wrote it (DCP reshards); returns the ``extra`` state."""
+    """Load model (+ optimizer) shards from a :func:`save_sharded` checkpoint, whatever the world
+    size that wrote it (DCP reshards); returns the ``extra`` state."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -364,11 +373,11 @@ def export_hf(
     config_dir: str | Path | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a transformers-format directory (config, safetensors weights, tokenizer when found) from a sharded
-    checkpoint, in one process (no group needed).
+    """Write a transformers-format directory (config, safetensors weights, tokenizer when found)
+    from a sharded checkpoint, in one process (no group needed).
 
-    ``checkpoint``: a :func:`save_sharded` directory or a worker checkpoint holding one under ``dcp/``;
-    ``config_dir``: where ``config.json`` is (default: ``checkpoint``, then its parent).
+    ``checkpoint``: a :func:`save_sharded` directory or a worker checkpoint holding one under
+    ``dcp/``; ``config_dir``: where ``config.json`` is (default: ``checkpoint``, then its parent).
     """
     import torch.distributed.checkpoint as dcp
     import transformers

@@ -1,54 +1,58 @@
-"""Weight sync trained side -> rollout: bucketed, versioned, never one call per tensor, through a transport.
+"""Weight sync trained side -> rollout: bucketed, versioned, never one call per tensor, through a
+transport.
 
 A transport is an object with two halves and a lifetime, one instance per process that takes part:
 
-* ``publish(source, version)`` runs on every rank of the trained side (a collective where the weights are
-  sharded) and returns a small *handle* on rank 0, None on the other ranks;
+* ``publish(source, version)`` runs on every rank of the trained side (a collective where the
+  weights are sharded) and returns a small *handle* on rank 0, None on the other ranks;
 * ``load(engine, handle, version) -> int`` runs on every rollout rank with rank 0's handle and calls
-  ``engine.update_weights(iterator of (name, tensor), version)``; it returns what that returns (the number
-  of tensors loaded);
-* ``close()`` releases what the instance holds (staging files, mappings); a closed transport may be used
-  again (it allocates afresh). Instances are context managers.
+  ``engine.update_weights(iterator of (name, tensor), version)``; it returns what that returns (the
+  number of tensors loaded);
+* ``close()`` releases what the instance holds (staging files, mappings); a closed transport may be
+  used again (it allocates afresh). Instances are context managers.
 
-The driver only passes handles, never the bytes. Transports (:data:`TRANSPORTS`, :func:`make_transport`;
-:func:`choose_transport` picks one from where the roles live):
+The driver only passes handles, never the bytes. Transports (:data:`TRANSPORTS`,
+:func:`make_transport`; :func:`choose_transport` picks one from where the roles live):
 
-* ``fused``: the trained roles and the rollout share one process per rank and one process group. Rank 0's
-  handle is its buckets; its rollout loads them as they are, and each bucket is broadcast as one flat byte
-  tensor over the group (gloo / NCCL) to the other ranks' rollouts.
-* ``memory``: everything in one process (``local`` backend): the handle is rank 0's buckets, the tensors
-  themselves, no copy.
-* ``shm``: separate processes on one node. Rank 0 copies the buckets into a shared-memory staging file
-  (``/dev/shm``, kept and reused across syncs so its pages are faulted in once) and the handle is its path
-  and layout; each rollout process maps the file once and copies from it into its live weights: two
-  memcpys in all. The file is overwritten by the next publish, so syncs must not overlap (load before
-  publishing again).
-* ``store``: across nodes. Rank 0 puts every bucket into Ray's object store as numpy arrays and the handle
-  is the list of references; each rollout process fetches the buckets one at a time (Ray moves them
-  between nodes).
+* ``fused``: the trained roles and the rollout share one process per rank and one process group.
+  Rank 0's handle is its buckets; its rollout loads them as they are, and each bucket is broadcast
+  as one flat byte tensor over the group (gloo / NCCL) to the other ranks' rollouts.
+* ``memory``: everything in one process (``local`` backend): the handle is rank 0's buckets, the
+  tensors themselves, no copy.
+* ``shm``: separate processes on one node. Rank 0 copies the buckets into a shared-memory staging
+  file (``/dev/shm``, kept and reused across syncs so its pages are faulted in once) and the handle
+  is its path and layout; each rollout process maps the file once and copies from it into its live
+  weights: two memcpys in all. The file is overwritten by the next publish, so syncs must not
+  overlap (load before publishing again).
+* ``store``: across nodes. Rank 0 puts every bucket into Ray's object store as numpy arrays and the
+  handle is the list of references; each rollout process fetches the buckets one at a time (Ray
+  moves them between nodes).
 
 The source (the trained side's worker) offers ``weight_buckets(bucket_bytes)`` (rank 0 returns the
-buckets of ``(name, tensor)``, the other ranks ``[]``; every rank must call it), ``model``, ``world_size``
-and ``lora`` (None without LoRA). Whatever ``weight_buckets`` yields (full weights, LoRA adapters, merged
-deltas) is what travels; nothing here knows about adapters.
+buckets of ``(name, tensor)``, the other ranks ``[]``; every rank must call it), ``model``,
+``world_size`` and ``lora`` (None without LoRA). Whatever ``weight_buckets`` yields (full weights,
+LoRA adapters, merged deltas) is what travels; nothing here knows about adapters.
 
-Re-homing (``shm`` only). A single-rank source without LoRA whose parameters are all on the CPU and which
-offers the two methods below has its parameters moved into the staging file on the first publish (each
-one a view of the file): the optimizer then updates them in place there and later publishes copy
-nothing, leaving one memcpy in all, on the rollout side. The transport never touches the parameters
-itself; the source moves its own, with the helpers of this module:
+Re-homing (``shm`` only). A single-rank source without LoRA whose parameters are all on the CPU and
+which offers the two methods below has its parameters moved into the staging file on the first
+publish (each one a view of the file): the optimizer then updates them in place there and later
+publishes copy nothing, leaving one memcpy in all, on the rollout side. The transport never touches
+the parameters itself; the source moves its own, with the helpers of this module:
 
 * ``source.rehome_parameters(stage: StagingFile) -> Layout``: move the parameters into ``stage`` and
-  return their layout; implemented as ``return rehome(self.model, stage)``. Called by ``publish`` once,
-  and again if a parameter was replaced since (a checkpoint load that assigns new tensors, for example).
-* ``source.unhome_parameters(stage: StagingFile) -> None``: give every parameter that lives in ``stage``
-  its own memory again; implemented as ``unhome(self.model, stage)``. Called by ``close()`` (and before a
-  re-homing into a new file) while the source is still alive, so the file can be unmapped and removed.
+  return their layout; implemented as ``return rehome(self.model, stage)``. Called by ``publish``
+  once, and again if a parameter was replaced since (a checkpoint load that assigns new tensors, for
+  example).
+* ``source.unhome_parameters(stage: StagingFile) -> None``: give every parameter that lives in
+  ``stage`` its own memory again; implemented as ``unhome(self.model, stage)``. Called by
+  ``close()`` (and before a re-homing into a new file) while the source is still alive, so the file
+  can be unmapped and removed.
 
-At shutdown the source's process calls ``close()`` on its transport: the parameters leave the staging file
-(through ``unhome_parameters``), then the file is unmapped and removed. A transport that is garbage
-collected or still open at interpreter exit removes its file (its own ``weakref.finalize``); parameters
-still inside it keep the mapping, and so their values, until they are freed.
+At shutdown the source's process calls ``close()`` on its transport: the parameters leave the
+staging file (through ``unhome_parameters``), then the file is unmapped and removed. A transport
+that is garbage collected or still open at interpreter exit removes its file (its own
+``weakref.finalize``); parameters still inside it keep the mapping, and so their values, until they
+are freed.
 """
 
 from __future__ import annotations
@@ -109,7 +113,8 @@ class WeightSource(Protocol):
 
 
 class WeightTransport:
-    """Base of the transports: ``publish`` on the trained side, ``load`` on the rollout side, ``close``."""
+    """Base of the transports: ``publish`` on the trained side, ``load`` on the rollout side,
+    ``close``."""
 
     name = ""
 
@@ -153,7 +158,7 @@ def _items(buckets: list[list[Named]]) -> Iterator[Named]:
         yield from bucket
 
 
-# --- memory: one process -----------------------------------------------------------------------------------
+# --- memory: one process --------------------------------------------------------------------------
 @TRANSPORTS.register("memory")
 class MemoryTransport(WeightTransport):
     """One process: the handle is rank 0's buckets themselves, loaded without a copy."""
@@ -167,12 +172,13 @@ class MemoryTransport(WeightTransport):
         return engine.update_weights(_items(handle), version)
 
 
-# --- fused: one process group, rank 0's buckets broadcast -------------------------------------------------
+# --- fused: one process group, rank 0's buckets broadcast -----------------------------------------
 @TRANSPORTS.register("fused")
 class FusedTransport(WeightTransport):
-    """Trained side and rollout in the same processes and process group: ``publish`` and ``load`` run in the
-    same process on every rank; rank 0's rollout loads its buckets in memory, the other ranks' rollouts
-    receive them by broadcast (one per bucket, into a reused buffer). Every rank must call both."""
+    """Trained side and rollout in the same processes and process group: ``publish`` and ``load``
+    run in the same process on every rank; rank 0's rollout loads its buckets in memory, the other
+    ranks' rollouts receive them by broadcast (one per bucket, into a reused buffer). Every rank
+    must call both."""
 
     name = "fused"
 
@@ -188,8 +194,8 @@ class FusedTransport(WeightTransport):
 
 
 def _broadcast_buckets(buckets: list[list[Named]]) -> Iterator[Named]:
-    """Rank 0's buckets on every rank of the default group: rank 0 yields its own tensors; the others
-    receive each bucket as one flat tensor and yield views of it."""
+    """Rank 0's buckets on every rank of the default group: rank 0 yields its own tensors; the
+    others receive each bucket as one flat tensor and yield views of it."""
     import torch.distributed as dist
 
     from hybridrl.parallel import distributed
@@ -221,10 +227,10 @@ def _broadcast_buckets(buckets: list[list[Named]]) -> Iterator[Named]:
             offset += nbytes
 
 
-# --- store: Ray's object store, across nodes ---------------------------------------------------------------
+# --- store: Ray's object store, across nodes ------------------------------------------------------
 def pack(bucket: list[Named]) -> tuple[list[tuple[str, str, tuple]], list[np.ndarray]]:
-    """``(meta, arrays)``: one uint8 array per tensor (any dtype, bf16 included), what Ray's object store
-    serialises without copying."""
+    """``(meta, arrays)``: one uint8 array per tensor (any dtype, bf16 included), what Ray's object
+    store serialises without copying."""
     meta, arrays = [], []
     for name, t in bucket:
         t = t.detach()
@@ -246,8 +252,8 @@ def unpack(packed) -> Iterator[Named]:
 
 @TRANSPORTS.register("store")
 class StoreTransport(WeightTransport):
-    """Across nodes: the handle is one object-store reference per bucket; each rollout process fetches the
-    buckets one at a time. The references are released when the handle is dropped."""
+    """Across nodes: the handle is one object-store reference per bucket; each rollout process
+    fetches the buckets one at a time. The references are released when the handle is dropped."""
 
     name = "store"
 
@@ -267,7 +273,7 @@ class StoreTransport(WeightTransport):
         return engine.update_weights(items(), version)
 
 
-# --- shm: a shared-memory staging file, one node -----------------------------------------------------------
+# --- shm: a shared-memory staging file, one node --------------------------------------------------
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -304,8 +310,8 @@ class StagingFile:
         return self.buf.data_ptr()
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...], offset: int) -> torch.Tensor:
-        """A tensor over the file's bytes at ``offset``, with a storage object of its own (a checkpoint
-        must not see every parameter in one shared storage)."""
+        """A tensor over the file's bytes at ``offset``, with a storage object of its own (a
+        checkpoint must not see every parameter in one shared storage)."""
         count = 1
         for d in shape:
             count *= d
@@ -346,9 +352,10 @@ def _rehome_layout(model: nn.Module) -> tuple[Layout, int]:
 
 
 def rehome(model: nn.Module, stage: StagingFile) -> Layout:
-    """Move ``model``'s parameters into ``stage`` (each one a view of the file, values unchanged, the
-    ``Parameter`` objects the same, so an optimizer keeps working on them); their layout. For the source's
-    own ``rehome_parameters``; ``stage`` must hold :func:`rehome_bytes` of ``model``."""
+    """Move ``model``'s parameters into ``stage`` (each one a view of the file, values unchanged,
+    the ``Parameter`` objects the same, so an optimizer keeps working on them); their layout. For
+    the source's own ``rehome_parameters``; ``stage`` must hold :func:`rehome_bytes` of
+    ``model``."""
     layout, total = _rehome_layout(model)
     if total > stage.nbytes:
         raise ValueError(
@@ -370,8 +377,8 @@ def rehome_bytes(model: nn.Module) -> int:
 
 
 def unhome(model: nn.Module, stage: StagingFile) -> None:
-    """Give every parameter of ``model`` that lives in ``stage`` its own memory again (values unchanged).
-    For the source's own ``unhome_parameters``."""
+    """Give every parameter of ``model`` that lives in ``stage`` its own memory again (values
+    unchanged). For the source's own ``unhome_parameters``."""
     with torch.no_grad():
         for p in model.parameters():
             if stage.contains(p.data):
@@ -380,9 +387,9 @@ def unhome(model: nn.Module, stage: StagingFile) -> None:
 
 @TRANSPORTS.register("shm")
 class ShmTransport(WeightTransport):
-    """One node: a shared-memory staging file written by trained rank 0 and mapped by each rollout process.
-    An instance holds the writer's file (trained side) or the mapped file (rollout side); ``rehome=False``
-    turns re-homing off. See the module doc for the re-homing contract."""
+    """One node: a shared-memory staging file written by trained rank 0 and mapped by each rollout
+    process. An instance holds the writer's file (trained side) or the mapped file (rollout side);
+    ``rehome=False`` turns re-homing off. See the module doc for the re-homing contract."""
 
     name = "shm"
 
@@ -505,20 +512,21 @@ class ShmTransport(WeightTransport):
         self._close_reader()
 
 
-# --- choosing a transport ----------------------------------------------------------------------------------
+# --- choosing a transport -------------------------------------------------------------------------
 def where(worker=None) -> tuple[str, bool]:
-    """(Ray node id of this process, whether it has a shared-memory directory); for ``apply_all``."""
+    """(Ray node id of this process, whether it has a shared-memory directory); for
+    ``apply_all``."""
     import ray
 
     return ray.get_runtime_context().get_node_id(), SHM_DIR is not None
 
 
 def choose_transport(trained, rollout) -> str:
-    """The transport from the trained side ``trained`` (its role handle: a WorkerGroup or RoleView) to
-    ``rollout``: ``fused`` when both are roles of one colocated group (one process group); else ``memory``
-    under the local backend; under ray ``shm`` when every rollout rank is on trained rank 0's node and
-    that node has a shared-memory directory, else ``store``. Under ray this asks every rank of both roles
-    where it runs (:func:`where`)."""
+    """The transport from the trained side ``trained`` (its role handle: a WorkerGroup or RoleView)
+    to ``rollout``: ``fused`` when both are roles of one colocated group (one process group); else
+    ``memory`` under the local backend; under ray ``shm`` when every rollout rank is on trained
+    rank 0's node and that node has a shared-memory directory, else ``store``. Under ray this asks
+    every rank of both roles where it runs (:func:`where`)."""
     from hybridrl.controller.colocated import RoleView
 
     if (

@@ -1,10 +1,11 @@
 """The rollout interface every backend implements.
 
-Prompts go in as prompt :class:`~hybridrl.protocol.Sample` s (``response_ids`` empty, status ``pending``);
-a prompt's ``uid`` is its request id (seeds, ``abort``). ``generate(prompts, params) -> list[Sample]``
-returns ``params.n`` samples per prompt, in prompt order, each ``prompt.with_response(...)`` (the
-prompt's metadata kept) with the behaviour log-prob of every token and the weight version that produced
-it; a prompt aborted before it ran comes back as ``n`` ``prompt.aborted()`` samples.
+Prompts go in as prompt :class:`~hybridrl.protocol.Sample` s (``response_ids`` empty, status
+``pending``); a prompt's ``uid`` is its request id (seeds, ``abort``).
+``generate(prompts, params) -> list[Sample]`` returns ``params.n`` samples per prompt, in prompt
+order, each ``prompt.with_response(...)`` (the prompt's metadata kept) with the behaviour log-prob
+of every token and the weight version that produced it; a prompt aborted before it ran comes back as
+``n`` ``prompt.aborted()`` samples.
 
 Streaming (asynchronous training): ``add(prompts, params)`` queues prompts, ``step()`` advances
 generation by one step, ``done(prompt, n)`` says whether all ``n`` samples of a prompt are ready and
@@ -70,8 +71,9 @@ class WeightSyncError(ValueError):
 
 class SyncCheck:
     """Follows one sync's stream: drops (and records) unknown names, and when the stream ends raises
-    :class:`WeightSyncError` unless it carried every weight (or adapters only). ``live`` (name -> tensor) is
-    None when the backend cannot name its weights; names that share storage (a tied head) count once."""
+    :class:`WeightSyncError` unless it carried every weight (or adapters only).
+    ``live`` (name -> tensor) is None when the backend cannot name its weights; names that share
+    storage (a tied head) count once."""
 
     def __init__(self, live: dict[str, torch.Tensor] | None, aliases: Iterable[str] = ()):
         self.known = None if live is None else set(live) | set(aliases)
@@ -160,8 +162,8 @@ def _by_params(
 
 
 class RolloutEngine(ABC):
-    """Base of all rollout backends; holds the weight version, pause/abort state and the default streaming
-    queue (``add`` / ``step`` / ``done`` / ``take`` over ``generate``)."""
+    """Base of all rollout backends; holds the weight version, pause/abort state and the default
+    streaming queue (``add`` / ``step`` / ``done`` / ``take`` over ``generate``)."""
 
     def __init__(self) -> None:
         self.version = 0
@@ -184,7 +186,7 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Copy tensors into the live weights in place (the sync of ``version``); return the number loaded."""
+        """Copy tensors into the live weights in place (sync of ``version``); the number loaded."""
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -193,10 +195,11 @@ class RolloutEngine(ABC):
         self.version = version
         return count
 
-    # --- streaming --------------------------------------------------------------------------------------
+    # --- streaming --------------------------------------------------------------------------------
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        """Queue prompts for generation with ``params`` (their seeds come from ``params.seed`` and each
-        prompt's uid, as in ``generate``); returns the prompts queued (an aborted one is not)."""
+        """Queue prompts for generation with ``params`` (their seeds come from ``params.seed`` and
+        each prompt's uid, as in ``generate``); returns the prompts queued (an aborted one is
+        not)."""
         self.check_servable()
         added = [p for p in prompts if p.uid not in self._aborted]
         with self._queue_lock:
@@ -204,8 +207,9 @@ class RolloutEngine(ABC):
         return added
 
     def step(self) -> int:
-        """Advance generation by one step (waits while paused); returns the number of tokens generated.
-        Default: one ``generate`` over the prompts queued so far (one per distinct ``params``)."""
+        """Advance generation by one step (waits while paused); returns the number of tokens
+        generated. Default: one ``generate`` over the prompts queued so far (one per distinct
+        ``params``)."""
         while True:
             self._unpaused.wait()
             with self._stepping:
@@ -223,8 +227,8 @@ class RolloutEngine(ABC):
                 return tokens
 
     def done(self, prompt: Sample, n: int) -> bool:
-        """Whether the ``n`` samples of an added prompt are ready to :meth:`take` (an aborted prompt is
-        done once it has left the engine)."""
+        """Whether the ``n`` samples of an added prompt are ready to :meth:`take` (an aborted prompt
+        is done once it has left the engine)."""
         uid = prompt.uid
         with self._queue_lock:
             if len(self._results.get(uid, ())) >= n:
@@ -232,14 +236,15 @@ class RolloutEngine(ABC):
             return uid in self._aborted and not any(p.uid == uid for p, _ in self._queue)
 
     def take(self, prompt: Sample, n: int) -> list[Sample]:
-        """The ``n`` samples of a prompt that is :meth:`done` (those aborted as ``prompt.aborted()``)."""
+        """The ``n`` samples of a prompt that is :meth:`done` (those aborted as
+        ``prompt.aborted()``)."""
         with self._queue_lock:
             ready = self._results.pop(prompt.uid, [])
         return ready + [prompt.aborted() for _ in range(n - len(ready))]
 
-    # --- sync checks --------------------------------------------------------------------------------------
+    # --- sync checks ------------------------------------------------------------------------------
     def _sync_aliases(self) -> set[str]:
-        """Names a sync may carry that are not live weights of their own: a head tied to the embedding."""
+        """Sync names that are not live weights of their own: a head tied to the embedding."""
         config = getattr(getattr(self, "model", None), "config", None)
         return {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
 
@@ -248,8 +253,8 @@ class RolloutEngine(ABC):
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         load: Callable[[Iterator[tuple[str, torch.Tensor]]], int],
     ) -> int:
-        """``load`` the sync's stream (LoRA merged) after :class:`SyncCheck`; a failure is remembered, so
-        :meth:`check_servable` refuses generation until a later sync succeeds."""
+        """``load`` the sync's stream (LoRA merged) after :class:`SyncCheck`; a failure is
+        remembered, so :meth:`check_servable` refuses generation until a later sync succeeds."""
         try:
             live = self._weight_tensors()
         # the backend cannot name its weights: unknown and missing names go unchecked
@@ -267,13 +272,13 @@ class RolloutEngine(ABC):
     def check_servable(self) -> None:
         if self._sync_failure is not None:
             raise RuntimeError(
-                f"{type(self).__name__}: the last weight sync failed, so the model may be half-updated; "
-                f"complete a sync before generating ({self._sync_failure})"
+                f"{type(self).__name__}: the last weight sync failed, so the model may be "
+                f"half-updated; complete a sync before generating ({self._sync_failure})"
             )
 
-    # --- LoRA -------------------------------------------------------------------------------------------
+    # --- LoRA -------------------------------------------------------------------------------------
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
-        """The live weights by transformers name (read to take the base copies of adapted modules)."""
+        """The live weights by transformers name (read for the base copies of adapted modules)."""
         model = getattr(self, "model", None)
         if model is None:
             raise NotImplementedError(
@@ -285,11 +290,12 @@ class RolloutEngine(ABC):
     def merge_adapters(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The sync stream with adapter entries replaced by merged weights: full weights pass through as they
-        come (the consumer loads each before asking for the next); the adapters are gathered and, once the
-        stream is exhausted, every adapted module yields ``W = W_base + scale * B @ A`` (float32 math, cast to
-        the live dtype). A module's base copy is taken from the live weight the first time it is adapted, and
-        again whenever the same sync also carried its full weight."""
+        """The sync stream with adapter entries replaced by merged weights: full weights pass
+        through as they come (the consumer loads each before asking for the next); the adapters are
+        gathered and, once the stream is exhausted, every adapted module yields
+        ``W = W_base + scale * B @ A`` (float32 math, cast to the live dtype). A module's base copy
+        is taken from the live weight the first time it is adapted, and again whenever the same sync
+        also carried its full weight."""
         adapters: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         full: set[str] = set()
         for name, tensor in named_tensors:
@@ -322,7 +328,8 @@ class RolloutEngine(ABC):
             )
             if (b.shape[0], a.shape[1]) != tuple(w.shape) or b.shape[1] != a.shape[0]:
                 raise ValueError(
-                    f"LoRA sync: {module}: B {tuple(b.shape)} @ A {tuple(a.shape)} does not fit {tuple(w.shape)}"
+                    f"LoRA sync: {module}: B {tuple(b.shape)} @ A {tuple(a.shape)} "
+                    f"does not fit {tuple(w.shape)}"
                 )
             yield wname, (base.float() + float(parts[LORA_SCALING]) * (b @ a)).to(w.dtype)
 
@@ -337,8 +344,8 @@ class RolloutEngine(ABC):
         self._unpaused.set()
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        """Abort the prompts with these uids: not started, they are skipped; running, they stop (where the
-        backend can stop them) and come back as ``aborted`` samples."""
+        """Abort the prompts with these uids: not started, they are skipped; running, they stop
+        (where the backend can stop them) and come back as ``aborted`` samples."""
         self._aborted.update(request_ids)
 
     def release_memory(self) -> None:  # noqa: B027 (optional: nothing to free without a KV pool)

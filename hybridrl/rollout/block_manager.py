@@ -104,7 +104,8 @@ class BlockManager:
         block.ref_count += 1
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], bytes]:
-        """Cached leading blocks of ``seq`` (at least its last token stays uncached) and the last digest."""
+        """Cached leading blocks of ``seq`` (at least its last token stays uncached) and the last
+        digest."""
         hits: list[int] = []
         h = NO_HASH
         if not self.enable_prefix_caching:
@@ -193,8 +194,9 @@ class BlockManager:
 
     # --- prefix cache -----------------------------------------------------------
     def register_computed(self, seq: Sequence) -> None:
-        """Register the full blocks of ``seq`` whose KV has now been written, and mark those whose draft KV is
-        written too (``seq.num_draft_computed``; without a draft model it never passes the prefix hits)."""
+        """Register the full blocks of ``seq`` whose KV has now been written, and mark those whose
+        draft KV is written too (``seq.num_draft_computed``; without a draft model it never passes
+        the prefix hits)."""
         if not self.enable_prefix_caching or seq.hash_epoch != self.epoch:
             return
         bs = self.block_size

@@ -17,9 +17,9 @@ is at least ``a``). The admission rule alone does not ensure that: when the lear
 with younger groups while older ones are still generating, too many old ones can fall due at once.
 So the learner training version ``s`` takes the ``B`` ready groups with the earliest deadlines, but
 only if every group left (ready or generating) can still be trained by its deadline in the steps
-after ``s`` (for every ``t``: groups due by ``t`` <= ``(t - s) * B``); otherwise it waits for more to
-finish. With both rules no sample is trained more than ``k`` versions after its first token and none
-is thrown away for being stale; ``k = 0`` gives on-policy batches.
+after ``s`` (for every ``t``: groups due by ``t`` <= ``(t - s) * B``); otherwise it waits for more
+to finish. With both rules no sample is trained more than ``k`` versions after its first token and
+none is thrown away for being stale; ``k = 0`` gives on-policy batches.
 
 Resume: :meth:`state` holds the prompt cursor and the prompts admitted but not yet trained
 (generating or waiting); a resumed buffer hands those out again first, so no prompt is skipped
@@ -70,7 +70,8 @@ class TrajectoryBuffer:
         )
 
     def admit(self, want: int, version: int) -> list[int]:
-        """Up to ``want`` prompt indices the caller may start generating with weights ``version``."""
+        """Up to ``want`` prompt indices the caller may start generating with weights
+        ``version``."""
         with self.cond:
             n = max(0, min(want, self.capacity(version))) if not self.closed else 0
             out = [self.retry.popleft() for _ in range(min(n, len(self.retry)))]
@@ -91,27 +92,30 @@ class TrajectoryBuffer:
 
     # --- learner side ---------------------------------------------------------------------------
     def _pick(self, version: int) -> list[Group] | None:
-        """The batch for ``version``, or None while training now could force a later sample past its deadline."""
+        """The batch for ``version``, or None while training now could force a later sample past its
+        deadline."""
         if len(self.ready) < self.B:
             return None
         # earliest deadline (admitted + k) first; stable: arrival order
         self.ready.sort(key=_admitted)
         left = sorted([_admitted(g) for g in self.ready[self.B :]] + list(self.running.values()))
-        # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due by t?
+        # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due
+        # by t?
         if any(i + 1 > (adm + self.k - version) * self.B for i, adm in enumerate(left)):
             return None
         return self.ready[: self.B]
 
     def get_batch(self, version: int, timeout: float) -> list[Sample]:
-        """The samples of the ``B`` groups to train weights ``version`` on, group by group (blocks until
-        they are ready)."""
+        """The samples of the ``B`` groups to train weights ``version`` on, group by group (blocks
+        until they are ready)."""
         with self.cond:
             if not self.cond.wait_for(
                 lambda: self.closed or self._pick(version) is not None, timeout
             ):
                 raise TimeoutError(
                     f"no training batch for version {version} within {timeout:.0f} s "
-                    f"({len(self.ready)} groups ready, {len(self.running)} generating, B = {self.B}): "
+                    f"({len(self.ready)} groups ready, {len(self.running)} generating, "
+                    f"B = {self.B}): "
                     "is the rollout alive? (asynchronous.batch_timeout_s)"
                 )
             if self.closed:
@@ -130,7 +134,7 @@ class TrajectoryBuffer:
             }
 
     def state(self) -> dict:
-        """What a checkpoint needs: the cursor and the admitted-but-untrained prompts, oldest first."""
+        """What a checkpoint needs: the cursor and the admitted, untrained prompts, oldest first."""
         with self.cond:
             pending = sorted(set(self.retry) | set(self.running) | {_index(g) for g in self.ready})
             return {
@@ -171,7 +175,7 @@ class BufferHandle:
 
 
 def make_buffer(backend: str, **kwargs) -> BufferHandle:
-    """A trajectory buffer in this process (``local``) or as a threaded Ray actor holding no CPU (``ray``)."""
+    """A trajectory buffer in-process (``local``) or a threaded Ray actor with no CPU (``ray``)."""
     if backend != "ray":
         return BufferHandle(TrajectoryBuffer(**kwargs))
     import ray

@@ -44,7 +44,8 @@ class LLMEngine:
         num_blocks: int | None = None,
         spec_max_batch: int | None = None,
     ):
-        # rollout.dtype: the engine's weights and KV may be bf16 while the model it copies is fp32 (rollout/precision.py)
+        # rollout.dtype: the engine's weights and KV may be bf16 while the model it copies is fp32
+        # (rollout/precision.py)
         self.device = next(model.parameters()).device
         self.dtype = resolve_engine_dtype(cfg.dtype, model)
         self.cfg = cfg
@@ -102,7 +103,8 @@ class LLMEngine:
             self.spec.draft.allocate_kv(self.num_blocks)
 
     def release_memory(self) -> None:
-        """Free the KV pool; running sequences go back to waiting and are recomputed after :meth:`wake_up`."""
+        """Free the KV pool; running sequences go back to waiting and are recomputed after
+        :meth:`wake_up`."""
         with self.lock:
             self.scheduler.preempt_all(count=False)  # not memory pressure: do not count
             self.bm.reset()
@@ -136,11 +138,13 @@ class LLMEngine:
         max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
         if max_tokens <= 0:
             raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room below {limit} positions"
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room "
+                f"below {limit} positions"
             )
-        # a group enters as one sequence that forks its samples after the prompt; a group larger than the seats
-        # (rollout.max_batch_size) enters in parts of at most that many samples, each part forking its own (the
-        # later parts find the prompt's full blocks in the prefix cache), so sample i's seed stays derive_seed(seed, i)
+        # a group enters as one sequence that forks its samples after the prompt; a group larger
+        # than the seats (rollout.max_batch_size) enters in parts of at most that many samples, each
+        # part forking its own (the later parts find the prompt's full blocks in the prefix cache),
+        # so sample i's seed stays derive_seed(seed, i)
         cap = self.scheduler.max_num_seqs
         parts = [
             Sequence(
@@ -173,7 +177,8 @@ class LLMEngine:
         for seq in [s for s in sch.unfinished() if s.request_id in self.aborted]:
             sch.finish(seq, Status.ABORTED)
             self.finished[seq.request_id].append(seq)
-        self.aborted.clear()  # handled: a request id aborted before it arrives is the caller's to skip
+        # handled: a request id aborted before it arrives is the caller's to skip
+        self.aborted.clear()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -205,11 +210,12 @@ class LLMEngine:
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> int:
-        """Load new weights in place between steps and invalidate the prefix cache. In-flight sequences
-        (interrupted generation, asynchronous training) drop their KV, now stale, and continue from their
-        tokens so far: their prompt and the tokens already generated are recomputed under the new weights,
-        and each token keeps the version that produced it. If the stream raises, the tensors loaded so far stay
-        loaded: the KV is dropped all the same and the version is not bumped."""
+        """Load new weights in place between steps and invalidate the prefix cache. In-flight
+        sequences (interrupted generation, asynchronous training) drop their KV, now stale, and
+        continue from their tokens so far: their prompt and the tokens already generated are
+        recomputed under the new weights, and each token keeps the version that produced it. If the
+        stream raises, the tensors loaded so far stay loaded: the KV is dropped all the same and the
+        version is not bumped."""
         with self.lock:
             try:
                 count = self.runner.load_weights(named_tensors)
@@ -279,8 +285,9 @@ class LLMEngine:
         )
 
     def complete(self, seqs: list[Sequence], qs: list[int], logits: torch.Tensor) -> int:
-        """After a forward over ``qs[i]`` new tokens of each sequence (``logits``: each one's last token): advance
-        their KV, sample one token for each whose KV is now complete, fork the samples of a fresh prompt."""
+        """After a forward over ``qs[i]`` new tokens of each sequence (``logits``: each one's last
+        token): advance their KV, sample one token for each whose KV is now complete, fork the
+        samples of a fresh prompt."""
         rows, row_seqs = [], []
         for i, (seq, q) in enumerate(zip(seqs, qs)):
             seq.num_computed += q
@@ -320,7 +327,9 @@ class LLMEngine:
             if self.spec is not None:
                 self.spec.draft.copy_blocks(copies)
             self.scheduler.add_running(child)
-        else:  # no block for the copy: recompute the prompt later (prefix caching serves its full blocks)
+        else:
+            # no block for the copy: recompute the prompt later (prefix caching serves its full
+            # blocks)
             child.num_computed = child.num_draft_computed = 0
             child.num_cached_prompt_tokens = 0
             self.scheduler.add(child)
@@ -361,7 +370,8 @@ class LLMEngine:
                 self.finished[s.request_id].append(s)
 
     def _hit_stop_string(self, seq: Sequence, stop) -> bool:
-        """A stop string ends inside the newest token (``rollout/stop.py``: that token is kept, the response ends)."""
+        """A stop string ends inside the newest token (``rollout/stop.py``: that token is kept, the
+        response ends)."""
         return stop_hit(self.tokenizer, seq.token_ids, seq.num_prompt_tokens, as_tuple(stop))
 
     # --- statistics ----------------------------------------------------------------------

@@ -8,7 +8,8 @@ attention pads, to the step's longest query and context. The KV pool is one
 tensor per K and V of shape (layers, kv_heads, slots, head_dim), slot =
 block * block_size + offset; attention writes the new K/V at the sequences'
 slots and gathers each sequence's context through its block table into a
-reused buffer, then computes grouped-query attention without repeating K/V. Plain torch: CPU here, CUDA unchanged.
+reused buffer, then computes grouped-query attention without repeating K/V. Plain torch: CPU here,
+CUDA unchanged.
 """
 
 from __future__ import annotations
@@ -155,8 +156,9 @@ class ModelRunner:
         self.k_cache = self.v_cache = None
         self.num_blocks = 0
         self._kbuf = self._vbuf = None
-        # Keep each layer's gathered context between decode steps over the same batch and only append the new
-        # token: on a CPU the per-step gather costs about as much as a small model's matmuls. Off on CUDA.
+        # Keep each layer's gathered context between decode steps over the same batch and only
+        # append the new token: on a CPU the per-step gather costs about as much as a small model's
+        # matmuls. Off on CUDA.
         self.keep_gathered = self.device.type == "cpu" if keep_gathered is None else keep_gathered
         self._layer_bufs: list | None = None
         self._last_batch: tuple | None = None  # (blocks per row, {seq_id: row}) of the kept buffers
@@ -195,12 +197,13 @@ class ModelRunner:
         return m
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The live weights by transformers name (views into the fused tensors; a tied head is the embedding)."""
+        """The live weights by transformers name (views into the fused tensors; a tied head is the
+        embedding)."""
         return dict(self._targets)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors (transformers names) into the live weights in place; returns how many were loaded."""
+        """Copy tensors (transformers names) into the live weights in place; the number loaded."""
         count = 0
         for name, tensor in named_tensors:
             if name.endswith("rotary_emb.inv_freq"):
@@ -280,7 +283,8 @@ class ModelRunner:
 
     # --- inputs -------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> StepInputs:
-        """Flat step inputs for ``num_tokens[i]`` new tokens of each sequence, starting at its ``num_computed``."""
+        """Flat step inputs for ``num_tokens[i]`` new tokens of each sequence, starting at its
+        ``num_computed``."""
         B, bs, dev = len(seqs), self.block_size, self.device
         if all(q == 1 for q in num_tokens):
             return self._prepare_decode(seqs)
@@ -318,7 +322,7 @@ class ModelRunner:
         )
 
     def _prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        """One new token per sequence: per-sequence work is three list comprehensions and one tensor."""
+        """One new token per sequence; per-sequence work: three list comprehensions, one tensor."""
         B, bs, dev = len(seqs), self.block_size, self.device
         pos = [s.num_computed for s in seqs]
         ids = [s.token_ids[p] for s, p in zip(seqs, pos)]
@@ -363,8 +367,9 @@ class ModelRunner:
         return torch.zeros(future.shape, dtype=self.dtype).masked_fill_(future, float("-inf"))
 
     def _kept_rows(self, seqs, nb: int) -> tuple[bool, torch.Tensor | None, int]:
-        """Whether this decode step can reuse the kept context (same block count, every sequence already has a
-        row), the row of each sequence (None when row b is sequence b) and the number of rows."""
+        """Whether this decode step can reuse the kept context (same block count, every sequence
+        already has a row), the row of each sequence (None when row b is sequence b) and the number
+        of rows."""
         ids = [getattr(s, "seq_id", None) for s in seqs]
         last = self._last_batch
         if last is not None and last[0] == nb and None not in ids:
@@ -395,7 +400,8 @@ class ModelRunner:
     def _gather_targets(
         self, li: int, numel: int, persistent: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where layer ``li`` gathers its K/V context: its own kept buffers, or the shared scratch buffers."""
+        """Where layer ``li`` gathers its K/V context: its own kept buffers, or the shared scratch
+        buffers."""
         if not persistent:
             return self._gather_buf("_kbuf", numel), self._gather_buf("_vbuf", numel)
         if self._layer_bufs is None:
@@ -479,7 +485,8 @@ class ModelRunner:
             v = qkv[:, (H + KV) * D :].view(T, KV, D)
             if s.qk_norm:
                 qk = torch.cat([self._rms(qk[:, :H], L["qn"]), self._rms(qk[:, H:], L["kn"])], 1)
-            # RoPE: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = flip of the halves times (-1, 1)
+            # RoPE: x * cos + rotate_half(x) * sin, where
+            # rotate_half(x) = (-x2, x1) = flip of the halves times (-1, 1)
             qk = torch.addcmul(
                 qk * x.cos, qk.view(T, H + KV, 2, D // 2).flip(2).view(T, H + KV, D), x.sin
             )

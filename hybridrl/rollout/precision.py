@@ -1,10 +1,12 @@
-"""The native engine's dtype (``rollout.dtype``): the weights and KV cache it holds, whatever the model it was
-built from. Log-probs are always computed in fp32 (the runner returns fp32 logits, the sampler works on them).
+"""The native engine's dtype (``rollout.dtype``): the weights and KV cache it holds, whatever the
+model it was built from. Log-probs are always computed in fp32 (the runner returns fp32 logits, the
+sampler works on them).
 
-``auto``: on CUDA, and for a model that is not fp32, the model's own dtype (the engine follows what it is
-given); on a CPU, :func:`hybridrl.parallel.precision.decide` with a forward-only measurement on the model:
-bf16 where the CPU has native bf16 matmuls and they pay for this model's shape. ``fp32`` / ``bf16`` force it.
-Weights synced later (from an fp32 actor) are cast on load (``ModelRunner.load_weights`` copies in place).
+``auto``: on CUDA, and for a model that is not fp32, the model's own dtype (the engine follows what
+it is given); on a CPU, :func:`hybridrl.parallel.precision.decide` with a forward-only measurement
+on the model: bf16 where the CPU has native bf16 matmuls and they pay for this model's shape.
+``fp32`` / ``bf16`` force it. Weights synced later (from an fp32 actor) are cast on load
+(``ModelRunner.load_weights`` copies in place).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def engine_precision(setting: str | None, model) -> Precision:
-    """The dtype the engine runs ``model`` in for ``rollout.dtype = setting`` (None: the model's own)."""
+    """The engine's dtype for ``model`` at ``rollout.dtype = setting`` (None: the model's own)."""
     p = next(model.parameters())
     if setting is None:
         return Precision(p.dtype, "the model's dtype")

@@ -64,7 +64,7 @@ class SamplingTensors:
 
     @staticmethod
     def for_params(params: Any, rows: int, device: torch.device) -> SamplingTensors:
-        """``rows`` rows that all use ``params``, for filtering only (seeds and counters are zero)."""
+        """``rows`` rows all using ``params``, for filtering only (seeds and counters are zero)."""
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
         return SamplingTensors.build([params] * rows, zeros, zeros, device)
 
@@ -120,7 +120,7 @@ class SamplingTensors:
         )
 
     def repeat_rows(self, counts: torch.Tensor) -> SamplingTensors:
-        """Rows repeated ``counts[i]`` times (used by speculative decoding: k+1 positions per sequence)."""
+        """Rows repeated ``counts[i]`` times (speculative decoding: k+1 positions per sequence)."""
 
         def rep(t):
             return None if t is None else t.repeat_interleave(counts, 0)
@@ -158,9 +158,9 @@ class SamplingTensors:
 
 @torch.no_grad()
 def filter_mask(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor | None:
-    """(R, V) bool, the tokens that top-k, then top-p, then min-p remove from the rows of ``scaled`` (the
-    logits divided by the temperature); None when no filter is on. No autograd: the support is a step
-    function of the logits, and the sort / cumsum buffers are freed at once."""
+    """(R, V) bool, the tokens that top-k, then top-p, then min-p remove from the rows of ``scaled``
+    (the logits divided by the temperature); None when no filter is on. No autograd: the support is
+    a step function of the logits, and the sort / cumsum buffers are freed at once."""
     if st.top_k is None and st.top_p is None and st.min_p is None:
         return None
     x = scaled
@@ -176,8 +176,8 @@ def filter_mask(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor | Non
         probs = torch.softmax(x, -1)
         sorted_p, order = probs.sort(-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly higher-ranked tokens
-        # rows with top_p >= 1 keep everything: their float32 cumsum can reach 1.0 before the tail and
-        # would drop tokens only because a neighbouring row asked for top-p
+        # rows with top_p >= 1 keep everything: their float32 cumsum can reach 1.0 before the tail
+        # and would drop tokens only because a neighbouring row asked for top-p
         drop_sorted = (mass_before >= st.top_p) & (st.top_p < 1.0)
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
@@ -203,10 +203,10 @@ def processed_logprobs(
 ) -> torch.Tensor:
     """(R, V) float32 log-probs of the sampling distribution (filtered tokens hold -inf).
 
-    ``keep`` (R,) token ids, optional: each row's token stays in the support even if a filter drops it.
-    The trainer passes the sampled tokens: its logits differ from the engine's by rounding, which can
-    move a token that sat on a filter's edge (a top-k tie, the top-p or min-p boundary) just outside,
-    and its log-prob would be -inf. Only such near-ties are affected.
+    ``keep`` (R,) token ids, optional: each row's token stays in the support even if a filter drops
+    it. The trainer passes the sampled tokens: its logits differ from the engine's by rounding,
+    which can move a token that sat on a filter's edge (a top-k tie, the top-p or min-p boundary)
+    just outside, and its log-prob would be -inf. Only such near-ties are affected.
     """
     scaled = logits.float() / st.temperature
     return _masked_log_softmax(scaled, filter_mask(scaled, st), keep)
@@ -219,10 +219,11 @@ FILTER_CHUNK_ELEMENTS = 1 << 26
 def filtered_log_softmax(
     logits: torch.Tensor, params: Any, tokens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(..., V) log-probs of the distribution a request with SamplingParams-like ``params`` samples from:
-    what :func:`sample` reports as the behaviour log-prob. Greedy (temperature 0): the raw log-softmax.
-    ``tokens`` (...) optional: kept in the support (see :func:`processed_logprobs`). Differentiable; the
-    filter masks are computed in chunks of rows, so a long micro-batch's sort never holds all its logits."""
+    """(..., V) log-probs of the distribution a request with SamplingParams-like ``params`` samples
+    from: what :func:`sample` reports as the behaviour log-prob. Greedy (temperature 0): the raw
+    log-softmax. ``tokens`` (...) optional: kept in the support (see :func:`processed_logprobs`).
+    Differentiable; the filter masks are computed in chunks of rows, so a long micro-batch's sort
+    never holds all its logits."""
     if params.temperature == 0:
         return torch.log_softmax(logits.float(), -1)
     shape = logits.shape
@@ -241,7 +242,8 @@ def filtered_log_softmax(
 
 
 def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: one token per row of (unnormalised, non-negative) ``probs`` given uniforms ``u``."""
+    """Inverse-CDF draw: one token per row of (unnormalised, non-negative) ``probs`` given uniforms
+    ``u``."""
     cdf = probs.double().cumsum(-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target).squeeze(1)
@@ -251,7 +253,8 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, st: SamplingTensors
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Tokens (R,), their log-probs under the sampling distribution (R,), and raw log-probs (R,) or None."""
+    """Tokens (R,), their log-probs under the sampling distribution (R,), and raw log-probs (R,) or
+    None."""
     raw = torch.log_softmax(logits.float(), -1) if (st.want_raw or st.greedy is not None) else None
     if st.all_greedy:
         tokens = logits.argmax(-1)

@@ -121,8 +121,8 @@ class Scheduler:
 
     # --- state changes ---------------------------------------------------------------
     def preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Free ``seq``'s blocks and put it back at the front of the queue (recomputed later). ``count``:
-        whether it counts in ``num_preemptions`` (preemption for memory pressure)."""
+        """Free ``seq``'s blocks and put it back at the front of the queue (recomputed later).
+        ``count``: whether it counts in ``num_preemptions`` (preemption for memory pressure)."""
         self.running.remove(seq)
         self.bm.deallocate(seq)
         seq.status = Status.WAITING
@@ -130,8 +130,8 @@ class Scheduler:
         self.num_preemptions += int(count)
 
     def preempt_all(self, count: bool = True) -> None:
-        """Preempt every running sequence (``count`` as in :meth:`preempt`: False when the cause is not
-        memory pressure, e.g. a weight update or a memory release)."""
+        """Preempt every running sequence (``count`` as in :meth:`preempt`: False when the cause is
+        not memory pressure, e.g. a weight update or a memory release)."""
         for seq in reversed(list(self.running)):
             self.preempt(seq, count)
 

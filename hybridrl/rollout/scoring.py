@@ -1,9 +1,9 @@
-"""Scoring where the samples are generated: each rollout rank decodes its responses and scores them with
-the configured reward function (``task.reward_fn``), in both training modes.
+"""Scoring where the samples are generated: each rollout rank decodes its responses and scores them
+with the configured reward function (``task.reward_fn``), in both training modes.
 
 Numbers a reward function returns beside its score (``{"score": ..., "format": 1.0}``) become
-``reward_extras["reward/<name>"]`` and are logged as means. A reward function that raises is logged, the sample scores 0 and its ``reward_extras["reward_errors"]``
-is 1; the run goes on.
+``reward_extras["reward/<name>"]`` and are logged as means. A reward function that raises is logged,
+the sample scores 0 and its ``reward_extras["reward_errors"]`` is 1; the run goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class Scorer:
         self._logged = 0
 
     def __call__(self, samples: list[Sample]) -> list[Sample]:
-        """Sets ``reward`` and ``reward_extras["reward_errors"]`` of each sample (in place); returns them."""
+        """Sets ``reward`` and ``reward_extras["reward_errors"]`` of each sample (in place); returns
+        them."""
         eos = self.tokenizer.eos_token_id
         for s in samples:
             finished = s.status == "finished"

@@ -38,8 +38,9 @@ def derive_seed(seed: int, index: int) -> int:
 
 def request_seed(seed: int, request_id: str) -> int:
     """The seed of request ``request_id`` in a call seeded with ``seed``; its sample ``i`` uses
-    ``derive_seed(request_seed(...), i)``. It depends on the request's identity, not on its position in the
-    call, so a prompt draws the same numbers however the prompts are split among data-parallel ranks."""
+    ``derive_seed(request_seed(...), i)``. It depends on the request's identity, not on its position
+    in the call, so a prompt draws the same numbers however the prompts are split among
+    data-parallel ranks."""
     # stable across processes, unlike hash()
     digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
     return derive_seed(seed, int.from_bytes(digest, "little"))
@@ -147,6 +148,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.sample_index}, {self.status.value}, "
-            f"tokens={len(self)}, computed={self.num_computed}, blocks={self.block_table})"
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}#{self.sample_index}, "
+            f"{self.status.value}, tokens={len(self)}, computed={self.num_computed}, "
+            f"blocks={self.block_table})"
         )

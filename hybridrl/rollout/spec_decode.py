@@ -64,15 +64,17 @@ class SpecDecoder:
         self.max_k = k  # rollout.num_speculative_tokens: the longest proposal
         self.k = k  # this round's proposal length (the cost model's choice)
         self.max_batch = max_batch
-        # cost model: a forward over T query tokens takes about t0 + c * T seconds, fitted to two running averages of
-        # (tokens, seconds): decode-only plain steps and verification passes (a round minus its drafting); a draft
-        # step takes t_draft; alpha is the acceptance rate
+        # cost model: a forward over T query tokens takes about t0 + c * T seconds, fitted to two
+        # running averages of (tokens, seconds): decode-only plain steps and verification passes (a
+        # round minus its drafting); a draft step takes t_draft; alpha is the acceptance rate
         self.alpha, self.plain, self.verify, self.t_draft = 0.8, None, None, None
         self.skipped, self.probe_every = 0, 16
-        self.paying = True  # last verdict of the cost model; while False the draft does not follow plain steps
+        # last verdict of the cost model; while False the draft does not follow plain steps
+        self.paying = True
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a round of k proposals emits per sequence at acceptance rate alpha: (1 - a^(k+1)) / (1 - a)."""
+        """Tokens a round of k proposals emits per sequence at acceptance rate alpha:
+        (1 - a^(k+1)) / (1 - a)."""
         a = min(self.alpha, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
@@ -82,8 +84,8 @@ class SpecDecoder:
         return max(0.0, sp - c * tp) + c * tokens
 
     def wants_step(self, scheduler) -> bool:
-        """Whether the next step speculates (at most ``max_batch`` sequences running, some decoding, and the
-        cost model's :meth:`choose_k` says so); sets ``k``."""
+        """Whether the next step speculates (at most ``max_batch`` sequences running, some decoding,
+        and the cost model's :meth:`choose_k` says so); sets ``k``."""
         run = scheduler.running
         B = sum(1 for s in run if len(s) - s.num_computed == 1)
         if not B or len(run) > self.max_batch:
@@ -95,9 +97,10 @@ class SpecDecoder:
         return True
 
     def choose_k(self, B: int) -> int | None:
-        """The cost model's proposal length for a round over ``B`` decoding sequences, None for a plain step:
-        the k that maximises tokens per second, B * E(k) / (t(B (k + 1)) + k t_draft), if that beats plain
-        decoding's B / t(B); otherwise None, except for a probe one time in ``probe_every``."""
+        """The cost model's proposal length for a round over ``B`` decoding sequences, None for a
+        plain step: the k that maximises tokens per second, B * E(k) / (t(B (k + 1)) + k t_draft),
+        if that beats plain decoding's B / t(B); otherwise None, except for a probe one time in
+        ``probe_every``."""
         if self.plain is None or self.verify is None:
             # measure a plain step first, then a round
             return self.max_k if self.plain is not None else None
@@ -127,8 +130,9 @@ class SpecDecoder:
         self.plain = self._average(self.plain, (tokens, seconds))
 
     def follow(self, seqs, num_tokens) -> None:
-        """After a plain target step, bring the draft's KV up to the same tokens. Skipped while speculation is
-        off (large batch, or not paying): the first draft forward of the next round catches up instead."""
+        """After a plain target step, bring the draft's KV up to the same tokens. Skipped while
+        speculation is off (large batch, or not paying): the first draft forward of the next round
+        catches up instead."""
         if len(seqs) > self.max_batch or not self.paying:
             return
         views, qs = [], []
@@ -143,9 +147,10 @@ class SpecDecoder:
 
     @torch.inference_mode()
     def step(self, batch) -> int | None:
-        """One round for the decoding sequences of ``batch``; its prefilling sequences (admitted in the same step)
-        share the draft's first forward and the target's verification forward. Returns the number of tokens
-        generated, or None (nothing done) when no sequence of the batch decodes: the engine steps plainly."""
+        """One round for the decoding sequences of ``batch``; its prefilling sequences (admitted in
+        the same step) share the draft's first forward and the target's verification forward.
+        Returns the number of tokens generated, or None (nothing done) when no sequence of the batch
+        decodes: the engine steps plainly."""
         t0 = time.perf_counter()
         eng, k, dev = self.engine, self.k, self.engine.device
         seqs, rest, rest_q = [], [], []
@@ -163,7 +168,8 @@ class SpecDecoder:
             [s.params for s in seqs], [s.seed for s in seqs], [len(s) for s in seqs], dev
         )
         base = torch.tensor([len(s) for s in seqs], device=dev)  # position of x_1
-        # 1. draft proposes k tokens (the first forward also catches up on tokens it has not seen, and prefills `rest`)
+        # 1. draft proposes k tokens (the first forward also catches up on tokens it has not seen,
+        # and prefills `rest`)
         views = [
             _View(list(s.token_ids), s.num_draft_computed, s.block_table, s.seq_id) for s in seqs
         ]
@@ -202,7 +208,8 @@ class SpecDecoder:
         t_draft = time.perf_counter() - t_draft
         X = torch.stack(proposals, 1)  # (B, k)
         LQ = torch.stack(q_logps, 1)  # (B, k, V)
-        # 2. target scores the last token and the k proposals in one pass (with the prefill chunks of `rest`)
+        # 2. target scores the last token and the k proposals in one pass (with the prefill chunks
+        # of `rest`)
         xs = X.tolist()
         tviews = [
             _View(s.token_ids + xs[b], s.num_computed, s.block_table) for b, s in enumerate(seqs)
@@ -262,9 +269,10 @@ class SpecDecoder:
 
 
 def accept_tokens(X, LP, LQ, logits, st: SamplingTensors, base):
-    """The rejection step. X (B, k) proposals drawn from exp(LQ) (B, k, V); LP (B, k+1, V) target log-probs;
-    logits (B, k+1, V) raw target logits (greedy rows); ``base`` (B,) position of x_1 (random counters).
-    Returns tokens (B, k+1), of which row b emits its first n_acc[b] + 1, and n_acc (B,)."""
+    """The rejection step. X (B, k) proposals drawn from exp(LQ) (B, k, V); LP (B, k+1, V) target
+    log-probs; logits (B, k+1, V) raw target logits (greedy rows); ``base`` (B,) position of x_1
+    (random counters). Returns tokens (B, k+1), of which row b emits its first n_acc[b] + 1, and
+    n_acc (B,)."""
     B, k = X.shape
     dev = X.device
     if st.all_greedy:
@@ -280,7 +288,7 @@ def accept_tokens(X, LP, LQ, logits, st: SamplingTensors, base):
     if st.greedy is not None:
         ok = torch.where(st.greedy.unsqueeze(1), logits[:, :k].argmax(-1) == X, ok)
     n_acc = ok.int().cumprod(1).sum(1)  # (B,) accepted prefix length
-    # the token after the accepted prefix: residual max(0, p - q) on rejection, p itself after k accepts
+    # token after the accepted prefix: residual max(0, p - q) on rejection, p itself after k accepts
     idx = n_acc.clamp(max=k)
     p_next = LP.gather(1, idx.view(B, 1, 1).expand(B, 1, LP.shape[-1])).squeeze(1).exp()
     q_next = (

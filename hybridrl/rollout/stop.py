@@ -1,14 +1,16 @@
-"""Stop strings: the check the native engine runs after every token, and the hf backend after generation.
+"""Stop strings: the check the native engine runs after every token, and the hf backend after
+generation.
 
-A stop string can end inside a token (one BPE token may decode to ``x</ans>y``), so the check decodes a window
-made of the newest token and enough earlier tokens to cover ``len(stop)`` more characters, and looks for the stop
-string anywhere in it. Run after every token, this finds each occurrence at the token where it is completed:
-an occurrence that lies entirely in the earlier text was found when its own last token arrived.
+A stop string can end inside a token (one BPE token may decode to ``x</ans>y``), so the check
+decodes a window made of the newest token and enough earlier tokens to cover ``len(stop)`` more
+characters, and looks for the stop string anywhere in it. Run after every token, this finds each
+occurrence at the token where it is completed: an occurrence that lies entirely in the earlier text
+was found when its own last token arrived.
 
-The response then ends with that token, as in vLLM: the token, its log-prob and its version are kept, because
-the policy sampled it and the trainer needs every token with its log-prob; nothing after it is generated. Its
-characters after the stop string stay in the decoded text (vLLM cuts them from its text output; we return
-token ids only).
+The response then ends with that token, as in vLLM: the token, its log-prob and its version are
+kept, because the policy sampled it and the trainer needs every token with its log-prob; nothing
+after it is generated. Its characters after the stop string stay in the decoded text (vLLM cuts them
+from its text output; we return token ids only).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ _REPLACEMENT = "\ufffd"  # what a window starting inside a multi-byte character 
 
 
 def stop_hit(tokenizer, ids: Sequence[int], start: int, stops: Sequence[str]) -> bool:
-    """Whether one of ``stops`` ends inside the last token of ``ids``, whose completion is ``ids[start:]``."""
+    """Whether one of ``stops`` ends inside the last token of ``ids``, whose completion is
+    ``ids[start:]``."""
     # one character more than an occurrence needs before the newest token
     need = max(len(s) for s in stops)
     n = len(ids) - start
@@ -38,7 +41,8 @@ def stop_hit(tokenizer, ids: Sequence[int], start: int, stops: Sequence[str]) ->
 
 
 def as_tuple(stop) -> tuple[str, ...]:
-    """``params.stop`` (a string, a sequence of strings or nothing) as a tuple of non-empty strings."""
+    """``params.stop`` (a string, a sequence of strings or nothing) as a tuple of non-empty
+    strings."""
     if not stop:
         return ()
     stops = (stop,) if isinstance(stop, str) else tuple(stop)

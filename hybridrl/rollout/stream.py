@@ -3,8 +3,8 @@
 A :class:`RolloutStream` thread keeps the engine busy: whenever fewer than ``max_groups`` prompts
 are generating it asks the trajectory buffer for more (the buffer applies the staleness rule,
 ``rollout/buffer.py``), runs engine steps, and as soon as all ``G`` samples of a prompt are done it
-scores them and puts the group (its samples, with the prompt's stream ``index`` and ``admitted`` version
-in their metadata) into the buffer: the data goes rollout -> buffer, not through the
+scores them and puts the group (its samples, with the prompt's stream ``index`` and ``admitted``
+version in their metadata) into the buffer: the data goes rollout -> buffer, not through the
 driver. Weight updates arrive on another thread between engine steps (``update_weights`` takes the
 engine lock); the engine then drops its stale KV and continues every in-flight sequence, and each
 token keeps the version that produced it.

@@ -1,5 +1,6 @@
-"""The rollout role: a rollout backend (``rollout.backend``) behind the worker interface. It generates and
-scores: every sample leaves a rollout rank with its reward (``rollout/scoring.py``), in both training modes."""
+"""The rollout role: a rollout backend (``rollout.backend``) behind the worker interface. It
+generates and scores: every sample leaves a rollout rank with its reward (``rollout/scoring.py``),
+in both training modes."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        """``params.n`` scored samples per prompt sample (:func:`~hybridrl.protocol.prompt_sample`)."""
+        """``params.n`` scored samples per prompt sample
+        (:func:`~hybridrl.protocol.prompt_sample`)."""
         return self.scorer(self.backend.generate(prompts, params))
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, transport: str, handle, version: int) -> int:
-        """Load weights ``version`` from ``handle`` (what the learner's ``publish_weights`` returned) through
-        this worker's ``transport``; the number of tensors loaded."""
+        """Load weights ``version`` from ``handle`` (what the learner's ``publish_weights``
+        returned) through this worker's ``transport``; the number of tensors loaded."""
         if transport not in self.transports:
             self.transports[transport] = weight_sync.make_transport(transport)
         return self.transports[transport].load(self.backend, handle, version)
@@ -45,10 +47,11 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:
-        """Asynchronous training: generate continuously, taking prompts from and putting scored groups into
-        ``buffer`` (a :class:`~hybridrl.rollout.buffer.BufferHandle`) until :meth:`stop_stream`. Every rank gets
-        the same ``seed``: a prompt's samples are seeded from it, the prompt's index and its uid, so they do
-        not depend on which rank admitted the prompt."""
+        """Asynchronous training: generate continuously, taking prompts from and putting scored
+        groups into ``buffer`` (a :class:`~hybridrl.rollout.buffer.BufferHandle`) until
+        :meth:`stop_stream`. Every rank gets the same ``seed``: a prompt's samples are seeded from
+        it, the prompt's index and its uid, so they do not depend on which rank admitted the
+        prompt."""
         if self.stream is not None:
             raise RuntimeError("the rollout stream is already running")
         self.stream = RolloutStream(

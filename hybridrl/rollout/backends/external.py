@@ -20,8 +20,8 @@ Generation is one blocking engine call per ``generate``: every token of a call
 carries the version the engine had when the call began; ``pause`` takes
 effect between calls (a paused adapter refuses ``generate``), ``abort`` drops
 prompts that have not been submitted yet (they come back as ``aborted``
-samples). Streaming is the interface's default (one ``generate`` per ``step``). Updating weights while ``generate`` runs in another thread is not
-supported.
+samples). Streaming is the interface's default (one ``generate`` per ``step``). Updating weights
+while ``generate`` runs in another thread is not supported.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.sequence import request_seed
 
-# engine finish reason -> Sample.status (None: the engine gave none, i.e. the request did not finish)
+# engine finish reason -> Sample.status (None: the engine gave none: the request did not finish)
 STATUS = {"stop": "finished", "length": "truncated", "abort": "aborted", None: "aborted"}
 
 # (token ids, behaviour log-probs, finish reason) of one sample
@@ -57,20 +57,23 @@ def usable_backends() -> list[str]:
 
 
 def import_engine(package: str, install: str):
-    """``import package``, or an ImportError naming what to install and the backends usable without it."""
+    """``import package``, or an ImportError naming what to install and the backends usable without
+    it."""
     try:
         return importlib.import_module(package)
     except ImportError as e:
         raise ImportError(
-            f"rollout.backend={package!r} needs the {package!r} package, which cannot be imported here ({e}). "
-            f"Install it with `{install}`, or choose a backend usable here: {', '.join(usable_backends())}"
+            f"rollout.backend={package!r} needs the {package!r} package, which cannot be "
+            f"imported here ({e}). Install it with `{install}`, or choose a backend usable here: "
+            f"{', '.join(usable_backends())}"
         ) from e
 
 
 def buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of the stream holding about ``bucket_bytes`` each (a larger tensor is a bucket alone)."""
+    """Consecutive groups of the stream holding about ``bucket_bytes`` each (a larger tensor is a
+    bucket alone)."""
     bucket, size = [], 0
     for name, t in named_tensors:
         bucket.append((name, t))
@@ -84,7 +87,8 @@ def buckets(
 
 class ExternalRollout(RolloutEngine):
     """Base of the vllm / sglang adapters. Subclasses set ``package``/``install`` and implement
-    ``_start``, ``_generate``, ``_load_bucket``, ``_reset_prefix_cache``, ``release_memory``, ``wake_up``."""
+    ``_start``, ``_generate``, ``_load_bucket``, ``_reset_prefix_cache``, ``release_memory``,
+    ``wake_up``."""
 
     package = ""  # the third-party module the adapter drives
     install = ""  # how to get it
@@ -110,7 +114,8 @@ class ExternalRollout(RolloutEngine):
     def _save(self, model, tokenizer) -> str:
         if model is None:
             raise ValueError(
-                f"{self.package}: no model to save; set rollout.engine_model_path to a checkpoint directory"
+                f"{self.package}: no model to save; "
+                "set rollout.engine_model_path to a checkpoint directory"
             )
         self._tmp = tempfile.TemporaryDirectory(prefix=f"hybridrl-{self.package}-")
         model.save_pretrained(self._tmp.name)
@@ -118,14 +123,14 @@ class ExternalRollout(RolloutEngine):
             tokenizer.save_pretrained(self._tmp.name)
         return self._tmp.name
 
-    # --- to implement -------------------------------------------------------------------------------
+    # --- to implement -----------------------------------------------------------------------------
     def _start(self, path: str):
         raise NotImplementedError
 
     def _generate(
         self, prompts: list[Sample], seeds: list[int | None], params: SamplingParams
     ) -> list[list[Output]]:
-        """``params.n`` outputs per prompt, in prompt order (``seeds``: each prompt's request seed)."""
+        """``params.n`` outputs per prompt in prompt order (``seeds``: per-prompt request seeds)."""
         raise NotImplementedError
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -134,14 +139,15 @@ class ExternalRollout(RolloutEngine):
     def _reset_prefix_cache(self) -> None:
         raise NotImplementedError
 
-    # --- generation ---------------------------------------------------------------------------------
+    # --- generation -------------------------------------------------------------------------------
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         if self.paused:
             raise RuntimeError("generate() called on a paused engine; call resume() first")
         self.check_servable()
         if params.return_raw_log_probs:
             raise NotImplementedError(
-                f"{self.package} backend: return_raw_log_probs is not supported (use rollout.backend=native)"
+                f"{self.package} backend: return_raw_log_probs is not supported "
+                "(use rollout.backend=native)"
             )
         live = [(i, p) for i, p in enumerate(prompts) if p.uid not in self._aborted]
         seeds = [None if params.seed is None else request_seed(params.seed, p.uid) for _, p in live]
@@ -154,7 +160,8 @@ class ExternalRollout(RolloutEngine):
             for ids, logps, reason in by_index.get(i, [([], [], "abort")] * max(1, params.n)):
                 if len(ids) != len(logps):
                     raise RuntimeError(
-                        f"{self.package} returned {len(logps)} log-probs for {len(ids)} tokens (prompt {p.uid!r})"
+                        f"{self.package} returned {len(logps)} log-probs for {len(ids)} tokens "
+                        f"(prompt {p.uid!r})"
                     )
                 samples.append(
                     p.with_response(
@@ -167,7 +174,7 @@ class ExternalRollout(RolloutEngine):
                 self._tokens += len(ids)
         return samples
 
-    # --- weights ------------------------------------------------------------------------------------
+    # --- weights ----------------------------------------------------------------------------------
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         if self.model is None:
             raise NotImplementedError(
@@ -179,8 +186,8 @@ class ExternalRollout(RolloutEngine):
     def _mirror(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Copy each tensor into the host mirror before the next is read (merge_adapters reads the mirror
-        once the stream is exhausted, so every full weight must be in it by then)."""
+        """Copy each tensor into the host mirror before the next is read (merge_adapters reads the
+        mirror once the stream is exhausted, so every full weight must be in it by then)."""
         for name, t in named_tensors:
             if self.model is not None:
                 if name in self._params:
@@ -198,12 +205,14 @@ class ExternalRollout(RolloutEngine):
             for bucket in buckets(self._mirror(named_tensors), self.bucket_bytes):
                 self._load_bucket(bucket)
                 count += len(bucket)
-        finally:  # KV computed under the old weights must not be served (also after a sync that failed half-way)
+        finally:
+            # KV computed under the old weights must not be served (also after a sync that failed
+            # half-way)
             self._reset_prefix_cache()
         self._sync_seconds += time.perf_counter() - t0
         return count
 
-    # --- statistics ---------------------------------------------------------------------------------
+    # --- statistics -------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         out = {
             "engine/tokens_per_s": self._tokens / self._seconds if self._seconds else 0.0,

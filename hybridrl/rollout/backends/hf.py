@@ -1,14 +1,15 @@
 """The ``hf`` rollout backend: transformers ``generate`` behind the rollout interface.
 
-Simple and always available. Sampled tokens: the native sampler's own filters (temperature, top-k, top-p, min-p:
-``rollout/sampler.py``, the code the trainer also recomputes log-probs with) shape each row's distribution, then the
-row's token is drawn from it with the native engine's counter-based randomness (a hash of the sample's seed and the
-token's position) instead of the batch's shared RNG stream, so a sample's tokens do not depend on the other prompts
-of the call. Seeds follow the native engine: sample ``j`` of a
-prompt uses ``derive_seed(request_seed(params.seed, prompt.uid), j)``. The behaviour log-prob of each token is
-taken under the distribution it was drawn from. Stop strings end a sample at the token that completes one
-(``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect between ``generate`` calls;
-streaming is the interface's default (one ``generate`` per ``step``).
+Simple and always available. Sampled tokens: the native sampler's own filters (temperature, top-k,
+top-p, min-p: ``rollout/sampler.py``, the code the trainer also recomputes log-probs with) shape
+each row's distribution, then the row's token is drawn from it with the native engine's
+counter-based randomness (a hash of the sample's seed and the token's position) instead of the
+batch's shared RNG stream, so a sample's tokens do not depend on the other prompts of the call.
+Seeds follow the native engine: sample ``j`` of a prompt uses
+``derive_seed(request_seed(params.seed, prompt.uid), j)``. The behaviour log-prob of each token is
+taken under the distribution it was drawn from. Stop strings end a sample at the token that
+completes one (``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect
+between ``generate`` calls; streaming is the interface's default (one ``generate`` per ``step``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from hybridrl.rollout.stop import as_tuple, stop_hit
 
 
 class _SeededDraw(LogitsProcessor):
-    """The only processor: filters the raw scores as the native sampler does, draws each row's token with the
-    row's own random stream, records its log-prob, and leaves only that token for greedy decoding to take."""
+    """The only processor: filters the raw scores as the native sampler does, draws each row's token
+    with the row's own random stream, records its log-prob, and leaves only that token for greedy
+    decoding to take."""
 
     def __init__(
         self,
@@ -152,9 +154,10 @@ class HFRollout(RolloutEngine):
             output_scores=sampler is None,
             return_dict_in_generate=True,
         )
-        # the checkpoint's own generation defaults (repetition_penalty, suppress_tokens, min_new_tokens, ...) would
-        # reshape the distribution before our draw, and the behaviour log-probs would no longer be the ones the
-        # trainer recomputes; generate() fills unset fields of a passed config from the model's, so swap it out
+        # the checkpoint's own generation defaults (repetition_penalty, suppress_tokens,
+        # min_new_tokens, ...) would reshape the distribution before our draw, and the behaviour
+        # log-probs would no longer be the ones the trainer recomputes; generate() fills unset
+        # fields of a passed config from the model's, so swap it out
         own, self.model.generation_config = self.model.generation_config, gen
         try:
             res = self.model.generate(

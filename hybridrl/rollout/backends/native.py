@@ -62,8 +62,9 @@ class NativeRollout(RolloutEngine):
 
     # streaming: the engine's continuous batch (prompts finish and enter between steps)
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        """Queue the prompts (not those aborted already); each is seeded from ``params.seed`` and its uid
-        (:func:`request_seed`), so its tokens do not depend on the other prompts of the call."""
+        """Queue the prompts (not those aborted already); each is seeded from ``params.seed`` and
+        its uid (:func:`request_seed`), so its tokens do not depend on the other prompts of the
+        call."""
         self.check_servable()
         added = []
         for p in prompts:
@@ -86,7 +87,8 @@ class NativeRollout(RolloutEngine):
         )
 
     def take(self, prompt: Sample, n: int) -> list[Sample]:
-        """The ``n`` samples of a prompt that is :meth:`done` (aborted ones padded as empty ``aborted`` samples)."""
+        """The ``n`` samples of a prompt that is :meth:`done` (aborted ones padded as empty
+        ``aborted`` samples)."""
         seqs = self.engine.pop_finished(prompt.uid)
         return [self._to_sample(prompt, s) for s in seqs] + [
             prompt.aborted() for _ in range(n - len(seqs))

@@ -109,7 +109,7 @@ class SGLangRollout(ExternalRollout):
 
 
 def _output(o: dict) -> Output:
-    """(token ids, log-probs, finish reason) of one SGLang generate result requested with return_logprob=True."""
+    """(token ids, log-probs, finish reason) of an SGLang generate result (return_logprob=True)."""
     meta = o["meta_info"]
     rows = meta.get("output_token_logprobs")
     if rows is None:

@@ -37,8 +37,8 @@ from hybridrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams
 
 
 def _load_into(bucket: list[tuple[str, torch.Tensor]], model) -> None:
-    """Runs inside each vLLM worker (shipped by ``LLM.apply_model``): vLLM's loader maps transformers
-    names onto its fused and sharded parameters."""
+    """Runs inside each vLLM worker (shipped by ``LLM.apply_model``): vLLM's loader maps
+    transformers names onto its fused and sharded parameters."""
     model.load_weights(iter(bucket))
 
 
@@ -61,8 +61,9 @@ class VLLMRollout(ExternalRollout):
             and not cfg.engine_model_path,  # no tokenizer was saved
         )
         kwargs.update(cfg.engine_kwargs)
-        # apply_model ships a function to the engine's worker processes; vLLM V1 only unpickles callables
-        # when this is set. The function (_load_into) comes from this process, not from a client.
+        # apply_model ships a function to the engine's worker processes; vLLM V1 only unpickles
+        # callables when this is set. The function (_load_into) comes from this process, not from a
+        # client.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         return self.lib.LLM(**kwargs)
 
@@ -111,7 +112,7 @@ class VLLMRollout(ExternalRollout):
 
 
 def _output(c) -> Output:
-    """(token ids, log-probs, finish reason) of a vLLM ``CompletionOutput`` requested with logprobs=0."""
+    """(token ids, log-probs, finish reason) of a vLLM ``CompletionOutput`` asked for logprobs=0."""
     ids = list(c.token_ids)
     if c.logprobs is None:
         raise RuntimeError("vllm returned no log-probs (SamplingParams.logprobs must be 0)")
