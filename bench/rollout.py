@@ -1,29 +1,31 @@
 """Rollout benchmark: the native engine against transformers ``generate`` in the same run.
 
-Prints one JSON object (nested; ``fixed.speedup_vs_hf`` is ``out["fixed"]["speedup_vs_hf"]``) and a short
-table. Scenarios (workloads defined in docs/workloads.md):
+Prints one JSON object (nested; ``fixed.speedup_vs_hf`` is ``out["fixed"]["speedup_vs_hf"]``) and a
+short table. Scenarios (workloads defined in docs/workloads.md):
 
-- ``fixed`` / ``fixed_tiny``: W1 small / tiny model, 32 prompts x 8 samples x 128 new tokens, eos ignored, fp32
-  for both (``fixed.bf16_*``: the same in bf16). Each engine runs twice (the prefix cache cleared in between)
-  and the faster run counts, as for a long-lived rollout engine; ``first_run_speedup_vs_hf`` compares the
-  first runs.
-- ``mixed``: 256 requests, prompt lengths uniform in 8..64, output lengths uniform in 16..256 (eos ignored, a
-  max-tokens limit per request); transformers runs them as one padded batch, so only useful tokens count.
+- ``fixed`` / ``fixed_tiny``: W1 small / tiny model, 32 prompts x 8 samples x 128 new tokens, eos
+  ignored, fp32 for both (``fixed.bf16_*``: the same in bf16). Each engine runs twice (the prefix
+  cache cleared in between) and the faster run counts, as for a long-lived rollout engine;
+  ``first_run_speedup_vs_hf`` compares the first runs.
+- ``mixed``: 256 requests, prompt lengths uniform in 8..64, output lengths uniform in 16..256 (eos
+  ignored, a max-tokens limit per request); transformers runs them as one padded batch, so only
+  useful tokens count.
 - ``prefix``: prompt tokens requested / prompt tokens computed with G = 8 samples per prompt.
-- ``spec``: the warm-started tiny model drafting for the warm-started small model (``WARM_STARTS``); W1 rollout
-  shape (temperature 1, eos honoured, at most 16 new tokens), ``b`` requests in flight (continuous batching);
-  the draft is distilled towards the target first (``DRAFT_DISTILL``). With and without speculation at b = 1, 8
-  and 256: ``decode_speedup``, the ratio of tokens/s in decode-only steps (the decode speed; prefill
-  is the same work either way), and ``generation_speedup``, the ratio for the whole generation, prefill
-  included. ``spec.speedup`` is the b = 8 decode figure with the engine's automatic on/off (``forced_*`` and
-  ``acceptance``: speculation forced on every eligible step; ``acceptance_sft_draft``: the draft before
+- ``spec``: the warm-started tiny model drafting for the warm-started small model (``WARM_STARTS``);
+  W1 rollout shape (temperature 1, eos honoured, at most 16 new tokens), ``b`` requests in flight
+  (continuous batching); the draft is distilled towards the target first (``DRAFT_DISTILL``). With
+  and without speculation at b = 1, 8 and 256: ``decode_speedup``, the ratio of tokens/s in
+  decode-only steps (the decode speed; prefill is the same work either way), and
+  ``generation_speedup``, the ratio for the whole generation, prefill included. ``spec.speedup`` is
+  the b = 8 decode figure with the engine's automatic on/off (``forced_*`` and ``acceptance``:
+  speculation forced on every eligible step; ``acceptance_sft_draft``: the draft before
   distillation).
-- ``roofline``: this machine's matmul FLOP/s and copy bandwidth, and the fixed run's fraction of the bound
-  max(FLOPs / peak, bytes / bandwidth); ``speedup_at_roofline``: transformers' time over that bound, the
-  speed-up an engine running exactly at the bound would show.
+- ``roofline``: this machine's matmul FLOP/s and copy bandwidth, and the fixed run's fraction of the
+  bound max(FLOPs / peak, bytes / bandwidth); ``speedup_at_roofline``: transformers' time over that
+  bound, the speed-up an engine running exactly at the bound would show.
 
-``--device cuda`` runs every scenario on the GPU (warm starts and distillation still train on the CPU, then
-move); ``bench/gpu_check.sh`` is the prepared script for a lent GPU machine.
+``--device cuda`` runs every scenario on the GPU (warm starts and distillation still train on the
+CPU, then move); ``bench/gpu_check.sh`` is the prepared script for a lent GPU machine.
 
 Usage: ``python bench/rollout.py [--quick] [--threads N] [--device cpu|cuda] [--out FILE]``.
 """
@@ -153,7 +155,8 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
 
 
 def always_speculate(eng: NativeRollout) -> None:
-    """Bypass the speculation cost model: every eligible step speculates with the longest proposal."""
+    """Bypass the speculation cost model: every eligible step speculates with the longest
+    proposal."""
     spec = eng.engine.spec
     spec.choose_k = lambda batch_size: spec.max_k
 
@@ -167,7 +170,8 @@ def native_generate(eng: NativeRollout, prompts, p) -> tuple[float, dict, int, f
 
 
 def flops_bytes(model, stats: dict, tokens: int, prompts, n: int, new: int) -> tuple[float, float]:
-    """Matmul + attention FLOPs and the bytes a decode step must read (weights + KV), summed over the run."""
+    """Matmul + attention FLOPs and the bytes a decode step must read (weights + KV), summed over
+    the run."""
     c = model.config
     params_mm = sum(
         p.numel()
@@ -266,7 +270,8 @@ def mixed(n_req: int, out_hi: int, device: torch.device) -> dict:
 
 
 def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
-    """G = 8 groups (from the fixed run) and repeated long prompts (full blocks served from the hash cache)."""
+    """G = 8 groups (from the fixed run) and repeated long prompts (full blocks served from the hash
+    cache)."""
     model = build_model("tiny", TOK, 0).to(device).eval()
     eng = engine(model, kv_gb=0.25)
     rng = random.Random(2)
@@ -284,14 +289,16 @@ def prefix(fixed_res: dict, n_prompts: int, device: torch.device) -> dict:
     }
 
 
-# Warm starts of the speculative pair: supervised training on correct sums (hybridrl.driver.sft.run_sft), in stages
-# (each continues from the previous one with a fresh warm-up/decay schedule), cached under checkpoints/bench/. They
-# train fixed step counts (sft.steps), not to the RL warm start's accuracy target: the pair is measured for speed and
-# acceptance, which needs no room left for RL, and the stage names in the cache spell out those counts. The
-# first full run trains them (small: about 55 minutes on one core, tiny: 3 minutes); later runs load them in seconds.
-# --quick uses them when they are cached and otherwise trains the short QUICK_WARM_STARTS (about 30 s together).
-# The draft is then distilled towards the target on the target's own samples (DRAFT_DISTILL, hybridrl.driver.distill):
-# a draft that learnt the task alone agrees with a target that has not learnt it yet only where both are right.
+# Warm starts of the speculative pair: supervised training on correct sums
+# (hybridrl.driver.sft.run_sft), in stages (each continues from the previous one with a fresh
+# warm-up/decay schedule), cached under checkpoints/bench/. They train fixed step counts
+# (sft.steps), not to the RL warm start's accuracy target: the pair is measured for speed and
+# acceptance, which needs no room left for RL, and the stage names in the cache spell out those
+# counts. The first full run trains them (small: about 55 minutes on one core, tiny: 3 minutes);
+# later runs load them in seconds. --quick uses them when they are cached and otherwise trains the
+# short QUICK_WARM_STARTS (about 30 s together). The draft is then distilled towards the target on
+# the target's own samples (DRAFT_DISTILL, hybridrl.driver.distill): a draft that learnt the task
+# alone agrees with a target that has not learnt it yet only where both are right.
 WARM_STARTS = {
     "small": [dict(steps=200, batch_size=256, lr=1.5e-3), dict(steps=200, batch_size=256, lr=1e-3)],
     "tiny": [dict(steps=150, batch_size=256, lr=3e-3)],
@@ -307,7 +314,8 @@ DRAFT_DISTILL, QUICK_DRAFT_DISTILL = (
 
 
 def warm_stages(size: str, quick: bool) -> tuple[list[dict], bool]:
-    """The stages to load or train, and whether they are the full ones (always unless --quick finds no cache)."""
+    """The stages to load or train, and whether they are the full ones (always unless --quick finds
+    no cache)."""
     full = WARM_STARTS[size]
     if (
         not quick
@@ -344,12 +352,8 @@ def warm(size: str, stages: list[dict]) -> torch.nn.Module:
 
 
 def distill_path(target_name: str, draft_name: str, stage: dict) -> Path:
-    return (
-        ROOT
-        / "checkpoints"
-        / "bench"
-        / f"{draft_name}-distil{stage['steps']}x{stage['batch_size']}-lr{stage['lr']:g}-of-{target_name}"
-    )
+    run = f"distil{stage['steps']}x{stage['batch_size']}-lr{stage['lr']:g}"
+    return ROOT / "checkpoints" / "bench" / f"{draft_name}-{run}-of-{target_name}"
 
 
 def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> torch.nn.Module:
@@ -383,10 +387,12 @@ def distilled(target, target_name: str, draft, draft_name: str, stage: dict) -> 
 
 
 def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
-    """W1 rollout shape (eos honoured, at most 16 new tokens, temperature 1) with ``b`` requests in flight."""
+    """W1 rollout shape (eos honoured, at most 16 new tokens, temperature 1) with ``b`` requests in
+    flight."""
     (small, full_s), (tiny, full_t) = warm_stages("small", quick), warm_stages("tiny", quick)
     (target, t_name), (sft_draft, d_name) = warm("small", small), warm("tiny", tiny)
-    stage = DRAFT_DISTILL  # --quick: only when cached (the first full distillation takes about 5 minutes)
+    # --quick: only when cached (the first full distillation takes about 5 minutes)
+    stage = DRAFT_DISTILL
     if quick and not (
         full_s and full_t and (distill_path(t_name, d_name, stage) / "config.json").is_file()
     ):
@@ -460,7 +466,8 @@ def main() -> None:
     dev = torch.device(args.device)
     if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
         ap.error(
-            f"--device {args.device!r}: use cpu, or cuda where a GPU is visible (cuda available: {torch.cuda.is_available()})"
+            f"--device {args.device!r}: use cpu, or cuda where a GPU is visible "
+            f"(cuda available: {torch.cuda.is_available()})"
         )
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -524,7 +531,8 @@ def main() -> None:
         if key in out:
             r = out[key]
             print(
-                f"# {key:10s} native {r['native_tokens_per_s']:9.0f} tok/s  hf {r['hf_tokens_per_s']:9.0f} tok/s  "
+                f"# {key:10s} native {r['native_tokens_per_s']:9.0f} tok/s  "
+                f"hf {r['hf_tokens_per_s']:9.0f} tok/s  "
                 f"x{r['speedup_vs_hf']:.2f} (cpu time x{r['speedup_vs_hf_cpu_time']:.2f})",
                 file=sys.stderr,
             )

@@ -2,21 +2,22 @@
 
     python bench/weight_sync.py [--model small] [--repeats 5] [--bucket-mb 64] [--actor-ranks 1]
 
-The learner holding the actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are separate
-Ray actors on a local cluster. One sync is what the trainer does (``Roles.sync_weights`` with a transport of
-``parallel/weight_sync.py``, one instance per process): every actor rank runs ``publish`` (the ranks gather
-the weights in buckets) and rank 0 returns a handle; every rollout rank runs ``load`` with it. Transports:
-``shm`` (the same-node path: rank 0 copies the buckets into a reused shared-memory staging file, the
-handle is its path and layout) and ``store`` (the cross-node path, reported as ``store_*``: rank 0 puts
-each bucket into the object store as numpy arrays, the handle is the references); the rollout reads the
-buckets itself and copies them into its live weights. The time is the driver's wall time of the whole
-sync (both remote calls); bytes are the tensor bytes synced. memcpy: copying a buffer of the same size into
-an existing buffer in this process (``torch.Tensor.copy_``, 1 thread, best of 3), measured right before
-each sync; ``fraction_of_memcpy`` is memcpy time / sync time of the best pair (``_median``: the median
-pair), ``memcpy_bytes_per_s`` the best memcpy seen.
+The learner holding the actor (``--actor-ranks`` FSDP2 ranks) and the rollout (hf backend) are
+separate Ray actors on a local cluster. One sync is what the trainer does (``Roles.sync_weights``
+with a transport of ``parallel/weight_sync.py``, one instance per process): every actor rank runs
+``publish`` (the ranks gather the weights in buckets) and rank 0 returns a handle; every rollout
+rank runs ``load`` with it. Transports: ``shm`` (the same-node path: rank 0 copies the buckets into
+a reused shared-memory staging file, the handle is its path and layout) and ``store`` (the
+cross-node path, reported as ``store_*``: rank 0 puts each bucket into the object store as numpy
+arrays, the handle is the references); the rollout reads the buckets itself and copies them into its
+live weights. The time is the driver's wall time of the whole sync (both remote calls); bytes are
+the tensor bytes synced. memcpy: copying a buffer of the same size into an existing buffer in this
+process (``torch.Tensor.copy_``, 1 thread, best of 3), measured right before each sync;
+``fraction_of_memcpy`` is memcpy time / sync time of the best pair (``_median``: the median pair),
+``memcpy_bytes_per_s`` the best memcpy seen.
 
-A sync makes two copies (into the staging memory, then into the rollout's weights), so one memcpy is a
-hard ceiling and 0.5 the best a two-copy design can do. ``rehomed``: whether the ``shm`` transport
+A sync makes two copies (into the staging memory, then into the rollout's weights), so one memcpy is
+a hard ceiling and 0.5 the best a two-copy design can do. ``rehomed``: whether the ``shm`` transport
 re-homed the actor's parameters into its staging file (a single-rank actor without LoRA that offers
 ``rehome_parameters``); then the actor side copies nothing and one copy is left.
 
@@ -43,7 +44,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def transport_of(worker, name: str, bucket_bytes: int = 0):
-    """This process's transport ``name``, kept on the worker between syncs (a staging file is reused)."""
+    """This process's transport ``name``, kept on the worker between syncs (a staging file is
+    reused)."""
     from hybridrl.parallel.weight_sync import make_transport
 
     held = worker.__dict__.setdefault("bench_transports", {})
@@ -73,7 +75,8 @@ def close_transports(worker) -> None:
 
 
 def lora_ratio(cfg, full_bytes: int) -> tuple[float, str]:
-    """Bytes of an adapter-only sync / bytes of a full sync, from a real LoRA actor when available."""
+    """Bytes of an adapter-only sync / bytes of a full sync, from a real LoRA actor when
+    available."""
     from hybridrl.config import Config, load_config
     from hybridrl.controller import WorkerContext
     from hybridrl.learner import Learner
@@ -155,8 +158,9 @@ def main() -> None:
         lambda w: sum(p.numel() * p.element_size() for p in w.model.parameters())
     )
     full_bytes = int(sizes[0])  # a DTensor counts its global size
-    # this machine is shared and its load changes by the second: each sync is paired with a memcpy measured
-    # just before it (same size, this process, 1 thread), and the fraction is taken per pair
+    # this machine is shared and its load changes by the second: each sync is paired with a
+    # memcpy measured just before it (same size, this process, 1 thread), and the fraction is
+    # taken per pair
     src = torch.ones(full_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in

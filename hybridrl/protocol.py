@@ -1,7 +1,7 @@
 """The data that flows between roles: :class:`Sample` (one trajectory, from prompt to learner) and
-:class:`Batch` (named tensors with a shared leading batch dimension, plus per-sample metadata lists),
-which the learner builds once from its samples (:func:`samples_to_batch`) and extends with columns
-(``old_log_probs``, ``ref_log_probs``, ``advantages`` ...).
+:class:`Batch` (named tensors with a shared leading batch dimension, plus per-sample metadata
+lists), which the learner builds once from its samples (:func:`samples_to_batch`) and extends with
+columns (``old_log_probs``, ``ref_log_probs``, ``advantages`` ...).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 class Sample:
     """One trajectory from prompt to learner (the one type a trajectory has).
 
-    A rollout backend receives prompt samples (``response_ids`` empty, ``status`` ``pending``) and returns
-    ``n`` copies of each with the response filled in; the rollout rank that generated them scores them
-    (``reward``, ``reward_extras``); the learner collates them into a :class:`Batch`.
+    A rollout backend receives prompt samples (``response_ids`` empty, ``status`` ``pending``) and
+    returns ``n`` copies of each with the response filled in; the rollout rank that generated them
+    scores them (``reward``, ``reward_extras``); the learner collates them into a :class:`Batch`.
     """
 
     prompt_ids: list[int]
@@ -59,7 +59,8 @@ class Sample:
 
 
 def prompt_sample(prompt, tokenizer) -> Sample:
-    """The prompt sample of a task's :class:`~hybridrl.tasks.Prompt` (the tokenizer adds ``<bos>`` where it has one)."""
+    """The prompt sample of a task's :class:`~hybridrl.tasks.Prompt` (the tokenizer adds ``<bos>``
+    where it has one)."""
     return Sample(
         prompt_ids=tokenizer(prompt.text)["input_ids"],
         uid=prompt.uid,
@@ -230,10 +231,11 @@ def pad_2d(
 
 
 def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
-    """Collate samples into the training layout: ``input_ids = prompts (left-padded) ++ responses (right-padded)``.
+    """Collate samples into the training layout: ``input_ids = prompts ++ responses``.
 
-    ``response_mask`` is each sample's ``loss_mask`` (all ones when None); ``rewards`` comes when every sample is
-    scored, and each ``reward_extras`` key every sample has becomes a column of its own (``reward_errors``,
+    Prompts are left-padded, responses right-padded. ``response_mask`` is each sample's
+    ``loss_mask`` (all ones when None); ``rewards`` comes when every sample is scored, and each
+    ``reward_extras`` key every sample has becomes a column of its own (``reward_errors``,
     ``baseline_rewards`` ...); ``metadata`` keys become metadata lists.
     """
     prompts = pad_2d([s.prompt_ids for s in samples], pad_id, torch.long, left=True)
@@ -245,8 +247,9 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
     for s, mask in zip(samples, masks):
         if len(mask) != len(s.response_ids):
             raise ValueError(
-                f"sample {s.uid!r}: loss_mask has {len(mask)} entries for {len(s.response_ids)} response "
-                "tokens (one 0/1 per response token, or None for all ones)"
+                f"sample {s.uid!r}: loss_mask has {len(mask)} entries for "
+                f"{len(s.response_ids)} response tokens "
+                "(one 0/1 per response token, or None for all ones)"
             )
     tensors = {
         "prompts": prompts,

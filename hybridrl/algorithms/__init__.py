@@ -4,7 +4,8 @@ loss aggregation, KL estimators.
 Adding an algorithm is a decorated function; the driver never branches on names.
 """
 
-from hybridrl.algorithms import losses_more  # noqa: F401  (registers cispo, gmpo, clip_cov, kl_cov, sapo)
+# registers cispo, gmpo, clip_cov, kl_cov, sapo
+from hybridrl.algorithms import losses_more  # noqa: F401
 from hybridrl.algorithms.advantages import (
     ADVANTAGES,
     compute_advantages,

@@ -1,2 +1,2 @@
-"""The driver: the loops a run is (synchronous and asynchronous), what they share (session, placement,
-collection, evaluation, checkpoints) and the supervised warm start."""
+"""The driver: the loops a run is (synchronous and asynchronous), what they share (session,
+placement, collection, evaluation, checkpoints) and the supervised warm start."""

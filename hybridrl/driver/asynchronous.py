@@ -1,12 +1,13 @@
 """The asynchronous RL driver (``trainer.mode: async``; AReaL / LlamaRL style).
 
 Rollout ranks generate without pause (``rollout/stream.py``) and put scored groups into the
-trajectory buffer (``rollout/buffer.py``), which admits new prompts only within the staleness bound
-``asynchronous.max_staleness``. The learner (``learner/learner.py``) takes each batch from the buffer
-itself (``Learner.train_step``, the same call the synchronous driver makes with the step's samples).
-The driver schedules and monitors: train version v, sync the weights (the rollout is
-interrupted between two engine steps and continues every sequence), log, evaluate, checkpoint. No
-trajectory passes through it; it only sees metrics and the trained prompts' ids (``trajectories.jsonl``).
+trajectory buffer (``rollout/buffer.py``), which admits new prompts only within the staleness
+bound ``asynchronous.max_staleness``. The learner (``learner/learner.py``) takes each batch from
+the buffer itself (``Learner.train_step``, the same call the synchronous driver makes with the
+step's samples). The driver schedules and monitors: train version v, sync the weights (the rollout
+is interrupted between two engine steps and continues every sequence), log, evaluate, checkpoint.
+No trajectory passes through it; it only sees metrics and the trained prompts' ids
+(``trajectories.jsonl``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         pending=state.get("pending_prompts", ()),
         trained_groups=state["step"] * t.prompts_per_step,
     )
-    last = dict(state.get("last", state["before"]))
+    last, desc = dict(state.get("last", state["before"])), f"{cfg.algorithm.advantage} async"
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
-               desc=f"{cfg.algorithm.advantage} async", disable=not t.progress, dynamic_ncols=True)  # fmt: skip
+               desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
     try:
         roles.rollout.start_stream(buffer, s.params, t.seed)
         tick = time.perf_counter()

@@ -1,4 +1,5 @@
-"""Trainer checkpoints: ``<run>/checkpoints/step_NNNNNN/{model/, critic/, trainer.json, config.yaml}``.
+"""Trainer checkpoints: ``<run>/checkpoints/step_NNNNNN/`` with ``model/``, ``critic/``,
+``trainer.json`` and ``config.yaml``.
 
 ``model/`` is the policy in transformers format (plus ``train_state.pt``: optimizer and RNG);
 ``critic/`` the same for the value model when the run has one.

@@ -1,11 +1,12 @@
 """Rollout collection for one synchronous step: generate and score (on the rollout ranks); with DAPO
-dynamic sampling (``algorithm.filter_groups``) keep only groups whose rewards differ and sample more prompts
-until the step has ``prompts_per_step`` groups or ``max_sampling_rounds`` is reached. The prompt-stream
-position is explicit state, so a resumed run continues the stream exactly.
+dynamic sampling (``algorithm.filter_groups``) keep only groups whose rewards differ and sample more
+prompts until the step has ``prompts_per_step`` groups or ``max_sampling_rounds`` is reached. The
+prompt-stream position is explicit state, so a resumed run continues the stream exactly.
 
-An advantage estimator with ``needs_greedy_baseline = True`` (ReMax) also gets one greedy response per
-prompt, generated and scored like the samples but never trained on: only its reward reaches the samples,
-as ``reward_extras["baseline_rewards"]``. What is generated is decided by that attribute, not by a name.
+An advantage estimator with ``needs_greedy_baseline = True`` (ReMax) also gets one greedy response
+per prompt, generated and scored like the samples but never trained on: only its reward reaches the
+samples, as ``reward_extras["baseline_rewards"]``. What is generated is decided by that attribute,
+not by a name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from hybridrl.rollout import SamplingParams
 
 
 def informative(samples: list[Sample]) -> list[Sample]:
-    """The samples of the groups whose rewards are not all equal (equal rewards: zero group advantage)."""
+    """The samples of the groups whose rewards are not all equal (equal rewards: zero group
+    advantage)."""
     groups = group_rows([s.uid for s in samples])
     return [samples[i] for g in groups if len({samples[i].reward for i in g}) > 1 for i in g]
 
@@ -35,9 +37,9 @@ def needs_greedy_baseline(cfg: Config) -> bool:
 def add_greedy_baselines(
     rollout, prompts: list[Sample], samples: list[Sample], cfg: Config, params
 ) -> None:
-    """Each sample's ``reward_extras["baseline_rewards"]``: the reward of one greedy (temperature 0) response
-    to its prompt, plus the soft overlong penalty the samples get, so that r_i - baseline compares like
-    with like."""
+    """Each sample's ``reward_extras["baseline_rewards"]``: the reward of one greedy (temperature 0)
+    response to its prompt, plus the soft overlong penalty the samples get, so that r_i - baseline
+    compares like with like."""
     greedy = rollout.generate(prompts, replace(params, n=1, temperature=0.0))
     alg = cfg.algorithm
     lengths = torch.tensor([len(s.response_ids) for s in greedy])
@@ -52,7 +54,8 @@ def add_greedy_baselines(
 def collect(
     rollout, task, tokenizer, cfg: Config, params: SamplingParams, cursor: int, seed: int, timer
 ):
-    """(scored samples, new prompt cursor, metrics); time goes to the ``rollout`` and ``baseline`` phases."""
+    """(scored samples, new prompt cursor, metrics); time goes to the ``rollout`` and ``baseline``
+    phases."""
     t, alg = cfg.trainer, cfg.algorithm
     target = t.prompts_per_step * t.samples_per_prompt
     kept: list[Sample] = []  # samples of informative groups, then the rest as filler
@@ -74,7 +77,7 @@ def collect(
         filler += [s for s in new if id(s) not in taken]
         if len(kept) >= target:
             break
-    # the cap was hit: fill with uninformative groups (zero advantage) so every step has the same shape
+    # the cap was hit: fill with uninformative groups (zero advantage), so all steps have one shape
     samples = (kept + filler)[:target]
     metrics = {
         "rollout/sampling_rounds": rnd + 1,

@@ -1,8 +1,8 @@
 """Fit a speculative-decoding draft to its target: forward KL on the target's own samples.
 
-Rejection-sampling speculation (Leviathan et al. 2211.17192, Chen et al. 2302.01318) accepts a proposal with probability
-sum_x min(p(x), q(x)) = 1 - TV(p, q) per token, where p is the target's and q the
-draft's distribution at that position. A draft warm-started on the task alone
+Rejection-sampling speculation (Leviathan et al. 2211.17192, Chen et al. 2302.01318) accepts a
+proposal with probability sum_x min(p(x), q(x)) = 1 - TV(p, q) per token, where p is the target's
+and q the draft's distribution at that position. A draft warm-started on the task alone
 agrees with the target only where both got the task right; distilling it on the
 positions speculation will meet (prompts of the task, responses the target
 samples) raises that agreement directly. The loss is KL(p || q) over the
@@ -27,8 +27,8 @@ from hybridrl.rollout import SamplingParams
 
 
 def agreement(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
-    """Per-position probability that speculative sampling accepts a proposal: sum_x min(p(x), q(x)), from
-    log-probabilities over the last dimension."""
+    """Per-position probability that speculative sampling accepts a proposal: sum_x min(p(x), q(x)),
+    from log-probabilities over the last dimension."""
     return torch.minimum(lp, lq).exp().sum(-1)
 
 
@@ -46,7 +46,8 @@ def sample_responses(
 
 
 def _batch(pairs, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, mask) where mask[:, t] marks positions t whose next token is a response token."""
+    """(input_ids, attention_mask, mask) where mask[:, t] marks positions t whose next token is a
+    response token."""
     rows = [p + r for p, r in pairs]
     mask = [[0.0] * (len(p) - 1) + [1.0] * len(r) for p, r in pairs]
     return (
@@ -78,14 +79,16 @@ def distill_draft(
     seed: int = 0,
     progress: bool = False,
 ) -> dict:
-    """Train ``draft`` in place towards ``target`` for ``steps`` optimizer steps of ``batch_size`` sampled
-    sequences each (``steps * batch_size`` prompts are needed). Returns the loss and the agreement (mean
-    per-token acceptance probability) on the first and on the last batch, each measured before the update on
-    that batch, and the seconds spent. Temperature is modelled; top-k / top-p truncation is not."""
+    """Train ``draft`` in place towards ``target`` for ``steps`` optimizer steps of ``batch_size``
+    sampled sequences each (``steps * batch_size`` prompts are needed). Returns the loss and the
+    agreement (mean per-token acceptance probability) on the first and on the last batch, each
+    measured before the update on that batch, and the seconds spent. Temperature is modelled;
+    top-k / top-p truncation is not."""
     if not temperature > 0:
         raise ValueError(
-            f"distill_draft: temperature must be > 0, got {temperature} (a draft for greedy rollouts "
-            "is checked by exact argmax match; distil it at temperature 1)"
+            f"distill_draft: temperature must be > 0, got {temperature} "
+            "(a draft for greedy rollouts is checked by exact argmax match; "
+            "distil it at temperature 1)"
         )
     if steps < 1 or batch_size < 1:
         raise ValueError(
@@ -93,8 +96,8 @@ def distill_draft(
         )
     if len(prompts) < steps * batch_size:
         raise ValueError(
-            f"distill_draft: {steps} steps x {batch_size} sequences need {steps * batch_size} prompts, "
-            f"got {len(prompts)}"
+            f"distill_draft: {steps} steps x {batch_size} sequences need "
+            f"{steps * batch_size} prompts, got {len(prompts)}"
         )
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(

@@ -1,8 +1,9 @@
 """Held-out accuracy: the task's fixed held-out prompts, generated and scored on the rollout ranks.
 
-``sampled`` draws at the rollout temperature (the distribution RL trains); ``greedy`` takes the argmax.
-Accuracy is the mean reward (exact match: the fraction answered correctly). :func:`model_accuracy`
-measures the same for a model in this process (the warm start's stopping check).
+``sampled`` draws at the rollout temperature (the distribution RL trains); ``greedy`` takes the
+argmax. Accuracy is the mean reward (exact match: the fraction answered correctly).
+:func:`model_accuracy` measures the same for a model in this process (the warm start's stopping
+check).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ class Evaluator:
 def model_accuracy(
     model, tokenizer, prompts: list[Prompt], scorer, params: SamplingParams
 ) -> float:
-    """Mean reward of one sample per prompt from ``model`` as it is now (the warm start's accuracy check).
+    """Mean reward of one sample per prompt from ``model`` as it is now (warm-start accuracy check).
 
-    Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept between
-    calls) and seeds each call from ``params.seed`` without touching the caller's RNG stream; scored by the
-    rollout's :class:`~hybridrl.rollout.scoring.Scorer`, as the RL evaluation is. Restores train mode.
+    Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept
+    between calls) and seeds each call from ``params.seed`` without touching the caller's RNG
+    stream; scored by the rollout's :class:`~hybridrl.rollout.scoring.Scorer`, as the RL evaluation
+    is. Restores train mode.
     """
     was_training = model.training
     try:
@@ -62,7 +64,8 @@ def model_accuracy(
 
 
 def evaluate_checkpoint(cfg) -> dict[str, float]:
-    """``hybridrl eval``: accuracy of the checkpoint RL would start from (warm start or ``model.path``)."""
+    """``hybridrl eval``: accuracy of the checkpoint RL would start from (warm start or
+    ``model.path``)."""
     from hybridrl.driver.placement import build_roles
     from hybridrl.driver.sft import ensure_warm_start
     from hybridrl.models.loading import load_tokenizer, make_task

@@ -1,14 +1,15 @@
-"""Place the two roles of a run on their resource pools (``controller.pools`` / ``controller.placement``):
-the learner (``learner/learner.py``: policy, reference, critic and the learning step) and the rollout
-(``rollout/worker.py``: generation and scoring).
+"""Place the two roles of a run on their resource pools (``controller.pools`` /
+``controller.placement``): the learner (``learner/learner.py``: policy, reference, critic and the
+learning step) and the rollout (``rollout/worker.py``: generation and scoring).
 
 * ``local`` backend: one WorkerGroup per role, both in the driver process.
-* ``ray`` backend: roles on different pools get their own WorkerGroups (disaggregated); roles on one pool
-  share one process per slot, a :class:`~hybridrl.controller.colocated.ColocatedWorker`, in which they
-  take turns on the device (colocated).
+* ``ray`` backend: roles on different pools get their own WorkerGroups (disaggregated); roles on one
+  pool share one process per slot, a :class:`~hybridrl.controller.colocated.ColocatedWorker`, in
+  which they take turns on the device (colocated).
 
-The driver sees one object per role either way (a WorkerGroup or a RoleView of the colocated group) and
-calls :meth:`Roles.sync_weights`, which picks the weight-sync path (``parallel/weight_sync.py``).
+The driver sees one object per role either way (a WorkerGroup or a RoleView of the colocated group)
+and calls :meth:`Roles.sync_weights`, which picks the weight-sync path
+(``parallel/weight_sync.py``).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class Roles:
 
     def sync_weights(self, version: int) -> None:
         """Learner -> rollout, bucketed and versioned, through the transport each side holds
-        (``parallel/weight_sync.py``); the driver passes only the handle (in one colocated group, not even
-        that)."""
+        (``parallel/weight_sync.py``); the driver passes only the handle (in one colocated group,
+        not even that)."""
         if self.transport == "fused":
             self.learner.group.apply_all(sync_colocated, version)
             return
@@ -51,9 +52,10 @@ class Roles:
         self.rollout.load_weights(self.transport, handle, version)
 
     def shutdown(self) -> None:
-        """Close every role, stop every group and release every pool, even past failures (a dead rank, a
-        close that raises); then raise the first failure, the later ones attached as notes. A group whose
-        call failed gets no further close: its other roles would fail or wait the same way."""
+        """Close every role, stop every group and release every pool, even past failures (a dead
+        rank, a close that raises); then raise the first failure, the later ones attached as notes.
+        A group whose call failed gets no further close: its other roles would fail or wait the same
+        way."""
         errors: list[Exception] = []
         failed: set[int] = set()
 
@@ -82,8 +84,8 @@ class Roles:
 
 
 def sync_colocated(worker: ColocatedWorker, version: int) -> int:
-    """On every rank of a colocated group: the learner publishes, the rollout beside it loads (rank 0's
-    buckets in memory, broadcast over the process group to the other ranks)."""
+    """On every rank of a colocated group: the learner publishes, the rollout beside it loads (rank
+    0's buckets in memory, broadcast over the process group to the other ranks)."""
     learner, rollout = worker.parts["learner"], worker.parts["rollout"]
     handle = learner.publish_weights("fused", version)
     return rollout.load_weights("fused", handle, version)
@@ -101,8 +103,8 @@ def build_roles(
     learner: bool = True,
 ) -> Roles:
     """Worker groups for the learner (unless ``learner`` is False: a run that only generates, e.g.
-    ``hybridrl eval``) and the rollout; roles mapped to the same pool share its processes (colocation)
-    under the ``ray`` backend."""
+    ``hybridrl eval``) and the rollout; roles mapped to the same pool share its processes
+    (colocation) under the ``ray`` backend."""
     c = cfg.controller
     if c.backend == "ray":
         init_ray(c.ray_address)

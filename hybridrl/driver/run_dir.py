@@ -1,4 +1,5 @@
-"""The run directory ``<runs_dir>/<name>``: config, metrics, TensorBoard, checkpoints, report, summary."""
+"""The run directory ``<runs_dir>/<name>``: config, metrics, TensorBoard, checkpoints, report,
+summary."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def run_path(cfg: Config) -> Path:
 
 
 def open_run_dir(cfg: Config, resume: bool) -> Path:
-    """The run's directory. A fresh run never overwrites an earlier one: that is moved aside first."""
+    """The run's directory. A fresh run never overwrites an earlier one: that one is moved aside
+    first."""
     run_dir = run_path(cfg)
     if run_dir.exists() and not resume and any(run_dir.iterdir()):
         aside = run_dir.with_name(f"{run_dir.name}.{time.strftime('%Y%m%d-%H%M%S')}")

@@ -65,8 +65,8 @@ class Session:
 
 
 def open_session(cfg: Config, resume: bool) -> Session:
-    """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the rollout,
-    and the held-out evaluation before training (once per run)."""
+    """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the
+    rollout, and the held-out evaluation before training (once per run)."""
     t_start, t = time.perf_counter(), cfg.trainer
     warm = ensure_warm_start(cfg, t.progress)
     found = latest_checkpoint(run_path(cfg)) if resume else None

@@ -1,12 +1,13 @@
 """Supervised warm start: next-token loss on correct examples (answer and ``<eos>`` only).
 
-A random model earns no reward, so RL starts from here. The warm start stops on a held-out target, not
-after a fixed number of steps: the loss falls steeply once the model starts to learn the task, and where
-a fixed step count lands on that slope depends on the low bits of the CPU's matmul kernels (the same
-300 steps gave 41% sampled accuracy on one machine and 3% on another). So every ``sft.eval_every`` steps
-it measures sampled (T = 1) accuracy on held-out prompts and stops at the first check that reaches
-``sft.target_accuracy``, which is set below 1 so that RL has room to gain; ``sft.max_steps`` caps it
-(with a warning). ``sft.steps`` instead trains a fixed number of steps without any check.
+A random model earns no reward, so RL starts from here. The warm start stops on a held-out target,
+not after a fixed number of steps: the loss falls steeply once the model starts to learn the task,
+and where a fixed step count lands on that slope depends on the low bits of the CPU's matmul kernels
+(the same 300 steps gave 41% sampled accuracy on one machine and 3% on another). So every
+``sft.eval_every`` steps it measures sampled (T = 1) accuracy on held-out prompts and stops at the
+first check that reaches ``sft.target_accuracy``, which is set below 1 so that RL has room to gain;
+``sft.max_steps`` caps it (with a warning). ``sft.steps`` instead trains a fixed number of steps
+without any check.
 
 The result is a transformers checkpoint cached under a path derived from the settings, so a second
 ``make train`` starts RL at once; its ``sft.json`` records the steps taken and the accuracy reached.
@@ -50,8 +51,9 @@ def warm_start_path(cfg: Config) -> Path:
 
 
 def cache_key(cfg: Config) -> dict:
-    """Everything the warm start's weights depend on: the model, the task and its SFT stream (``trainer.seed``),
-    the ``sft`` settings and, when it stops on accuracy, what the check generates and scores."""
+    """Everything the warm start's weights depend on: the model, the task and its SFT stream
+    (``trainer.seed``), the ``sft`` settings and, when it stops on accuracy, what the check
+    generates and scores."""
     key = {
         "model": to_dict(cfg.model),
         "task": cfg.task.name,
@@ -70,7 +72,8 @@ def cache_key(cfg: Config) -> dict:
 def sft_batch(
     task, tokenizer, start: int, size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
-    """(input_ids, attention_mask, labels, prompt texts) with labels -100 except on the completion and ``<eos>``."""
+    """(input_ids, attention_mask, labels, prompt texts) with labels -100 except on the completion
+    and ``<eos>``."""
     rows, labels, texts = [], [], []
     for i in range(start, start + size):
         prompt, completion = task.sft_example(i)
@@ -91,8 +94,9 @@ def sft_batch(
 def lr_factor(step: int, total: int, warmup: int = 20, decay_frac: float = 0.2) -> float:
     """Warmup, constant, then a linear decay to 10% over the last ``decay_frac`` of the steps.
 
-    With an accuracy target, ``total`` is the cap ``sft.max_steps``: a run that stops on the target stops
-    in the constant phase (the stop point is unknown in advance), and only a run heading for the cap decays.
+    With an accuracy target, ``total`` is the cap ``sft.max_steps``: a run that stops on the target
+    stops in the constant phase (the stop point is unknown in advance), and only a run heading for
+    the cap decays.
     """
     decay_start = int(total * (1 - decay_frac))
     if step < warmup:
@@ -103,9 +107,10 @@ def lr_factor(step: int, total: int, warmup: int = 20, decay_frac: float = 0.2) 
 
 
 class HeldoutCheck:
-    """Sampled (T = 1) accuracy of the live model on the task's held-out prompts, using only those that no SFT
-    batch so far contained (so it measures the task, not recall), the first ``sft.eval_size`` of them in the
-    held-out order. Every check samples with the same seed, so two checks differ by the weights alone."""
+    """Sampled (T = 1) accuracy of the live model on the task's held-out prompts, using only those
+    that no SFT batch so far contained (so it measures the task, not recall), the first
+    ``sft.eval_size`` of them in the held-out order. Every check samples with the same seed, so two
+    checks differ by the weights alone."""
 
     def __init__(self, cfg: Config, task, tokenizer):
         from hybridrl.rollout.scoring import Scorer
@@ -132,8 +137,9 @@ class HeldoutCheck:
         prompts = [p for p in self.pool if p.text not in self.seen][: self.size]
         if not prompts:
             raise RuntimeError(
-                f"warm start: every one of the task's {len(self.pool)} held-out prompts appeared in an SFT "
-                "batch, so none is left to check accuracy on; raise task.heldout_size or set sft.steps"
+                f"warm start: every one of the task's {len(self.pool)} held-out prompts appeared "
+                "in an SFT batch, so none is left to check accuracy on; "
+                "raise task.heldout_size or set sft.steps"
             )
         t0 = time.perf_counter()
         acc = model_accuracy(model, self.tokenizer, prompts, self.scorer, self.params)
@@ -167,8 +173,8 @@ def _train_step(model, opt, sched, ids, attn, labels, micro_batch_tokens: int) -
 
 
 def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = True) -> Path:
-    """Train (until the target, the cap or ``sft.steps``), then write the checkpoint atomically (temporary
-    directory renamed when complete) with ``sft.json``."""
+    """Train (until the target, the cap or ``sft.steps``), then write the checkpoint atomically
+    (temporary directory renamed when complete) with ``sft.json``."""
     s = cfg.sft
     out = Path(out_dir) if out_dir else warm_start_path(cfg)
     task = make_task(cfg)
@@ -222,7 +228,8 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
         }
         if met:
             log.info(
-                "warm start: sampled held-out accuracy %.3f >= sft.target_accuracy %.3f after %d steps (%.0f s)",
+                "warm start: sampled held-out accuracy %.3f >= sft.target_accuracy %.3f "
+                "after %d steps (%.0f s)",
                 last["accuracy"],
                 s.target_accuracy,
                 len(losses),
@@ -245,13 +252,16 @@ def _cap_message(cfg: Config, accuracy: float | None) -> str:
     s = cfg.sft
     reached = "no check ran" if accuracy is None else f"sampled held-out accuracy is {accuracy:.3f}"
     return (
-        f"warm start: reached the cap sft.max_steps={s.max_steps} before sft.target_accuracy={s.target_accuracy:g} "
-        f"({reached}); RL starts from this weaker model. Raise sft.max_steps or sft.lr, or lower sft.target_accuracy."
+        f"warm start: reached the cap sft.max_steps={s.max_steps} "
+        f"before sft.target_accuracy={s.target_accuracy:g} ({reached}); "
+        "RL starts from this weaker model. "
+        "Raise sft.max_steps or sft.lr, or lower sft.target_accuracy."
     )
 
 
 def ensure_warm_start(cfg: Config, progress: bool = True) -> str | None:
-    """The checkpoint RL starts from: the cached warm start (trained on first use), or ``model.path``."""
+    """The checkpoint RL starts from: the cached warm start (trained on first use), or
+    ``model.path``."""
     if not cfg.sft.enabled:
         return cfg.model.path
     path = warm_start_path(cfg)

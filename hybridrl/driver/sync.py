@@ -1,10 +1,11 @@
 """The synchronous RL driver: one plain loop (docs/architecture.md §1).
 
-Every step: the rollout generates and scores the step's samples (``driver/collect.py``), the learner
-trains on them (``Learner.train_step``: reference and old log-probs, values, advantages, updates, all in
-the learner's processes), the new weights go to the rollout. It is the asynchronous driver with no
-staleness: generation waits for the weights it will sample with. Which algorithm runs is decided by
-registries (``algorithm.advantage``, ``algorithm.policy_loss``, ``algorithm.loss_agg``), never here.
+Every step: the rollout generates and scores the step's samples (``driver/collect.py``), the
+learner trains on them (``Learner.train_step``: reference and old log-probs, values, advantages,
+updates, all in the learner's processes), the new weights go to the rollout. It is the
+asynchronous driver with no staleness: generation waits for the weights it will sample with. Which
+algorithm runs is decided by registries (``algorithm.advantage``, ``algorithm.policy_loss``,
+``algorithm.loss_agg``), never here.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from hybridrl.driver.session import open_session
 
 def train(cfg: Config, resume: bool = False) -> dict:
     s = open_session(cfg, resume)
-    t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
+    t, roles, timer, state, desc = cfg.trainer, s.roles, s.timer, s.state, cfg.algorithm.advantage
     last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
-               desc=cfg.algorithm.advantage, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
+               desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
     try:
         for step in bar:
             samples, cursor, metrics = collect(

@@ -1,4 +1,4 @@
-"""The critic (PPO with GAE, part of the learner): a value head on the causal-LM trunk, with its own optimizer.
+"""The learner's critic (PPO with GAE): a value head on the causal-LM trunk, with its own optimizer.
 
 The trunk starts from the same checkpoint as the policy; the head (one
 linear output per position) starts at zero, so the first values are 0. A
@@ -26,8 +26,9 @@ from hybridrl.protocol import Batch
 
 
 def build_value_model(cfg: Config, model_path: str | None):
-    """The value model: trunk from ``model_path`` (or the built-in size); the head from ``model_path`` when
-    it holds one (a critic checkpoint), else zero (a policy checkpoint has no head to load)."""
+    """The value model: trunk from ``model_path`` (or the built-in size); the head from
+    ``model_path`` when it holds one (a critic checkpoint), else zero (a policy checkpoint has no
+    head to load)."""
     if model_path is None:
         config = model_size_config(cfg.model.name, load_tokenizer(cfg, None))
         config.num_labels, config.classifier_dropout = 1, 0.0

@@ -2,21 +2,23 @@
 
 Both drivers make one call per step, :meth:`Learner.train_step`, with the step's scored samples
 (synchronous training) or with the trajectory buffer to take them from (asynchronous training; the
-synchronous driver is the asynchronous one without staleness). Everything the step needs stays in this
-process: the batch is built here, once, from the samples; the reference and old log-probs, the values,
-the advantages and both updates run here; the driver gets metrics back, never tensors.
+synchronous driver is the asynchronous one without staleness). Everything the step needs stays in
+this process: the batch is built here, once, from the samples; the reference and old log-probs, the
+values, the advantages and both updates run here; the driver gets metrics back, never tensors.
 
-The policy (its model and AdamW, optionally LoRA adapters) belongs to the learner itself; the reference
-(``learner/reference.py``) exists when a KL term reads it, the critic (``learner/critic.py``) when the
-advantage estimator needs values. With more than one rank the models are sharded with FSDP2, every rank
-gets the whole step, and each per-row pass runs on the rank's contiguous share of the rows (the ranks'
-results gathered), so the update equals the single-process one (``learner/update.py``).
+The policy (its model and AdamW, optionally LoRA adapters) belongs to the learner itself; the
+reference (``learner/reference.py``) exists when a KL term reads it, the critic
+(``learner/critic.py``) when the advantage estimator needs values. With more than one rank the
+models are sharded with FSDP2, every rank gets the whole step, and each per-row pass runs on the
+rank's contiguous share of the rows (the ranks' results gathered), so the update equals the
+single-process one (``learner/update.py``).
 
 Decoupled PPO's three policies: behaviour = the rollout's log-probs (``rollout_log_probs``, possibly
-stale and mixed across versions), proximal = ``old_log_probs`` (these weights before the update), current
-= the policy being updated. On-policy (one epoch over one mini-batch) the update's first forward runs the
-proximal weights on the same micro-batches as a separate pass would, so the learner takes the old
-log-probs from it instead (π_old := sg[π_θ], ratio exactly 1) and runs no separate pass.
+stale and mixed across versions), proximal = ``old_log_probs`` (these weights before the update),
+current = the policy being updated. On-policy (one epoch over one mini-batch) the update's first
+forward runs the proximal weights on the same micro-batches as a separate pass would, so the learner
+takes the old log-probs from it instead (π_old := sg[π_θ], ratio exactly 1) and runs no separate
+pass.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
 
-ROW = "update_row"  # a batch column: each row's index, so the update's forward can note its old log-probs
+# a batch column: each row's index, so the update's forward can note its old log-probs
+ROW = "update_row"
 
 
 def needs_reference(cfg: Config) -> bool:
-    """A KL term reads the reference: the loss's (``kl_coef``) or the reward's (``kl_reward_coef``)."""
+    """A KL term reads the reference: the loss's (``kl_coef``) or the reward's
+    (``kl_reward_coef``)."""
     return cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
 
 
@@ -70,13 +74,13 @@ def needs_critic(cfg: Config) -> bool:
 
 
 def reuses_old_log_probs(cfg: Config, batch_size: int) -> bool:
-    """Whether the update takes the old log-probs from its own first forward instead of a separate pass.
+    """Whether the update takes the old log-probs from its own first forward, not a separate pass.
 
-    On-policy (one epoch over one mini-batch of the whole batch) that forward computes the same numbers as
-    the pass. The pass still runs when something reads them before the update: the KL penalty in the reward
-    (it shapes the advantages) and the rollout correction's weights (an input of the loss); the train-rollout
-    gap metrics read them after the update. ``rollout_bypass`` has no pass to skip;
-    ``actor.reuse_old_log_probs: never`` keeps the pass (A/B tests)."""
+    On-policy (one epoch over one mini-batch of the whole batch) that forward computes the same
+    numbers as the pass. The pass still runs when something reads them before the update: the KL
+    penalty in the reward (it shapes the advantages) and the rollout correction's weights (an input
+    of the loss); the train-rollout gap metrics read them after the update. ``rollout_bypass`` has
+    no pass to skip; ``actor.reuse_old_log_probs: never`` keeps the pass (A/B tests)."""
     alg = cfg.algorithm
     return (
         cfg.actor.reuse_old_log_probs == "auto"
@@ -88,7 +92,8 @@ def reuses_old_log_probs(cfg: Config, batch_size: int) -> bool:
 
 
 def dropout_in_training(model) -> bool:
-    """Whether a training-mode forward is random (a dropout layer, or attention dropout in the config)."""
+    """Whether a training-mode forward is random (a dropout layer, or attention dropout in the
+    config)."""
     config = getattr(model, "config", None)
     return (
         any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
@@ -108,8 +113,9 @@ def move_training_state(model, optimizer, device: torch.device) -> None:
 
 
 def on_my_rows(fn, batch: Batch):
-    """``fn`` on this rank's contiguous share of ``batch`` (as the driver's DP dispatch splits it), the
-    ranks' results gathered: Batches concatenated, metric dicts averaged. One process: ``fn(batch)``."""
+    """``fn`` on this rank's contiguous share of ``batch`` (as the driver's DP dispatch splits it),
+    the ranks' results gathered: Batches concatenated, metric dicts averaged. One process:
+    ``fn(batch)``."""
     if distributed.world_size() == 1:
         return fn(batch)
     parts = distributed.all_gather_object(
@@ -162,9 +168,10 @@ class Learner(Worker):
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
     def train_step(self, version: int, source) -> dict:
-        """Train weights ``version`` on ``source``: the step's scored samples, or a trajectory buffer
-        (``rollout/buffer.py``) to take the next batch from. Returns ``metrics``, the trained prompts'
-        ``uids``, each sample's ``staleness`` (versions behind) and ``busy_s`` (time not spent waiting)."""
+        """Train weights ``version`` on ``source``: the step's scored samples, or a trajectory
+        buffer (``rollout/buffer.py``) to take the next batch from. Returns ``metrics``, the trained
+        prompts' ``uids``, each sample's ``staleness`` (versions behind) and ``busy_s`` (time not
+        spent waiting)."""
         t0 = time.perf_counter()
         samples = self._samples(source, version)
         waited = time.perf_counter() - t0
@@ -220,8 +227,9 @@ class Learner(Worker):
 
     def policy_loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's share of the mini-batch objective: the policy-gradient loss
-        (``algorithm.policy_loss``, reweighted by the rollout correction when on), plus ``kl_coef`` times the
-        KL to the reference, minus ``entropy_coef`` times the entropy, each aggregated by ``algorithm.loss_agg``."""
+        (``algorithm.policy_loss``, reweighted by the rollout correction when on), plus ``kl_coef``
+        times the KL to the reference, minus ``entropy_coef`` times the entropy, each aggregated by
+        ``algorithm.loss_agg``."""
         alg, mask = self.cfg.algorithm, mb["response_mask"]
         logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
         if ROW in mb:
@@ -241,10 +249,11 @@ class Learner(Worker):
             loss = loss - alg.entropy_coef * self.aggregate(entropy, mask, totals)
         return loss, metrics
 
-    # --- the policy's passes (this rank's rows) ----------------------------------------------------
+    # --- the policy's passes (this rank's rows) -------------------------------------------------
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """π_old of every row, grouped as the next update's first epoch groups them (``first_epoch_map``)."""
+        """π_old of every row, grouped as the next update's first epoch groups them
+        (``first_epoch_map``)."""
 
         def fn(model, mb):
             return response_log_probs(model, mb, self.sampling)[0]
@@ -255,11 +264,12 @@ class Learner(Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def update_policy(self, batch: Batch, loss_fn=None) -> dict[str, float]:
-        """Train on ``batch`` with ``loss_fn`` (each micro-batch's objective; default :meth:`policy_loss`). Without ``old_log_probs`` the old policy is the
-        update's own first forward, which needs one epoch over one mini-batch (checked over the global batch);
-        a model with dropout in training mode computes them with the separate pass instead. Either way
-        :meth:`old_log_probs_of_last_update` returns them afterwards; ``actor/old_log_prob_reused`` is 1 when
-        no separate pass ran."""
+        """Train on ``batch`` with ``loss_fn`` (each micro-batch's objective; default
+        :meth:`policy_loss`). Without ``old_log_probs`` the old policy is the update's own first
+        forward, which needs one epoch over one mini-batch (checked over the global batch); a model
+        with dropout in training mode computes them with the separate pass instead. Either way
+        :meth:`old_log_probs_of_last_update` returns them afterwards; ``actor/old_log_prob_reused``
+        is 1 when no separate pass ran."""
         reuse = False
         if "old_log_probs" not in batch:
             self._check_single_pass(batch)
@@ -283,8 +293,9 @@ class Learner(Worker):
         return metrics | {"actor/old_log_prob_reused": float(reuse)}
 
     def _keep_old(self, mb: Batch, logp: torch.Tensor) -> torch.Tensor:
-        """On-policy: this forward's log-probs are the old policy's; note them at the micro-batch's rows
-        (valid tokens only: a dummy micro-batch repeats a row with an empty mask), return them detached."""
+        """On-policy: this forward's log-probs are the old policy's; note them at the micro-batch's
+        rows (valid tokens only: a dummy micro-batch repeats a row with an empty mask), return them
+        detached."""
         old = logp.detach().float()
         rows, width, mask = mb[ROW], old.shape[1], mb["response_mask"].bool()
         kept = self._taken[rows.cpu(), :width]
@@ -296,32 +307,35 @@ class Learner(Worker):
         if not is_single_pass(self.cfg.actor, total):
             a = self.cfg.actor
             raise ValueError(
-                "update_policy: a batch without old_log_probs needs one epoch over one mini-batch, got "
-                f"ppo_epochs={a.ppo_epochs}, ppo_minibatch_size={a.ppo_minibatch_size} for {total} rows; "
+                "update_policy: a batch without old_log_probs needs one epoch over one "
+                f"mini-batch, got ppo_epochs={a.ppo_epochs}, "
+                f"ppo_minibatch_size={a.ppo_minibatch_size} for {total} rows; "
                 "run compute_log_prob first"
             )
 
     @register(Dispatch.DP_COMPUTE)
     def old_log_probs_of_last_update(self, batch: Batch) -> Batch:
-        """The old log-probs the last ``update_policy`` given a batch without them noted, for this rank's
-        rows of ``batch`` (the batch it trained on)."""
+        """The old log-probs the last ``update_policy`` given a batch without them noted, for this
+        rank's rows of ``batch`` (the batch it trained on)."""
         old, self._taken = self._taken, None
         if old is None or len(old) != len(batch):
             raise RuntimeError(
-                "old_log_probs_of_last_update: the last update_policy was not given a batch without "
-                "old_log_probs"
+                "old_log_probs_of_last_update: the last update_policy was not given a batch "
+                "without old_log_probs"
             )
         return Batch({"old_log_probs": old})
 
-    # --- weights, checkpoints, colocation -----------------------------------------------------------
+    # --- weights, checkpoints, colocation -------------------------------------------------------
     @register(Dispatch.ONE_TO_ALL)
     def weight_buckets(self, bucket_bytes: int = BUCKET_BYTES, mode: str = "auto") -> list[list]:
-        """The weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor). Every rank
-        takes part in gathering the shards; rank 0 returns the buckets, the others ``[]``.
+        """The weights as buckets of (name, tensor) of at most ``bucket_bytes`` (or one tensor).
+        Every rank takes part in gathering the shards; rank 0 returns the buckets, the others
+        ``[]``.
 
-        Without LoRA: the full weights. With LoRA, ``mode``: ``adapter`` the adapters only; ``base`` the
-        base weights, then the adapters; ``auto``: ``base`` on the first call after the learner was built or
-        loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain names)."""
+        Without LoRA: the full weights. With LoRA, ``mode``: ``adapter`` the adapters only; ``base``
+        the base weights, then the adapters; ``auto``: ``base`` on the first call after the learner
+        was built or loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain
+        names)."""
         if self.lora is None:
             buckets = list(iter_weight_buckets(self.model, bucket_bytes))
         elif mode == "merged":
@@ -341,14 +355,15 @@ class Learner(Worker):
 
     @register(Dispatch.ALL_FIRST)
     def publish_weights(self, transport: str, version: int):
-        """Every rank: hand the weights to this learner's ``transport`` (``parallel/weight_sync.py``); the
-        handle the rollout loads from (rank 0)."""
+        """Every rank: hand the weights to this learner's ``transport``
+        (``parallel/weight_sync.py``); the handle the rollout loads from (rank 0)."""
         if transport not in self.transports:
             self.transports[transport] = weight_sync.make_transport(transport)
         return self.transports[transport].publish(self, version)
 
     def rehome_parameters(self, stage):
-        """Move the parameters into a shared-memory staging file (the ``shm`` transport's zero-copy sync)."""
+        """Move the parameters into a shared-memory staging file (the ``shm`` transport's zero-copy
+        sync)."""
         return weight_sync.rehome(self.model, stage)
 
     def unhome_parameters(self, stage) -> None:
@@ -356,9 +371,9 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
-        """Every rank: the policy in transformers format with its tokenizer (rank 0), and the sharded model
-        + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of ``learner/lora.py``); the critic
-        the same way under ``critic_path`` when there is one."""
+        """Every rank: the policy in transformers format with its tokenizer (rank 0), and the
+        sharded model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of
+        ``learner/lora.py``); the critic the same way under ``critic_path`` when there is one."""
         if self.lora is not None:
             lora_lib.save_lora_checkpoint(
                 path,
@@ -415,8 +430,8 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
-        """Release the weight-sync transports (staging files) and leave the process group (barrier first);
-        the learner is unusable afterwards."""
+        """Release the weight-sync transports (staging files) and leave the process group (barrier
+        first); the learner is unusable afterwards."""
         for transport in self.transports.values():
             transport.close()
         distributed.teardown_distributed()

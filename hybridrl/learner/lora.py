@@ -1,30 +1,35 @@
 """LoRA on the actor (PEFT): wrapping, adapter-only weight sync, checkpoints.
 
-``actor.lora_rank`` r > 0 wraps the policy with PEFT LoRA on ``actor.lora_target_modules`` (Linear layers):
-every target W (out x in) gets A (r x in) and B (out x r, zero at start), the forward is
+``actor.lora_rank`` r > 0 wraps the policy with PEFT LoRA on ``actor.lora_target_modules`` (Linear
+layers): every target W (out x in) gets A (r x in) and B (out x r, zero at start), the forward is
 ``W x + scale * B A dropout(x)`` with ``scale = lora_alpha / r``; only A and B are trainable and the
-optimizer holds only them. The wrapping happens before ``prepare_model``, so with world size > 1 FSDP2
-shards the PEFT model like any other (frozen base weights and trainable adapters in the same per-layer
-unit; only the adapters get gradients, reduce-scattered).
+optimizer holds only them. The wrapping happens before ``prepare_model``, so with world size > 1
+FSDP2 shards the PEFT model like any other (frozen base weights and trainable adapters in the same
+per-layer unit; only the adapters get gradients, reduce-scattered).
 
-Weight sync (``lora_weight_buckets``): the adapters only, as ``(name, tensor)`` pairs in transformers
-naming of the adapted module, ``<module>.lora_A`` (r x in), ``<module>.lora_B`` (out x r) and
-``<module>.lora_scaling`` (0-d float32). The rollout engine merges them into its own copy of the base
-weights (``RolloutEngine.merge_adapters``): ``W = W_base + scale * B @ A``, never accumulating. The first
-sync of an actor (after it is built or loaded) also sends the full *base* weights in transformers names,
-which (re)sets the rollout's base copy: the rollout may have been built from a merged checkpoint.
+Weight sync (``lora_weight_buckets``): the adapters only, as ``(name, tensor)`` pairs in
+transformers naming of the adapted module, ``<module>.lora_A`` (r x in), ``<module>.lora_B``
+(out x r) and ``<module>.lora_scaling`` (0-d float32). The rollout engine merges them into its own
+copy of the base weights (``RolloutEngine.merge_adapters``): ``W = W_base + scale * B @ A``, never
+accumulating. The first sync of an actor (after it is built or loaded) also sends the full *base*
+weights in transformers names, which (re)sets the rollout's base copy: the rollout may have been
+built from a merged checkpoint.
 
 Checkpoint of a LoRA actor at ``path`` (every rank calls; the gathers are collectives)::
 
-    path/config.json, model.safetensors   the merged model (W_base + scale B A) in transformers format: eval / export
-    path/tokenizer*                       the tokenizer
-    path/adapter/                         the adapter in PEFT format (adapter_config.json, adapter_model.safetensors);
-                                          adapter_config.base_model_name_or_path: where the base came from
-                                          (null: the built-in ``model.name`` from ``model.seed``)
-    path/lora_dcp/                        DCP: the adapter + the optimizer (sharded or not), extra.pt: shuffle RNG
+    path/config.json, model.safetensors
+        the merged model (W_base + scale B A) in transformers format: eval / export
+    path/tokenizer*
+        the tokenizer
+    path/adapter/
+        the adapter in PEFT format (adapter_config.json, adapter_model.safetensors);
+        adapter_config.base_model_name_or_path: where the base came from
+        (null: the built-in ``model.name`` from ``model.seed``)
+    path/lora_dcp/
+        DCP: the adapter + the optimizer (sharded or not), extra.pt: shuffle RNG
 
-``load_lora_state`` reloads the base weights from where they came from (the actor may have been built
-from ``path``, i.e. the merged model), then the adapter, optimizer and RNG: resume is exact.
+``load_lora_state`` reloads the base weights from where they came from (the actor may have been
+built from ``path``, i.e. the merged model), then the adapter, optimizer and RNG: resume is exact.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class LoraSettings:
 
 
 def lora_settings(cfg) -> LoraSettings | None:
-    """The actor's LoRA settings (``cfg.actor.lora_*``), or None when ``lora_rank`` is 0 / absent."""
+    """The actor's LoRA settings (``cfg.actor.lora_*``), or None when ``lora_rank`` is 0 or
+    absent."""
     a = getattr(cfg, "actor", None)
     rank = int(getattr(a, "lora_rank", 0) or 0)
     if rank <= 0:
@@ -74,9 +80,9 @@ def lora_settings(cfg) -> LoraSettings | None:
 
 
 def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
-    """``model`` wrapped with fresh PEFT LoRA adapters (B = 0: the wrapped model computes what ``model`` did);
-    only the adapters require grad. A's random initialisation is drawn from ``seed`` (the same on every
-    rank and in every process; the caller's RNG stream is left alone)."""
+    """``model`` wrapped with fresh PEFT LoRA adapters (B = 0: the wrapped model computes what
+    ``model`` did); only the adapters require grad. A's random initialisation is drawn from ``seed``
+    (the same on every rank and in every process; the caller's RNG stream is left alone)."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
@@ -113,7 +119,8 @@ def hf_name(peft_name: str) -> str:
 
 
 def _adapter_parts(peft_name: str) -> tuple[str, str] | None:
-    """``(module, 'A'|'B')`` for a LoRA parameter name (``...q_proj.lora_A.default.weight``), else None."""
+    """``(module, 'A'|'B')`` for a LoRA parameter name (``...q_proj.lora_A.default.weight``), else
+    None."""
     for tag in ("A", "B"):
         key = f".lora_{tag}."
         if key in peft_name:
@@ -133,7 +140,7 @@ def _scaling(module: nn.Module) -> float:
     return float(module.scaling[name])
 
 
-# --- full values (collectives when sharded) ------------------------------------------------------------
+# --- full values (collectives when sharded) ----------------------------------------------------
 def _gather_device(model: nn.Module) -> torch.device:
     from hybridrl.parallel.fsdp import is_sharded
 
@@ -148,8 +155,9 @@ def _gather_device(model: nn.Module) -> torch.device:
 
 
 def iter_full(model: nn.Module, which: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(peft_name, full value)`` of the parameters (``which``: all, adapter or base); every rank must iterate
-    to the end (one all-gather per sharded parameter). Sharded values come back on the CPU."""
+    """``(peft_name, full value)`` of the parameters (``which``: all, adapter or base); every rank
+    must iterate to the end (one all-gather per sharded parameter). Sharded values come back on the
+    CPU."""
     from hybridrl.parallel.fsdp import _full, is_sharded
 
     sharded, device = is_sharded(model), _gather_device(model)
@@ -178,8 +186,9 @@ def _adapter_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 def lora_weight_buckets(
     model: nn.Module, bucket_bytes: int = BUCKET_BYTES, *, with_base: bool = False, dst: int = 0
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The adapters as buckets of at most ``bucket_bytes`` (see the module doc for the names); ``with_base``:
-    the full base weights (transformers names) first. Every rank iterates; rank ``dst`` gets the tensors."""
+    """The adapters as buckets of at most ``bucket_bytes`` (see the module doc for the names);
+    ``with_base``: the full base weights (transformers names) first. Every rank iterates; rank
+    ``dst`` gets the tensors."""
     keep = distributed.rank() == dst
 
     def items():
@@ -197,8 +206,9 @@ def sync_bytes(buckets: Iterable[Iterable[tuple[str, torch.Tensor]]]) -> int:
 
 
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The merged model's parameters (transformers names, ``W_base + scale * B @ A`` for adapted modules),
-    computed in float32 and cast to the base dtype; every rank must call, rank 0 gets them (others ``{}``)."""
+    """The merged model's parameters (transformers names, ``W_base + scale * B @ A`` for adapted
+    modules), computed in float32 and cast to the base dtype; every rank must call, rank 0 gets them
+    (others ``{}``)."""
     modules = {m: _scaling(layer) for m, layer in _lora_modules(model).items()}
     base, ab = {}, {}
     for name, full in iter_full(model):
@@ -217,7 +227,7 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# --- checkpoints ------------------------------------------------------------------------------------------
+# --- checkpoints ------------------------------------------------------------------------------
 def _plain_model(model: nn.Module) -> nn.Module:
     """The transformers model inside the PEFT wrapper."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -232,8 +242,9 @@ def save_lora_checkpoint(
     *,
     base_source: str | None = None,
 ) -> None:
-    """The layout of the module doc; every rank calls. ``base_source``: where the base weights came from
-    (a transformers directory, or None for the built-in model from ``model.name`` / ``model.seed``)."""
+    """The layout of the module doc; every rank calls. ``base_source``: where the base weights came
+    from (a transformers directory, or None for the built-in model from ``model.name`` /
+    ``model.seed``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,

@@ -26,7 +26,8 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
 
 
 def mean_over_ranks(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:
-    """The mean of each metric over the ranks' results (a single dict: a worker called in-process)."""
+    """The mean of each metric over the ranks' results (a single dict: a worker called
+    in-process)."""
     if isinstance(per_rank, dict):
         return per_rank
     sums: dict[str, float] = defaultdict(float)

@@ -1,5 +1,6 @@
-"""The reference policy: a frozen copy of the initial policy, giving log-probs for the KL terms. Part of
-the learner (``learner/learner.py``), sharded with FSDP2 like the policy when there is more than one rank."""
+"""The reference policy: a frozen copy of the initial policy, giving log-probs for the KL terms.
+Part of the learner (``learner/learner.py``), sharded with FSDP2 like the policy when there is more
+than one rank."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ class Reference:
         model, _ = load_model(cfg, model_path)
         model.requires_grad_(False).eval()
         self.model = prepare_model(model, fsdp_config_of(cfg), dist, trainable=False)
-        # the same filtered distribution as the policy's: the KL to the reference is 0 at equal weights
+        # the same filtered distribution as the policy's: KL to the reference is 0 at equal weights
         self.sampling = sampling_of(cfg.rollout)
 
     def log_probs(self, batch: Batch) -> Batch:

@@ -22,7 +22,8 @@ from hybridrl.protocol import Batch
 def overlong_penalty(
     lengths: torch.Tensor, max_len: int, buffer: int, factor: float
 ) -> torch.Tensor:
-    """DAPO (2503.14476) soft overlong punishment: 0 up to max_len - buffer, then linear down to -factor at max_len."""
+    """DAPO (2503.14476) soft overlong punishment: 0 up to max_len - buffer, then linear down to
+    -factor at max_len."""
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
     expected = max_len - buffer
