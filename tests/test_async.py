@@ -1,4 +1,5 @@
-"""Asynchronous training: the staleness rule, interruptible generation, and the async driver end to end."""
+"""Asynchronous training: the staleness rule, interruptible generation, and
+the async driver end to end."""
 
 import json
 import random
@@ -23,7 +24,8 @@ torch.set_num_threads(1)
 
 
 def group(index, version, stamps=(), n=1) -> list[Sample]:
-    """Prompt ``index``'s ``n`` scored samples, admitted at ``version`` (a group, as a rollout puts it)."""
+    """Prompt ``index``'s ``n`` scored samples, admitted at ``version`` (a
+    group, as a rollout puts it)."""
     meta = {"index": index, "admitted": version}
     return [
         Sample(
@@ -41,11 +43,12 @@ def group(index, version, stamps=(), n=1) -> list[Sample]:
 
 
 def indices(samples: list[Sample]) -> list[int]:
-    """The prompt index of each sample of a batch (the buffer hands out a flat list, group by group)."""
+    """The prompt index of each sample of a batch (the buffer hands out a
+    flat list, group by group)."""
     return [s.metadata["index"] for s in samples]
 
 
-# --- the buffer's staleness rule, without a model ------------------------------------------------------
+# --- the buffer's staleness rule, without a model -------------------------------------------------
 def test_admission_capacity_follows_the_areal_rule():
     buf = TrajectoryBuffer(batch_groups=2, max_staleness=1)
     assert buf.admit(10, version=0) == [0, 1, 2, 3]  # (1 + 0 + 1) * 2 - 0
@@ -96,9 +99,9 @@ def test_resumed_buffer_hands_out_untrained_prompts_first():
     slow=st.sampled_from(["rollout", "trainer"]),
 )
 def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
-    """A simulated rollout (groups of random lengths, a weight version that lags the trainer's) and a
-    trainer, one slow and one fast: every trained group's oldest token is at most k versions old, and
-    training goes on (a buffer that never hands out a batch breaks no staleness bound)."""
+    """A simulated rollout (groups of random lengths, a weight version that lags the trainer's) and
+    a trainer, one slow and one fast: every trained group's oldest token is at most k versions old,
+    and training goes on (a buffer that never hands out a batch breaks no staleness bound)."""
     rng = random.Random(seed)
     buf = TrajectoryBuffer(batch_groups=B, max_staleness=k)
     running = {}  # index -> [first token version or None, tokens left]
@@ -132,7 +135,8 @@ def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
         if rng.random() < 0.5:
             version["rollout"] = version["trainer"]  # the weight sync lands (sometimes late)
     assert version["trainer"] >= 3  # 400 ticks hold dozens of batches in every setting
-    # then the weight sync lands at once: the learner is never stuck, whatever state the random phase left
+    # then the weight sync lands at once: the learner is never stuck,
+    # whatever state the random phase left
     goal = version["trainer"] + 3
     for _ in range(200):
         version["rollout"] = version["trainer"]
@@ -144,7 +148,7 @@ def test_simulated_runs_never_train_a_sample_older_than_k(k, B, seed, slow):
     assert len(trained) == len(set(trained)) == goal * B == buf.state()["trained_groups"]
 
 
-# --- interruptible generation ----------------------------------------------------------------------------
+# --- interruptible generation ---------------------------------------------------------------------
 def tiny_model(seed):
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(
@@ -182,7 +186,8 @@ def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     cut = out.versions.index(1)
     assert out.versions == [0] * cut + [1] * (24 - cut) and cut == 10
     assert eng.stats()["engine/interrupted"] == 1
-    # the tokens after the update are what the new weights generate from the prompt plus the tokens so far
+    # the tokens after the update are what the new weights generate from the
+    # prompt plus the tokens so far
     fresh = NativeRollout(new, Tok(), cfg).generate(
         [Sample(prompt_ids=req.prompt_ids + out.response_ids[:cut], uid="f")],
         SamplingParams(temperature=0, max_new_tokens=24 - cut, ignore_eos=True),
@@ -190,7 +195,7 @@ def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     assert fresh[0].response_ids == out.response_ids[cut:]
 
 
-# --- the async driver end to end (tiny model, W3) -----------------------------------------------------
+# --- the async driver end to end (tiny model, W3) -------------------------------------------------
 RUN = [
     "sft.steps=3",
     "sft.batch_size=16",
@@ -272,18 +277,21 @@ def test_resume_trains_no_trajectory_twice_and_continues_the_stream(tmp_path):
             tmp_path / "runs" / "arith_grpo" / "checkpoints" / "step_000004" / "trainer.json"
         ).read_text()
     )
-    # every prompt of the stream up to the cursor was trained exactly once or is still pending: none skipped
+    # every prompt of the stream up to the cursor was trained exactly once or
+    # is still pending: none skipped
     assert sorted(trained + final["pending_prompts"]) == list(range(final["prompt_cursor"]))
 
 
 def test_two_learner_ranks_on_ray(tmp_path):
-    """Rollout and learner on their own pools, the buffer a Ray actor (the data path never touches the
-    driver), and the learner as 2 FSDP2 ranks: rank 0 fetches each batch, the ranks split the work."""
+    """Rollout and learner on their own pools, the buffer a Ray actor (the data path
+    never touches the driver), and the learner as 2 FSDP2 ranks: rank 0 fetches each
+    batch, the ranks split the work."""
     import ray
 
     pools = [
         "controller.backend=ray",
-        "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {cpus_per_worker: 0.5}}",
+        "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, "
+        "gen: {cpus_per_worker: 0.5}}",
         "controller.placement={learner: train, rollout: gen}",
     ]
     try:
@@ -305,8 +313,9 @@ def test_async_config_errors():
 
 
 def test_async_training_runs_with_the_hf_backend(tmp_path):
-    """Every backend streams (the engine's default add/step/done/take runs one generate per step), so
-    asynchronous training takes a backend other than native: hf trains within the staleness bound."""
+    """Every backend streams (the engine's default add/step/done/take runs one generate
+    per step), so asynchronous training takes a backend other than native: hf trains
+    within the staleness bound."""
     cfg = make_cfg(
         tmp_path, "rollout.backend=hf", "trainer.total_steps=2", "asynchronous.max_staleness=1"
     )

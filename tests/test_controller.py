@@ -258,7 +258,10 @@ def test_constructor_error(backend, request):
     try:
         with pytest.raises(
             WorkerError,
-            match=r"role 'bad' rank 1 failed in BrokenWorker.__init__\(\): RuntimeError: cannot build",
+            match=(
+                r"role 'bad' rank 1 failed in BrokenWorker.__init__\(\): "
+                r"RuntimeError: cannot build"
+            ),
         ):
             WorkerGroup(BrokenWorker, pool, role="bad", backend=backend)
     finally:

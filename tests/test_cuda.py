@@ -1,9 +1,10 @@
-"""GPU-only checks of the native engine and the actor; skipped where there is no CUDA GPU (``bench/gpu_check.sh``
-runs them on a lent GPU machine, with the ``cuda`` cases of the logits, greedy, bf16 and speculative-sampling
-tests in test_rollout_engine.py / test_rollout_bf16.py / test_rollout_spec.py). Here: seeded samples equal to the
-CPU's (the sampler's draws hash (seed, position), never the device's RNG), weight updates, memory release, the KV pool
-sized from free device memory, and an actor step whose weights the engine then serves. fp32 matmuls on CUDA
-run without TF32 (torch's default), so fp32 results compare at 1e-4."""
+"""GPU-only checks of the native engine and the actor; skipped where there is no CUDA GPU
+(``bench/gpu_check.sh`` runs them on a lent GPU machine, with the ``cuda`` cases of the logits,
+greedy, bf16 and speculative-sampling tests in test_rollout_engine.py / test_rollout_bf16.py /
+test_rollout_spec.py). Here: seeded samples equal to the CPU's (the sampler's draws hash
+(seed, position), never the device's RNG), weight updates, memory release, the KV pool sized from
+free device memory, and an actor step whose weights the engine then serves. fp32 matmuls on CUDA run
+without TF32 (torch's default), so fp32 results compare at 1e-4."""
 
 import pytest
 import torch

@@ -1,8 +1,9 @@
-"""The default job's promise, end to end: `make test-all` runs it (a few minutes per case on 2 cores).
+"""The default job's promise, end to end: `make test-all` runs it
+(a few minutes per case on 2 cores).
 
-The warm start stops on a held-out accuracy target, so RL's room to gain does not depend on where a fixed
-step count lands on the steep part of the SFT loss curve (which the CPU's matmul kernels decide). Each case
-trains its own warm start, with 1 and 2 torch threads and two seeds.
+The warm start stops on a held-out accuracy target, so RL's room to gain does not depend on where a
+fixed step count lands on the steep part of the SFT loss curve (which the CPU's matmul kernels
+decide). Each case trains its own warm start, with 1 and 2 torch threads and two seeds.
 """
 
 import json

@@ -1,4 +1,5 @@
-"""Draft distillation: the agreement formula, and a distilled draft is accepted more often by the engine."""
+"""Draft distillation: the agreement formula, and a distilled draft is
+accepted more often by the engine."""
 
 import copy
 import random

@@ -1,6 +1,6 @@
-"""The trainer's log-probs are those of the distribution the rollout samples from: at equal weights the
-behaviour log-probs a backend reports and the recomputed ones (``learner/logprob.py``) agree, for every
-sampling setting (temperature, top-k, top-p, min-p and combinations)."""
+"""The trainer's log-probs are those of the distribution the rollout samples from: at equal weights
+the behaviour log-probs a backend reports and the recomputed ones (``learner/logprob.py``) agree,
+for every sampling setting (temperature, top-k, top-p, min-p and combinations)."""
 
 import pytest
 import torch
@@ -87,8 +87,9 @@ def test_recomputed_log_probs_equal_the_behaviour_log_probs(backend, setting):
 
 @pytest.mark.parametrize("setting", ["t1", "greedy"])
 def test_hf_ignores_the_checkpoints_generation_defaults(setting):
-    """A checkpoint's generation_config (here a repetition penalty and a suppressed token) must not reshape what
-    the hf backend samples from: the trainer never applies it, so the behaviour log-probs would drift."""
+    """A checkpoint's generation_config (here a repetition penalty and a suppressed token) must not
+    reshape what the hf backend samples from: the trainer never applies it, so the behaviour
+    log-probs would drift."""
     model = tiny_model()
     model.generation_config.repetition_penalty = 3.0
     model.generation_config.suppress_tokens = [5]
@@ -116,8 +117,9 @@ def test_sampling_of_takes_the_rollout_filters():
 
 
 def test_a_sampled_token_outside_the_recomputed_filter_keeps_a_finite_log_prob():
-    """Rounding can move a sampled token just past a filter's edge in the trainer's forward; it stays in
-    the support (finite log-prob, finite entropy and gradients) instead of becoming -inf."""
+    """Rounding can move a sampled token just past a filter's edge in the trainer's
+    forward; it stays in the support (finite log-prob, finite entropy and gradients)
+    instead of becoming -inf."""
     from hybridrl.rollout.sampler import filtered_log_softmax
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]], requires_grad=True)
@@ -131,7 +133,8 @@ def test_a_sampled_token_outside_the_recomputed_filter_keeps_a_finite_log_prob()
 
 
 def test_chunked_filtering_equals_the_sampler_rows(monkeypatch):
-    """The trainer filters its (many) rows in chunks; each chunk gives what the sampler gives for those rows."""
+    """The trainer filters its (many) rows in chunks; each chunk gives what the
+    sampler gives for those rows."""
     from hybridrl.rollout import sampler
     from hybridrl.rollout.sampler import SamplingTensors, filtered_log_softmax, processed_logprobs
 

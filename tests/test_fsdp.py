@@ -1,8 +1,8 @@
 """The FSDP2 engine on 2 gloo ranks (CPU): a data-parallel step of the real Learner equals the
-single-process step on the same batch (both sharding modes, activation checkpointing on and off; and in
-CPU bf16 autocast, within bf16's rounding), as do the learner's reference and critic,
-sharded DCP checkpoints round-trip exactly, a crash mid-save leaves the previous checkpoint
-loadable, and ``export_hf`` writes a directory transformers loads with the same logits.
+single-process step on the same batch (both sharding modes, activation checkpointing on and off; and
+in CPU bf16 autocast, within bf16's rounding), as do the learner's reference and critic, sharded DCP
+checkpoints round-trip exactly, a crash mid-save leaves the previous checkpoint loadable, and
+``export_hf`` writes a directory transformers loads with the same logits.
 
 The two ranks are two subprocesses running this file (``python tests/test_fsdp.py rank ...``), one
 torch thread each; they run all variants in one process group so that the start-up is paid once.
@@ -46,8 +46,8 @@ def make_cfg(
 
 
 def make_batch(learner, n: int = 9, prompt_len: int = 5, resp_len: int = 6, seed: int = 0) -> Batch:
-    """A left-padded prompt ++ right-padded response batch with ragged lengths; 9 rows: chunks 5 + 4 and
-    mini-batches of 4, 4, 1 (the last one leaves a rank with no rows)."""
+    """A left-padded prompt ++ right-padded response batch with ragged lengths; 9 rows: chunks 5 + 4
+    and mini-batches of 4, 4, 1 (the last one leaves a rank with no rows)."""
     g = torch.Generator().manual_seed(seed)
     vocab = learner.model.config.vocab_size
     p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
@@ -90,7 +90,8 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def layout(learner) -> dict:
-    """What the wrapping did: sharded parameters, resharding after forward, activation checkpointing."""
+    """What the wrapping did: sharded parameters, resharding after
+    forward, activation checkpointing."""
     from torch.distributed.tensor import DTensor
 
     params = list(learner.model.parameters())
@@ -105,7 +106,7 @@ def layout(learner) -> dict:
     }
 
 
-# --- the two ranks ----------------------------------------------------------------------------------------
+# --- the two ranks --------------------------------------------------------------------------------
 def rank_main(rank: int, port: int, workdir: str) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -134,7 +135,8 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
             "logp": logp,
             "layout": layout(learner),
         }
-    # CPU bf16 autocast over sharded fp32 parameters (gathers, gradients and optimizer state stay fp32)
+    # CPU bf16 autocast over sharded fp32 parameters (gathers, gradients
+    # and optimizer state stay fp32)
     from hybridrl.parallel.precision import autocast_dtype
 
     bf16 = Learner(ctx, make_cfg(precision="bf16"), None)
@@ -146,7 +148,8 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         "autocast": autocast_dtype(bf16.model),
         "dtypes": {p.dtype for p in bf16.model.parameters()},
     }
-    # auto with a process group: bf16 only where every rank measured it (the verdicts are injected per rank)
+    # auto with a process group: bf16 only where every rank measured it (the
+    # verdicts are injected per rank)
     from hybridrl.parallel.precision import ENV_OVERRIDE
 
     before, out["auto"] = os.environ.get(ENV_OVERRIDE), {}
@@ -169,7 +172,8 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     out["values"] = ppo.critic.values(part)["values"]
     out["critic_metrics"] = ppo.critic.update(part)
     out["critic_weights"] = {n: t.clone() for n, t in full_state_dict(ppo.critic.model).items()}
-    # sharded checkpoint: save after one step, load into a fresh worker, compare, and train one more step on both
+    # sharded checkpoint: save after one step, load into a fresh worker, compare,
+    # and train one more step on both
     trained = workers[0]
     trained.save_checkpoint(str(work / "ckpt"))
     fresh = Learner(ctx, make_cfg(), None)
@@ -206,8 +210,9 @@ def crash_model() -> torch.nn.Module:
 
 
 def crash_main(workdir: str) -> None:
-    """One process (torch only, to start fast): a complete checkpoint, then a second save to the same path
-    that dies (``os._exit``, no clean-up) after writing its data, before the metadata that completes it."""
+    """One process (torch only, to start fast): a complete checkpoint, then a second save to the
+    same path that dies (``os._exit``, no clean-up) after writing its data, before the metadata
+    that completes it."""
     import torch.distributed.checkpoint as dcp
 
     torch.set_num_threads(1)
@@ -225,7 +230,7 @@ def crash_main(workdir: str) -> None:
     save_sharded(work / "crash_ckpt", model, optim, extra={"step": 2})
 
 
-# --- the tests ----------------------------------------------------------------------------------------------
+# --- the tests ------------------------------------------------------------------------------------
 def _env() -> dict:
     root = str(Path(__file__).resolve().parents[1])
     return os.environ | {
@@ -325,8 +330,9 @@ def test_two_rank_bf16_step_matches_single_process_bf16(runs):
         torch.float32
     }  # fp32 shards, bf16 compute
     n0 = len(runs["ref"]["batch"].chunk(WORLD)[0])
-    # bf16 really ran (the log-probs differ from fp32's), and each row is its own micro-batch on both sides, so
-    # the rounding is the same: only the fp32 gradient sums over ranks differ in order, as in the fp32 test
+    # bf16 really ran (the log-probs differ from fp32's), and each row is its own micro-batch on
+    # both sides, so the rounding is the same: only the fp32 gradient sums over ranks differ in
+    # order, as in the fp32 test
     assert (ref["logp"] - runs["ref"]["logp"]).abs().max().item() > 1e-4
     assert (got["logp"] - ref["logp"][:n0]).abs().max().item() <= 1e-5
     assert max_diff(ref["weights"], got["weights"]) <= TOL
@@ -368,7 +374,8 @@ def test_sharded_checkpoint_round_trip(runs):
     ck = runs["ranks"]["ckpt"]
     assert max_diff(ck["trained"], ck["loaded"]) == 0.0
     assert ck["same_optim"] and ck["same_rng"]
-    # the loaded worker continues exactly like the one that saved (optimizer moments, step count, shuffle RNG)
+    # the loaded worker continues exactly like the one that saved (optimizer
+    # moments, step count, shuffle RNG)
     assert max_diff(ck["trained2"], ck["loaded2"]) == 0.0
     assert max_diff(ck["trained"], ck["trained2"]) > 0
     assert is_complete(runs["work"] / "ckpt" / "dcp")
@@ -469,9 +476,10 @@ def test_ray_worker_group_of_two_fsdp_ranks(runs, tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
         rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-        # FSDP2's hooks leave Python/C++ reference cycles that gc cannot break, so the gloo group outlives
-        # destroy_process_group() and its threads can abort the interpreter's exit ("terminate called without an
-        # active exception", about 1 run in 7 here). The results are written by now: leave without that exit.
+        # FSDP2's hooks leave Python/C++ reference cycles that gc cannot break, so the gloo group
+        # outlives destroy_process_group() and its threads can abort the interpreter's exit
+        # ("terminate called without an active exception", about 1 run in 7 here). The results are
+        # written by now: leave without that exit.
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
     elif sys.argv[1] == "crash":

@@ -13,7 +13,8 @@ ROOT = Path(hybridrl.__file__).parent
 
 
 def top_level(module: str) -> str | None:
-    """``hybridrl.rollout.engine`` -> ``rollout``; None outside hybridrl (or the root package itself)."""
+    """``hybridrl.rollout.engine`` -> ``rollout``; None outside hybridrl
+    (or the root package itself)."""
     parts = module.split(".")
     return parts[1] if parts[0] == "hybridrl" and len(parts) > 1 else None
 
@@ -83,10 +84,15 @@ def test_no_import_cycle_between_top_level_packages():
 
 
 def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
-    """The check above can fail: two packages that import each other are reported, with the import sites."""
+    """The check above can fail: two packages that import each other are
+    reported, with the import sites."""
     pkg = tmp_path / "hybridrl"
-    for name, imports in {"alpha": "from hybridrl.beta import x", "beta": "import hybridrl.gamma.y",
-                          "gamma": "from hybridrl.alpha import z", "delta": "from hybridrl import alpha"}.items():  # fmt: skip
+    for name, imports in {
+        "alpha": "from hybridrl.beta import x",
+        "beta": "import hybridrl.gamma.y",
+        "gamma": "from hybridrl.alpha import z",
+        "delta": "from hybridrl import alpha",
+    }.items():
         (pkg / name).mkdir(parents=True)
         (pkg / name / "__init__.py").write_text(f"{imports}\n")
     edges = package_imports(pkg)

@@ -1,6 +1,7 @@
-"""LoRA on the actor (``learner/lora.py``): only the adapters train, the adapter-only weight sync merges
-into the rollout's base weights without accumulating, its bytes are a small fraction of a full sync,
-checkpoints resume and export, FSDP2 on 2 gloo ranks equals one process, and ``train()`` runs."""
+"""LoRA on the actor (``learner/lora.py``): only the adapters train, the adapter-only weight sync
+merges into the rollout's base weights without accumulating, its bytes are a small fraction of a
+full sync, checkpoints resume and export, FSDP2 on 2 gloo ranks equals one process, and
+``train()`` runs."""
 
 from __future__ import annotations
 
@@ -152,8 +153,8 @@ def test_sync_matches_merged_model_and_does_not_accumulate(trained):
 
 
 def test_first_sync_resets_a_rollout_built_from_merged_weights(trained):
-    """After a resume the rollout is built from the merged checkpoint: the actor's first (auto) sync sends the
-    base, so the adapters are not added twice."""
+    """After a resume the rollout is built from the merged checkpoint: the actor's first (auto) sync
+    sends the base, so the adapters are not added twice."""
     actor, batch = trained["actor"], trained["batch"]
     merged = merged_model(actor)
     want = logits(merged, batch)
@@ -171,7 +172,8 @@ def test_first_sync_resets_a_rollout_built_from_merged_weights(trained):
 
 @pytest.mark.parametrize("backend", ["hf", "native"])
 def test_every_backend_merges_lora_syncs(trained, backend):
-    """The merge lives in ``RolloutEngine``: each backend's live weights equal the merged weights after repeated syncs."""
+    """The merge lives in ``RolloutEngine``: each backend's live weights equal the merged
+    weights after repeated syncs."""
     actor = trained["actor"]
     model, tok = load_model(actor.cfg, None)
     rollout = ROLLOUT_BACKENDS.get(backend)(
@@ -246,9 +248,10 @@ def test_checkpoint_resume_and_export(trained, tmp_path):
     assert (logits(peft_loaded, batch) - logits(actor.model, batch)).abs().max().item() <= TOL
 
 
-# --- FSDP2 on 2 gloo ranks --------------------------------------------------------------------------------
+# --- FSDP2 on 2 gloo ranks ------------------------------------------------------------------------
 WORLD = 2
-FSDP_LR = 1e-4  # Adam turns rounding-level gradient differences into steps of up to lr: keep lr small here
+# Adam turns rounding-level gradient differences into steps of up to lr: keep lr small here
+FSDP_LR = 1e-4
 
 
 def rank_main(rank: int, port: int, workdir: str) -> None:
@@ -346,7 +349,7 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     assert max((p - want[n]).abs().max().item() for n, p in exported.named_parameters()) <= TOL
 
 
-# --- the trainer --------------------------------------------------------------------------------------------
+# --- the trainer ----------------------------------------------------------------------------------
 def test_train_two_steps_with_lora_then_resume(tmp_path):
     from hybridrl.driver.sync import train
 
@@ -382,8 +385,9 @@ def test_train_two_steps_with_lora_then_resume(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1] == "rank":
     rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-    # FSDP2's hooks leave Python/C++ reference cycles that gc cannot break, so the gloo group outlives
-    # destroy_process_group() and its threads can abort the interpreter's exit ("terminate called without an
-    # active exception", about 1 run in 7 here). The results are written by now: leave without that exit.
+    # FSDP2's hooks leave Python/C++ reference cycles that gc cannot break, so the gloo group
+    # outlives destroy_process_group() and its threads can abort the interpreter's exit ("terminate
+    # called without an active exception", about 1 run in 7 here). The results are written by now:
+    # leave without that exit.
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)

@@ -1,6 +1,6 @@
 """Placement: the learner and the rollout colocated in one process taking turns (ColocatedWorker), a
-two-simulated-node Ray cluster placing the rollout pool on the second node with the weight sync going
-through the object store, and the one-node shared-memory sync between the real workers."""
+two-simulated-node Ray cluster placing the rollout pool on the second node with the weight sync
+going through the object store, and the one-node shared-memory sync between the real workers."""
 
 import os
 import sys
@@ -83,7 +83,8 @@ def check_synced(
 
 
 def count_calls(part, counts: dict, role: str) -> None:
-    """Wrap ``part``'s ``sleep`` and ``wake`` so that ``counts[(role, name)]`` counts their calls."""
+    """Wrap ``part``'s ``sleep`` and ``wake`` so that
+    ``counts[(role, name)]`` counts their calls."""
     for name in ("sleep", "wake"):
         inner = getattr(part, name)
 
@@ -156,7 +157,8 @@ def test_two_node_cluster_puts_rollout_on_second_node(two_node_cluster):
     cfg = small_cfg(
         "controller.backend=ray",
         f"controller.ray_address={cluster.address}",
-        "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, gen: {workers_per_node: 1}}",
+        "controller.pools={train: {workers_per_node: 2, cpus_per_worker: 0.5}, "
+        "gen: {workers_per_node: 1}}",
         "controller.placement={learner: train, rollout: gen}",
         "controller.pg_timeout_s=321",
     )
@@ -227,8 +229,8 @@ def local_workers(cfg: Config) -> tuple[Learner, RolloutWorker]:
 
 @pytest.mark.skipif(weight_sync.SHM_DIR is None, reason="no /dev/shm")
 def test_shared_memory_staging_roundtrip():
-    """The same-node path without Ray: learner rank 0 stages the buckets in /dev/shm, the rollout maps
-    the file and loads; a later publish reuses the file, close removes it."""
+    """The same-node path without Ray: learner rank 0 stages the buckets in /dev/shm, the rollout
+    maps the file and loads; a later publish reuses the file, close removes it."""
     cfg = small_cfg()
     ctx = dict(rank=0, world_size=1, pool="p")
     learner = Learner(WorkerContext(role="learner", **ctx), cfg, None)
@@ -251,9 +253,10 @@ def test_shared_memory_staging_roundtrip():
 @pytest.mark.skipif(weight_sync.SHM_DIR is None, reason="no /dev/shm")
 def test_shared_memory_sync_rehomes_a_single_rank_actor(tmp_path):
     """One-node, separate-process path without Ray, through the workers' own transports
-    (``publish_weights`` / ``load_weights``, as Roles.sync_weights calls them): the learner's weights
-    move into the staging file once, later syncs copy nothing on the learner side, training and
-    checkpoints keep working, and closing the learner moves them back out and removes the file."""
+    (``publish_weights`` / ``load_weights``, as Roles.sync_weights calls them): the learner's
+    weights move into the staging file once, later syncs copy nothing on the learner side,
+    training and checkpoints keep working, and closing the learner moves them back out and
+    removes the file."""
     learner, rollout = local_workers(Config())
     closed = False
     try:

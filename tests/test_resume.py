@@ -3,8 +3,8 @@ for k more, for GRPO and for PPO with a critic; a critic (the learner's ``Critic
 checkpoint equals the saved one bit for bit in both checkpoint layouts (``train_state.pt`` in one
 process, ``dcp/`` for a sharded model).
 
-The sharded layout runs in a subprocess (``python tests/test_resume.py critic-dcp WORKDIR PORT``): FSDP2 on a
-1-rank gloo group, which must not outlive its process (see the exit there)."""
+The sharded layout runs in a subprocess (``python tests/test_resume.py critic-dcp WORKDIR PORT``):
+FSDP2 on a 1-rank gloo group, which must not outlive its process (see the exit there)."""
 
 import json
 import os
@@ -37,14 +37,16 @@ TINY = [
     "trainer.progress=false",
     "trainer.tensorboard=false",
     "controller.num_threads=1",
-    # exercise every piece of resumable state: adaptive KL coefficient (reward penalty), dynamic sampling (prompt cursor)
+    # exercise every piece of resumable state: adaptive KL coefficient (reward penalty),
+    # dynamic sampling (prompt cursor)
     "algorithm.kl_reward_coef=0.05",
     "algorithm.kl_ctrl=adaptive",
     "algorithm.filter_groups=true",
     "algorithm.max_sampling_rounds=2",
     f"task.reward_fn={__name__}:digit_credit",
 ]
-# PPO: examples/arith_ppo.yaml (gae, so a critic), two critic optimizer steps per RL step (its shuffle RNG matters)
+# PPO: examples/arith_ppo.yaml (gae, so a critic), two critic optimizer steps per RL
+# step (its shuffle RNG matters)
 PPO = ["critic.ppo_minibatch_size=4"]
 TIMING = (
     "timing/",
@@ -54,8 +56,9 @@ TIMING = (
 
 
 def digit_credit(prompt, response: str, **_) -> float:
-    """Partial credit (the answer's digits in place): a policy warm-started for 3 steps never gets an exact
-    answer, and with all-zero rewards the critic never trains and dynamic sampling never keeps a group."""
+    """Partial credit (the answer's digits in place): a policy warm-started for 3 steps never
+    gets an exact answer, and with all-zero rewards the critic never trains and dynamic sampling
+    never keeps a group."""
     return sum(a == b for a, b in zip(response, prompt.answer)) / len(prompt.answer)
 
 
@@ -93,7 +96,8 @@ def weights(tmp_path, name, step, role="model"):
 
 
 def assert_same_runs(tmp_path, a_name, b_name, steps, roles=("model",)) -> dict[int, dict]:
-    """Equal metrics at every step (bit for bit, timings aside) and equal final weights of ``roles``."""
+    """Equal metrics at every step (bit for bit, timings aside) and equal
+    final weights of ``roles``."""
     a, b = metrics(tmp_path, a_name), metrics(tmp_path, b_name)
     assert sorted(a) == sorted(b) == list(range(steps + 1))
     for step in a:
@@ -122,8 +126,8 @@ def test_resume_is_exact_and_continues_after_the_end(tmp_path):
 
 
 def test_ppo_resume_is_exact(tmp_path):
-    """The critic's head, optimizer and shuffle RNG survive the restart: values, advantages and every later
-    metric are those of the run that never stopped."""
+    """The critic's head, optimizer and shuffle RNG survive the restart: values, advantages and
+    every later metric are those of the run that never stopped."""
     ppo = dict(base=ROOT / "examples" / "arith_ppo.yaml")
     train(cfg(tmp_path, "straight", 2 * K, *PPO, **ppo))
     train(cfg(tmp_path, "split", K, *PPO, **ppo))
@@ -168,8 +172,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def snapshot(critic) -> dict:
-    """Every parameter, the optimizer state per parameter and its hyper-parameters, the shuffle RNG (a rank's
-    shards when sharded: with one rank, the whole tensors)."""
+    """Every parameter, the optimizer state per parameter and its hyper-parameters, the shuffle RNG
+    (a rank's shards when sharded: with one rank, the whole tensors)."""
     params = list(critic.model.parameters())
     return {
         "params": {n: _local(p) for n, p in critic.model.named_parameters()},
@@ -182,7 +186,8 @@ def snapshot(critic) -> dict:
 
 
 def critic_round_trip(dist: DistEnv, path: Path) -> dict:
-    """Train a critic 3 updates, save, rebuild from the checkpoint as a resumed run does, then train both once more."""
+    """Train a critic 3 updates, save, rebuild from the checkpoint as a resumed run
+    does, then train both once more."""
     from hybridrl.learner.critic import Critic
     from hybridrl.parallel.fsdp import is_sharded
 
@@ -266,7 +271,8 @@ def test_critic_rebuilt_from_a_single_process_checkpoint_is_the_saved_one(tmp_pa
 
 
 def critic_dcp_main(workdir: str, port: int) -> None:
-    """A critic sharded by FSDP2 on a 1-rank gloo group (what world size > 1 does), so it saves ``dcp/``."""
+    """A critic sharded by FSDP2 on a 1-rank gloo group (what world size > 1
+    does), so it saves ``dcp/``."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -303,7 +309,7 @@ def test_critic_rebuilt_from_a_sharded_checkpoint_is_the_saved_one(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "critic-dcp":
         critic_dcp_main(sys.argv[2], int(sys.argv[3]))
-        # FSDP2's hooks keep the gloo group alive past destroy_process_group(), and its threads can abort the
-        # interpreter's exit; the results are written by now
+        # FSDP2's hooks keep the gloo group alive past destroy_process_group(), and its threads can
+        # abort the interpreter's exit; the results are written by now
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)

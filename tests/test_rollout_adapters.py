@@ -1,10 +1,10 @@
 """vllm / sglang adapters.
 
-Here (no CUDA, neither package installed): lazy registration, the error for a missing package, and the
-translation logic against small stand-ins for the two third-party packages put into ``sys.modules``. The
-stand-ins decode with a real transformers model loaded from the directory the adapter saved, so tokens,
-log-probs and weight updates are checked against transformers. The tests at the end run only where the
-real package is installed.
+Here (no CUDA, neither package installed): lazy registration, the error for a missing package, and
+the translation logic against small stand-ins for the two third-party packages put into
+``sys.modules``. The stand-ins decode with a real transformers model loaded from the directory the
+adapter saved, so tokens, log-probs and weight updates are checked against transformers. The tests
+at the end run only where the real package is installed.
 """
 
 import sys
@@ -42,9 +42,10 @@ def tiny(seed=0):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-# --- stand-ins for the third-party packages ---------------------------------------------------------------
+# --- stand-ins for the third-party packages -------------------------------------------------------
 class Core:
-    """A transformers model loaded from the adapter's directory, decoding without a cache, recording calls."""
+    """A transformers model loaded from the adapter's directory, decoding
+    without a cache, recording calls."""
 
     def __init__(self, path, kwargs):
         self.kwargs, self.calls = kwargs, []
@@ -199,7 +200,7 @@ def ref_logps(model, prompt, resp, temperature):
     )
 
 
-# --- here ---------------------------------------------------------------------------------------------
+# --- here -----------------------------------------------------------------------------------------
 def test_importing_hybridrl_imports_neither_engine():
     import hybridrl.rollout.worker  # noqa: F401
 
@@ -430,7 +431,7 @@ def test_memory_pause_and_unsupported_options(make, name):
     eng.close()
 
 
-# --- only where the real package is installed (CUDA) -------------------------------------------------------
+# --- only where the real package is installed (CUDA) ----------------------------------------------
 @pytest.mark.parametrize("name", BACKENDS)
 def test_real_engine_generation_and_weight_update(name):
     pytest.importorskip(name)

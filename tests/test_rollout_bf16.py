@@ -1,6 +1,6 @@
-"""The native engine in bf16 (``rollout.dtype``) against fp32: logits and log-probs no further from fp32 than
-transformers' own bf16 forward (both round weights and activations to 8 significant bits), weights synced from
-an fp32 actor cast on load, and what ``auto`` picks, logged with why."""
+"""The native engine in bf16 (``rollout.dtype``) against fp32: logits and log-probs no further from
+fp32 than transformers' own bf16 forward (both round weights and activations to 8 significant bits),
+weights synced from an fp32 actor cast on load, and what ``auto`` picks, logged with why."""
 
 import logging
 
@@ -16,7 +16,8 @@ from hybridrl.rollout.sequence import Sequence
 
 
 def fp32_and_bf16_log_probs(m, samples, temperature):
-    """Per sample: transformers' log-probs of its tokens at ``temperature``, in fp32 and from a bf16 copy."""
+    """Per sample: transformers' log-probs of its tokens at ``temperature``,
+    in fp32 and from a bf16 copy."""
     m16 = model().to(m.device, torch.bfloat16)
     m16.load_state_dict(m.state_dict())
     out = []
@@ -75,7 +76,8 @@ def test_bf16_engine_generates_with_fp32_log_probs_close_to_fp32():
         ours = torch.tensor(s.log_probs, dtype=torch.float64)  # python floats of fp32 values
         worst = max(worst, (ours - lp32.double()).abs().max().item())
         worst_hf = max(worst_hf, (lp16 - lp32).abs().max().item())
-    # as close to the fp32 log-probs as transformers in bf16 is (both round the weights and activations)
+    # as close to the fp32 log-probs as transformers in bf16 is (both round
+    # the weights and activations)
     assert 0 < worst <= 2 * worst_hf + 1e-3, (worst, worst_hf)
 
 
@@ -88,7 +90,8 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
     eng.update_weights(iter(new.state_dict().items()), version=1)  # an fp32 actor's weights
     want = new.state_dict()["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16)
     assert torch.equal(eng.engine.runner.layers[1]["wd"], want)
-    # auto: bf16 when the CPU has it and the measurement says it pays (both injected here), logged with why
+    # auto: bf16 when the CPU has it and the measurement says it pays (both
+    # injected here), logged with why
     monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
     monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
     for gain, dtype in ((1.8, torch.bfloat16), (1.0, torch.float32)):
@@ -102,7 +105,8 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
             for r in caplog.records
             if r.getMessage().startswith("rollout precision: ")
         ] == [
-            f"rollout precision: {'bf16' if gain > 1.3 else 'fp32'} (rollout.dtype=auto: CPU amx_bf16, "
+            f"rollout precision: {'bf16' if gain > 1.3 else 'fp32'} "
+            "(rollout.dtype=auto: CPU amx_bf16, "
             + (
                 f"bf16 measured {gain:.2f}x"
                 if gain > 1.3

@@ -87,7 +87,8 @@ def test_freed_blocks_stay_cached_until_overwritten():
     bm.allocate(b)
     assert b.block_table[:2] == first and b.num_computed == 8
     bm.deallocate(b)
-    # fill the pool with other tokens: LRU hands out the least recently freed blocks first, then the cached ones
+    # fill the pool with other tokens: LRU hands out the least recently freed
+    # blocks first, then the cached ones
     c = seq([77] * 16)
     bm.allocate(c)
     bm.deallocate(c)
@@ -187,8 +188,8 @@ def _tuple_lanes(items):
 
 
 def _colliding_block(block):
-    """Another 4-token block with the same Python tuple hash as ``block``: CPython's tuple hash is unkeyed and
-    invertible, so the last token that completes a collision can be solved for."""
+    """Another 4-token block with the same Python tuple hash as ``block``: CPython's tuple hash is
+    unkeyed and invertible, so the last token that completes a collision can be solved for."""
     want = (_tuple_lanes(block) * pow(_P1, -1, 1 << 64)) & _M64
     want = ((want >> 31) | (want << 33)) & _M64  # undo the rotation
     for third in range(1000):

@@ -1,5 +1,5 @@
-"""Native engine against transformers: logits, greedy tokens, preemption, prefix sharing, RL controls (in fp32;
-the engine in bf16: test_rollout_bf16.py)."""
+"""Native engine against transformers: logits, greedy tokens, preemption, prefix sharing, RL
+controls (in fp32; the engine in bf16: test_rollout_bf16.py)."""
 
 import threading
 import time
@@ -75,7 +75,8 @@ def reqs(ps):
 
 
 def rcfg(**kw):
-    # fp32 unless a test asks otherwise: the exactness checks compare with transformers' fp32 forward
+    # fp32 unless a test asks otherwise: the exactness checks compare
+    # with transformers' fp32 forward
     return RolloutConfig(
         **{"backend": "native", "kv_cache_bytes": 4 << 20, "block_size": 4, "dtype": "fp32", **kw}
     )
@@ -216,8 +217,9 @@ def test_update_weights_changes_logits_and_invalidates_prefix_cache():
 
 
 def step_gate(eng, after_tokens):
-    """Hold the generating thread once the engine has produced ``after_tokens`` tokens, until ``go`` is set, so
-    the test's control call lands mid-generation however the OS schedules the two threads."""
+    """Hold the generating thread once the engine has produced ``after_tokens`` tokens,
+    until ``go`` is set, so the test's control call lands mid-generation however the OS
+    schedules the two threads."""
     gate = SimpleNamespace(reached=threading.Event(), go=threading.Event())
     inner = eng.engine.step
 

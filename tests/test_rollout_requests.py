@@ -1,5 +1,5 @@
-"""How requests enter a backend: seeds from each request's identity (not its position in the call), and groups
-larger than the engine's seats."""
+"""How requests enter a backend: seeds from each request's identity (not its position in the call),
+and groups larger than the engine's seats."""
 
 import pytest
 import torch
@@ -12,7 +12,8 @@ torch.set_num_threads(1)
 
 
 def as_ranks(requests, world_size):
-    """The requests each data-parallel rank receives: contiguous chunks, as DP_COMPUTE splits a Batch."""
+    """The requests each data-parallel rank receives: contiguous chunks,
+    as DP_COMPUTE splits a Batch."""
     batch = Batch(meta={"request": list(requests)})
     return [part["request"] for part in batch.chunk(world_size)]
 
@@ -45,7 +46,8 @@ def test_samples_do_not_depend_on_how_the_prompts_are_split_among_ranks(backend)
 
 
 def test_a_group_larger_than_the_seats_enters_in_parts():
-    """samples_per_prompt above rollout.max_batch_size: the group is admitted in parts of at most that many."""
+    """samples_per_prompt above rollout.max_batch_size: the group is admitted in
+    parts of at most that many."""
     m = model()
     ps = prompts([9, 6])
     requests = [Sample(prompt_ids=p, uid=f"u{i}") for i, p in enumerate(ps)]

@@ -25,7 +25,8 @@ torch.set_num_threads(1)
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square test of observed ``counts`` against expected ``probs`` (cells with p > 0)."""
+    """Pearson chi-square test of observed ``counts`` against expected
+    ``probs`` (cells with p > 0)."""
     n = counts.sum()
     keep = probs > 0
     assert counts[~keep].sum() == 0, "a zero-probability outcome was drawn"
@@ -127,7 +128,8 @@ Q_CHAIN = torch.tensor(
 
 
 def spec_generate(n, length, rule="exact"):
-    """Generate ``length`` tokens for ``n`` chains with speculative rounds; returns (n, length) tokens."""
+    """Generate ``length`` tokens for ``n`` chains with speculative rounds;
+    returns (n, length) tokens."""
     p = SamplingParams(temperature=1.0)
     seqs = [[0] for _ in range(n)]
     lp_chain, lq_chain = P_CHAIN.log(), Q_CHAIN.log()

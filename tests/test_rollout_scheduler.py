@@ -16,7 +16,8 @@ def seq(n, max_tokens=4, rid="r"):
 
 
 def run_step(sch, next_token=7):
-    """What the engine does after the forward pass: advance KV, sample where complete, retire finished."""
+    """What the engine does after the forward pass: advance KV, sample
+    where complete, retire finished."""
     batch = sch.schedule()
     done = []
     for s, q in zip(batch.seqs, batch.num_tokens):

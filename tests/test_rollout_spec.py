@@ -1,4 +1,5 @@
-"""Speculative decoding inside the engine: greedy equality, exact distribution on a real model, auto-off."""
+"""Speculative decoding inside the engine: greedy equality, exact
+distribution on a real model, auto-off."""
 
 import copy
 import itertools
@@ -53,7 +54,8 @@ def rcfg(**kw):
 
 
 def always_speculate(spec):
-    """Bypass the cost model: speculate on every eligible step with the longest proposal, whatever it costs."""
+    """Bypass the cost model: speculate on every eligible step with the longest
+    proposal, whatever it costs."""
     spec.choose_k = lambda batch_size: spec.max_k
 
 
@@ -77,7 +79,8 @@ def test_greedy_speculative_equals_plain_greedy():
 
 
 def test_greedy_speculation_with_admissions_in_the_same_step_equals_plain_greedy():
-    """Three seats, six requests of different lengths: rounds share their forward passes with admitted prompts."""
+    """Three seats, six requests of different lengths: rounds share their forward
+    passes with admitted prompts."""
     target, draft = qwen(40, 64, 2, 0, 8.0), qwen(40, 32, 1, 1, 8.0)
     ps = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3], [8, 8, 8, 8, 8, 8, 8, 8, 8], [4, 5], [7, 7]]
 
@@ -150,9 +153,9 @@ def test_speculation_turns_itself_off_when_it_does_not_pay():
 
 
 def test_a_draft_that_did_not_follow_a_cached_prefix_prefills_it_itself():
-    """Draft = a copy of the target, greedy: every proposal must be accepted, also after a prefix-cache hit on
-    blocks the target computed while the draft was not following (speculation off). Reading the draft KV it
-    never wrote accepted 0.29 of the proposals here."""
+    """Draft = a copy of the target, greedy: every proposal must be accepted, also after a
+    prefix-cache hit on blocks the target computed while the draft was not following (speculation
+    off). Reading the draft KV it never wrote accepted 0.29 of the proposals here."""
     target = qwen(40, 64, 2, 0)  # unscaled: the context matters to every next token
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=copy.deepcopy(target))
     spec = eng.engine.spec

@@ -1,5 +1,6 @@
-"""Stop strings against a real multi-character tokenizer: inside a token, across tokens, at a token's end, after
-short and long responses, in the native engine, the hf backend and the shared check."""
+"""Stop strings against a real multi-character tokenizer: inside a token, across tokens,
+at a token's end, after short and long responses, in the native engine, the hf backend and
+the shared check."""
 
 import pytest
 import torch
@@ -42,7 +43,8 @@ def tokenizer():
 
 
 def chain_model():
-    """Greedy decoding walks a fixed chain: a0 -> a1 -> ... -> a12 -> the case's end tokens -> w -> w ...
+    """Greedy decoding walks a fixed chain:
+    a0 -> a1 -> ... -> a12 -> the case's end tokens -> w -> w ...
     (attention and MLP outputs are zero, so the logits depend on the current token only)."""
     nxt = {}
     for family, fillers in FILLERS.items():

@@ -1,5 +1,6 @@
-"""Streaming through the rollout interface (``add`` / ``step`` / ``done`` / ``take``): the native backend's
-continuous batch and the default over ``generate`` (the hf backend) give what ``generate`` gives."""
+"""Streaming through the rollout interface (``add`` / ``step`` / ``done`` / ``take``): the native
+backend's continuous batch and the default over ``generate`` (the hf backend) give what
+``generate`` gives."""
 
 import threading
 

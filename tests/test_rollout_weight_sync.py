@@ -1,5 +1,5 @@
-"""update_weights checks what a sync delivered: every weight (or LoRA adapters only), no unknown names; after a
-failed sync the engine refuses to generate until a complete one arrives."""
+"""update_weights checks what a sync delivered: every weight (or LoRA adapters only), no unknown
+names; after a failed sync the engine refuses to generate until a complete one arrives."""
 
 import pytest
 import torch

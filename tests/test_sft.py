@@ -1,5 +1,6 @@
-"""The supervised warm start stops on a held-out accuracy target (sft.target_accuracy), at the cap
-sft.max_steps with a warning, or after a fixed sft.steps; sft.json records which; the cache key covers it."""
+"""The supervised warm start stops on a held-out accuracy target (sft.target_accuracy), at the
+cap sft.max_steps with a warning, or after a fixed sft.steps; sft.json records which; the
+cache key covers it."""
 
 import json
 import logging
@@ -58,7 +59,8 @@ def test_stops_at_the_target(tmp_path):
     assert rec["steps"] < 200 and rec["steps"] % 5 == 0, (
         rec
     )  # stopped at the first check that reached it
-    # at least one check fell short first, so "stopped at the first check that reached it" is tested, not vacuous
+    # at least one check fell short first, so "stopped at the first check that
+    # reached it" is tested, not vacuous
     assert len(rec["checks"]) >= 2 and rec["checks"][-1]["step"] == rec["steps"], rec
     assert all(c["accuracy"] < 0.5 for c in rec["checks"][:-1]), rec
     assert rec["check_prompts"] == 32 and rec["max_steps"] == 200 and rec["target_accuracy"] == 0.5

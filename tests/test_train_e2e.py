@@ -103,7 +103,8 @@ def test_ray_first_step_matches_local(tmp_path, ray_cluster):
 
 
 def test_ppo_with_critic_runs_and_resumes(tmp_path):
-    """gae makes the learner build a critic from the warm start; its state is checkpointed and resumed."""
+    """gae makes the learner build a critic from the warm start; its state
+    is checkpointed and resumed."""
     summary = train(
         make_cfg(
             tmp_path, "algorithm.advantage=gae", "trainer.name=ppo", "algorithm.kl_reward_coef=0.01"

@@ -1,6 +1,7 @@
-"""Weight-sync transports (``parallel/weight_sync.py``): each one carries a built-in model's weights into a
-rollout engine bit for bit, carries a later change, and releases what it holds; the shared-memory
-transport re-homes a single-process source's parameters into its staging file, where they keep training."""
+"""Weight-sync transports (``parallel/weight_sync.py``): each one carries a built-in model's weights
+into a rollout engine bit for bit, carries a later change, and releases what it holds; the
+shared-memory transport re-homes a single-process source's parameters into its staging file, where
+they keep training."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ class Source:
         self.weight_bucket_calls = 0
 
     def weight_buckets(self, bucket_bytes: int):
-        """Every rank gathers; rank 0 returns the buckets, the others [] (as the actor worker does)."""
+        """Every rank gathers; rank 0 returns the buckets, the others []
+        (as the actor worker does)."""
         self.weight_bucket_calls += 1
         buckets = list(iter_weight_buckets(self.model, bucket_bytes))
         return buckets if distributed.rank() == 0 else []
@@ -246,7 +248,8 @@ def test_shm_rehomes_a_single_rank_source_which_keeps_training():
         assert second == first and source.weight_bucket_calls == 0
         assert reader.load(eng, second, 2) > 0
         assert_loaded(eng, trained)
-        # a parameter replaced from outside the file (a checkpoint load, say) is re-homed at the next publish
+        # a parameter replaced from outside the file (a checkpoint load, say) is
+        # re-homed at the next publish
         with torch.no_grad():
             norm = source.model.model.norm.weight
             norm.data = norm.data.clone() + 1.0

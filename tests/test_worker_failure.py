@@ -1,6 +1,7 @@
-"""A rank that dies, a close that fails, a peer that never joins: real Ray actors in real 2-rank gloo
-groups. The driver must name the rank that died (not the peer that lost its connection), must not
-wait on survivors, and must tear every group down whatever failed. One Ray cluster for the module."""
+"""A rank that dies, a close that fails, a peer that never joins: real Ray actors in real
+2-rank gloo groups. The driver must name the rank that died (not the peer that lost its
+connection), must not wait on survivors, and must tear every group down whatever failed. One
+Ray cluster for the module."""
 
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ def make_roles(
     rollout_cls=GlooWorker,
     backend: str = "ray",
 ) -> Roles:
-    """The learner: a group on ``train``; the rollout: a group on ``gen`` (each its own gloo group for
-    GlooWorker, as many ranks as its pool has slots)."""
+    """The learner: a group on ``train``; the rollout: a group on ``gen`` (each its own gloo group
+    for GlooWorker, as many ranks as its pool has slots)."""
     groups = []
     try:
         for cls, pool, role in ((learner_cls, train, "learner"), (rollout_cls, gen, "rollout")):
@@ -81,9 +82,9 @@ def make_roles(
 @pytest.mark.usefixtures("ray_cluster")
 def test_dead_rank_is_named_and_every_group_is_shut_down():
     """SIGKILL rank 1 of the learner group while rank 0 waits for it in an all-reduce: rank 0 fails
-    with gloo's "Connection closed by peer", but the error names rank 1 and its death. Then shutdown:
-    the learner's close fails (rank 1 is dead), the rollout group still closes, every actor and
-    placement group goes, and only then does the close's error come out."""
+    with gloo's "Connection closed by peer", but the error names rank 1 and its death. Then
+    shutdown: the learner's close fails (rank 1 is dead), the rollout group still closes, every
+    actor and placement group goes, and only then does the close's error come out."""
     train = ResourcePool("train", workers_per_node=2, cpus_per_worker=0.5)
     gen = ResourcePool("gen", workers_per_node=2, cpus_per_worker=0.5)
     roles = make_roles(train, gen)
@@ -127,8 +128,8 @@ def test_dead_rank_is_named_and_every_group_is_shut_down():
 @pytest.mark.usefixtures("ray_cluster")
 def test_busy_survivor_is_not_awaited(monkeypatch):
     """Rank 1 dies in the all-reduce while rank 0 is busy for a minute: the driver reports the death
-    at once instead of awaiting rank 0, and shutdown kills the busy survivor. The group's timeout set
-    in the driver (HYBRIDRL_PG_TIMEOUT_S) reaches its ranks."""
+    at once instead of awaiting rank 0, and shutdown kills the busy survivor. The group's timeout
+    set in the driver (HYBRIDRL_PG_TIMEOUT_S) reaches its ranks."""
     monkeypatch.setenv("HYBRIDRL_PG_TIMEOUT_S", "45")
     pool = ResourcePool("busy", workers_per_node=2, cpus_per_worker=0.5)
     try:
@@ -194,13 +195,17 @@ def test_process_group_timeout_bounds_a_missing_peer(monkeypatch):
 
 def test_exit_cause_in_plain_words():
     sigkill = (
-        "The actor died unexpectedly before finishing this task.\n\tclass_name: _WorkerHost\n\tpid: 7\n"
-        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
-        "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: ..."
+        "The actor died unexpectedly before finishing this task.\n"
+        "\tclass_name: _WorkerHost\n\tpid: 7\n"
+        "The actor is dead because its worker process has died. "
+        "Worker exit type: SYSTEM_ERROR Worker exit detail: "
+        "Worker unexpectedly exits with a connection error code 2. End of file. "
+        "Some common causes include: ..."
     )
     assert exit_cause(sigkill) == (
         "its process vanished (killed by a signal such as SIGKILL or the OOM killer, or crashed) "
-        "[Ray: SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2. End of file.]"
+        "[Ray: SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2. "
+        "End of file.]"
     )
     assert exit_cause("The actor is dead because its node has died. Node Id: ab").startswith(
         "its node was lost"
