@@ -26,7 +26,7 @@ from hybridrl.controller import (
     WorkerGroup,
     register,
 )
-from hybridrl.controller.dispatch import collect, plan, registered_methods
+from hybridrl.controller.dispatch import combine, plan, registered_methods
 from hybridrl.protocol import Batch
 
 
@@ -115,14 +115,14 @@ def test_register_marks_and_keeps_method_callable():
         register("no_such_mode")
 
 
-def test_plan_and_collect():
+def test_plan_and_combine():
     calls = plan(Dispatch.DP_COMPUTE, 2, (make_batch(3), "extra"), {"k": 1})
     assert [(r, len(a[0]), a[1], kw) for r, a, kw in calls] == [
         (0, 2, "extra", {"k": 1}),
         (1, 1, "extra", {"k": 1}),
     ]
     assert plan(Dispatch.RANK_ZERO, 4, (1,), {}) == [(0, (1,), {})]
-    assert collect(Dispatch.DP_COMPUTE, [1, 2]) == [1, 2]
+    assert combine(Dispatch.DP_COMPUTE, [1, 2]) == [1, 2]
 
 
 @pytest.mark.parametrize("first", [(1, 2), {"a": 1}, 3, "rows", None, torch.arange(4)])
@@ -133,7 +133,7 @@ def test_dp_compute_refuses_a_first_argument_that_is_neither_a_batch_nor_a_list(
         plan(Dispatch.DP_COMPUTE, 2, (), {"rows": [1, 2]})
 
 
-def test_plan_and_collect_split_a_list_as_they_split_a_batch():
+def test_plan_and_combine_split_a_list_as_they_split_a_batch():
     items = [f"s{i}" for i in range(7)]
     calls = plan(Dispatch.DP_COMPUTE, 3, (items, "extra"), {"k": 1})
     assert calls == [
@@ -146,8 +146,8 @@ def test_plan_and_collect_split_a_list_as_they_split_a_batch():
     assert [a[0] for _, a, _ in plan(Dispatch.DP_COMPUTE, 3, ([1],), {})] == [[1], [], []]
     assert [a[0] for _, a, _ in plan(Dispatch.DP_COMPUTE, 2, ([],), {})] == [[], []]
     # the per-rank lists come back as one list in rank order; other results as a list of them
-    assert collect(Dispatch.DP_COMPUTE, [["s0", "s1"], [], ["s2"]]) == ["s0", "s1", "s2"]
-    assert collect(Dispatch.DP_COMPUTE, [[1], 2]) == [[1], 2]
+    assert combine(Dispatch.DP_COMPUTE, [["s0", "s1"], [], ["s2"]]) == ["s0", "s1", "s2"]
+    assert combine(Dispatch.DP_COMPUTE, [[1], 2]) == [[1], 2]
 
 
 @settings(max_examples=60, deadline=None)
@@ -158,17 +158,17 @@ def test_prop_list_chunks_concat_to_the_list(n, world):
     parts = [a[0] for _, a, _ in calls]
     assert [r for r, _, _ in calls] == list(range(world))
     assert [len(p) for p in parts] == [len(c) for c in make_batch(n).chunk(world)]
-    assert collect(Dispatch.DP_COMPUTE, parts) == items
+    assert combine(Dispatch.DP_COMPUTE, parts) == items
     assert all(p is not items for p in parts)  # each rank gets its own list
 
 
-def test_plan_and_collect_all_first():
+def test_plan_and_combine_all_first():
     args, kwargs = (make_batch(2), "x"), {"k": 1}
     calls = plan(Dispatch.ALL_FIRST, 3, args, kwargs)
     assert calls == [(r, args, kwargs) for r in range(3)]
     assert all(a[0] is args[0] for _, a, _ in calls)  # the whole argument, not a chunk
-    assert collect(Dispatch.ALL_FIRST, [{"rank": 0}, {"rank": 1}, {"rank": 2}]) == {"rank": 0}
-    assert collect(Dispatch.ALL_FIRST, [[1, 2], [3]]) == [1, 2]  # a list result is not merged
+    assert combine(Dispatch.ALL_FIRST, [{"rank": 0}, {"rank": 1}, {"rank": 2}]) == {"rank": 0}
+    assert combine(Dispatch.ALL_FIRST, [[1, 2], [3]]) == [1, 2]  # a list result is not merged
 
 
 # --- both backends ----------------------------------------------------------

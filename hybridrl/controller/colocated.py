@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hybridrl.controller.dispatch import Dispatch, collect, plan, registered_methods
+from hybridrl.controller.dispatch import Dispatch, combine, plan, registered_methods
 from hybridrl.controller.worker import Worker, WorkerContext
 
 
@@ -81,7 +81,7 @@ class RoleView:
                 (r, (self.role, name, *a), kw)
                 for r, a, kw in plan(mode, self.world_size, args, kwargs)
             ]
-            return collect(mode, self.group._run("call_role", calls))
+            return combine(mode, self.group.run("call_role", calls))
 
         proxy.__name__ = proxy.__qualname__ = name
         proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks, colocated] " + (
@@ -91,7 +91,7 @@ class RoleView:
 
     def apply_all(self, fn, *args, **kwargs) -> list:
         """``fn(role worker, *args, **kwargs)`` on every rank."""
-        return self.group._run(
+        return self.group.run(
             "apply_role", plan(Dispatch.ONE_TO_ALL, self.world_size, (self.role, fn, *args), kwargs)
         )
 

@@ -4,7 +4,7 @@ and how the per-rank results come back.
 A worker method opts in with ``@register(Dispatch.X)``; the decorator only
 sets an attribute, so the method stays an ordinary method (callable directly,
 e.g. in a unit test). :func:`plan` turns the driver's arguments into one call
-per participating rank, :func:`collect` turns the results into one value.
+per participating rank, :func:`combine` turns the results into one value.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def plan(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> list[Ran
     raise ValueError(f"unknown dispatch mode {mode!r}")
 
 
-def collect(mode: Dispatch, results: list[Any]) -> Any:
+def combine(mode: Dispatch, results: list[Any]) -> Any:
     """Combine per-rank results (in rank order) as the mode prescribes."""
     if mode in (Dispatch.RANK_ZERO, Dispatch.ALL_FIRST):
         return results[0]

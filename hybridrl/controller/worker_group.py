@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridrl.controller.dispatch import Dispatch, collect, plan, registered_methods
+from hybridrl.controller.dispatch import Dispatch, combine, plan, registered_methods
 from hybridrl.controller.local_backend import LocalBackend
 from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.controller.worker import Worker, WorkerContext
@@ -117,7 +117,7 @@ class WorkerGroup:
     # --- calls ---------------------------------------------------------------
     def _proxy(self, name: str, mode: Dispatch):
         def proxy(*args, **kwargs):
-            return collect(mode, self._run(name, plan(mode, self.world_size, args, kwargs)))
+            return combine(mode, self.run(name, plan(mode, self.world_size, args, kwargs)))
 
         proxy.__name__ = proxy.__qualname__ = name
         proxy.__doc__ = f"[{mode.value} over {self.world_size} ranks] " + (
@@ -125,27 +125,29 @@ class WorkerGroup:
         )
         return proxy
 
-    def _run(self, name: str, calls: list) -> list:
+    def run(self, name: str, calls: list) -> list:
+        """Issue ``calls`` (``(rank, args, kwargs)`` each, as :func:`plan` makes them) of method
+        ``name`` and wait for them; the results in call order (the proxies and views use this)."""
         return self._backend.gather(name, self._backend.submit(name, calls))
 
     def execute_all(self, name: str, *args, **kwargs) -> list:
         """Call any method (registered or not) on every rank with the same
         arguments; per-rank results in rank order."""
         self._check_method(name)
-        return self._run(name, plan(Dispatch.ONE_TO_ALL, self.world_size, args, kwargs))
+        return self.run(name, plan(Dispatch.ONE_TO_ALL, self.world_size, args, kwargs))
 
     def execute_rank(self, rank: int, name: str, *args, **kwargs) -> Any:
         """Call any method on one rank; its result."""
         self._check_method(name)
         if not 0 <= rank < self.world_size:
             raise IndexError(f"group {self.role!r} has {self.world_size} ranks, no rank {rank}")
-        return self._run(name, [(rank, args, kwargs)])[0]
+        return self.run(name, [(rank, args, kwargs)])[0]
 
     def apply_all(self, fn, *args, **kwargs) -> list:
         """``fn(worker, *args, **kwargs)`` on every rank (in the rank's process); per-rank results
         in rank order. Under ray ``fn`` must be importable (or pickled by value) in the worker
         processes."""
-        return self._run("apply", plan(Dispatch.ONE_TO_ALL, self.world_size, (fn, *args), kwargs))
+        return self.run("apply", plan(Dispatch.ONE_TO_ALL, self.world_size, (fn, *args), kwargs))
 
     def _check_method(self, name: str) -> None:
         if not callable(getattr(self.cls, name, None)):

@@ -73,10 +73,7 @@ def evaluate_checkpoint(cfg) -> dict[str, float]:
     path = ensure_warm_start(cfg, cfg.trainer.progress)
     roles = build_roles(cfg, path, path, learner=False)
     try:
-        r = cfg.rollout
-        params = SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens
-        )
+        params = SamplingParams.of(cfg.rollout)
         prompts = make_task(cfg).heldout()[: cfg.task.eval_size]
         return Evaluator(
             roles.rollout,

@@ -90,14 +90,7 @@ def open_session(cfg: Config, resume: bool) -> Session:
             roles.sync_weights(state["step"])
         roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
         task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
-        r = cfg.rollout
-        params = SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            n=t.samples_per_prompt,
-        )
+        params = SamplingParams.of(cfg.rollout, n=t.samples_per_prompt)
         evaluate = Evaluator(
             roles.rollout,
             task.heldout()[: cfg.task.eval_size],

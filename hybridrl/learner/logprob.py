@@ -33,12 +33,10 @@ from hybridrl.rollout.sampler import filtered_log_softmax
 
 
 def sampling_of(rollout_cfg) -> SamplingParams:
-    """The filters of the rollout's sampling distribution (``rollout.*``), as the trainer applies
-    them. The rollout config has no ``min_p`` key: rollouts sample with SamplingParams' default
-    (0, off), and so does this."""
-    return SamplingParams(
-        temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k
-    )
+    """The rollout's sampling distribution (``rollout.*``), whose filters the trainer applies. The
+    rollout config has no ``min_p`` key: rollouts sample with SamplingParams' default (0, off), and
+    so does this."""
+    return SamplingParams.of(rollout_cfg)
 
 
 def _as_sampling(sampling) -> SamplingParams:

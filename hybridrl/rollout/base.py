@@ -145,6 +145,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @classmethod
+    def of(cls, rollout_cfg, **overrides) -> SamplingParams:
+        """The sampling a run's rollout is configured for (``rollout.temperature``, ``top_p``,
+        ``top_k``, ``max_new_tokens``), with ``overrides`` (``n``, ``seed`` ...)."""
+        r = rollout_cfg
+        fields = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        return cls(**fields, max_new_tokens=r.max_new_tokens, **overrides)
+
 
 def _by_params(
     queued: list[tuple[Sample, SamplingParams]],

@@ -35,6 +35,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from hybridrl.config import RolloutConfig
+from hybridrl.parallel.buckets import bucketed
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.sequence import request_seed
@@ -67,22 +68,6 @@ def import_engine(package: str, install: str):
             f"imported here ({e}). Install it with `{install}`, or choose a backend usable here: "
             f"{', '.join(usable_backends())}"
         ) from e
-
-
-def buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of the stream holding about ``bucket_bytes`` each (a larger tensor is a
-    bucket alone)."""
-    bucket, size = [], 0
-    for name, t in named_tensors:
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 class ExternalRollout(RolloutEngine):
@@ -202,7 +187,7 @@ class ExternalRollout(RolloutEngine):
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         t0, count = time.perf_counter(), 0
         try:
-            for bucket in buckets(self._mirror(named_tensors), self.bucket_bytes):
+            for bucket in bucketed(self._mirror(named_tensors), self.bucket_bytes):
                 self._load_bucket(bucket)
                 count += len(bucket)
         finally:
