@@ -112,3 +112,32 @@ def test_step_waits_while_paused(backend):
     assert stepped.is_set()
     got, _ = stream(eng, ps, 1)
     assert len(got[0].response_ids) == 4
+
+
+def test_a_weight_sync_waits_for_the_default_step_in_flight():
+    """Asynchronous training syncs weights from another thread while the stream steps: with the
+    default streaming (one ``generate`` per step) the sync must wait until that call returns, so
+    that all tokens of a call come from one version and carry it."""
+    eng = engine("hf", model())
+    events, started = [], threading.Event()
+    generate = eng.generate
+
+    def slow_generate(ps, params):
+        started.set()
+        events.append("generate starts")
+        out = generate(ps, params)
+        threading.Event().wait(0.3)  # the sync below arrives while this call is still running
+        events.append("generate ends")
+        return out
+
+    eng.generate = slow_generate
+    weights = [(n, p.detach().clone()) for n, p in eng.model.named_parameters()]
+    eng.add(prompt_samples([3]), SamplingParams(max_new_tokens=4, n=1, seed=0))
+    stepper = threading.Thread(target=eng.step)
+    stepper.start()
+    assert started.wait(30)
+    eng.update_weights(iter(weights), version=1)
+    events.append("sync done")
+    stepper.join()
+    assert events == ["generate starts", "generate ends", "sync done"]
+    assert eng.version == 1

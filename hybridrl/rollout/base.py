@@ -199,8 +199,13 @@ class RolloutEngine(ABC):
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> int:
-        count = self.checked_sync(named_tensors, lambda stream: self._load_weights(stream, version))
-        self.version = version
+        # the default streaming step generates under this lock: a sync waits for the call in
+        # flight, so every token of one call comes from one version (native syncs under its own)
+        with self._stepping:
+            count = self.checked_sync(
+                named_tensors, lambda stream: self._load_weights(stream, version)
+            )
+            self.version = version
         return count
 
     # --- streaming --------------------------------------------------------------------------------
