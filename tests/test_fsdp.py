@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_processes import launch_ranks, rank_env, wait_ranks
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
-from hybridrl.controller.worker import find_free_port
 from hybridrl.parallel.fsdp import FSDPConfig, export_hf, is_complete, load_sharded, save_sharded
 from hybridrl.protocol import Batch
 
@@ -231,16 +231,6 @@ def crash_main(workdir: str) -> None:
 
 
 # --- the tests ------------------------------------------------------------------------------------
-def _env() -> dict:
-    root = str(Path(__file__).resolve().parents[1])
-    return os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launch the 2 ranks and the crash process, compute the single-process reference meanwhile."""
@@ -251,20 +241,10 @@ def runs(tmp_path_factory):
     single = Learner(ctx1, make_cfg(), None)
     batch = make_batch(single)
     torch.save(batch.tensors, work / "batch.pt")
-    port = find_free_port("127.0.0.1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "rank", str(r), str(port), str(work)],
-            env=_env() | {"RANK": str(r), "WORLD_SIZE": str(WORLD), "MASTER_PORT": str(port)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
+    procs = launch_ranks(__file__, WORLD, work)
     crash = subprocess.Popen(
         [sys.executable, __file__, "crash", str(work)],
-        env=_env(),
+        env=rank_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -285,10 +265,7 @@ def runs(tmp_path_factory):
     reference["critic_weights"] = {
         n: t.detach().clone() for n, t in ppo.critic.model.state_dict().items()
     }
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(
-        logs[-1].splitlines()[-40:] + logs[0].splitlines()[-40:]
-    )
+    wait_ranks(procs, timeout=240)
     crash_log = crash.communicate(timeout=240)[0]
     return {
         "work": work,

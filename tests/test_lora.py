@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rank_processes import launch_ranks, wait_ranks
+from test_train_e2e import TINY_RUN
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
 from hybridrl.learner import Learner
-from hybridrl.learner import lora as L
+from hybridrl.learner import lora as lora_lib
 from hybridrl.models.loading import load_model
 from hybridrl.parallel.fsdp import export_hf, iter_weight_buckets
 from hybridrl.protocol import Batch
@@ -81,7 +82,7 @@ def logits(model, batch: Batch) -> torch.Tensor:
 
 def merged_model(actor: Learner):
     plain, _ = load_model(actor.cfg, None)
-    plain.load_state_dict(L.merged_weights(actor.model), strict=False)
+    plain.load_state_dict(lora_lib.merged_weights(actor.model), strict=False)
     return plain
 
 
@@ -179,7 +180,7 @@ def test_every_backend_merges_lora_syncs(trained, backend):
     rollout = ROLLOUT_BACKENDS.get(backend)(
         model, tok, dataclasses.replace(actor.cfg.rollout, kv_cache_bytes=4 << 20)
     )
-    want = L.merged_weights(actor.model)
+    want = lora_lib.merged_weights(actor.model)
     for version, mode in enumerate(["base", "adapter", "adapter"], 1):
         rollout.update_weights(
             (item for b in actor.weight_buckets(mode=mode) for item in b), version
@@ -190,9 +191,9 @@ def test_every_backend_merges_lora_syncs(trained, backend):
 
 def test_lora_sync_bytes_are_a_small_fraction(trained):
     actor = trained["actor"]
-    adapter = L.sync_bytes(actor.weight_buckets(mode="adapter"))
-    full = L.sync_bytes(iter_weight_buckets(load_model(actor.cfg, None)[0]))
-    assert L.sync_bytes(actor.weight_buckets(mode="merged")) == full
+    adapter = lora_lib.sync_bytes(actor.weight_buckets(mode="adapter"))
+    full = lora_lib.sync_bytes(iter_weight_buckets(load_model(actor.cfg, None)[0]))
+    assert lora_lib.sync_bytes(actor.weight_buckets(mode="merged")) == full
     c, r = actor.model.config, 8
     hd = c.hidden_size // c.num_attention_heads
     dims = [
@@ -221,7 +222,9 @@ def test_checkpoint_resume_and_export(trained, tmp_path):
     assert (path / "model.safetensors").is_file() and (
         path / "adapter" / "adapter_config.json"
     ).is_file()
-    assert (path / "adapter" / "adapter_model.safetensors").is_file() and L.is_lora_checkpoint(path)
+    assert (
+        path / "adapter" / "adapter_model.safetensors"
+    ).is_file() and lora_lib.is_lora_checkpoint(path)
     # resume as the trainer does: built from the checkpoint (the merged weights), then load_state
     resumed = Learner(CTX1, make_cfg(), str(path))
     resumed.load_state(str(path))
@@ -274,11 +277,11 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     }
     actor.update_policy(batch.chunk(WORLD)[rank])
     buckets = actor.weight_buckets(mode="base")
-    merged = L.merged_weights(actor.model)
+    merged = lora_lib.merged_weights(actor.model)
     actor.save_checkpoint(str(work / "ckpt"))
     fresh = Learner(ctx, make_cfg(lr=FSDP_LR), str(work / "ckpt"))
     fresh.load_state(str(work / "ckpt"))
-    reloaded = L.merged_weights(fresh.model)
+    reloaded = lora_lib.merged_weights(fresh.model)
     actor.close()
     fresh.close()
     teardown_distributed()
@@ -290,38 +293,15 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 
 
 def test_two_fsdp_ranks_equal_one_process(tmp_path):
-    from hybridrl.controller.worker import find_free_port
 
     single = Learner(CTX1, make_cfg(lr=FSDP_LR), None)
     batch = rl_batch(single)
     torch.save(batch.tensors, tmp_path / "batch.pt")
-    port = find_free_port("127.0.0.1")
-    root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(WORLD),
-        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)],
-            env=env | {"RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
+    procs = launch_ranks(__file__, WORLD, tmp_path)
     single.update_policy(batch)
-    want = L.merged_weights(single.model)
+    want = lora_lib.merged_weights(single.model)
     want_buckets = dict(item for b in single.weight_buckets(mode="base") for item in b)
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(
-        line for log in logs for line in log.splitlines()[-30:]
-    )
+    wait_ranks(procs, timeout=240)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)
     lay, adapters = (
         got["layout"],
@@ -354,18 +334,7 @@ def test_train_two_steps_with_lora_then_resume(tmp_path):
     from hybridrl.driver.sync import train
 
     tiny = [
-        "sft.steps=3",
-        "sft.batch_size=16",
-        "task.eval_size=16",
-        "trainer.prompts_per_step=4",
-        "trainer.samples_per_prompt=2",
-        "actor.ppo_minibatch_size=4",
-        "trainer.total_steps=2",
-        "trainer.eval_every=1",
-        "trainer.save_every=1",
-        "trainer.progress=false",
-        "trainer.tensorboard=false",
-        "controller.num_threads=1",
+        *TINY_RUN,
         f"sft.checkpoint={tmp_path / 'ws'}",
         f"trainer.runs_dir={tmp_path / 'runs'}",
         "trainer.name=lora",
@@ -375,8 +344,8 @@ def test_train_two_steps_with_lora_then_resume(tmp_path):
     summary = train(cfg)
     assert summary["steps"] == 2
     ckpt = tmp_path / "runs" / "lora" / "checkpoints" / "step_000002" / "model"
-    assert (ckpt / "model.safetensors").is_file() and L.is_lora_checkpoint(ckpt)
-    assert L.base_source_of(ckpt) == str(tmp_path / "ws")
+    assert (ckpt / "model.safetensors").is_file() and lora_lib.is_lora_checkpoint(ckpt)
+    assert lora_lib.base_source_of(ckpt) == str(tmp_path / "ws")
     cfg = load_config(Config, None, [*tiny, "trainer.total_steps=3"])
     cfg.actor.lora_rank = 8
     resumed = train(cfg, resume=True)

@@ -16,6 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch
+from rank_processes import launch_ranks, wait_ranks
 from safetensors.torch import load_file
 
 from hybridrl.config import Config, load_config
@@ -398,35 +399,10 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
 
 
 def test_two_ranks_without_the_pass_equal_two_ranks_with_it(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from hybridrl.controller.worker import find_free_port
 
     vocab = make_learner(actor_cfg()).model.config.vocab_size
     torch.save(ragged_batch(vocab, n=ROWS - 1).tensors, tmp_path / "batch.pt")
-    port = find_free_port("127.0.0.1")
-    root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | {
-        "OMP_NUM_THREADS": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(WORLD),
-        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "rank", str(r), str(port), str(tmp_path)],
-            env=env | {"RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    wait_ranks(launch_ranks(__file__, WORLD, tmp_path), timeout=300)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for out in ranks:
         assert (out["pass"].pop(INDICATOR), out["reuse"].pop(INDICATOR)) == (0.0, 1.0)

@@ -82,7 +82,7 @@ def test_bf16_engine_generates_with_fp32_log_probs_close_to_fp32():
 
 
 def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkeypatch, caplog):
-    from hybridrl.parallel import precision as P
+    from hybridrl.parallel import precision
 
     old, new = model(seed=0), model(seed=1)
     assert NativeRollout(old, Tok(), rcfg()).engine.runner.embed.dtype == torch.float32
@@ -92,10 +92,10 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
     assert torch.equal(eng.engine.runner.layers[1]["wd"], want)
     # auto: bf16 when the CPU has it and the measurement says it pays (both
     # injected here), logged with why
-    monkeypatch.delenv(P.ENV_OVERRIDE, raising=False)
-    monkeypatch.setattr(P, "cpu_bf16_support", lambda: "amx_bf16")
+    monkeypatch.delenv(precision.ENV_OVERRIDE, raising=False)
+    monkeypatch.setattr(precision, "cpu_bf16_support", lambda: "amx_bf16")
     for gain, dtype in ((1.8, torch.bfloat16), (1.0, torch.float32)):
-        monkeypatch.setattr(P.SPEEDUPS, "get", lambda model, train, gain=gain: gain)
+        monkeypatch.setattr(precision.SPEEDUPS, "get", lambda model, train, gain=gain: gain)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hybridrl.rollout.precision"):
             auto = NativeRollout(old, Tok(), rcfg(dtype="auto"))
