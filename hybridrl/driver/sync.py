@@ -44,14 +44,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             )
             if s.due(t.save_every, done):
                 kl = roles.learner.kl_reward_coef()
-                save_checkpoint(
-                    s.run_dir,
-                    done,
-                    roles,
-                    state
-                    | {"step": done, "last": last, "prompt_cursor": cursor, "kl_reward_coef": kl},
-                    cfg,
-                )
+                saved = {"step": done, "last": last, "prompt_cursor": cursor, "kl_reward_coef": kl}
+                save_checkpoint(s.run_dir, done, roles, state | saved, cfg)
     finally:  # a failed step still leaves the metrics flushed and the workers stopped
         s.logger.close()
         roles.shutdown()
