@@ -16,14 +16,14 @@ from controller_workers import ray_cluster  # noqa: F401  (the fixture)
 from hybridrl.config import RolloutConfig
 from hybridrl.controller.colocated import RoleView
 from hybridrl.models.factory import build_model
-from hybridrl.parallel import distributed, weight_sync
+from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.fsdp import iter_weight_buckets
+from hybridrl.parallel.shm_staging import StagingFile
 from hybridrl.parallel.weight_sync import (
     TRANSPORTS,
     FusedTransport,
     MemoryTransport,
     ShmTransport,
-    StagingFile,
     StoreTransport,
     choose_transport,
     make_transport,
@@ -64,10 +64,10 @@ class RehomingSource(Source):
     """A source that moves its own parameters into a staging file when the transport asks."""
 
     def rehome_parameters(self, stage):
-        return weight_sync.rehome(self.model, stage)
+        return shm_staging.rehome(self.model, stage)
 
     def unhome_parameters(self, stage):
-        weight_sync.unhome(self.model, stage)
+        shm_staging.unhome(self.model, stage)
 
 
 def engine(backend: str = "native", seed: int = 7):

@@ -53,7 +53,7 @@ from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import load_trainable, save_trainable
 from hybridrl.learner.update import first_epoch_map, is_single_pass, run_updates
 from hybridrl.models.loading import load_model
-from hybridrl.parallel import distributed, weight_sync
+from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.protocol import Batch, Sample, samples_to_batch
@@ -364,10 +364,10 @@ class Learner(Worker):
     def rehome_parameters(self, stage):
         """Move the parameters into a shared-memory staging file (the ``shm`` transport's zero-copy
         sync)."""
-        return weight_sync.rehome(self.model, stage)
+        return shm_staging.rehome(self.model, stage)
 
     def unhome_parameters(self, stage) -> None:
-        weight_sync.unhome(self.model, stage)
+        shm_staging.unhome(self.model, stage)
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
