@@ -12,7 +12,7 @@ import torch
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerContext, WorkerGroup
 from hybridrl.controller.colocated import ColocatedWorker, RoleView
-from hybridrl.driver.placement import ROLE_CLASSES, Roles, build_roles
+from hybridrl.driver.placement import WORKER_CLASSES, Roles, build_roles
 from hybridrl.learner.learner import Learner
 from hybridrl.models.loading import load_tokenizer, make_task
 from hybridrl.parallel import weight_sync
@@ -97,11 +97,11 @@ def count_calls(part, counts: dict, role: str) -> None:
 
 def test_colocated_roles_take_turns_and_sync_in_memory():
     cfg = small_cfg("rollout.backend=native", "rollout.kv_cache_bytes=1048576")
-    parts = {r: (ROLE_CLASSES[r], (cfg, None)) for r in ("learner", "rollout")}
+    parts = {r: (WORKER_CLASSES[r], (cfg, None)) for r in ("learner", "rollout")}
     group = WorkerGroup(ColocatedWorker, ResourcePool(), role="learner+rollout", args=(parts,))
     learner, rollout = (
-        RoleView(group, "learner", ROLE_CLASSES["learner"]),
-        RoleView(group, "rollout", ROLE_CLASSES["rollout"]),
+        RoleView(group, "learner", WORKER_CLASSES["learner"]),
+        RoleView(group, "rollout", WORKER_CLASSES["rollout"]),
     )
     fused = group.workers[0]
     counts: dict = {}
@@ -334,3 +334,10 @@ def test_former_placement_keys_are_refused_with_their_replacement():
     ):
         with pytest.raises(ValueError, match=hint):
             small_cfg(f"controller.placement={{learner: global, rollout: global, {role}: global}}")
+
+
+def test_every_placed_role_has_a_worker_class():
+    """The config's role names (what controller.placement maps) and the workers that build them agree."""
+    from hybridrl.config.schema import ROLES
+
+    assert set(WORKER_CLASSES) == set(ROLES) and len(ROLES) == len(set(ROLES))

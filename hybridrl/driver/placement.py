@@ -23,7 +23,8 @@ from hybridrl.learner.learner import Learner
 from hybridrl.parallel import weight_sync
 from hybridrl.rollout.worker import RolloutWorker
 
-ROLE_CLASSES = {"learner": Learner, "rollout": RolloutWorker}
+# the worker class of each role named in the config's ROLES (controller.placement)
+WORKER_CLASSES = {"learner": Learner, "rollout": RolloutWorker}
 
 
 @dataclass
@@ -117,7 +118,7 @@ def build_roles(
         "rollout": (cfg, policy_path),
     }
     by_pool: dict[str, list[str]] = {}
-    for role in ROLE_CLASSES if learner else ("rollout",):
+    for role in WORKER_CLASSES if learner else ("rollout",):
         by_pool.setdefault(c.placement[role], []).append(role)
 
     handles, groups = {}, []
@@ -133,16 +134,16 @@ def build_roles(
         if c.backend == "local" or len(roles) == 1:
             for role in roles:
                 handles[role] = WorkerGroup(
-                    ROLE_CLASSES[role], pools[pool], role=role, args=args[role], **common
+                    WORKER_CLASSES[role], pools[pool], role=role, args=args[role], **common
                 )
                 groups.append(handles[role])
             continue
-        parts = {role: (ROLE_CLASSES[role], args[role]) for role in roles}
+        parts = {role: (WORKER_CLASSES[role], args[role]) for role in roles}
         fused = WorkerGroup(
             ColocatedWorker, pools[pool], role="+".join(roles), args=(parts,), **common
         )
         groups.append(fused)
-        handles |= {role: RoleView(fused, role, ROLE_CLASSES[role]) for role in roles}
+        handles |= {role: RoleView(fused, role, WORKER_CLASSES[role]) for role in roles}
     return Roles(
         learner=handles.get("learner"),
         rollout=handles["rollout"],
