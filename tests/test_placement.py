@@ -337,7 +337,7 @@ def test_former_placement_keys_are_refused_with_their_replacement():
 
 
 def test_every_placed_role_has_a_worker_class():
-    """The config's role names (what controller.placement maps) and the workers that build them agree."""
+    """The config's role names (controller.placement's keys) and the workers building them agree."""
     from hybridrl.config.schema import ROLES
 
     assert set(WORKER_CLASSES) == set(ROLES) and len(ROLES) == len(set(ROLES))
