@@ -46,6 +46,13 @@ class TaskConfig:
     reward_fn: str = _f("exact_match", "registered reward function or dotted path 'pkg.module:fn'")
     heldout_size: int = _f(1024, "prompts in the fixed held-out set", ge=1)
     eval_size: int | None = _f(None, "held-out prompts used per evaluation (null: all)", ge=1)
+    reward_timeout_s: float = _f(
+        30.0,
+        "seconds one reward-function call may take; a call that takes longer scores its sample 0 "
+        "and is counted (reward_timeouts); its thread is abandoned, and the run stops with an "
+        "error once 8 abandoned calls are still running",
+        gt=0,
+    )
 
 
 @dataclass
