@@ -4,9 +4,9 @@ Under the ``ray`` backend, roles placed on the same pool could each get their ow
 slot (one process per role per device). A :class:`ColocatedWorker` instead holds one worker of every
 such role in a single process, so the roles hand tensors to each other in memory (weight sync
 without Ray), share the process's torch.distributed group, and take turns on the device: before a
-call into a role, every other role that has a ``sleep`` method sleeps (the learner moves its
-training state to host memory, the rollout frees its KV cache) and the called role wakes (``wake``),
-each only when the turn changes.
+call into a role, every other role sleeps (``Worker.sleep``: the learner moves its training state
+to host memory, the rollout frees its KV cache; a no-op for roles that hold no device memory) and
+the called role wakes (``wake``), each only when the turn changes.
 
 The driver still sees one object per role: :class:`RoleView` exposes the ``@register``-ed methods of
 a role's class, with their dispatch modes, on top of the colocated group, so
@@ -37,10 +37,9 @@ class ColocatedWorker(Worker):
         if role == self.turn:
             return
         for other, part in self.parts.items():
-            if other != role and hasattr(part, "sleep"):
+            if other != role:
                 part.sleep()
-        if hasattr(self.parts[role], "wake"):
-            self.parts[role].wake()
+        self.parts[role].wake()
         self.turn = role
 
     def call_role(self, role: str, method: str, /, *args, **kwargs) -> Any:

@@ -72,6 +72,12 @@ class Worker:
         roles."""
         return fn(self, *args, **kwargs)
 
+    def sleep(self) -> None:
+        """Colocation: free device memory while another role of this process has the device."""
+
+    def wake(self) -> None:
+        """Colocation: take the device back (undo :meth:`sleep`)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, rank={self.rank}/{self.world_size})"
 
