@@ -125,9 +125,44 @@ def test_numeric_strings_for_float_fields():
     assert from_dict(Optim, {"lr": "1e-3", "eps": "3e-4", "weight_decay": " 0.5 "}) == Optim(
         lr=1e-3, eps=3e-4, weight_decay=0.5
     )
-    assert from_dict(Optim, {"eps": "-inf"}).eps == -math.inf
     assert "must be a float, got 'abc' (str)" in err(from_dict, Optim, {"eps": "abc"})
     assert "must be a float, got 10000" in err(from_dict, Optim, {"eps": 10**400})
+
+
+@pytest.mark.parametrize(
+    "data, shown",
+    [
+        ({"lr": math.inf}, "lr' must be a finite number, got inf"),
+        ({"eps": "-inf"}, "eps' must be a finite number, got -inf"),
+        ({"eps": "Infinity"}, "eps' must be a finite number, got inf"),
+        ({"eps": math.nan}, "eps' must be a finite number, got nan"),
+        ({"eps": "nan"}, "eps' must be a finite number, got nan"),
+        ({"betas": [0.5, math.nan]}, "betas[1]' must be a finite number, got nan"),
+    ],
+)
+def test_floats_must_be_finite(data, shown):
+    assert err(from_dict, Optim, data) == f"config key '{shown}"
+    # an optional float, a dict of floats and a YAML override are held to the same rule
+    assert "'maybe' must be a finite number" in err(from_dict, OldTyping, {"maybe": math.inf})
+    assert "'model.extra.k' must be a finite number, got nan" in err(
+        load_config, Root, None, ["model.name=m", "model.extra.k=.nan"]
+    )
+    assert "'trainer.optim.lr' must be a finite number, got inf" in err(
+        load_config, Root, None, ["model.name=m", "trainer.optim.lr=.inf"]
+    )
+    assert from_dict(Optim, {"lr": 1e30, "eps": -1e308}).lr == 1e30  # large but finite is a number
+
+
+def test_ints_must_fit_64_bits():
+    top = 2**63 - 1
+    assert from_dict(Trainer, {"seed": top}).seed == top
+    assert from_dict(Trainer, {"seed": -(2**63)}).seed == -(2**63)
+    msg = err(load_config, Trainer, None, ["seed=1180591620717411303424"])
+    assert msg == (
+        "config key 'seed' must be a 64-bit integer, in [-9223372036854775808, "
+        "9223372036854775807], got 1180591620717411303424"
+    )
+    assert "'counts[0]' must be a 64-bit integer" in err(from_dict, OldTyping, {"counts": [2**64]})
 
 
 def test_dataclass_instance_accepted_for_section():
@@ -342,6 +377,34 @@ def test_overrides_create_and_merge_nested_dicts_without_mutating_input():
     assert apply_overrides({"a": 1}, ["a=2", "a=3"]) == {"a": 3}  # last one wins
 
 
+def test_dotted_override_merges_into_the_default_map():
+    # without the schema a missing level starts empty; with it, as the field's default
+    assert apply_overrides({}, ["pools.gpu.nodes=2"]) == {"pools": {"gpu": {"nodes": 2}}}
+    assert apply_overrides({}, ["pools.gpu.nodes=2"], Root) == {
+        "pools": {"global": {"nodes": 1}, "gpu": {"nodes": 2}}
+    }
+    cfg = load_config(Root, None, ["model.name=m", "pools.gpu.nodes=2", "pools.global.nodes=3"])
+    assert cfg.pools == {"global": Pool(nodes=3), "gpu": Pool(nodes=2)}
+    # a key into a default dataclass section, and one inside a default map's dataclass value
+    assert load_config(Root, None, ["model.name=m", "model.extra.k=1.5"]).model.extra == {"k": 1.5}
+    assert load_config(Trainer, None, ["optim.betas=[0.5]"]).optim == Optim(betas=[0.5])
+
+
+def test_dotted_override_merges_into_the_yaml_map(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  name: m\npools:\n  a: {nodes: 3}\n")
+    # the YAML's map is the one merged into (no default 'global' pool is added back)
+    cfg = load_config(Root, path, ["pools.a.nodes=4", "pools.b.nodes=5"])
+    assert cfg.pools == {"a": Pool(nodes=4), "b": Pool(nodes=5)}
+    # a whole mapping as the value still replaces the map; an explicit null level starts empty
+    assert load_config(Root, path, ["pools={c: {nodes: 6}}"]).pools == {"c": Pool(nodes=6)}
+    path.write_text("model:\n  name: m\npools: null\n")
+    assert load_config(Root, path, ["pools.c.nodes=7"]).pools == {"c": Pool(nodes=7)}
+    # an unknown section or key is still reported by from_dict, with its did-you-mean
+    assert "unknown config key 'pool'" in err(load_config, Root, path, ["pool.c.nodes=7"])
+    assert "unknown config key 'pools.c.node'" in err(load_config, Root, path, ["pools.c.node=7"])
+
+
 @pytest.mark.parametrize(
     "item, expected",
     [
@@ -492,12 +555,12 @@ def trainers(draw):
         minibatch_size=draw(st.sampled_from([d for d in range(1, p * s + 1) if (p * s) % d == 0])),
         clip_ratio=draw(st.floats(0, 1, exclude_min=True, exclude_max=True)),
         mode=draw(st.sampled_from(["ppo", "grpo"])),
-        seed=draw(st.none() | st.integers()),
+        seed=draw(st.none() | st.integers(-(2**63), 2**63 - 1)),
         device=draw(st.sampled_from(["cpu", "cuda"])),
         use_kl=draw(st.booleans()),
         optim=Optim(
             lr=draw(st.floats(min_value=0, exclude_min=True, allow_infinity=False)),
-            eps=draw(st.floats(allow_nan=False)),
+            eps=draw(st.floats(allow_nan=False, allow_infinity=False)),
             betas=draw(st.lists(st.floats(0, 1, exclude_max=True), max_size=4)),
         ),
     )
@@ -507,7 +570,9 @@ def trainers(draw):
 @given(
     trainer=trainers(),
     tags=st.lists(st.text(max_size=20), max_size=4),
-    extra=st.dictionaries(st.text(max_size=10), st.floats(allow_nan=False), max_size=3),
+    extra=st.dictionaries(
+        st.text(max_size=10), st.floats(allow_nan=False, allow_infinity=False), max_size=3
+    ),
 )
 def test_property_dump_load_round_trip(tmp_path_factory, trainer, tags, extra):
     cfg = Root(model=Model(name="m", extra=extra), trainer=trainer, tags=tags)
@@ -518,7 +583,7 @@ def test_property_dump_load_round_trip(tmp_path_factory, trainer, tags, extra):
 
 
 @settings(max_examples=200, deadline=None)
-@given(x=st.floats(allow_nan=False), n=st.integers())
+@given(x=st.floats(allow_nan=False, allow_infinity=False), n=st.integers(-(2**63), 2**63 - 1))
 def test_property_override_numbers(x, n):
     cfg = load_config(Trainer, None, [f"optim.eps={x!r}", f"seed={n}"])
     assert cfg.optim.eps == x and cfg.seed == n

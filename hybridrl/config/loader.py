@@ -7,11 +7,12 @@ Generic machinery only (the schema lives in ``schema.py``)::
 
 Types come from the dataclass annotations (``from __future__ import annotations`` is
 fine, but classes must be defined at module level so the names resolve): ``int``,
-``float`` (an int is converted; so is a numeric string such as ``'1e-3'``), ``bool``
-(real booleans only), ``str``, ``X | None``, unions, ``Literal[...]``, ``list[X]``,
-``tuple[X, ...]``, ``dict[K, V]``, nested dataclasses and ``Any``. Field metadata adds
-checks: ``ge``/``gt``/``le``/``lt`` bounds and ``choices`` (applied to each item of a
-list or dict); ``help`` is documentation. After a dataclass is built its ``validate()`` method,
+``float`` (an int is converted; so is a numeric string such as ``'1e-3'``; it must be finite:
+inf and nan are rejected), ``bool`` (real booleans only), ``str``, ``X | None``, unions,
+``Literal[...]``, ``list[X]``, ``tuple[X, ...]``, ``dict[K, V]``, nested dataclasses and ``Any``.
+An ``int`` must fit in 64 bits (it may reach a torch tensor or seed). Field metadata adds
+checks: ``ge``/``gt``/``le``/``lt`` bounds and ``choices`` (applied to each item of a list or
+dict); ``help`` is documentation. After a dataclass is built its ``validate()`` method,
 if any, is called; a ``ValueError`` it raises is reported with the dataclass's path.
 
 Every problem raises :class:`ConfigError` with a one-line message naming the dotted
@@ -26,6 +27,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import operator
 import os
 import re
@@ -39,6 +41,8 @@ import yaml
 __all__ = ["ConfigError", "apply_overrides", "dump_yaml", "from_dict", "load_config", "to_dict"]
 
 T = TypeVar("T")
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of an ``int`` field
 
 
 class ConfigError(ValueError):
@@ -204,6 +208,11 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         ok = isinstance(value, bool)
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(
+                f"{_key(path)} must be a 64-bit integer, in [{INT64_MIN}, {INT64_MAX}], "
+                f"got {_short(value)}"
+            )
     elif tp is float:
         ok = (
             isinstance(value, (int, float))
@@ -213,9 +222,13 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         )
         if ok:
             try:
-                return float(value)
+                number = float(value)
             except OverflowError:  # an int beyond the float range
                 ok = False
+            else:
+                if not math.isfinite(number):
+                    raise ConfigError(f"{_key(path)} must be a finite number, got {number!r}")
+                return number
     elif tp is str:
         ok = isinstance(value, str)
     elif tp in (list, tuple) or origin in (list, tuple, collections.abc.Sequence):
@@ -323,13 +336,41 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
-def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
+def _schema_child(tp: Any, key: str) -> tuple[Any, Any]:
+    """(annotation, default) of ``key`` inside a value of annotation ``tp``; (None, None) where the
+    schema does not say (no schema, an unknown key, a list, a union of several types)."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = arms[0] if len(arms) == 1 else None
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        f = next((f for f in dataclasses.fields(tp) if f.init and f.name == key), None)
+        if f is None:
+            return None, None
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None
+        return _type_hints(tp)[key], default
+    if tp is dict or typing.get_origin(tp) in (dict, collections.abc.Mapping):
+        args = typing.get_args(tp)
+        return (args[1] if args else None), None
+    return None, None
+
+
+def apply_overrides(data: Mapping, overrides: Sequence[str], cls: type | None = None) -> dict:
     """Return a copy of ``data`` with ``a.b.c=value`` overrides applied (missing levels are
     created).
 
     Values are parsed as YAML: ``20`` -> 20, ``1e-3`` -> 0.001, ``true`` -> True, ``null`` -> None,
     ``[1,2]`` -> list, ``{x: 1}`` -> dict (replacing the whole section), ``"'20'"`` -> the string
     '20'. Keys are checked later, by :func:`from_dict`.
+
+    With ``cls`` (the dataclass ``data`` is for), a level that ``data`` lacks starts as the field's
+    default: ``controller.placement.learner=gen`` sets one key of the default ``placement`` map
+    instead of replacing the map with a one-key one. A level that ``data`` holds is merged into
+    as it is.
     """
     if isinstance(overrides, (str, bytes)):
         raise TypeError("overrides must be a sequence of 'key=value' strings, not a single string")
@@ -349,11 +390,15 @@ def apply_overrides(data: Mapping, overrides: Sequence[str]) -> dict:
             raise ConfigError(
                 f"cannot parse the value of override {item!r}: {_yaml_problem(err)}"
             ) from None
-        node = result
+        node, tp = result, cls
         for i, part in enumerate(parts[:-1]):
+            tp, default = _schema_child(tp, part)
             child = node.get(part)
             if child is None:
-                child = {}
+                absent = part not in node and (
+                    isinstance(default, Mapping) or dataclasses.is_dataclass(default)
+                )
+                child = to_dict(default) if absent else {}
             elif isinstance(child, Mapping):
                 child = dict(child)
             else:
@@ -395,7 +440,7 @@ def load_config(
     """Read the YAML file at ``path`` (None: no file, all defaults), apply ``overrides``, validate,
     build ``cls``."""
     data = {} if path is None else _read_yaml(path)
-    return from_dict(cls, apply_overrides(data, overrides))
+    return from_dict(cls, apply_overrides(data, overrides, cls))
 
 
 def dump_yaml(obj: Any) -> str:
