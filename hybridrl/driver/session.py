@@ -72,8 +72,11 @@ def open_session(cfg: Config, resume: bool) -> Session:
     found = latest_checkpoint(run_path(cfg)) if resume else None
     if resume and not found:
         log.warning(
-            "--resume: no complete checkpoint under %s, starting a fresh run", run_path(cfg)
+            "--resume: no complete checkpoint that verifies under %s, starting a fresh run",
+            run_path(cfg),
         )
+    elif found:
+        log.info("--resume: from %s", found[0])
     run_dir = open_run_dir(cfg, resume=found is not None)
     state = found[1] if found else {"step": 0, "prompt_cursor": 0, "reference_path": warm}
     ckpt = found[0] if found else None

@@ -50,7 +50,7 @@ from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
-from hybridrl.learner.state import load_trainable, save_trainable
+from hybridrl.learner.state import check_finite, load_trainable, save_trainable
 from hybridrl.learner.update import first_epoch_map, is_single_pass, run_updates
 from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
@@ -373,7 +373,10 @@ class Learner(Worker):
     def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the
         sharded model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of
-        ``learner/lora.py``); the critic the same way under ``critic_path`` when there is one."""
+        ``learner/lora.py``); the critic the same way under ``critic_path`` when there is one.
+        Raises ``NonFiniteWeightsError`` before writing anything when a weight is NaN or inf."""
+        critic = self.critic.model if self.critic is not None else None
+        check_finite({"policy": self.model, "critic": critic})
         if self.lora is not None:
             lora_lib.save_lora_checkpoint(
                 path,

@@ -132,3 +132,40 @@ def load_trainable(path: str | Path, model, optimizer, generator: torch.Generato
     _load_hf_weights(path, model)
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["shuffle_rng"])
+
+
+class NonFiniteWeightsError(ValueError):
+    """A role's parameters hold NaN or inf: such weights are never written to a checkpoint."""
+
+
+def nonfinite_parameters(model) -> list[str]:
+    """Names of ``model``'s parameters (this rank's shards under FSDP) holding a NaN or inf: one
+    ``isfinite().all()`` reduction per tensor, and one device-to-host copy per device."""
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this rank's shard
+            if t.numel():
+                flags.setdefault(t.device, []).append((name, torch.isfinite(t).all()))
+    bad = []
+    for items in flags.values():
+        finite = torch.stack([f for _, f in items]).cpu().tolist()
+        bad += [name for (name, _), ok in zip(items, finite) if not ok]
+    return bad
+
+
+def check_finite(models: dict) -> None:
+    """Raise :class:`NonFiniteWeightsError` when a parameter of any of ``models`` (``{role:
+    model}``; None skipped) is not finite on any rank. A collective when the role is sharded: every
+    rank checks its shards and the ranks agree through one small all-reduce."""
+    models = {role: m for role, m in models.items() if m is not None}
+    bad = {role: nonfinite_parameters(m) for role, m in models.items()}
+    counts = distributed.all_reduce([float(len(b)) for b in bad.values()]).tolist()
+    if not any(counts):
+        return
+    parts = []
+    for (role, names), n in zip(bad.items(), counts):
+        if n:
+            example = f", e.g. {names[0]!r}" if names else ""
+            parts.append(f"{role}: {int(n)} parameter tensor(s) with NaN/inf{example}")
+    raise NonFiniteWeightsError("non-finite weights (" + "; ".join(parts) + ")")
