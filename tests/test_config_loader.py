@@ -85,6 +85,11 @@ class OldTyping:  # typing-module spellings
     maybe: float | None = None
 
 
+@dataclass
+class Seeded:
+    seed: int = field(default=0, metadata={"ge": 0, "le": 2**63 - 1})
+
+
 def err(fn, *args, **kwargs) -> str:
     """The message of the ConfigError that fn(*args) raises; it must be one line."""
     with pytest.raises(ConfigError) as info:
@@ -163,6 +168,15 @@ def test_ints_must_fit_64_bits():
         "9223372036854775807], got 1180591620717411303424"
     )
     assert "'counts[0]' must be a 64-bit integer" in err(from_dict, OldTyping, {"counts": [2**64]})
+    # an int field with its own range names that range, also for a value beyond 64 bits
+    assert err(from_dict, Seeded, {"seed": 2**70}) == (
+        f"config key 'seed' must be >= 0 and <= {top}, got 1180591620717411303424"
+    )
+    assert (
+        err(from_dict, Seeded, {"seed": -1})
+        == f"config key 'seed' must be >= 0 and <= {top}, got -1"
+    )
+    assert from_dict(Seeded, {"seed": top}).seed == top
 
 
 def test_dataclass_instance_accepted_for_section():
@@ -271,8 +285,8 @@ def test_container_errors_name_the_item():
 @pytest.mark.parametrize(
     "data, expected",
     [
-        ({"clip_ratio": -0.2}, "config key 'trainer.clip_ratio' must be > 0, got -0.2"),
-        ({"clip_ratio": 1}, "config key 'trainer.clip_ratio' must be < 1, got 1.0"),
+        ({"clip_ratio": -0.2}, "config key 'trainer.clip_ratio' must be > 0 and < 1, got -0.2"),
+        ({"clip_ratio": 1}, "config key 'trainer.clip_ratio' must be > 0 and < 1, got 1.0"),
         ({"total_steps": 0}, "config key 'trainer.total_steps' must be >= 1, got 0"),
         (
             {"device": "tpu"},
@@ -281,7 +295,7 @@ def test_container_errors_name_the_item():
         ({"optim": {"lr": 0}}, "config key 'trainer.optim.lr' must be > 0, got 0.0"),
         (
             {"optim": {"betas": [0.5, 1.0]}},
-            "config key 'trainer.optim.betas[1]' must be < 1, got 1.0",
+            "config key 'trainer.optim.betas[1]' must be >= 0 and < 1, got 1.0",
         ),
     ],
 )

@@ -286,9 +286,11 @@ def _check_metadata(meta: Mapping, value: Any, path: str) -> None:
         raise ConfigError(
             f"{_key(path)} must be one of {', '.join(map(repr, choices))}, got {_got(value)}"
         )
-    for name, (holds, symbol) in _BOUNDS.items():
-        if name in meta and not holds(value, meta[name]):
-            raise ConfigError(f"{_key(path)} must be {symbol} {meta[name]}, got {_short(value)}")
+    if any(name in meta and not holds(value, meta[name]) for name, (holds, _) in _BOUNDS.items()):
+        allowed = " and ".join(
+            f"{sym} {meta[name]}" for name, (_, sym) in _BOUNDS.items() if name in meta
+        )
+        raise ConfigError(f"{_key(path)} must be {allowed}, got {_short(value)}")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -310,6 +312,8 @@ def from_dict(cls: type[T], data: Mapping, path: str = "") -> T:
     for name, f in fields.items():
         sub = _join(path, name)
         if name in data:
+            if hints[name] is int and type(data[name]) is int:  # the field's range before 64 bits
+                _check_metadata(f.metadata, data[name], sub)
             kwargs[name] = _convert(hints[name], data[name], sub)
             _check_metadata(f.metadata, kwargs[name], sub)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
