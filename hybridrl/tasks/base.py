@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import inspect
 import math
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -87,8 +88,11 @@ def compute_reward(
     A float (or int / numpy / 0-d tensor) result gives ``(float(r), {})``; a
     mapping must hold ``"score"`` and its other items become ``extras``.
     ``finished`` is forwarded only if ``fn`` accepts it (see module docstring).
-    Exceptions raised by ``fn`` propagate (the reward worker handles them);
-    a malformed result or a NaN score raises ``TypeError`` / ``ValueError``.
+    Exceptions raised by ``fn`` propagate (the rollout's scorer handles them);
+    a malformed result raises ``TypeError`` / ``ValueError``, and a score that
+    is not a finite float32 (NaN, +-inf, or a finite float beyond float32's
+    range such as ``1e300``, which a batch's float32 rewards would hold as inf)
+    raises :class:`NonFiniteReward`.
     """
     result = (
         fn(prompt, response, finished=finished) if _accepts_finished(fn) else fn(prompt, response)
@@ -109,11 +113,35 @@ def compute_reward(
             "a number"
         )
     score = float(raw)
-    if math.isnan(score):
-        raise ValueError(
-            f"reward function {_name(fn)} returned a NaN score for prompt {prompt.uid!r}"
+    if not finite_float32(score):
+        raise NonFiniteReward(
+            f"reward function {_name(fn)} returned score {score!r} for prompt {prompt.uid!r}: not "
+            "a finite float32 (NaN, inf, or beyond float32's range; rewards are stored as float32)",
+            score,
         )
     return score, extras
+
+
+class NonFiniteReward(ValueError):
+    """A reward function's score (``score``) is NaN, infinite, or too large for float32."""
+
+    def __init__(self, message: str, score: float):
+        super().__init__(message)
+        self.score = score
+
+    def __reduce__(self):
+        return type(self), (str(self), self.score)
+
+
+def finite_float32(x: float) -> bool:
+    """Whether ``x`` is finite and stays finite when rounded to float32."""
+    if not math.isfinite(x):
+        return False
+    try:
+        struct.pack("<f", x)  # raises when x rounds to float32 infinity
+    except OverflowError:
+        return False
+    return True
 
 
 def _name(fn: Callable) -> str:
