@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(Config, args.config, args.overrides)
         check_plugins(cfg)
+        if args.command == "sft" and not args.print_config:
+            # `sft` trains and writes even when sft.enabled is false or a cached one exists
+            try:
+                cfg.sft.check_checkpoint_writable(reuse=False)
+            except ValueError as e:
+                raise ConfigError(f"config 'sft': {e}") from None
     except ConfigError as e:
         print(f"hybridrl: error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -1,7 +1,9 @@
 """The command line: config errors are one line on stderr and exit code 2, before any work."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,12 +27,116 @@ def run(capsys, *argv):
         (["task.reward_fn=no.such.module:fn"], "cannot import module"),
         (["rollout.temperature=-0.5"], "rollout.temperature"),
         (["trainer.prompts_per_step=3", "actor.ppo_minibatch_size=5"], "multiple of"),
+        # numbers that are no real values, or too large for where they go
+        (["actor.lr=.inf"], "config key 'actor.lr' must be a finite number, got inf"),
+        (["rollout.temperature=.inf"], "'rollout.temperature' must be a finite number, got inf"),
+        (["algorithm.kl_coef=.nan"], "'algorithm.kl_coef' must be a finite number, got nan"),
+        (["controller.pools.global.cpus_per_worker=nan"], "must be a finite number, got nan"),
+        (["trainer.seed=1180591620717411303424"], "'trainer.seed' must be >= 0 and <= 92233"),
+        (["model.seed=-1"], "'model.seed' must be >= 0 and <= 9223372036854775807, got -1"),
+        (["rollout.max_new_tokens=1180591620717411303424"], "max_new_tokens' must be a 64-bit"),
+        (["rollout.kv_cache_bytes=1180591620717411303424"], "must be a 64-bit integer"),
+        (["trainer.prompts_per_step=100000000"], "hybridrl memory"),
+        # paths and names that would fail only after the run directory exists
+        (["rollout.draft_model_path=/nonexistent"], "'/nonexistent' does not exist"),
+        (["actor.lora_rank=4", "actor.lora_target_modules=[q_proj, qkv]"], "[1] = 'qkv'"),
+        (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear]"], "'all-linear' is not"),
+        (["sft.checkpoint=/etc/passwd/ckpt"], "'/etc/passwd' is not a directory"),
     ],
 )
 def test_bad_overrides_exit_2_with_one_line(capsys, argv, needle):
     code, _, err = run(capsys, "train", *argv)
     assert code == 2
     assert needle in err and err.count("\n") == 1, err
+
+
+def test_large_finite_values_are_numbers(capsys):
+    # no bound on how large a positive float may be: 1e30 is a (bad) learning rate, not an error
+    code, out, _ = run(capsys, "train", "actor.lr=1e30", "--print-config")
+    assert code == 0 and "lr: 1.0e+30" in out
+
+
+def test_draft_model_path_must_be_a_checkpoint(tmp_path, capsys):
+    code, _, err = run(capsys, "train", f"rollout.draft_model_path={tmp_path}")
+    assert code == 2 and "holds no config.json" in err and err.count("\n") == 1
+
+
+def test_lora_target_modules_known_names(capsys):
+    ok = "actor.lora_target_modules=[self_attn.q_proj, v_proj, down_proj]"
+    code, _, _ = run(capsys, "train", "actor.lora_rank=4", ok, "--print-config")
+    assert code == 0
+    # with LoRA off the list is not used, so it is not checked
+    code, _, _ = run(capsys, "train", "actor.lora_target_modules=[qkv]", "--print-config")
+    assert code == 0
+
+
+def test_dotted_override_into_the_default_placement_and_pools(capsys):
+    code, out, err = run(capsys, "train", "controller.placement.learner=global", "--print-config")
+    assert code == 0, err
+    assert "placement:\n    learner: global\n    rollout: global\n" in out
+    code, out, err = run(
+        capsys,
+        "train",
+        "controller.pools.gen.workers_per_node=2",
+        "controller.placement.rollout=gen",
+        "--print-config",
+    )
+    assert code == 0, err
+    assert "  global:\n" in out and "  gen:\n" in out and "workers_per_node: 2" in out
+    assert "learner: global\n    rollout: gen\n" in out
+
+
+def test_dotted_override_into_a_yaml_pool(capsys):
+    example = "examples/arith_grpo_fsdp_disaggregated.yaml"
+    code, out, err = run(
+        capsys, "train", example, "controller.pools.gen.workers_per_node=2", "--print-config"
+    )
+    assert code == 0, err
+    # the YAML's pools are kept (no default 'global' is added back) and gen's other fields too
+    assert "global:" not in out and "learner: train\n    rollout: gen\n" in out
+    gen = out[out.index("    gen:\n") :]
+    assert "workers_per_node: 2" in gen.split("placement:")[0]
+
+
+def test_unwritable_sft_checkpoint_parent(tmp_path, capsys):
+    if os.geteuid() == 0:  # root writes anywhere: a parent that is a regular file instead
+        (tmp_path / "file").write_text("")
+        target, needle = tmp_path / "file" / "ckpt", "is not a directory"
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        target, needle = ro / "sub" / "ckpt", "no write permission"
+    for cmd in (["train"], ["sft", "sft.enabled=false"]):
+        code, _, err = run(capsys, *cmd, f"sft.checkpoint={target}")
+        assert code == 2 and needle in err and err.count("\n") == 1, err
+    # not trained (warm start off) or cached (a config.json is only read): no check
+    code, _, err = run(
+        capsys, "train", f"sft.checkpoint={target}", "sft.enabled=false", "--print-config"
+    )
+    assert code == 0, err
+
+
+def test_cached_sft_checkpoint_is_only_read(tmp_path, capsys):
+    cached = tmp_path / "ckpt"
+    cached.mkdir()
+    (cached / "config.json").write_text("{}")
+    tmp_path.chmod(0o555)
+    try:
+        code, _, err = run(capsys, "train", f"sft.checkpoint={cached}", "--print-config")
+    finally:
+        tmp_path.chmod(0o755)
+    assert code == 0, err
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_load(capsys, example):
+    assert len(EXAMPLES) >= 5
+    code, out, err = run(capsys, "train", str(example), "--print-config")
+    assert code == 0 and err == "", err
 
 
 def test_yaml_syntax_error(tmp_path, capsys):

@@ -7,9 +7,20 @@ Everything is checked before any work starts (see ``config/loader.py``).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+SEED_MAX = 2**63 - 1  # seeds reach torch.manual_seed and torch.Generator (64-bit)
+# a step's prompts, samples and their tokens are held in host memory at once: a bound far above
+# any real batch, so that a typo (prompts_per_step=100000000) fails before memory fills up
+MAX_SAMPLES_PER_STEP = 2**20
+# the Linear modules of the decoder layers of the built-in (Qwen2) models and of the Qwen2, Qwen3
+# and Llama checkpoints the native rollout serves: the names actor.lora_target_modules may take
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 def _f(default, help: str, **checks):
@@ -20,6 +31,30 @@ def _f(default, help: str, **checks):
     return field(default=default, metadata={"help": help, **checks})
 
 
+def _check_checkpoint_dir(key: str, path: str) -> None:
+    """A ValueError unless ``path`` is a directory holding a transformers ``config.json``."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{key} {path!r} does not exist or is not a directory")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{key} {path!r} holds no config.json (not a transformers checkpoint)")
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """A ValueError unless directory ``path`` can be created (or replaced) and written: it is not
+    a file, and its nearest existing ancestor is a writable directory."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{key} {path!r} is a file, not a directory")
+    probe = p.parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{key} {path!r} cannot be created: {str(probe)!r} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{key} {path!r} cannot be written: no write permission in {str(probe)!r}")
+
+
 @dataclass
 class ModelConfig:
     name: Literal["tiny", "small"] = _f("tiny", "built-in Qwen2 size, used when path is null")
@@ -27,7 +62,7 @@ class ModelConfig:
         None,
         "local transformers checkpoint directory (model + tokenizer) instead of a built-in size",
     )
-    seed: int = _f(0, "seed of the random initialisation of a built-in model")
+    seed: int = _f(0, "seed of the random initialisation of a built-in model", ge=0, le=SEED_MAX)
 
     def validate(self) -> None:
         if self.path is not None:
@@ -187,6 +222,10 @@ class RolloutConfig:
         "(e.g. {dtype: bfloat16})",
     )
 
+    def validate(self) -> None:
+        if self.draft_model_path:
+            _check_checkpoint_dir("rollout.draft_model_path", self.draft_model_path)
+
 
 @dataclass
 class ActorConfig:
@@ -287,6 +326,8 @@ class AlgorithmConfig:
         0,
         "clip_cov: seed of the random choice among candidates "
         "(mixed with a hash of the micro-batch)",
+        ge=0,
+        le=SEED_MAX,
     )
     kl_cov_ratio: float = _f(
         2e-3,
@@ -433,6 +474,19 @@ class SFTConfig:
     )
     enabled: bool = _f(True, "run (or reuse) the warm start before RL")
 
+    def validate(self) -> None:
+        if self.enabled:
+            self.check_checkpoint_writable()
+
+    def check_checkpoint_writable(self, reuse: bool = True) -> None:
+        """A ValueError when the warm start would be trained but ``checkpoint`` cannot be written
+        (checked before the training, not after it). With ``reuse`` a cached one (it holds a
+        config.json) is only read, so it need not be writable."""
+        if not self.checkpoint:
+            return
+        if not (reuse and (Path(self.checkpoint) / "config.json").is_file()):
+            _check_writable_dir("sft.checkpoint", self.checkpoint)
+
 
 @dataclass
 class AsyncConfig:
@@ -460,7 +514,7 @@ class TrainerConfig:
     eval_every: int = _f(10, "held-out evaluation every N steps (0: only before and after)", ge=0)
     save_every: int = _f(20, "checkpoint every N steps (0: only at the end)", ge=0)
     keep_checkpoints: int = _f(2, "checkpoints kept on disk", ge=1)
-    seed: int = _f(0, "seed of the prompt stream, sampling and shuffling")
+    seed: int = _f(0, "seed of the prompt stream, sampling and shuffling", ge=0, le=SEED_MAX)
     tensorboard: bool = _f(True, "also write TensorBoard events")
     progress: bool = _f(True, "show a progress bar")
 
@@ -509,12 +563,46 @@ class Config:
         from hybridrl.algorithms import rollout_correction  # lazy: schema stays import-light
 
         rollout_correction.validate(self)
+        self._validate_lora()
         samples = self.trainer.prompts_per_step * self.trainer.samples_per_prompt
+        if samples > MAX_SAMPLES_PER_STEP:
+            raise ValueError(
+                f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} samples per "
+                f"step, above {MAX_SAMPLES_PER_STEP}: a step holds all its samples in memory at "
+                "once; lower trainer.prompts_per_step (`hybridrl memory` estimates the training "
+                "memory of a model and layout)"
+            )
         if samples % self.actor.ppo_minibatch_size:
             raise ValueError(
                 f"trainer.prompts_per_step * trainer.samples_per_prompt = {samples} must be a "
                 f"multiple of actor.ppo_minibatch_size = {self.actor.ppo_minibatch_size}"
             )
+
+    def _validate_lora(self) -> None:
+        """``actor.lora_target_modules`` against the decoder's Linear module names, when LoRA is on
+        and the model is one whose names are known (built-in, or a Qwen2/Qwen3/Llama checkpoint).
+        A name may carry its parent (``self_attn.q_proj``), as PEFT matches name suffixes."""
+        if self.actor.lora_rank <= 0:
+            return
+        if self.model.path is not None:
+            config = Path(self.model.path).expanduser() / "config.json"
+            try:
+                model_type = json.loads(config.read_text()).get("model_type")
+            except (OSError, ValueError, AttributeError):
+                return  # an unreadable config.json is reported when the model loads
+            if model_type not in LORA_MODEL_TYPES:
+                return
+        for i, name in enumerate(self.actor.lora_target_modules):
+            if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+                hint = (
+                    " (PEFT's 'all-linear' is not supported here: list the modules)"
+                    if name == "all-linear"
+                    else ""
+                )
+                raise ValueError(
+                    f"actor.lora_target_modules[{i}] = {name!r} names no Linear module of the "
+                    f"model{hint}; the modules: {', '.join(LORA_TARGETS)}"
+                )
 
     def _validate_estimator(self) -> None:
         """What the advantage estimator declares it needs (attributes, not names) against the rest
