@@ -71,6 +71,10 @@ class MetricsLogger:
     recomputed) are dropped from ``metrics.jsonl``; everything else is kept.
     TensorBoard events after the checkpoint are purged via ``purge_step``.
     Without ``resume_step`` an existing file is appended to.
+
+    The jsonl is opened for each line, so a ``metrics.jsonl`` deleted (or
+    moved away) during a run is recreated by the next ``log`` and holds the
+    later steps; TensorBoard is not affected.
     """
 
     def __init__(
