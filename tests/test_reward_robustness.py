@@ -124,7 +124,7 @@ def test_scorer_counts_nonfinite_scores_apart_from_errors(caplog):
     # scored again normally: the earlier failure's count goes
     samples[1].metadata["prompt"] = Prompt("p-1", "1+2=", "3", "arith")
     scorer(samples[1:2])
-    assert samples[1].reward == 1.0 and "reward_nonfinite" not in samples[1].reward_extras
+    assert samples[1].reward == 1.0 and samples[1].reward_extras["reward_nonfinite"] == 0.0
 
 
 def test_scorer_logs_a_bounded_number_of_failures(caplog):
@@ -231,7 +231,7 @@ def test_run_with_inf_and_overflowing_rewards_keeps_finite_weights(tmp_path, cap
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert summary["steps"] == 2 and [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
-        assert row["reward/errors"] > 0  # counted
+        assert row["reward/errors"] > 0 and row["reward/nonfinite"] == row["reward/errors"]
         for key in ("reward/mean", "actor/grad_norm", "actor/kl_ref", "advantage/abs_mean"):
             assert row[key] is not None and math.isfinite(row[key]), (key, row)
     messages = [r.getMessage() for r in caplog.records]

@@ -265,8 +265,10 @@ def test_rollout_scores_each_sample_with_its_own_response(tokenizer, prompts):
         assert s.reward == float(len(text)), (s.reward, text)
         assert s.reward_extras == {
             "reward_errors": 0.0,
+            "reward_nonfinite": 0.0,
+            "reward_timeouts": 0.0,
             "reward/finished": float(s.status == "finished"),
-        }  # numbers a reward function returns beside its score, and only those
+        }  # the failure counts, and the numbers a reward function returns beside its score
     assert len({s.reward for s in samples}) > 1
     batch = samples_to_batch(samples, tokenizer.pad_token_id)
     assert batch["rewards"].tolist() == [s.reward for s in samples]

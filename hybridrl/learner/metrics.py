@@ -13,10 +13,13 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     width = batch["responses"].shape[1]  # lengths count every response token, trained on or not
     rewards, lengths = batch["rewards"], batch["attention_mask"][:, -width:].sum(-1).float()
     extras = {k: batch[k].mean().item() for k in batch.tensors if k.startswith("reward/")}
+    nonfinite, timeouts = "reward_nonfinite" in batch, "reward_timeouts" in batch
     return extras | {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
         "reward/errors": batch["reward_errors"].sum().item(),
+        "reward/nonfinite": batch["reward_nonfinite"].sum().item() if nonfinite else 0.0,
+        "reward/timeouts": batch["reward_timeouts"].sum().item() if timeouts else 0.0,
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": sum(s == "truncated" for s in batch["status"]) / len(batch),

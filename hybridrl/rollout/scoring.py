@@ -15,8 +15,8 @@ A failed reward call does not stop the run: the sample scores 0, its
 - the call took longer than ``task.reward_timeout_s``; such a sample also has
   ``reward_extras["reward_timeouts"]`` = 1.
 
-Only failed samples carry those two keys (so they become batch columns only when every sample of a
-batch failed that way); ``reward_errors``, on every sample, is what the step's metrics sum.
+Every scored sample carries the three counts (0 or 1), so they become batch columns and the step's
+metrics sum them: ``reward/errors``, ``reward/nonfinite`` and ``reward/timeouts``.
 
 Timeouts: Python cannot stop a thread, so each reward call runs on a helper daemon thread
 (:class:`TimedCalls`) and the scorer waits for it at most ``task.reward_timeout_s``. A thread whose
@@ -48,6 +48,10 @@ from hybridrl.tasks.base import NonFiniteReward
 log = logging.getLogger(__name__)
 LOGGED_ERRORS = 5  # reward-call failures of each kind logged in full per scorer; later only counted
 MAX_HUNG_CALLS = 8  # timed-out reward calls still running when the scorer gives up on the run
+
+
+# what a scored sample's reward_extras count (every failure is also a reward error)
+FAILURE_COUNTS = {"reward_errors": 0.0, "reward_nonfinite": 0.0, "reward_timeouts": 0.0}
 
 
 class RewardTimeout(TimeoutError):
@@ -175,9 +179,7 @@ class Scorer:
             )
             prompt = s.metadata["prompt"]
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            s.reward_extras["reward_errors"] = 0.0
-            s.reward_extras.pop("reward_nonfinite", None)  # from an earlier scoring of s
-            s.reward_extras.pop("reward_timeouts", None)
+            s.reward_extras.update(FAILURE_COUNTS)  # all 0: a failure below sets its own to 1
             try:
                 s.reward, extras = self.calls(
                     compute_reward, self.fn, prompt, text, finished=finished
