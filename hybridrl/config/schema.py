@@ -502,6 +502,42 @@ class AsyncConfig:
 
 
 @dataclass
+class AlertsConfig:
+    """Training-health alerts on each logged step's metrics (``telemetry/alerts.py``): a warning,
+    a row in ``<run>/alerts.jsonl`` and the metric ``alert/<name>`` = 1; a rule that keeps firing
+    is logged once per streak. A threshold of 0 turns its rule off."""
+
+    enabled: bool = _f(True, "check the alert rules on every logged step")
+    max_nonfinite_in_a_row: int = _f(
+        3,
+        "the run stops after this many consecutive optimizer steps of one role skipped for a "
+        "non-finite loss or gradient norm (0: never stops; skips are still counted and alerted)",
+        ge=0,
+    )
+    entropy_floor: float = _f(0.01, "entropy_collapse: actor/entropy below this", ge=0)
+    reward_std_zero_steps: int = _f(
+        5, "reward_std_zero: reward/std == 0 (no learning signal) this many steps in a row", ge=0
+    )
+    reward_drop: float = _f(
+        0.5, "reward_drop: reward/mean more than this below its best so far", ge=0
+    )
+    kl_ref_max: float = _f(1.0, "kl_ref_blowup: actor/kl_ref above this", ge=0)
+    approx_kl_old_max: float = _f(0.5, "approx_kl_old_blowup: actor/approx_kl_old above this", ge=0)
+    grad_norm_spike: float = _f(
+        10.0,
+        "grad_norm_spike: actor/grad_norm above this many times the median of its last 50 "
+        "(positive) values, once 5 are known",
+        ge=0,
+    )
+    staleness_bound_steps: int = _f(
+        5,
+        "staleness_at_bound: async/staleness_max == asynchronous.max_staleness (> 0) this many "
+        "steps in a row",
+        ge=0,
+    )
+
+
+@dataclass
 class TrainerConfig:
     name: str = _f("arith_grpo", "run name: outputs go to <runs_dir>/<name>")
     mode: Literal["sync", "async"] = _f(
@@ -536,6 +572,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self):
         if self.algorithm.policy_loss == "auto":
