@@ -553,6 +553,14 @@ class TrainerConfig:
     seed: int = _f(0, "seed of the prompt stream, sampling and shuffling", ge=0, le=SEED_MAX)
     tensorboard: bool = _f(True, "also write TensorBoard events")
     progress: bool = _f(True, "show a progress bar")
+    step_timeout_s: float = _f(
+        1800.0,
+        "seconds one step of the driver loop may take (generation, the learning step and the "
+        "weight sync, plus the evaluation or checkpoint when due): past it every worker's Python "
+        "stacks go to <run>/hang/ and the run stops with an error naming the calls still waited "
+        "for",
+        gt=0,
+    )
 
     def validate(self) -> None:
         if self.total_steps and not self.name:
