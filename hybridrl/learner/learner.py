@@ -58,6 +58,7 @@ from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
+from hybridrl.telemetry.flops import learner_perf
 
 # a batch column: each row's index, so the update's forward can note its old log-probs
 ROW = "update_row"
@@ -207,8 +208,16 @@ class Learner(Worker):
         if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
             stale, lag = staleness_metrics(batch, version, self.cfg.asynchronous.max_staleness)
         timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
+        # MFU and tokens/s per model phase, per rank (telemetry/flops.py)
+        models = {
+            "reference": self.reference and self.reference.model,
+            "old_log_prob": self.model,
+            "values": self.critic and self.critic.model,
+            "update": self.model,
+        }
+        perf = learner_perf(timing, batch["attention_mask"], models, self.cfg.actor.ppo_epochs)
         return {
-            "metrics": metrics | correction | batch_metrics(batch) | stale | timing,
+            "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
             "uids": list(dict.fromkeys(s.uid for s in samples)),
             "staleness": lag,
             "busy_s": time.perf_counter() - t0 - waited,

@@ -12,6 +12,7 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stream import RolloutStream
+from hybridrl.telemetry.flops import rollout_perf
 
 
 class RolloutWorker(Worker):
@@ -74,10 +75,13 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.RANK_ZERO)
     def stats(self) -> dict:
-        if self.stream is None:
-            return self.backend.stats()
-        self.stream.check()
-        return self.backend.stats() | self.stream.stats()
+        """The backend's statistics since the last call (with the stream's, when streaming), and
+        ``perf/mfu_rollout`` where the backend reports token counts (``telemetry/flops.py``)."""
+        if self.stream is not None:
+            self.stream.check()
+        out = self.backend.stats()
+        out |= rollout_perf(out, self.backend)
+        return out if self.stream is None else out | self.stream.stats()
 
     def sleep(self) -> None:
         """Colocation: free the KV cache while the learner has the device."""
