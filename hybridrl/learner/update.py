@@ -17,10 +17,20 @@ equals the single-process update on the same batch (up to float rounding).
 Ranks with fewer micro-batches run dummy ones (no contribution) so that the
 collectives line up. Metrics are token-weighted means over the global
 mini-batch, identical on every rank.
+
+Non-finite updates: when a mini-batch's loss or its gradient norm (the clip's total norm, global
+over ranks under FSDP; a loss that is non-finite on any rank counts on all of them) is NaN or inf,
+the optimizer does not step: the gradients are dropped, ``<prefix>/skipped_updates`` counts it, and
+the mini-batch's metrics are left out of the averages (``<prefix>/updates`` counts the steps taken).
+Every rank decides alike. ``max_nonfinite_in_a_row`` consecutive skipped steps of one optimizer,
+counted across calls, raise :class:`NonFiniteUpdateError`, so that the run stops instead of
+training on.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -33,6 +43,26 @@ from hybridrl.parallel.fsdp import clip_grad_norm
 from hybridrl.protocol import Batch
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
+
+# the default of alerts.max_nonfinite_in_a_row (config/schema.py)
+MAX_NONFINITE_IN_A_ROW = 3
+# consecutive skipped optimizer steps, per optimizer, carried from one run_updates call to the next
+_skipped_in_a_row: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
+
+
+def _nonfinite_limit(loss_fn: LossFn, given: int | None) -> int:
+    """``given``, else ``alerts.max_nonfinite_in_a_row`` of the config of the object whose bound
+    method ``loss_fn`` is (the Learner's ``policy_loss``, the Critic's ``loss``), else the
+    default."""
+    if given is not None:
+        return given
+    cfg = getattr(getattr(loss_fn, "__self__", None), "cfg", None)
+    alerts = getattr(cfg, "alerts", None)
+    return getattr(alerts, "max_nonfinite_in_a_row", MAX_NONFINITE_IN_A_ROW)
 
 
 def minibatch_rows(
@@ -100,39 +130,70 @@ def run_updates(
     generator: torch.Generator,
     norm_len: float,
     prefix: str,
+    max_nonfinite_in_a_row: int | None = None,
 ) -> dict[str, float]:
     """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in
     mini-batches of ``section.ppo_minibatch_size``, micro-batches under
     ``section.micro_batch_tokens``, gradients clipped at ``section.grad_clip`` (``section``: the
-    role's config, ActorConfig or CriticConfig); metrics averaged over optimizer steps."""
+    role's config, ActorConfig or CriticConfig); metrics averaged over the optimizer steps taken.
+
+    A mini-batch with a non-finite loss or gradient norm is skipped (see the module docstring);
+    ``max_nonfinite_in_a_row`` (None: ``alerts.max_nonfinite_in_a_row`` of the config of the
+    object ``loss_fn`` is a method of, else 3; 0: never) consecutive skipped steps raise
+    :class:`NonFiniteUpdateError` naming the role (``prefix``)."""
     minibatch_size, epochs = section.ppo_minibatch_size, section.ppo_epochs
     micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
+    limit = _nonfinite_limit(loss_fn, max_nonfinite_in_a_row)
     model.train()
     device = model_device(model)
     sums: dict[str, float] = defaultdict(float)
-    grad_norm, steps = 0.0, 0
+    grad_norm, steps, skipped = 0.0, 0, 0
+    in_a_row = _skipped_in_a_row.get(optimizer, 0)
     for _ in range(epochs):
         for mini in local_minibatches(batch, generator, minibatch_size):
             optimizer.zero_grad(set_to_none=True)
             totals = global_totals(mini, norm_len)
             n_tokens = max(totals.n_tokens, 1.0)
             mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, pad_from=batch)
+            mini_sums: dict[str, float] = defaultdict(float)
+            loss_ok = torch.ones((), dtype=torch.bool, device=device)
             for i, mb in enumerate(mbs):
                 if device.type != "cpu":
                     mb = mb.to(device)
                 loss, metrics = loss_fn(mb, totals)
                 if i >= n_real:  # dummy: keeps the collectives in step, contributes nothing
                     loss = loss * 0.0
+                else:
+                    loss_ok &= torch.isfinite(loss.detach()).all()
                 loss.backward()
                 if i < n_real:
                     # token-weighted mean over the mini-batch
                     share = float(mb["response_mask"].sum()) / n_tokens
                     for k, v in metrics.items():
-                        sums[k] += v * share
+                        mini_sums[k] += v * share
                 else:
                     for k in metrics:
-                        sums[k] += 0.0
-            grad_norm += clip_grad_norm(model, grad_clip)
+                        mini_sums[k] += 0.0
+            norm = clip_grad_norm(model, grad_clip)  # global over ranks: the same on every rank
+            finite = bool(loss_ok.item()) and math.isfinite(norm)
+            if distributed.world_size() > 1:  # a loss that is non-finite on one rank skips on all
+                finite = distributed.all_reduce([0.0 if finite else 1.0], op="max").item() == 0
+            for k, v in mini_sums.items():  # the keys line up across ranks even when skipped
+                sums[k] += v if finite else 0.0
+            if not finite:
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                in_a_row += 1
+                _skipped_in_a_row[optimizer] = in_a_row
+                if limit and in_a_row >= limit:
+                    raise NonFiniteUpdateError(
+                        f"{prefix}: {in_a_row} optimizer steps in a row skipped for a non-finite "
+                        f"loss or gradient norm (alerts.max_nonfinite_in_a_row={limit}): stopping"
+                    )
+                continue
+            in_a_row = 0
+            _skipped_in_a_row[optimizer] = 0
+            grad_norm += norm
             optimizer.step()
             steps += 1
     # each rank summed its tokens' shares: the sum over ranks is the global mean
@@ -140,4 +201,8 @@ def run_updates(
         keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
         sums = dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
     out = {k: v / max(steps, 1) for k, v in sums.items()}
-    return out | {f"{prefix}/grad_norm": grad_norm / max(steps, 1), f"{prefix}/updates": steps}
+    return out | {
+        f"{prefix}/grad_norm": grad_norm / max(steps, 1),
+        f"{prefix}/updates": steps,
+        f"{prefix}/skipped_updates": skipped,
+    }

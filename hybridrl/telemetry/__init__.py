@@ -1,8 +1,9 @@
-"""Telemetry: per-phase wall-clock timing, metric sinks (jsonl + TensorBoard)
-and a PNG run report."""
+"""Telemetry: per-phase wall-clock timing, metric sinks (jsonl + TensorBoard),
+training-health alerts and a PNG run report."""
 
+from .alerts import Alerts, read_alerts
 from .report import write_report
 from .sinks import MetricsLogger, read_metrics
 from .timer import PhaseTimer
 
-__all__ = ["PhaseTimer", "MetricsLogger", "read_metrics", "write_report"]
+__all__ = ["Alerts", "PhaseTimer", "MetricsLogger", "read_alerts", "read_metrics", "write_report"]

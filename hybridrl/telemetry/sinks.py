@@ -4,6 +4,10 @@ and (optionally) TensorBoard scalars in ``run_dir/tb``.
 ``metrics.jsonl`` is the source of truth (the report is drawn from it). Each
 line is ``{"step": <int>, "<name>": <number or null>, ...}``; non-finite
 numbers are written as ``null`` so that every line is strict JSON.
+
+Given an ``alerts`` config, every logged step also goes through the alert rules
+(``telemetry/alerts.py``): ``alert/<name>`` = 1 joins the line of a step where a rule
+fires, and ``run_dir/alerts.jsonl`` gets a row per streak.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .alerts import Alerts
+
+if TYPE_CHECKING:
+    from hybridrl.config.schema import AlertsConfig
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -75,16 +84,30 @@ class MetricsLogger:
     The jsonl is opened for each line, so a ``metrics.jsonl`` deleted (or
     moved away) during a run is recreated by the next ``log`` and holds the
     later steps; TensorBoard is not affected.
+
+    ``alerts`` (the ``alerts`` config section; None or ``enabled: false``: none): check the alert
+    rules on every logged step (``max_staleness``: ``asynchronous.max_staleness``, for the
+    staleness rule). On resume the rules' state is rebuilt from the kept lines.
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        run_dir: str | os.PathLike,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        alerts: AlertsConfig | None = None,
+        max_staleness: int = 0,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
+        self.alerts = None
+        if alerts is not None and alerts.enabled:
+            self.alerts = Alerts(self.run_dir, alerts, max_staleness, resume_step)
+            if resume_step is not None and self.path.exists():
+                self.alerts.replay(_parse_lines(self.path))
         with open(self.path, "a", encoding="utf-8") as f:  # created here, appended to per line
             if f.tell() > 0 and not self._ends_with_newline():
                 f.write("\n")  # previous run died mid-line
@@ -119,8 +142,9 @@ class MetricsLogger:
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Append ``{"step": step, **metrics}`` as one line and write the
-        numeric values as TensorBoard scalars (strings only go to the jsonl)."""
+        """Append ``{"step": step, **metrics}`` as one line (with ``alert/<name>`` = 1 for each
+        alert firing) and write the numeric values as TensorBoard scalars (strings only go to the
+        jsonl)."""
         if not self._open:
             raise RuntimeError("MetricsLogger is closed")
         if "step" in metrics:
@@ -129,6 +153,11 @@ class MetricsLogger:
         record: dict[str, Any] = {"step": step}
         for key, value in metrics.items():
             record[str(key)] = _to_python(value)
+        if self.alerts is not None:
+            # the raw values (an infinite KL is a blow-up; the line says null)
+            fired = self.alerts.check(step, metrics)  # alert/<name>: 1 for each rule firing
+            record |= fired
+            metrics = {**metrics, **fired}
         self._append(json.dumps(record, allow_nan=False) + "\n")
         if self._tb is not None:
             for key, raw in metrics.items():
