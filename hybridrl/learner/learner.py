@@ -208,14 +208,8 @@ class Learner(Worker):
         if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
             stale, lag = staleness_metrics(batch, version, self.cfg.asynchronous.max_staleness)
         timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
-        # MFU and tokens/s per model phase, per rank (telemetry/flops.py)
-        models = {
-            "reference": self.reference and self.reference.model,
-            "old_log_prob": self.model,
-            "values": self.critic and self.critic.model,
-            "update": self.model,
-        }
-        perf = learner_perf(timing, batch["attention_mask"], models, self.cfg.actor.ppo_epochs)
+        # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
+        perf = learner_perf(self, timing, batch["attention_mask"])
         return {
             "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
             "uids": list(dict.fromkeys(s.uid for s in samples)),

@@ -202,25 +202,29 @@ def _device_of(model) -> torch.device:
 
 # --- metrics --------------------------------------------------------------------------------------
 def learner_perf(
-    timing: dict[str, float],
-    attention_mask: torch.Tensor,
-    models: dict[str, object],
-    epochs: int = 1,
-    world_size: int | None = None,
+    learner, timing: dict[str, float], attention_mask: torch.Tensor
 ) -> dict[str, float]:
-    """``perf/mfu_<phase>`` and ``perf/tokens_per_s_<phase>`` of the learner phases that ran this
-    step (``timing/<phase>`` present, its model in ``models``): the phase's forward FLOPs over the
-    real tokens of the batch (× 3 × ``epochs`` for the update), per rank, over the phase's seconds
-    and the rank's peak in the dtype the phase's model runs in. ``world_size``: the learner's
-    (default: this process's torch.distributed world size)."""
+    """``perf/mfu_<phase>`` and ``perf/tokens_per_s_<phase>`` of the learner's model phases that ran
+    this step (``timing/<phase>`` present): the phase's forward FLOPs over the real tokens of the
+    step's batch (× 3 × ``actor.ppo_epochs`` for the update), per rank, over the phase's seconds
+    and the rank's peak in the dtype the phase's model runs in. ``learner``: a
+    :class:`~hybridrl.learner.learner.Learner` (its policy ``model``, ``reference`` and ``critic``;
+    a phase whose model it lacks is skipped)."""
     from hybridrl.parallel import distributed
 
-    world_size = world_size or distributed.world_size()
+    reference, critic = getattr(learner, "reference", None), getattr(learner, "critic", None)
+    models = {
+        "reference": getattr(reference, "model", None),
+        "old_log_prob": getattr(learner, "model", None),
+        "values": getattr(critic, "model", None),
+        "update": getattr(learner, "model", None),
+    }
+    epochs, world_size = learner.cfg.actor.ppo_epochs, distributed.world_size()
     out: dict[str, float] = {}
     lengths = attention_mask.sum(-1).tolist()
     tokens = sum(lengths)
     for phase, train in LEARNER_PHASES.items():
-        seconds, model = timing.get(f"timing/{phase}"), models.get(phase)
+        seconds, model = timing.get(f"timing/{phase}"), models[phase]
         if not seconds or model is None or not tokens:
             continue
         passes = TRAIN_FACTOR * epochs if train else 1
