@@ -8,15 +8,28 @@ able to import the worker class in its worker processes: classes in an
 installed package (``hybridrl.*``, or a user package) are fine; for a class in
 a loose script or test module either start Ray with ``PYTHONPATH`` in
 ``runtime_env`` or call ``ray.cloudpickle.register_pickle_by_value(module)``.
+
+Stack dumps: every host registers :mod:`faulthandler` for ``SIGUSR1`` at startup, writing into an
+unlinked temporary file (nothing is left behind). :meth:`RayBackend.dump_stacks` (the driver's
+watchdog, on a step past ``trainer.step_timeout_s``) signals each rank's process and copies what it
+wrote into the run directory: from the driver for ranks on its own node, through a zero-CPU Ray task
+pinned to the node for the others. faulthandler writes from its C signal handler, so a rank stuck in
+a C call (a collective, a CUDA sync) still reports its Python stacks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import logging
 import os
 import re
+import shutil
+import signal
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from hybridrl.controller.dispatch import RankCall
@@ -39,6 +52,11 @@ DEATH_GRACE_S = 10.0
 # driver's environment): the torch.distributed timeout read by parallel/distributed.py
 FORWARDED_ENV = ("HYBRIDRL_PG_TIMEOUT_S",)
 _PLAIN = (int, float, bool, str, bytes, type(None))
+# signal that makes a rank's process write its Python stacks (faulthandler)
+STACKS_SIGNAL = signal.SIGUSR1
+# seconds to wait for the stacks of the signalled processes (of one node) / for a remote node's task
+STACKS_WAIT_S = 3.0
+STACKS_REMOTE_TIMEOUT_S = 20.0
 
 
 def init_ray(
@@ -71,9 +89,12 @@ class _WorkerHost:
 
         torch.set_num_threads(num_threads)
         self.worker = None
+        # SIGUSR1 -> every thread's Python stack appended here (read via /proc/<pid>/fd/<fd>)
+        self.stacks = tempfile.TemporaryFile("w+")  # noqa: SIM115 - open for the process life
+        faulthandler.register(STACKS_SIGNAL, file=self.stacks, all_threads=True)
 
-    def locate(self) -> tuple[str, str, int, int]:
-        """``(node id, node ip, a free port on that node, pid)``."""
+    def locate(self) -> tuple[str, str, int, int, int]:
+        """``(node id, node ip, a free port on that node, pid, stack dump fd)``."""
         import ray
 
         return (
@@ -81,6 +102,7 @@ class _WorkerHost:
             ray.util.get_node_ip_address(),
             find_free_port(),
             os.getpid(),
+            self.stacks.fileno(),
         )
 
     def build(
@@ -120,6 +142,7 @@ class RayBackend:
         self._ray = ray
         self.contexts = contexts
         self.where: list[tuple[str, str, int, int]] = []  # per rank, from locate()
+        self.stack_fds: list[int] = []  # per rank: the fd its stacks are written to
         self.dead: WorkerDiedError | None = None  # the first rank found dead: the group is broken
         threads = str(contexts[0].num_threads)
         forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
@@ -159,8 +182,9 @@ class RayBackend:
                 f"{ctx.pool!r} "
                 "(more groups on the pool than its max_colocate, or a cluster too small?)"
             ) from None
-        self.where = where
-        one_node = len({node for node, _, _, _ in where}) == 1
+        self.where = [tuple(w[:4]) for w in where]
+        self.stack_fds = [w[4] for w in where]
+        one_node = len({w[0] for w in where}) == 1
         addr, port = "127.0.0.1" if one_node else where[0][1], where[0][2]
         self.contexts = [
             dataclasses.replace(c, master_addr=addr, master_port=port) for c in self.contexts
@@ -267,6 +291,44 @@ class RayBackend:
             "\n".join(lines),
         )
 
+    def dump_stacks(self, directory) -> list[str]:
+        """Every rank's Python stacks into ``<directory>/<role>-rank<r>.txt`` (see the module
+        docstring); a rank whose stacks could not be had gets a file saying why. The paths."""
+        ray = self._ray
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        here = ray.get_runtime_context().get_node_id()
+        by_node: dict[str, list[int]] = {}
+        for rank, (node, _, _, _) in enumerate(self.where):
+            by_node.setdefault(node, []).append(rank)
+        texts: dict[int, str] = {}
+        remote = {}
+        for node, ranks in by_node.items():
+            procs = [(self.where[r][3], self.stack_fds[r]) for r in ranks]
+            if node == here:
+                texts |= dict(zip(ranks, read_stacks(procs)))
+                continue
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            task = ray.remote(read_stacks).options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            )
+            remote[node] = (ranks, task.remote(procs))
+        for node, (ranks, ref) in remote.items():
+            try:
+                found = ray.get(ref, timeout=STACKS_REMOTE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a lost node must not stop the other dumps
+                found = [f"(no stacks: the task on node {node[:12]} failed: {exc!r})"] * len(ranks)
+            texts |= dict(zip(ranks, found))
+        paths = []
+        for rank, ctx in enumerate(self.contexts):
+            node, ip, _, pid = self.where[rank]
+            path = directory / f"{ctx.role}-rank{rank}.txt"
+            head = f"# role {ctx.role} rank {rank}: pid {pid} on node {ip} ({node[:12]})\n"
+            path.write_text(head + texts.get(rank, "(no stacks)\n"))
+            paths.append(str(path))
+        return paths
+
     def _share(self, calls: list[RankCall]) -> list[RankCall]:
         if len(calls) < 2:
             return calls
@@ -299,6 +361,62 @@ class RayBackend:
                 first = first or exc
         if first is not None:
             raise first
+
+
+def read_stacks(procs: list[tuple[int, int]], wait_s: float = STACKS_WAIT_S) -> list[str]:
+    """Signal each ``(pid, fd)`` process of this node to write its stacks to its ``fd`` and return
+    what each wrote (waits up to ``wait_s`` in all). With ``py-spy`` on the PATH its dump (native
+    frames too) is appended. Runs on the driver, or in a Ray task on the processes' node."""
+    starts: list[int | str] = []
+    for pid, fd in procs:
+        try:
+            starts.append(os.stat(f"/proc/{pid}/fd/{fd}").st_size)
+            os.kill(pid, STACKS_SIGNAL)
+        except OSError as exc:
+            starts.append(f"(no stacks: pid {pid}: {exc})\n")
+    deadline, sizes = time.monotonic() + wait_s, {}
+    while time.monotonic() < deadline:  # until every file grew and stopped growing
+        now = {}
+        for (pid, fd), start in zip(procs, starts):
+            if isinstance(start, int):
+                try:
+                    now[pid] = os.stat(f"/proc/{pid}/fd/{fd}").st_size
+                except OSError:
+                    now[pid] = start
+        grown = all(now[p] > s for (p, _), s in zip(procs, starts) if isinstance(s, int))
+        if grown and now == sizes:
+            break
+        sizes = now
+        time.sleep(0.1)
+    texts = []
+    for (pid, fd), start in zip(procs, starts):
+        if not isinstance(start, int):
+            texts.append(start)
+            continue
+        try:
+            with open(f"/proc/{pid}/fd/{fd}") as f:
+                f.seek(start)
+                text = f.read() or f"(pid {pid} wrote no stacks within {wait_s:g} s)\n"
+        except OSError as exc:
+            text = f"(no stacks: pid {pid}: {exc})\n"
+        texts.append(text + _py_spy(pid))
+    return texts
+
+
+def _py_spy(pid: int) -> str:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return ""
+    try:
+        out = subprocess.run(
+            [exe, "dump", "--native", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return f"\n# py-spy dump --native --pid {pid}\n{out.stdout}{out.stderr}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"\n# py-spy dump failed: {exc}\n"
 
 
 def _cause(err: BaseException) -> BaseException:

@@ -11,12 +11,14 @@ of the group of the same name that dispatches per its mode::
 
 from __future__ import annotations
 
+import itertools
+import time
 from typing import Any
 
 from hybridrl.controller.dispatch import Dispatch, combine, plan, registered_methods
 from hybridrl.controller.local_backend import LocalBackend
 from hybridrl.controller.resource_pool import ResourcePool
-from hybridrl.controller.worker import Worker, WorkerContext
+from hybridrl.controller.worker import Worker, WorkerContext, WorkerError
 
 BACKENDS = ("local", "ray")
 
@@ -59,6 +61,11 @@ class WorkerGroup:
             raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
         self.cls, self.pool, self.role, self.backend_name = cls, pool, role, backend
         self._methods = registered_methods(cls)
+        # calls now waited for: key -> (method, calls, monotonic start); one dict update per call,
+        # read by the driver's watchdog (telemetry/watchdog.py)
+        self._in_flight: dict[int, tuple[str, list, float]] = {}
+        self._keys = itertools.count()
+        self._abandoned: str | None = None
         clash = sorted(n for n in self._methods if hasattr(WorkerGroup, n))
         if clash:
             raise ValueError(
@@ -127,8 +134,66 @@ class WorkerGroup:
 
     def run(self, name: str, calls: list) -> list:
         """Issue ``calls`` (``(rank, args, kwargs)`` each, as :func:`plan` makes them) of method
-        ``name`` and wait for them; the results in call order (the proxies and views use this)."""
-        return self._backend.gather(name, self._backend.submit(name, calls))
+        ``name`` and wait for them; the results in call order (the proxies and views use this).
+        While it waits, the call is listed by :meth:`in_flight`."""
+        if self._abandoned is not None:
+            raise WorkerError(self.role, calls[0][0] if calls else 0, name, self._abandoned)
+        key = next(self._keys)
+        self._in_flight[key] = (name, calls, time.monotonic())
+        try:
+            return self._backend.gather(name, self._backend.submit(name, calls))
+        finally:
+            del self._in_flight[key]
+
+    # --- hang detection ------------------------------------------------------
+    def in_flight(self) -> list[tuple[str, float]]:
+        """``(role.method, seconds running)`` of every call of this group the driver waits for now,
+        oldest first (any thread may ask). A colocated role's call reads ``learner.train_step``,
+        ``apply_all`` reads ``role.apply(fn)``."""
+        now = time.monotonic()
+        for _ in range(3):  # another thread may add or end a call while we copy
+            try:
+                calls = list(self._in_flight.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return []
+        calls.sort(key=lambda c: c[2])
+        return [(self._describe(name, c), now - since) for name, c, since in calls]
+
+    def _describe(self, name: str, calls: list) -> str:
+        args = calls[0][1] if calls else ()
+        if name == "call_role" and len(args) >= 2:  # ColocatedWorker (RoleView): role, method
+            return f"{args[0]}.{args[1]}"
+        if name == "apply_role" and len(args) >= 2:
+            return f"{args[0]}.apply({_fn_name(args[1])})"
+        if name == "apply" and args:
+            return f"{self.role}.apply({_fn_name(args[0])})"
+        return f"{self.role}.{name}"
+
+    def processes(self) -> list[dict]:
+        """Per rank of a ``ray`` group: ``rank``, ``pid``, ``node_ip``, ``node_id``. Empty for a
+        ``local`` group: its ranks live in the driver's own process."""
+        if self.backend_name == "local":
+            return []
+        return [
+            {"rank": r, "pid": pid, "node_ip": ip, "node_id": node}
+            for r, (node, ip, _, pid) in enumerate(self._backend.where)
+        ]
+
+    def dump_stacks(self, directory) -> list[str]:
+        """Have every rank's process write its Python stacks (all threads) to
+        ``<directory>/<role>-rank<r>.txt``, even while the rank is stuck in a call; the paths
+        written. ``local``: nothing (the ranks are the driver's process: dump that one)."""
+        if self.backend_name == "local":
+            return []
+        return self._backend.dump_stacks(directory)
+
+    def abandon(self, reason: str) -> None:
+        """Refuse every later call at once with ``reason`` (a ``WorkerError``): a rank still busy in
+        a hung call would queue it forever. :meth:`shutdown` still kills the ranks."""
+        self._abandoned = reason
 
     def execute_all(self, name: str, *args, **kwargs) -> list:
         """Call any method (registered or not) on every rank with the same
@@ -174,3 +239,7 @@ class WorkerGroup:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _fn_name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__

@@ -37,45 +37,49 @@ def train(cfg: Config, resume: bool = False) -> dict:
     last, desc = dict(state.get("last", state["before"])), f"{cfg.algorithm.advantage} async"
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
-    try:
-        roles.rollout.start_stream(buffer, s.params, t.seed)
-        tick = time.perf_counter()
-        for step in bar:
-            out = roles.learner.train_step(step, buffer)
-            with timer.phase("weight_sync"):
-                roles.sync_weights(step + 1)
-            done, elapsed = step + 1, time.perf_counter() - tick
-            metrics = out["metrics"] | roles.rollout.stats() | buffer.stats()
-            metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
-            metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
-            with open(s.run_dir / "trajectories.jsonl", "a") as trace:
-                trace.write(
-                    json.dumps({"step": done, "uids": out["uids"], "staleness": out["staleness"]})
-                    + "\n"
-                )
-            if s.due(t.eval_every, done):
-                with timer.phase("eval"):
-                    last = s.evaluate()
-                metrics |= last
-            s.logger.log(done, metrics | timer.pop())
-            stale = f"{metrics['async/staleness_mean']:.2f}"
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}",
-                acc=f"{last['eval/accuracy']:.3f}",
-                stale=stale,
-            )
-            if s.due(t.save_every, done):
-                kl = roles.learner.kl_reward_coef()
-                extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
-                save_checkpoint(s.run_dir, done, roles, state | extra, cfg)
-            # evaluation and checkpoints do not count as the learner's idleness
-            tick = time.perf_counter()
-    finally:  # stop generating first, so nothing writes into a closing buffer
+    with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
         try:
-            roles.rollout.stop_stream()
-        finally:
-            buffer.close()
-            buffer.kill()
-            s.logger.close()
-            roles.shutdown()
+            roles.rollout.start_stream(buffer, s.params, t.seed)
+            tick = time.perf_counter()
+            for step in s.watchdog.steps(bar):  # each within trainer.step_timeout_s
+                out = roles.learner.train_step(step, buffer)
+                with timer.phase("weight_sync"):
+                    roles.sync_weights(step + 1)
+                done, elapsed = step + 1, time.perf_counter() - tick
+                metrics = out["metrics"] | roles.rollout.stats() | buffer.stats()
+                metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
+                metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
+                with open(s.run_dir / "trajectories.jsonl", "a") as trace:
+                    trace.write(
+                        json.dumps(
+                            {"step": done, "uids": out["uids"], "staleness": out["staleness"]}
+                        )
+                        + "\n"
+                    )
+                if s.due(t.eval_every, done):
+                    with timer.phase("eval"):
+                        last = s.evaluate()
+                    metrics |= last
+                s.logger.log(done, metrics | timer.pop())
+                stale = f"{metrics['async/staleness_mean']:.2f}"
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}",
+                    acc=f"{last['eval/accuracy']:.3f}",
+                    stale=stale,
+                )
+                if s.due(t.save_every, done):
+                    kl = roles.learner.kl_reward_coef()
+                    extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
+                    save_checkpoint(s.run_dir, done, roles, state | extra, cfg)
+                # evaluation and checkpoints do not count as the learner's idleness
+                tick = time.perf_counter()
+        finally:  # stop generating first, so nothing writes into a closing buffer
+            s.watchdog.disarm()  # the shutdown is not part of the step
+            try:
+                roles.rollout.stop_stream()
+            finally:
+                buffer.close()
+                buffer.kill()
+                s.logger.close()
+                roles.shutdown()
     return s.close(last)

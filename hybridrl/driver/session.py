@@ -17,6 +17,7 @@ from hybridrl.driver.sft import ensure_warm_start
 from hybridrl.models.loading import load_tokenizer, make_task
 from hybridrl.rollout import SamplingParams
 from hybridrl.telemetry import MetricsLogger, PhaseTimer, write_report
+from hybridrl.telemetry.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class Session:
     resumed: bool
     warm: str | None
     t_start: float  # perf_counter() when the run began (before the warm start)
+    # stops a step past trainer.step_timeout_s (stacks to <run>/hang/); the drivers arm it per step
+    watchdog: Watchdog | None = None
 
     def due(self, every: int, done: int) -> bool:
         return bool(every and done % every == 0) or done == self.cfg.trainer.total_steps
@@ -123,6 +126,7 @@ def open_session(cfg: Config, resume: bool) -> Session:
             warm,
             t_start,
         )
+        s.watchdog = Watchdog(t.step_timeout_s, run_dir / "hang", roles.groups)
         if "before" not in state:
             with s.timer.phase("eval"):
                 state["before"] = evaluate()

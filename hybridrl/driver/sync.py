@@ -24,29 +24,36 @@ def train(cfg: Config, resume: bool = False) -> dict:
     last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
-    try:
-        for step in bar:
-            samples, cursor, metrics = collect(
-                roles.rollout, s.task, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
-            )
-            metrics |= roles.learner.train_step(step, samples)["metrics"]
-            with timer.phase("weight_sync"):
-                roles.sync_weights(step + 1)
-            metrics |= roles.rollout.stats()
-            done = step + 1
-            if s.due(t.eval_every, done):
-                with timer.phase("eval"):
-                    last = s.evaluate()
-                metrics |= last
-            s.logger.log(done, metrics | timer.pop())
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
-            )
-            if s.due(t.save_every, done):
-                kl = roles.learner.kl_reward_coef()
-                saved = {"step": done, "last": last, "prompt_cursor": cursor, "kl_reward_coef": kl}
-                save_checkpoint(s.run_dir, done, roles, state | saved, cfg)
-    finally:  # a failed step still leaves the metrics flushed and the workers stopped
-        s.logger.close()
-        roles.shutdown()
+    with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
+        try:
+            for step in s.watchdog.steps(bar):  # each within trainer.step_timeout_s
+                samples, cursor, metrics = collect(
+                    roles.rollout, s.task, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
+                )
+                metrics |= roles.learner.train_step(step, samples)["metrics"]
+                with timer.phase("weight_sync"):
+                    roles.sync_weights(step + 1)
+                metrics |= roles.rollout.stats()
+                done = step + 1
+                if s.due(t.eval_every, done):
+                    with timer.phase("eval"):
+                        last = s.evaluate()
+                    metrics |= last
+                s.logger.log(done, metrics | timer.pop())
+                bar.set_postfix(
+                    reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
+                )
+                if s.due(t.save_every, done):
+                    kl = roles.learner.kl_reward_coef()
+                    saved = {
+                        "step": done,
+                        "last": last,
+                        "prompt_cursor": cursor,
+                        "kl_reward_coef": kl,
+                    }
+                    save_checkpoint(s.run_dir, done, roles, state | saved, cfg)
+        finally:  # a failed step still leaves the metrics flushed and the workers stopped
+            s.watchdog.disarm()  # the shutdown is not part of the step
+            s.logger.close()
+            roles.shutdown()
     return s.close(last)
