@@ -195,9 +195,11 @@ def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
 
 
 def _device_of(model) -> torch.device:
-    from hybridrl.learner.logprob import model_device
+    """Where a model computes: a sharded model's parameters may be CPU-offloaded."""
+    from hybridrl.parallel.distributed import compute_device
+    from hybridrl.parallel.fsdp import is_sharded
 
-    return model_device(model)
+    return compute_device() if is_sharded(model) else next(model.parameters()).device
 
 
 # --- metrics --------------------------------------------------------------------------------------
