@@ -47,7 +47,7 @@ def ray_cluster():
 def first_step(run_dir) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step1 = next(r for r in rows if r["step"] == 1)
-    return {k: v for k, v in step1.items() if not k.startswith(("timing/", "engine/"))}
+    return {k: v for k, v in step1.items() if not k.startswith(("timing/", "engine/", "perf/"))}
 
 
 def test_two_steps_local_then_resume(tmp_path):
