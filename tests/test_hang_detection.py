@@ -85,6 +85,29 @@ def test_in_flight_names_role_and_method(tmp_path):
     ]
 
 
+class PeekWorker(Worker):
+    watched: list = []  # the group whose in-flight calls the method reports
+
+    @register(Dispatch.ONE_TO_ALL)
+    def peek(self) -> list:
+        return self.watched[0].in_flight()
+
+
+def test_colocated_role_calls_are_named_by_role(tmp_path, monkeypatch):
+    from hybridrl.controller.colocated import ColocatedWorker, RoleView
+
+    parts = {"learner": (PeekWorker, ()), "rollout": (SleepyWorker, ())}
+    group = WorkerGroup(
+        ColocatedWorker, ResourcePool("p"), role="learner+rollout", backend="local", args=(parts,)
+    )
+    monkeypatch.setattr(PeekWorker, "watched", [group])
+    view = RoleView(group, "learner", PeekWorker)
+    [seen] = view.peek()
+    assert [what for what, _ in seen] == ["learner.peek"]
+    [seen] = view.apply_all(lambda w: group.in_flight())
+    assert seen[0][0].startswith("learner.apply(") and group.in_flight() == []
+
+
 def test_train_with_a_hung_learner_stops_with_the_role_named(tmp_path, monkeypatch):
     from test_train_e2e import make_cfg
 
