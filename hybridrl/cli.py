@@ -23,6 +23,7 @@ from pathlib import Path
 from hybridrl.config import Config, ConfigError, dump_yaml, load_config
 
 EXIT_CONFIG = 2
+EXIT_RUN_FAILED = 1  # a run stopped by a hung step or a checkpoint that could not be saved
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -218,9 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(evaluate_checkpoint(cfg), indent=1))
         return 0
     from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver.checkpoint import CheckpointError
+    from hybridrl.telemetry.watchdog import StepTimeoutError
 
     trainers = {"sync": sync.train, "async": asynchronous.train}  # trainer.mode
-    summary = trainers[cfg.trainer.mode](cfg, resume=args.resume)
+    try:
+        summary = trainers[cfg.trainer.mode](cfg, resume=args.resume)
+    except (StepTimeoutError, CheckpointError) as e:  # says what happened and where, in one line
+        print(f"hybridrl: error: {e}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     print(json.dumps(summary, indent=1))
     print(f"report: {Path(summary['run_dir']) / 'report.png'}")
     return 0

@@ -176,3 +176,22 @@ def test_config_reference_is_up_to_date():
         + proc.stdout
         + proc.stderr
     )
+
+
+@pytest.mark.parametrize("error", ["StepTimeoutError", "CheckpointError"])
+def test_a_run_stopped_for_a_known_reason_exits_1_with_one_line(monkeypatch, capsys, error):
+    from hybridrl.driver import checkpoint, sync
+    from hybridrl.telemetry import watchdog
+
+    cls = {
+        "StepTimeoutError": watchdog.StepTimeoutError,
+        "CheckpointError": checkpoint.CheckpointError,
+    }
+    message = f"step 3: {error} for the test"
+
+    def stopped(cfg, resume=False):
+        raise cls[error](message)
+
+    monkeypatch.setattr(sync, "train", stopped)
+    assert main(["train", "examples/arith_grpo.yaml"]) == 1
+    assert capsys.readouterr().err.strip() == f"hybridrl: error: {message}"

@@ -45,12 +45,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 )
                 if s.due(t.save_every, done):
                     kl = roles.learner.kl_reward_coef()
-                    saved = {
-                        "step": done,
-                        "last": last,
-                        "prompt_cursor": cursor,
-                        "kl_reward_coef": kl,
-                    }
+                    saved = dict(step=done, last=last, prompt_cursor=cursor, kl_reward_coef=kl)
                     save_checkpoint(s.run_dir, done, roles, state | saved, cfg)
         finally:  # a failed step still leaves the metrics flushed and the workers stopped
             s.watchdog.disarm()  # the shutdown is not part of the step
