@@ -1,6 +1,8 @@
 """Non-finite updates (skipped, counted, N in a row stop the run) and the training-health alerts
 (telemetry/alerts.py) through the MetricsLogger: each rule fires on a constructed series and stays
-quiet on a realistic one, the alerts.jsonl rows, once-per-streak logging, resume."""
+quiet on a realistic one, the alerts.jsonl rows, once-per-streak logging, resume.
+
+The 2-rank test runs this file as its ranks (`python tests/test_alerts.py rank ...`, gloo, CPU)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import logging
 import math
 import os
 import statistics
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch
+from rank_processes import launch_ranks, wait_ranks
 
 from hybridrl.config import Config
 from hybridrl.config.schema import AlertsConfig
@@ -183,6 +188,76 @@ def test_limit_comes_from_the_config_of_the_loss_owner():
     owner = Owner()
     owner.inner.nan_calls = {0, 1}
     assert update(model, opt, owner.loss)["actor/skipped_updates"] == 2
+
+
+WORLD = 2
+
+
+def rank_main(rank: int, port: int, workdir: str) -> None:
+    """A real FSDP2 learner on 2 ranks: the loss is NaN on rank 1 only (its first micro-batch):
+    both ranks skip that step; then NaN on rank 0 only, every step: both ranks stop alike."""
+    from hybridrl.controller import WorkerContext
+    from hybridrl.learner import Learner
+    from hybridrl.parallel.distributed import teardown_distributed
+
+    torch.set_num_threads(1)
+    cfg = Config()
+    cfg.actor.ppo_minibatch_size = 4
+    cfg.actor.micro_batch_tokens = 1  # one row per micro-batch: unequal counts, dummy micro-batches
+    cfg.alerts.max_nonfinite_in_a_row = 2
+    ctx = WorkerContext(
+        rank=rank, world_size=WORLD, role="learner", pool="p", master_port=port, num_threads=1
+    )
+    learner = Learner(ctx, cfg, None)
+    g = torch.Generator().manual_seed(0)  # the same batch on both ranks
+    n, vocab = 8, learner.model.config.vocab_size
+    ids = torch.randint(3, vocab, (n, 8), generator=g)
+    batch = Batch(
+        {
+            "prompts": ids[:, :4],
+            "responses": ids[:, 4:],
+            "input_ids": ids,
+            "attention_mask": torch.ones(n, 8, dtype=torch.long),
+            "response_mask": torch.ones(n, 4),
+            "advantages": torch.randn(n, 1, generator=g).expand(n, 4).contiguous(),
+        }
+    )
+    part = batch.chunk(WORLD)[rank]
+    part = part | learner.compute_log_prob(part)
+
+    class Poisoned:  # a bound loss: the learner's config (alerts.max_nonfinite_in_a_row) applies
+        def __init__(self, nan_rank: int, calls):
+            self.cfg, self.nan_rank, self.calls, self.n = cfg, nan_rank, calls, 0
+
+        def loss(self, mb, totals):
+            loss, metrics = learner.policy_loss(mb, totals)
+            if rank == self.nan_rank and self.n in self.calls:
+                loss = loss * float("nan")
+            self.n += 1
+            return loss, metrics
+
+    out = {"first": learner.update_policy(part, loss_fn=Poisoned(1, {0}).loss)}
+    try:
+        learner.update_policy(part, loss_fn=Poisoned(0, set(range(100))).loss)
+        out["error"] = None
+    except NonFiniteUpdateError as e:
+        out["error"] = str(e)
+    learner.close()
+    teardown_distributed()
+    torch.save(out, Path(workdir) / f"rank{rank}.pt")
+
+
+def test_two_ranks_skip_and_stop_alike(tmp_path):
+    logs = wait_ranks(launch_ranks(__file__, WORLD, tmp_path), timeout=300)
+    assert len(logs) == WORLD
+    first, second = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    for out in (first, second):
+        m = out["first"]
+        assert m["actor/skipped_updates"] == 1 and m["actor/updates"] == 1, m
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert out["error"] is not None
+        assert out["error"].startswith("actor: 2 optimizer steps in a row")
+    assert first["first"] == second["first"]
 
 
 # --- alerts ---------------------------------------------------------------------------------------
@@ -393,3 +468,12 @@ def test_alerts_object_directly(tmp_path):
     }
     (_, row) = read_alerts(tmp_path)
     assert "critic/skipped_updates = 1" in row["message"] and "actor" not in row["message"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "rank":
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+        # as in test_fsdp.py: leave without the interpreter's exit (FSDP2's reference cycles keep
+        # the gloo group's threads alive, which can abort it)
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
