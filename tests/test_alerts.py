@@ -23,7 +23,7 @@ from rank_processes import launch_ranks, wait_ranks
 
 from hybridrl.config import Config
 from hybridrl.config.schema import AlertsConfig
-from hybridrl.learner.update import NonFiniteUpdateError, run_updates
+from hybridrl.learner.update import NonFiniteUpdateError, SkipCounter, run_updates
 from hybridrl.protocol import Batch
 from hybridrl.telemetry import Alerts, MetricsLogger, read_alerts, read_metrics
 
@@ -70,7 +70,7 @@ def toy(seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-def update(model, opt, loss_fn, *, prefix="actor", limit=None, batch=None):
+def update(model, opt, loss_fn, *, prefix="actor", skips=None, batch=None):
     return run_updates(
         model,
         opt,
@@ -80,7 +80,7 @@ def update(model, opt, loss_fn, *, prefix="actor", limit=None, batch=None):
         generator=torch.Generator().manual_seed(1),
         norm_len=2,
         prefix=prefix,
-        max_nonfinite_in_a_row=limit,
+        skips=skips,
     )
 
 
@@ -131,7 +131,8 @@ def test_nonfinite_gradient_from_a_parameter_hook_is_skipped():
     model, opt = toy()
     before = weights(model)
     handle = model.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
-    m = update(model, opt, ToyLoss(model), limit=0)  # the loss is finite, the gradient is not
+    # the loss is finite, the gradient is not; a limit of 0 never stops
+    m = update(model, opt, ToyLoss(model), skips=SkipCounter(0, "actor"))
     handle.remove()
     assert m["actor/skipped_updates"] == 2 and m["actor/updates"] == 0
     assert all(torch.equal(a, b) for a, b in zip(before, weights(model)))
@@ -140,13 +141,14 @@ def test_nonfinite_gradient_from_a_parameter_hook_is_skipped():
 
 def test_nonfinite_in_a_row_raises_naming_the_role_across_calls():
     model, opt = toy()
+    skips = SkipCounter(3, "critic")  # the owner's counter, kept across updates
     # 2 mini-batches (optimizer steps) per call
-    update(model, opt, ToyLoss(model, nan_calls={1}), prefix="critic", limit=3)  # 1 in a row
-    update(model, opt, ToyLoss(model, nan_calls={0}), prefix="critic", limit=3)  # 2, then good
-    m = update(model, opt, ToyLoss(model, nan_calls={1}), prefix="critic", limit=3)  # 1 again
+    update(model, opt, ToyLoss(model, nan_calls={1}), prefix="critic", skips=skips)  # 1 in a row
+    update(model, opt, ToyLoss(model, nan_calls={0}), prefix="critic", skips=skips)  # 2, then good
+    m = update(model, opt, ToyLoss(model, nan_calls={1}), prefix="critic", skips=skips)  # 1 again
     assert m["critic/skipped_updates"] == 1 and m["critic/updates"] == 1
     with pytest.raises(NonFiniteUpdateError) as err:  # 2, 3 in a row
-        update(model, opt, ToyLoss(model, nan_calls={0, 1}), prefix="critic", limit=3)
+        update(model, opt, ToyLoss(model, nan_calls={0, 1}), prefix="critic", skips=skips)
     msg = str(err.value)
     assert msg.startswith("critic: 3 optimizer steps in a row") and "\n" not in msg
 
@@ -158,7 +160,7 @@ def test_nonfinite_in_a_row_within_one_call_and_the_config_default():
             model,
             opt,
             toy_batch(6),
-            ToyLoss(model, nan_calls={0, 1, 2}),  # default limit: alerts.max_nonfinite_in_a_row
+            ToyLoss(model, nan_calls={0, 1, 2}),  # no counter given: 3 in a row, the config default
             SECTION,
             generator=torch.Generator().manual_seed(1),
             norm_len=2,
@@ -167,27 +169,21 @@ def test_nonfinite_in_a_row_within_one_call_and_the_config_default():
     assert AlertsConfig().max_nonfinite_in_a_row == 3
 
 
-def test_limit_comes_from_the_config_of_the_loss_owner():
-    """The Learner's policy_loss and the Critic's loss are bound methods of an object with
-    ``cfg``: its ``alerts.max_nonfinite_in_a_row`` applies."""
-    model, opt = toy()
+def test_the_learner_and_its_critic_count_with_the_configured_limit():
+    """The policy's and the critic's counters take ``alerts.max_nonfinite_in_a_row``."""
+    from hybridrl.controller import WorkerContext
+    from hybridrl.learner import Learner
+
     cfg = Config()
     cfg.alerts.max_nonfinite_in_a_row = 1
-
-    class Owner:
-        def __init__(self):
-            self.cfg, self.inner = cfg, ToyLoss(model, nan_calls={0})
-
-        def loss(self, mb, totals):
-            return self.inner(mb, totals)
-
-    with pytest.raises(NonFiniteUpdateError, match="max_nonfinite_in_a_row=1"):
-        update(model, opt, Owner().loss)
-    cfg.alerts.max_nonfinite_in_a_row = 0  # never stops
+    cfg.algorithm.advantage = "gae"  # the learner builds a critic
+    ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
+    learner = Learner(ctx, cfg, None)
+    assert (learner.skips.limit, learner.skips.role) == (1, "actor")
+    assert (learner.critic.skips.limit, learner.critic.skips.role) == (1, "critic")
     model, opt = toy()
-    owner = Owner()
-    owner.inner.nan_calls = {0, 1}
-    assert update(model, opt, owner.loss)["actor/skipped_updates"] == 2
+    with pytest.raises(NonFiniteUpdateError, match="max_nonfinite_in_a_row=1"):
+        update(model, opt, ToyLoss(model, nan_calls={0}), skips=learner.skips)
 
 
 WORLD = 2
@@ -225,9 +221,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     part = batch.chunk(WORLD)[rank]
     part = part | learner.compute_log_prob(part)
 
-    class Poisoned:  # a bound loss: the learner's config (alerts.max_nonfinite_in_a_row) applies
+    class Poisoned:  # the learner's counter (alerts.max_nonfinite_in_a_row = 2) applies
         def __init__(self, nan_rank: int, calls):
-            self.cfg, self.nan_rank, self.calls, self.n = cfg, nan_rank, calls, 0
+            self.nan_rank, self.calls, self.n = nan_rank, calls, 0
 
         def loss(self, mb, totals):
             loss, metrics = learner.policy_loss(mb, totals)

@@ -17,7 +17,7 @@ from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
 from hybridrl.config import Config
 from hybridrl.learner.logprob import batch_map
 from hybridrl.learner.state import load_trainable, save_trainable
-from hybridrl.learner.update import run_updates
+from hybridrl.learner.update import SkipCounter, run_updates
 from hybridrl.models.factory import model_size_config
 from hybridrl.models.loading import load_tokenizer
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
@@ -79,6 +79,7 @@ class Critic:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.critic.lr)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 2)
+        self.skips = SkipCounter(cfg.alerts.max_nonfinite_in_a_row, "critic")
 
     def values(self, batch: Batch) -> Batch:
         tokens = self.cfg.critic.micro_batch_tokens
@@ -103,6 +104,7 @@ class Critic:
             generator=self.shuffle,
             norm_len=self.cfg.loss_norm_len,
             prefix="critic",
+            skips=self.skips,
         )
 
     def save(self, path: str) -> None:

@@ -51,7 +51,7 @@ from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_m
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import check_finite, load_trainable, save_trainable
-from hybridrl.learner.update import first_epoch_map, is_single_pass, run_updates
+from hybridrl.learner.update import SkipCounter, first_epoch_map, is_single_pass, run_updates
 from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
@@ -156,6 +156,7 @@ class Learner(Worker):
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
         # log-probs under the rollout's filtered distribution
         self.sampling = sampling_of(cfg.rollout)
+        self.skips = SkipCounter(cfg.alerts.max_nonfinite_in_a_row, "actor")
         self._taken: torch.Tensor | None = None  # old log-probs noted by the running / last update
         ref_path = reference_path or model_path
         self.reference = Reference(cfg, ref_path, self.dist) if needs_reference(cfg) else None
@@ -292,6 +293,7 @@ class Learner(Worker):
             generator=self.shuffle,
             norm_len=self.cfg.loss_norm_len,
             prefix="actor",
+            skips=self.skips,
         )
         return metrics | {"actor/old_log_prob_reused": float(reuse)}
 

@@ -22,15 +22,14 @@ Non-finite updates: when a mini-batch's loss or its gradient norm (the clip's to
 over ranks under FSDP; a loss that is non-finite on any rank counts on all of them) is NaN or inf,
 the optimizer does not step: the gradients are dropped, ``<prefix>/skipped_updates`` counts it, and
 the mini-batch's metrics are left out of the averages (``<prefix>/updates`` counts the steps taken).
-Every rank decides alike. ``max_nonfinite_in_a_row`` consecutive skipped steps of one optimizer,
-counted across calls, raise :class:`NonFiniteUpdateError`, so that the run stops instead of
-training on.
+Every rank decides alike. The caller's :class:`SkipCounter` (one per optimizer, kept across calls)
+raises :class:`NonFiniteUpdateError` after ``alerts.max_nonfinite_in_a_row`` consecutive skipped
+steps, so that the run stops instead of training on.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -44,25 +43,28 @@ from hybridrl.protocol import Batch
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
 
-# the default of alerts.max_nonfinite_in_a_row (config/schema.py)
-MAX_NONFINITE_IN_A_ROW = 3
-# consecutive skipped optimizer steps, per optimizer, carried from one run_updates call to the next
-_skipped_in_a_row: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 class NonFiniteUpdateError(RuntimeError):
     """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
 
 
-def _nonfinite_limit(loss_fn: LossFn, given: int | None) -> int:
-    """``given``, else ``alerts.max_nonfinite_in_a_row`` of the config of the object whose bound
-    method ``loss_fn`` is (the Learner's ``policy_loss``, the Critic's ``loss``), else the
-    default."""
-    if given is not None:
-        return given
-    cfg = getattr(getattr(loss_fn, "__self__", None), "cfg", None)
-    alerts = getattr(cfg, "alerts", None)
-    return getattr(alerts, "max_nonfinite_in_a_row", MAX_NONFINITE_IN_A_ROW)
+class SkipCounter:
+    """Consecutive skipped optimizer steps of one optimizer (its owner keeps it across updates);
+    :meth:`skipped` raises :class:`NonFiniteUpdateError` at ``limit`` in a row (0: never)."""
+
+    def __init__(self, limit: int, role: str):
+        self.limit, self.role, self.in_a_row = limit, role, 0
+
+    def skipped(self) -> None:
+        self.in_a_row += 1
+        if self.limit and self.in_a_row >= self.limit:
+            raise NonFiniteUpdateError(
+                f"{self.role}: {self.in_a_row} optimizer steps in a row skipped for a non-finite "
+                f"loss or gradient norm (alerts.max_nonfinite_in_a_row={self.limit}): stopping"
+            )
+
+    def stepped(self) -> None:
+        self.in_a_row = 0
 
 
 def minibatch_rows(
@@ -130,25 +132,23 @@ def run_updates(
     generator: torch.Generator,
     norm_len: float,
     prefix: str,
-    max_nonfinite_in_a_row: int | None = None,
+    skips: SkipCounter | None = None,
 ) -> dict[str, float]:
     """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in
     mini-batches of ``section.ppo_minibatch_size``, micro-batches under
     ``section.micro_batch_tokens``, gradients clipped at ``section.grad_clip`` (``section``: the
     role's config, ActorConfig or CriticConfig); metrics averaged over the optimizer steps taken.
 
-    A mini-batch with a non-finite loss or gradient norm is skipped (see the module docstring);
-    ``max_nonfinite_in_a_row`` (None: ``alerts.max_nonfinite_in_a_row`` of the config of the
-    object ``loss_fn`` is a method of, else 3; 0: never) consecutive skipped steps raise
-    :class:`NonFiniteUpdateError` naming the role (``prefix``)."""
+    A mini-batch with a non-finite loss or gradient norm is skipped (see the module docstring) and
+    counted by ``skips`` (the owner's counter; None: a fresh one that stops at 3 in a row), which
+    raises :class:`NonFiniteUpdateError` naming the role when too many come in a row."""
     minibatch_size, epochs = section.ppo_minibatch_size, section.ppo_epochs
     micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
-    limit = _nonfinite_limit(loss_fn, max_nonfinite_in_a_row)
+    skips = skips or SkipCounter(3, prefix)
     model.train()
     device = model_device(model)
     sums: dict[str, float] = defaultdict(float)
     grad_norm, steps, skipped = 0.0, 0, 0
-    in_a_row = _skipped_in_a_row.get(optimizer, 0)
     for _ in range(epochs):
         for mini in local_minibatches(batch, generator, minibatch_size):
             optimizer.zero_grad(set_to_none=True)
@@ -183,16 +183,9 @@ def run_updates(
             if not finite:
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
-                in_a_row += 1
-                _skipped_in_a_row[optimizer] = in_a_row
-                if limit and in_a_row >= limit:
-                    raise NonFiniteUpdateError(
-                        f"{prefix}: {in_a_row} optimizer steps in a row skipped for a non-finite "
-                        f"loss or gradient norm (alerts.max_nonfinite_in_a_row={limit}): stopping"
-                    )
+                skips.skipped()
                 continue
-            in_a_row = 0
-            _skipped_in_a_row[optimizer] = 0
+            skips.stepped()
             grad_norm += norm
             optimizer.step()
             steps += 1
