@@ -156,6 +156,48 @@ def test_tiny_pool_preempts_and_gives_the_same_tokens():
     assert [s.response_ids for s in small] == [s.response_ids for s in big]
 
 
+def test_a_request_the_pool_can_never_hold_fails_when_added():
+    m = model()
+    per_block = ModelRunner(m.config, block_size=4, hf_model=m).bytes_per_block()
+    eng = NativeRollout(m, Tok(), rcfg(kv_cache_bytes=8 * per_block))  # 8 blocks: 32 KV slots
+    assert eng.engine.num_blocks == 8
+    ps = prompts([5, 10, 9])
+    # 10 + 24 tokens: 33 KV slots (the last token is never written), 9 blocks
+    with pytest.raises(ValueError) as err:
+        eng.generate(reqs(ps), greedy(24))
+    msg = str(err.value)
+    assert "\n" not in msg
+    for part in (
+        "request 'u1'",
+        "10-token prompt",
+        "max_new_tokens 24",
+        "needs 9 blocks",
+        "8 blocks of 4 tokens",
+        "rollout.kv_cache_bytes",
+        "kv_cache_memory_fraction on CUDA",
+        "a shorter rollout.max_new_tokens",
+        "shorter prompts",
+    ):
+        assert part in msg
+    # raised before any step, and no prompt of the call was queued
+    assert eng.stats()["engine/steps"] == 0 and not eng.engine.has_unfinished()
+    with pytest.raises(ValueError, match="request 'x'.*needs 9 blocks"):
+        eng.engine.add_request("x", ps[1], greedy(24))
+    assert not eng.engine.has_unfinished()
+    # a group of 8 samples reserves the prompt's 3 blocks plus one per forked sample at admission
+    with pytest.raises(ValueError, match="group of 8 samples reserves 10"):
+        eng.engine.add_request("g", ps[1], SamplingParams(max_new_tokens=2, n=8))
+    # those that fit (the 9-token prompt fills the pool exactly) still generate, the same tokens as
+    # a large pool's, a group sharing its prompt by preemption
+    good = reqs([ps[0], ps[2]])
+    out = eng.generate(good, greedy(24))
+    big = NativeRollout(m, Tok(), rcfg()).generate(good, greedy(24))
+    assert [s.response_ids for s in out] == [s.response_ids for s in big]
+    assert all(len(s.response_ids) == 24 for s in out)
+    group = eng.generate(reqs([ps[0]]), SamplingParams(max_new_tokens=24, n=4, seed=1))
+    assert len(group) == 4 and all(s.response_ids for s in group)
+
+
 def test_n_samples_share_the_prompt_prefill():
     m = model()
     eng = NativeRollout(m, Tok(), rcfg())

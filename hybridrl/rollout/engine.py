@@ -120,6 +120,55 @@ class LLMEngine:
                 self.released = False
 
     # --- requests ---------------------------------------------------------------------
+    def check_fits(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Raise ``ValueError`` if the request can never run: its prompt leaves no room below the
+        model's positions, or the KV pool cannot hold one of its sequences grown to the token limit
+        (nor the prompt with one block per sample it forks at once, which admission reserves).
+        Returns the token limit (``max_new_tokens``, capped by the positions left)."""
+        limit = self.runner.spec.max_positions
+        max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
+        if max_tokens <= 0:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room "
+                f"below {limit} positions"
+            )
+        bs, total = self.bm.block_size, self.num_blocks
+        # the last token is sampled, never written to the KV; a speculative step reserves k more
+        # slots for each decoding sequence
+        lookahead = self.spec.max_k if self.spec is not None else 0
+        need = self.bm.blocks_for(len(prompt_ids) + max_tokens - 1 + lookahead)
+        forks = min(self.scheduler.max_num_seqs, max(1, params.n)) - 1
+        need_forks = self.bm.blocks_for(len(prompt_ids)) + forks
+        if need <= total and need_forks <= total:
+            return max_tokens
+        capped = (
+            f" (capped at {max_tokens} by the model's {limit} positions)"
+            if max_tokens < params.max_new_tokens
+            else ""
+        )
+        spec = f" plus {lookahead} speculative tokens" if lookahead else ""
+        group = forks > 0 and need_forks > total  # only a group has forks to reserve for
+        fixes = ["a larger rollout.kv_cache_bytes (or rollout.kv_cache_memory_fraction on CUDA)"]
+        if need > total:
+            fixes.append("a shorter rollout.max_new_tokens")
+        fixes.append("shorter prompts")
+        if group:
+            fixes.append("a smaller rollout.max_batch_size or trainer.samples_per_prompt")
+        raise ValueError(
+            f"request {request_id!r} cannot fit the KV pool: one sequence of its "
+            f"{len(prompt_ids)}-token prompt and max_new_tokens {params.max_new_tokens}{capped}"
+            f"{spec} needs {need} blocks"
+            + (
+                f", and admitting its group of {forks + 1} samples reserves {need_forks} (the "
+                "prompt's blocks plus one per forked sample)"
+                if group
+                else ""
+            )
+            + f", but the pool has {total} blocks of {bs} tokens; use "
+            + ", ".join(fixes[:-1])
+            + f" or {fixes[-1]}"
+        )
+
     def add_request(
         self,
         request_id: str,
@@ -134,13 +183,7 @@ class LLMEngine:
         stops = (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(
             params.stop_token_ids
         )
-        limit = self.runner.spec.max_positions
-        max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
-        if max_tokens <= 0:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room "
-                f"below {limit} positions"
-            )
+        max_tokens = self.check_fits(request_id, prompt_ids, params)
         # a group enters as one sequence that forks its samples after the prompt; a group larger
         # than the seats (rollout.max_batch_size) enters in parts of at most that many samples, each
         # part forking its own (the later parts find the prompt's full blocks in the prefix cache),

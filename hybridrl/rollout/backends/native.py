@@ -66,14 +66,13 @@ class NativeRollout(RolloutEngine):
         its uid (:func:`request_seed`), so its tokens do not depend on the other prompts of the
         call."""
         self.check_servable()
-        added = []
+        prompts = [p for p in prompts if p.uid not in self._aborted]
+        for p in prompts:  # one that can never fit fails the call before any prompt is queued
+            self.engine.check_fits(p.uid, p.prompt_ids, params)
         for p in prompts:
-            if p.uid in self._aborted:
-                continue
             seed = None if params.seed is None else request_seed(params.seed, p.uid)
             self.engine.add_request(p.uid, p.prompt_ids, params, seed=seed, tag=p)
-            added.append(p)
-        return added
+        return prompts
 
     def step(self) -> int:
         """One engine step (waits while paused); returns the number of tokens generated."""
