@@ -289,3 +289,17 @@ def test_driver_side_write_error_names_the_file(roles, tmp_path, monkeypatch):
     assert os.strerror(errno.EIO) in message and "config.yaml" in message
     assert "no earlier checkpoint exists" in message
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_rotation_after_a_resume_past_damaged_checkpoints_keeps_the_good_ones(tmp_path):
+    """Resumed from step 100 past damaged 190 and 200: saving 110 removes that discarded future
+    instead of rotating 100 and 110 out (which would leave only damaged checkpoints)."""
+    from hybridrl.driver.checkpoint import list_checkpoints, rotate, step_of
+
+    for step in (100, 190, 200, 110):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    rotate(tmp_path, 110, keep=2)
+    assert [step_of(c) for c in list_checkpoints(tmp_path)] == [100, 110]
+    (tmp_path / "checkpoints" / "step_000120").mkdir()
+    rotate(tmp_path, 120, keep=2)
+    assert [step_of(c) for c in list_checkpoints(tmp_path)] == [110, 120]

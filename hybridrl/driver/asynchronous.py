@@ -57,6 +57,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                         + "\n"
                     )
                 if s.due(t.eval_every, done):
+                    s.watchdog.arm(step)  # the evaluation gets a timeout budget of its own
                     with timer.phase("eval"):
                         last = s.evaluate()
                     metrics |= last
@@ -68,6 +69,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     stale=stale,
                 )
                 if s.due(t.save_every, done):
+                    s.watchdog.arm(step)  # so does the checkpoint
                     kl = roles.learner.kl_reward_coef()
                     extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
                     save_checkpoint(s.run_dir, done, roles, state | extra, cfg)

@@ -58,18 +58,28 @@ def save_checkpoint(run_dir: Path, step: int, roles, trainer_state: dict, cfg: C
         _write_synced(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}, indent=1))
         _write_synced(tmp / "config.yaml", dump_yaml(cfg))
         write_manifest(tmp, step)
-    except Exception as exc:
-        error = _save_error(exc, step, tmp, run_dir)
+    except BaseException as exc:  # interrupted too (a hung step stopped): no partial save stays
         shutil.rmtree(tmp, ignore_errors=True)
+        error = _save_error(exc, step, tmp, run_dir) if isinstance(exc, Exception) else None
         if error is None:
             raise
         raise error from exc
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in list_checkpoints(run_dir)[: -cfg.trainer.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
+    rotate(run_dir, step, cfg.trainer.keep_checkpoints)
     return final
+
+
+def rotate(run_dir: Path, step: int, keep: int) -> None:
+    """After saving ``step``: remove the checkpoints of later steps (a timeline a resume left
+    behind, e.g. damaged ones it skipped: they would otherwise sort after the new saves and rotate
+    the good ones out), then keep the newest ``keep`` of the rest (``step`` among them)."""
+    ckpts = list_checkpoints(run_dir)
+    for stale in [c for c in ckpts if step_of(c) > step]:
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in [c for c in ckpts if step_of(c) <= step][:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_manifest(ckpt: Path, step: int) -> dict:
@@ -188,7 +198,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
         for p in root.iterdir()
         if p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and p.is_dir()
     ]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(done, key=step_of)
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.name[len(PREFIX) :])
 
 
 def verify_checkpoint(ckpt: Path) -> tuple[str | None, dict | None, bool]:

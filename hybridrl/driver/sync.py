@@ -36,6 +36,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 metrics |= roles.rollout.stats()
                 done = step + 1
                 if s.due(t.eval_every, done):
+                    s.watchdog.arm(step)  # the evaluation gets a timeout budget of its own
                     with timer.phase("eval"):
                         last = s.evaluate()
                     metrics |= last
@@ -44,6 +45,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
                 )
                 if s.due(t.save_every, done):
+                    s.watchdog.arm(step)  # so does the checkpoint
                     kl = roles.learner.kl_reward_coef()
                     saved = dict(step=done, last=last, prompt_cursor=cursor, kl_reward_coef=kl)
                     save_checkpoint(s.run_dir, done, roles, state | saved, cfg)

@@ -193,9 +193,10 @@ def run_updates(
     if distributed.world_size() > 1:
         keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
         sums = dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
-    out = {k: v / max(steps, 1) for k, v in sums.items()}
+    # no step taken (all skipped): no value to report; NaN is logged as null ("no data")
+    out = {k: v / steps if steps else math.nan for k, v in sums.items()}
     return out | {
-        f"{prefix}/grad_norm": grad_norm / max(steps, 1),
+        f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
         f"{prefix}/updates": steps,
         f"{prefix}/skipped_updates": skipped,
     }

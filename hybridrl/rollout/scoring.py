@@ -124,7 +124,12 @@ class TimedCalls:
                 helper = _Helper(f"{self.name}-{self._created}")
         call = _Call(fn, args, kwargs)
         helper.calls.put(call)
-        if call.done.wait(self.timeout_s):
+        try:
+            finished = call.done.wait(self.timeout_s)
+        except BaseException:  # interrupted while waiting: the helper exits once its call returns
+            helper.calls.put(None)
+            raise
+        if finished:
             with self._lock:
                 self._idle.append(helper)
             if call.error is not None:

@@ -23,6 +23,7 @@ from hybridrl.rollout.sequence import derive_seed
 
 log = logging.getLogger(__name__)
 IDLE_SLEEP_S = 0.002
+STOP_TIMEOUT_S = 60.0  # how long stopping waits for the engine step in flight
 
 
 class RolloutStream:
@@ -50,9 +51,16 @@ class RolloutStream:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop generating; raises when the thread does not stop within ``timeout_s`` (an engine
+        step that hangs), so that the run's shutdown goes on instead of waiting forever."""
         self.stopping.set()
-        self.thread.join()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(
+                f"the rollout stream did not stop within {timeout_s:g} s: an engine step hangs "
+                "(the worker is shut down with the run)"
+            )
         self.check()
 
     def check(self) -> None:

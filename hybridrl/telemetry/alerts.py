@@ -316,5 +316,8 @@ class Alerts:
         """Feed earlier steps' metrics (e.g. the kept lines of ``metrics.jsonl`` on resume) through
         the rules without logging: their running state and streaks continue from there."""
         for rec in records:
-            fired = self._evaluate(rec)
-            self.firing |= set(fired)
+            fired = set(self._evaluate(rec))
+            # what the step logged as firing counts too (an infinite value was written as null)
+            logged = {k.removeprefix("alert/") for k, v in rec.items() if k.startswith("alert/")}
+            fired |= {name for name in logged if rec[f"alert/{name}"]}
+            self.firing |= fired

@@ -44,6 +44,7 @@ rank's tokens per second). The rollout's figures are its rank 0's own tokens and
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -54,12 +55,13 @@ TRAIN_FACTOR = 3  # forward + backward (input and weight gradients)
 # phases of the learning step and whether they train (the update) or only run forwards
 LEARNER_PHASES = {"reference": False, "old_log_prob": False, "values": False, "update": True}
 
-# dense (no sparsity) matmul peaks in TFLOP/s by a substring of torch.cuda.get_device_name():
-# (bf16 tensor cores, tf32 tensor cores, fp32 without tensor cores). First match wins, so the more
-# specific names come first.
+# dense (no sparsity) matmul peaks in TFLOP/s by a whole word (or words) of
+# torch.cuda.get_device_name(): (bf16 tensor cores, tf32 tensor cores, fp32 without tensor cores).
+# First match wins, so the more specific names come first; an unlisted GPU is measured.
 GPU_PEAKS_TFLOPS = (
     ("H200", (989.0, 494.0, 67.0)),
     ("H100 PCIe", (756.0, 378.0, 51.0)),
+    ("H100 NVL", (835.0, 418.0, 60.0)),
     ("H100", (989.0, 494.0, 67.0)),
     ("GH200", (989.0, 494.0, 67.0)),
     ("A100", (312.0, 156.0, 19.5)),
@@ -171,7 +173,7 @@ def measure_matmul_flops(
 def _gpu_table_peak(device: torch.device, dtype: torch.dtype) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, (bf16, tf32, fp32) in GPU_PEAKS_TFLOPS:
-        if key in name:
+        if re.search(rf"\b{re.escape(key)}\b", name):  # "L4" is not "L40"
             if dtype in (torch.bfloat16, torch.float16):
                 return bf16 * 1e12
             return (tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32) * 1e12
