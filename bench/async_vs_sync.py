@@ -71,7 +71,7 @@ def run(
         f"trainer.runs_dir={runs_dir}",
         f"trainer.name={name}",
         "trainer.progress=false",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[jsonl]",
         *extra,
     ]
     cfg = load_config(Config, str(EXAMPLES[task]), overrides)

@@ -133,7 +133,7 @@ def hybridrl_overrides(
         f"trainer.samples_per_prompt={G}",
         "trainer.eval_every=0",
         f"trainer.save_every={10 * steps}",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[jsonl]",
         "trainer.progress=false",
         f"trainer.runs_dir={runs_dir}",
         f"trainer.name={name}",

@@ -70,7 +70,7 @@ def main() -> None:
             "actor.ppo_minibatch_size=256",
             "task.eval_size=8",
             "trainer.progress=false",
-            "trainer.tensorboard=false",
+            "trainer.loggers=[jsonl]",
             f"trainer.runs_dir={runs}",
             *args.overrides,
         ],

@@ -221,7 +221,7 @@ def _train_command(
         f"trainer.name=prec_{name}",
         f"trainer.runs_dir={workdir}",
         "trainer.progress=false",
-        "trainer.tensorboard=false",
+        "trainer.loggers=[jsonl]",
         "trainer.save_every=0",
         "trainer.eval_every=0",
         *extra,

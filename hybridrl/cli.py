@@ -64,9 +64,14 @@ def check_plugins(cfg: Config) -> None:
     from hybridrl.rollout import ROLLOUT_BACKENDS
     from hybridrl.tasks import REWARDS, TASKS
 
+    rewards = [
+        (f"task.reward_fn[{i}]", REWARDS, fn)
+        for i, fn in enumerate(cfg.task.reward_fns())
+        if isinstance(fn, str)
+    ]
     for key, registry, name in [
         ("task.name", TASKS, cfg.task.name),
-        ("task.reward_fn", REWARDS, cfg.task.reward_fn),
+        *rewards,
         ("rollout.backend", ROLLOUT_BACKENDS, cfg.rollout.backend),
         ("algorithm.advantage", ADVANTAGES, cfg.algorithm.advantage),
         ("algorithm.policy_loss", POLICY_LOSSES, cfg.algorithm.policy_loss),

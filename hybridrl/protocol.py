@@ -59,10 +59,11 @@ class Sample:
 
 
 def prompt_sample(prompt, tokenizer) -> Sample:
-    """The prompt sample of a task's :class:`~hybridrl.tasks.Prompt` (the tokenizer adds ``<bos>``
-    where it has one)."""
+    """The prompt sample of a task's :class:`~hybridrl.tasks.Prompt`: its ``token_ids`` when the
+    source tokenized it, else its text encoded (the tokenizer adds ``<bos>`` where it has one)."""
+    ids = prompt.token_ids
     return Sample(
-        prompt_ids=tokenizer(prompt.text)["input_ids"],
+        prompt_ids=list(ids) if ids is not None else tokenizer(prompt.text)["input_ids"],
         uid=prompt.uid,
         task_id=prompt.task_id,
         metadata={"prompt": prompt},

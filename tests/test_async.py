@@ -207,7 +207,7 @@ RUN = [
     "actor.ppo_minibatch_size=4",
     "trainer.eval_every=0",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[jsonl]",
     "controller.num_threads=1",
     "trainer.mode=async",
 ]

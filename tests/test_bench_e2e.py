@@ -87,7 +87,12 @@ def test_both_configs_describe_the_same_step(tmp_path):
         and not cfg.sft.enabled
         and t.total_steps == trl["max_steps"] == 4
     )
-    assert t.eval_every == 0 and not t.tensorboard and not t.progress and trl["report_to"] == "none"
+    assert (
+        t.eval_every == 0
+        and t.loggers == ["jsonl"]
+        and not t.progress
+        and trl["report_to"] == "none"
+    )
     assert E2E.trl_config_kwargs(16, 1, "bf16", str(tmp_path))["bf16"]
 
 

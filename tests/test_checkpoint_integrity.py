@@ -40,7 +40,7 @@ TINY_RUN = [
     "trainer.keep_checkpoints=2",
     "rollout.max_new_tokens=8",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[jsonl]",
     "controller.num_threads=1",
 ]
 STATE = {"prompt_cursor": 0, "reference_path": None, "before": {"eval/accuracy": 0.0}}

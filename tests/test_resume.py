@@ -35,7 +35,7 @@ TINY = [
     "trainer.save_every=0",
     "rollout.max_new_tokens=8",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[jsonl]",
     "controller.num_threads=1",
     # exercise every piece of resumable state: adaptive KL coefficient (reward penalty),
     # dynamic sampling (prompt cursor)

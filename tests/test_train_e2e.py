@@ -19,7 +19,7 @@ TINY_RUN = [
     "trainer.eval_every=1",
     "trainer.save_every=1",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers=[jsonl]",
     "controller.num_threads=1",
 ]
 

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 SEED_MAX = 2**63 - 1  # seeds reach torch.manual_seed and torch.Generator (64-bit)
 # a step's prompts, samples and their tokens are held in host memory at once: a bound far above
@@ -77,8 +77,22 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = _f("arith", "registered task name or dotted path 'pkg.module:TaskClass'")
-    reward_fn: str = _f("exact_match", "registered reward function or dotted path 'pkg.module:fn'")
+    name: str = _f(
+        "arith",
+        "registered task name or dotted path 'pkg.module:TaskClass' (ignored when "
+        "data.train_files is set: the dataset is the task)",
+    )
+    reward_fn: Any = _f(
+        None,
+        "reward function(s): a registered name, a dotted path 'pkg.module:fn', a callable (Python "
+        "API), or a list of them; per-sample fn(prompt, response), TRL-style batched "
+        "fn(prompts, completions, completion_ids, **columns) and veRL-style compute_score("
+        "data_source, solution_str, ground_truth, extra_info) are told apart by their parameters "
+        "(null: the task's default, exact_match for a dataset)",
+    )
+    reward_weights: list[float] | None = _f(
+        None, "one weight per reward function; the reward is their weighted sum (null: all 1)"
+    )
     heldout_size: int = _f(1024, "prompts in the fixed held-out set", ge=1)
     eval_size: int | None = _f(None, "held-out prompts used per evaluation (null: all)", ge=1)
     reward_timeout_s: float = _f(
@@ -87,6 +101,78 @@ class TaskConfig:
         "and is counted (reward_timeouts); its thread is abandoned, and the run stops with an "
         "error once 8 abandoned calls are still running",
         gt=0,
+    )
+
+    def reward_fns(self) -> list:
+        """``reward_fn`` as a list (empty when null)."""
+        if self.reward_fn is None:
+            return []
+        return (
+            list(self.reward_fn) if isinstance(self.reward_fn, (list, tuple)) else [self.reward_fn]
+        )
+
+    def validate(self) -> None:
+        fns = self.reward_fns()
+        for i, fn in enumerate(fns):
+            if not (isinstance(fn, str) and fn) and not callable(fn):
+                raise ValueError(
+                    f"reward_fn[{i}] = {fn!r}: a reward function is a registered name, a dotted "
+                    "path 'pkg.module:fn' or a callable"
+                )
+        if self.reward_weights is not None and len(self.reward_weights) != len(fns):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} weight(s) for {len(fns)} reward "
+                "function(s): give one weight per function"
+            )
+
+
+@dataclass
+class DataConfig:
+    """A user's dataset as the prompt source (``hybridrl/data/``); null ``train_files``: the
+    built-in task."""
+
+    train_files: str | list[str] | None = _f(
+        None,
+        "training data: .jsonl, .json, .parquet or .csv files, or a directory saved by "
+        "datasets' save_to_disk (null: the built-in task)",
+    )
+    val_files: str | list[str] | None = _f(
+        None,
+        "held-out data in the same formats (null: task.heldout_size rows of the training data are "
+        "held out, at most a tenth of it)",
+    )
+    prompt_key: str = _f(
+        "prompt", "column holding the prompt: a string, or a list of chat messages {role, content}"
+    )
+    answer_key: str | None = _f(
+        "answer",
+        "column holding the reference answer (a dotted key reaches into a dict column, e.g. "
+        "reward_model.ground_truth); null: no answer",
+    )
+    apply_chat_template: bool | None = _f(
+        None,
+        "render prompts with the tokenizer's chat template and add_generation_prompt (null: "
+        "chat-message prompts are rendered, plain strings are used as they are; true: a plain "
+        "string becomes one user message too)",
+    )
+    system_prompt: str | None = _f(
+        None, "a system message put before each chat prompt that has none"
+    )
+    max_prompt_length: int | None = _f(
+        None, "prompts longer than this many tokens are dropped and counted (null: no limit)", ge=1
+    )
+    drop_long_prompts: bool = _f(
+        True, "false: a prompt over max_prompt_length is an error naming its row, not dropped"
+    )
+    shuffle: bool = _f(True, "a new seeded order (trainer.seed) of the training rows every epoch")
+    epochs: int | None = _f(
+        None,
+        "passes over the training data; sets trainer.total_steps to cover them (null: "
+        "trainer.total_steps decides)",
+        ge=1,
+    )
+    stop: list[str] = _f(
+        [], "stop strings ending a response, besides every eos id of the model's generation_config"
     )
 
 
@@ -472,10 +558,14 @@ class SFTConfig:
         "warm-start checkpoint directory "
         "(null: a cache path derived from the model/task/sft config)",
     )
-    enabled: bool = _f(True, "run (or reuse) the warm start before RL")
+    enabled: bool | None = _f(
+        None,
+        "run (or reuse) the warm start before RL (null: on for a built-in model and task, off "
+        "with model.path or data.train_files)",
+    )
 
     def validate(self) -> None:
-        if self.enabled:
+        if self.enabled is not False:
             self.check_checkpoint_writable()
 
     def check_checkpoint_writable(self, reuse: bool = True) -> None:
@@ -539,7 +629,11 @@ class AlertsConfig:
 
 @dataclass
 class TrainerConfig:
-    name: str = _f("arith_grpo", "run name: outputs go to <runs_dir>/<name>")
+    name: str | None = _f(
+        None,
+        "run name: outputs go to <runs_dir>/<name> (null: <task or dataset>_<advantage>, e.g. "
+        "arith_grpo)",
+    )
     mode: Literal["sync", "async"] = _f(
         "sync", "sync: generate then train, in turn; async: at once (see asynchronous.*)"
     )
@@ -551,7 +645,20 @@ class TrainerConfig:
     save_every: int = _f(20, "checkpoint every N steps (0: only at the end)", ge=0)
     keep_checkpoints: int = _f(2, "checkpoints kept on disk", ge=1)
     seed: int = _f(0, "seed of the prompt stream, sampling and shuffling", ge=0, le=SEED_MAX)
-    tensorboard: bool = _f(True, "also write TensorBoard events")
+    loggers: list[str] = _f(
+        ["jsonl", "tensorboard"],
+        "where metrics go: jsonl (metrics.jsonl, always written: reports and resume read it), "
+        "tensorboard, wandb (offline unless WANDB_API_KEY is set; pip install hybridrl[wandb])",
+        choices=("jsonl", "tensorboard", "wandb"),
+    )
+    wandb_project: str = _f("hybridrl", "wandb project name")
+    log_samples_every: int = _f(
+        10,
+        "every N steps a table of sample completions (prompt, completion, reward and its extras) "
+        "goes to samples.jsonl, TensorBoard text and wandb (0: never)",
+        ge=0,
+    )
+    log_samples: int = _f(4, "completions in each sample table", ge=1)
     progress: bool = _f(True, "show a progress bar")
     step_timeout_s: float = _f(
         1800.0,
@@ -563,14 +670,15 @@ class TrainerConfig:
     )
 
     def validate(self) -> None:
-        if self.total_steps and not self.name:
-            raise ValueError("name must not be empty")
+        if self.name == "":
+            raise ValueError("name must not be empty (null: derived from the task)")
 
 
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -583,10 +691,25 @@ class Config:
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self):
+        """Resolve the defaults that depend on other sections (so the saved config.yaml says what
+        ran)."""
+        if self.sft.enabled is None:  # the arithmetic warm start suits only the built-in setup
+            self.sft.enabled = self.model.path is None and self.data.train_files is None
+        if self.trainer.name is None:
+            self.trainer.name = f"{self.source_name}_{self.algorithm.advantage}"
         if self.algorithm.policy_loss == "auto":
             self.algorithm.policy_loss = (
                 "decoupled_ppo" if self.trainer.mode == "async" else "ppo_clip"
             )
+
+    @property
+    def source_name(self) -> str:
+        """The prompt source in a word: the first training file's stem, or the task's name."""
+        files = self.data.train_files
+        if files:
+            first = Path(files if isinstance(files, str) else files[0])
+            return (first.name if first.is_dir() else first.stem).split(".")[0] or "data"
+        return self.task.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1].lower()
 
     @property
     def loss_norm_len(self) -> int:

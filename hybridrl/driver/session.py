@@ -106,7 +106,7 @@ def open_session(cfg: Config, resume: bool) -> Session:
         )
         logger = MetricsLogger(
             run_dir,
-            t.tensorboard,
+            "tensorboard" in t.loggers,
             resume_step=state["step"] if found else None,
             alerts=cfg.alerts,
             max_staleness=cfg.asynchronous.max_staleness,

@@ -163,8 +163,11 @@ class TimedCalls:
 class Scorer:
     def __init__(self, cfg: Config, tokenizer):
         self.tokenizer = tokenizer
-        self.fn = REWARDS.get(cfg.task.reward_fn)
-        self.fn_name = cfg.task.reward_fn
+        from hybridrl.tasks import TASKS
+
+        name = (cfg.task.reward_fns() or [TASKS.get(cfg.task.name).default_reward])[0]
+        self.fn = REWARDS.get(name) if isinstance(name, str) else name
+        self.fn_name = name if isinstance(name, str) else getattr(name, "__qualname__", repr(name))
         self.timeout_s = cfg.task.reward_timeout_s
         self.calls = TimedCalls(self.timeout_s, f"reward function {self.fn_name}")
         self._logged: dict[str, int] = {}  # failures logged, by kind

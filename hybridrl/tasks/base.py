@@ -22,7 +22,7 @@ import inspect
 import math
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
@@ -33,9 +33,17 @@ from hybridrl.registry import Registry
 @dataclass(frozen=True)
 class Prompt:
     uid: str  # unique id of this prompt in its stream, e.g. "arith-000123"
-    text: str  # prompt text without <bos>, e.g. "12+345="
-    answer: str  # reference answer text, e.g. "357"
-    task_id: str  # task name, e.g. "arith"
+    text: str  # prompt text as the model sees it (rendered chat template included), no <bos>
+    answer: str  # reference answer text, e.g. "357" ("" when the data has none)
+    task_id: str  # task name, e.g. "arith", or a dataset row's data_source
+    # the prompt's token ids when the source tokenized it (a rendered chat template: tokenizing
+    # its text again could add a second <bos>); None: the tokenizer encodes ``text``
+    token_ids: tuple[int, ...] | None = None
+    # the prompt as the data holds it: a string, or a list of chat messages (what TRL-style reward
+    # functions receive as ``prompts``); None: ``text``
+    raw: Any = None
+    # a dataset row's other columns, passed to reward functions by name (empty for built-in tasks)
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Task(abc.ABC):
