@@ -83,6 +83,17 @@ def check_plugins(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r}: {e.args[0]}") from None
 
 
+def check_loggers(cfg: Config) -> None:
+    """A logger in ``trainer.loggers`` whose package is missing fails now, before any work."""
+    if "wandb" in cfg.trainer.loggers:
+        from hybridrl.telemetry.tracking import import_wandb
+
+        try:
+            import_wandb()
+        except ImportError as e:
+            raise ConfigError(f"config key 'trainer.loggers': {e}") from None
+
+
 def export(argv: list[str]) -> int:
     """``hybridrl export CHECKPOINT OUT_DIR``: a transformers-format directory (safetensors) from
     any checkpoint."""
@@ -195,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(Config, args.config, args.overrides)
         check_plugins(cfg)
+        check_loggers(cfg)
         if args.command == "sft" and not args.print_config:
             # `sft` trains and writes even when sft.enabled is false or a cached one exists
             try:
