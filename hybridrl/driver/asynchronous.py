@@ -62,6 +62,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                         last = s.evaluate()
                     metrics |= last
                 s.logger.log(done, metrics | timer.pop())
+                s.log_samples(done, roles.rollout.recent_samples)  # the rollout's latest groups
                 stale = f"{metrics['async/staleness_mean']:.2f}"
                 bar.set_postfix(
                     reward=f"{metrics['reward/mean']:.3f}",

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrl.config import Config
+from hybridrl.config import Config, to_dict
 from hybridrl.driver.checkpoint import latest_checkpoint
 from hybridrl.driver.evaluate import Evaluator
 from hybridrl.driver.placement import Roles, build_roles
@@ -17,6 +17,7 @@ from hybridrl.driver.sft import ensure_warm_start
 from hybridrl.models.loading import load_tokenizer, make_task
 from hybridrl.rollout import SamplingParams
 from hybridrl.telemetry import MetricsLogger, PhaseTimer, write_report
+from hybridrl.telemetry.samples import sample_rows
 from hybridrl.telemetry.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,15 @@ class Session:
 
     def due(self, every: int, done: int) -> bool:
         return bool(every and done % every == 0) or done == self.cfg.trainer.total_steps
+
+    def log_samples(self, done: int, samples) -> None:
+        """A table of sample completions when one is due (every ``trainer.log_samples_every`` steps
+        and at the last step; never when it is 0): of ``samples``, a list or a function that
+        returns one (called only then)."""
+        t = self.cfg.trainer
+        if t.log_samples_every and self.due(t.log_samples_every, done):
+            samples = samples() if callable(samples) else samples
+            self.logger.log_samples(done, sample_rows(samples, self.tokenizer, done, t.log_samples))
 
     def close(self, last: dict) -> dict:
         """Write ``summary.json`` and ``report.png``; returns the summary."""
@@ -110,6 +120,11 @@ def open_session(cfg: Config, resume: bool) -> Session:
             resume_step=state["step"] if found else None,
             alerts=cfg.alerts,
             max_staleness=cfg.asynchronous.max_staleness,
+            wandb=(
+                {"project": t.wandb_project, "name": t.name, "config": to_dict(cfg)}
+                if "wandb" in t.loggers
+                else None
+            ),
         )
         s = Session(
             cfg,

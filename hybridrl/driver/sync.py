@@ -41,6 +41,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                         last = s.evaluate()
                     metrics |= last
                 s.logger.log(done, metrics | timer.pop())
+                s.log_samples(done, samples)
                 bar.set_postfix(
                     reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
                 )

@@ -13,6 +13,7 @@ from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stream import RolloutStream
 from hybridrl.telemetry.flops import rollout_perf
+from hybridrl.telemetry.samples import RecentSamples
 
 
 class RolloutWorker(Worker):
@@ -23,6 +24,8 @@ class RolloutWorker(Worker):
         self.backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, self.tokenizer, cfg.rollout)
         self.scorer = Scorer(cfg, self.tokenizer)
         self.stream: RolloutStream | None = None
+        # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)
+        self.recent = RecentSamples(cfg.trainer.log_samples)
         # weight sync, by name, built on first use
         self.transports: dict[str, weight_sync.WeightTransport] = {}
 
@@ -60,7 +63,7 @@ class RolloutWorker(Worker):
             buffer,
             make_task(self.cfg),
             self.tokenizer,
-            self.scorer,
+            lambda group: self.recent.keep(self.scorer(group)),
             params,
             seed,
             self.cfg.asynchronous.max_concurrent_prompts,
@@ -72,6 +75,12 @@ class RolloutWorker(Worker):
         stream, self.stream = self.stream, None
         if stream is not None:
             stream.stop()
+
+    @register(Dispatch.RANK_ZERO)
+    def recent_samples(self) -> list[Sample]:
+        """Asynchronous training: the samples of this rank's latest ``trainer.log_samples``
+        scored groups (a sample table's rows are chosen from them)."""
+        return self.recent.take()
 
     @register(Dispatch.RANK_ZERO)
     def stats(self) -> dict:

@@ -1,5 +1,5 @@
-"""Telemetry: per-phase wall-clock timing, metric sinks (jsonl + TensorBoard),
-training-health alerts and a PNG run report."""
+"""Telemetry: per-phase wall-clock timing, metric sinks (jsonl, TensorBoard, wandb), tables of
+sample completions, training-health alerts and a PNG run report."""
 
 from .alerts import Alerts, read_alerts
 from .report import write_report

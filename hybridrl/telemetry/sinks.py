@@ -1,5 +1,7 @@
-"""Metric sinks: one JSON line per ``log`` call in ``run_dir/metrics.jsonl``
-and (optionally) TensorBoard scalars in ``run_dir/tb``.
+"""Metric sinks (``trainer.loggers``): one JSON line per ``log`` call in ``run_dir/metrics.jsonl``
+(always), TensorBoard scalars in ``run_dir/tb`` and a wandb run in ``run_dir/wandb``
+(``telemetry/tracking.py``), each optional. Tables of sample completions (``log_samples``,
+``telemetry/samples.py``) go to ``run_dir/samples.jsonl`` and the same optional sinks.
 
 ``metrics.jsonl`` is the source of truth (the report is drawn from it). Each
 line is ``{"step": <int>, "<name>": <number or null>, ...}``; non-finite
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import samples as tables
 from .alerts import Alerts
 
 if TYPE_CHECKING:
@@ -71,15 +74,30 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return _parse_lines(path) if path.exists() else []
 
 
+def _truncate_after(path: Path, resume_step: int) -> None:
+    """Drop the lines of ``path`` with ``step > resume_step``."""
+    kept = [
+        r
+        for r in _parse_lines(path)
+        if not (isinstance(r.get("step"), int) and r["step"] > resume_step)
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in kept:
+            f.write(json.dumps(rec, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
-    """Writes metrics to ``run_dir/metrics.jsonl`` and, if ``tensorboard``,
-    to a ``SummaryWriter`` in ``run_dir/tb``.
+    """Writes metrics to ``run_dir/metrics.jsonl``; if ``tensorboard``, to a ``SummaryWriter``
+    in ``run_dir/tb``; given ``wandb`` (``project``, ``name`` and ``config`` of
+    :class:`~hybridrl.telemetry.tracking.WandbSink`), to a wandb run.
 
     ``resume_step``: when resuming from a checkpoint taken at that step, lines
     with ``step > resume_step`` (written after the checkpoint, and about to be
-    recomputed) are dropped from ``metrics.jsonl``; everything else is kept.
-    TensorBoard events after the checkpoint are purged via ``purge_step``.
-    Without ``resume_step`` an existing file is appended to.
+    recomputed) are dropped from ``metrics.jsonl`` and ``samples.jsonl``; everything else is
+    kept. TensorBoard events after the checkpoint are purged via ``purge_step``; the wandb run is
+    continued (same id). Without ``resume_step`` existing files are appended to.
 
     The jsonl is opened for each line, so a ``metrics.jsonl`` deleted (or
     moved away) during a run is recreated by the next ``log`` and holds the
@@ -97,12 +115,16 @@ class MetricsLogger:
         resume_step: int | None = None,
         alerts: AlertsConfig | None = None,
         max_staleness: int = 0,
+        wandb: Mapping[str, Any] | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
+        self.samples_path = self.run_dir / tables.SAMPLES_FILE
+        if resume_step is not None:
+            for path in (self.path, self.samples_path):
+                if path.exists():
+                    _truncate_after(path, resume_step)
         self.alerts = None
         if alerts is not None and alerts.enabled:
             self.alerts = Alerts(self.run_dir, alerts, max_staleness, resume_step)
@@ -118,6 +140,11 @@ class MetricsLogger:
 
             purge = None if resume_step is None else resume_step + 1
             self._tb = SummaryWriter(log_dir=str(self.run_dir / TB_DIR), purge_step=purge)
+        self._wandb = None
+        if wandb is not None:
+            from .tracking import WandbSink  # lazy: optional dependency
+
+            self._wandb = WandbSink(self.run_dir, **wandb)
 
     def _append(self, text: str) -> None:
         """Append ``text`` to the jsonl (opened per write: every line is on disk once logged)."""
@@ -128,18 +155,6 @@ class MetricsLogger:
         with open(self.path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
-
-    def _truncate_after(self, resume_step: int) -> None:
-        kept = [
-            r
-            for r in _parse_lines(self.path)
-            if not (isinstance(r.get("step"), int) and r["step"] > resume_step)
-        ]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in kept:
-                f.write(json.dumps(rec, allow_nan=False) + "\n")
-        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Append ``{"step": step, **metrics}`` as one line (with ``alert/<name>`` = 1 for each
@@ -159,21 +174,47 @@ class MetricsLogger:
             record |= fired
             metrics = {**metrics, **fired}
         self._append(json.dumps(record, allow_nan=False) + "\n")
+        scalars = {}
+        for key, raw in metrics.items():
+            value = record[str(key)]
+            if value is None and raw is not None:  # non-finite: keep it visible in TB and wandb
+                value = float(raw.item() if hasattr(raw, "item") else raw)
+            if isinstance(value, (int, float)):  # bool is an int too
+                scalars[str(key)] = float(value)
         if self._tb is not None:
-            for key, raw in metrics.items():
-                value = record[str(key)]
-                if value is None and raw is not None:  # non-finite: keep it visible in TB
-                    value = float(raw.item() if hasattr(raw, "item") else raw)
-                if isinstance(value, (int, float)):  # bool is an int too
-                    self._tb.add_scalar(str(key), float(value), global_step=step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, global_step=step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """A table of sample completions (:func:`~hybridrl.telemetry.samples.sample_rows`): one
+        line per row in ``samples.jsonl``, a markdown table in TensorBoard's text tab, a
+        ``wandb.Table``."""
+        if not self._open:
+            raise RuntimeError("MetricsLogger is closed")
+        if not rows:
+            return
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r, allow_nan=False, ensure_ascii=False) + "\n" for r in rows)
+        if self._tb is not None:
+            self._tb.add_text(tables.TABLE_KEY, tables.markdown(rows), global_step=step)
+            self._tb.flush()
+        if self._wandb is not None:
+            cols = tables.columns(rows)
+            data = [[r.get(c) for c in cols] for r in rows]
+            self._wandb.table(step, tables.TABLE_KEY, cols, data)
 
     def close(self) -> None:
-        """Flush and close both sinks (idempotent)."""
+        """Flush and close the sinks (idempotent)."""
         self._open = False
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            wandb, self._wandb = self._wandb, None
+            wandb.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
