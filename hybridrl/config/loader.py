@@ -337,7 +337,20 @@ def to_dict(obj: Any) -> Any:
         return {k: to_dict(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
+    if callable(obj) and not isinstance(obj, type):  # a function given through the Python API
+        return callable_path(obj)
     return obj
+
+
+def callable_path(fn: Any) -> str:
+    """``'module:qualname'`` of a function a config can name (loadable again by its dotted path);
+    ``'<python: qualname>'`` for one that cannot be imported by name (a lambda, a closure, a
+    function of ``__main__`` or a notebook), which a config file cannot reproduce."""
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    if module and module != "__main__" and "<" not in name:
+        return f"{module}:{name}"
+    return f"<python: {name}>"
 
 
 def _schema_child(tp: Any, key: str) -> tuple[Any, Any]:

@@ -55,6 +55,15 @@ def _check_writable_dir(key: str, path: str) -> None:
         raise ValueError(f"{key} {path!r} cannot be written: no write permission in {str(probe)!r}")
 
 
+def _absolute_file_path(plugin):
+    """A plug-in named by file (``rewards.py:fn``) with the file's absolute path; anything else as
+    it is."""
+    if isinstance(plugin, str) and ".py:" in plugin:
+        file, _, attr = plugin.rpartition(":")
+        return f"{Path(file).expanduser().resolve()}:{attr}"
+    return plugin
+
+
 @dataclass
 class ModelConfig:
     name: Literal["tiny", "small"] = _f("tiny", "built-in Qwen2 size, used when path is null")
@@ -112,6 +121,10 @@ class TaskConfig:
         )
 
     def validate(self) -> None:
+        if self.reward_fn is not None:  # a file path is made absolute: workers may run elsewhere
+            fns = [_absolute_file_path(f) for f in self.reward_fns()]
+            self.reward_fn = fns if isinstance(self.reward_fn, (list, tuple)) else fns[0]
+        self.name = _absolute_file_path(self.name)
         fns = self.reward_fns()
         for i, fn in enumerate(fns):
             if not (isinstance(fn, str) and fn) and not callable(fn):
