@@ -94,6 +94,16 @@ def check_loggers(cfg: Config) -> None:
             raise ConfigError(f"config key 'trainer.loggers': {e}") from None
 
 
+def check_rollout_backend(cfg: Config) -> None:
+    """A rollout backend whose package is missing (vllm, sglang) fails now, before any worker
+    starts, naming the extra that installs it."""
+    from hybridrl.rollout.backends import missing_requirement
+
+    problem = missing_requirement(cfg.rollout.backend)
+    if problem:
+        raise ConfigError(f"config key 'rollout.backend': {problem}")
+
+
 def export(argv: list[str]) -> int:
     """``hybridrl export CHECKPOINT OUT_DIR``: a transformers-format directory (safetensors) from
     any checkpoint."""
@@ -206,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(Config, args.config, args.overrides)
         check_plugins(cfg)
+        check_rollout_backend(cfg)
         check_loggers(cfg)
         if args.command == "sft" and not args.print_config:
             # `sft` trains and writes even when sft.enabled is false or a cached one exists

@@ -94,15 +94,30 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.config.use_cache = False
 
 
-def mixed_precision_policy(cfg: FSDPConfig, device: torch.device):
-    """FSDP2's parameter / reduction dtypes. On a CPU always fp32: bf16 there is autocast over fp32
-    parameters (:func:`prepare_model`), so gathers, gradients and optimizer state stay fp32."""
+def mixed_precision_policy(bf16: bool):
+    """FSDP2's parameter / reduction dtypes: bf16 parameters with fp32 reduction when ``bf16`` (a
+    CUDA rank whose ``fsdp.mixed_precision`` resolves to bf16), else fp32. On a CPU always fp32:
+    bf16 there is autocast over fp32 parameters (:func:`prepare_model`), so gathers, gradients and
+    optimizer state stay fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    bf16 = device.type == "cuda" and cfg.mixed_precision in ("bf16", "auto")
     if not bf16:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def device_precision_of(model: nn.Module, cfg: FSDPConfig, device: torch.device):
+    """The compute precision ``fsdp.mixed_precision`` resolves to on ``device``: on CUDA bf16 where
+    the GPU has it natively (``auto``); on the CPU :func:`cpu_precision_of`; elsewhere fp32."""
+    from hybridrl.parallel import precision
+
+    if device.type == "cuda":
+        return precision.cuda_precision(
+            cfg.mixed_precision, key="fsdp.mixed_precision", device=device
+        )
+    if device.type == "cpu":
+        return cpu_precision_of(model, cfg)
+    return precision.Precision(torch.float32, f"fsdp.mixed_precision on {device.type}")
 
 
 def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
@@ -132,32 +147,31 @@ def prepare_model(
 ) -> nn.Module:
     """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder
     layer + root when the rank has a process group (world size > 1, or a launcher-made group of one:
-    e.g. one GPU with CPU offload); no group: the module moved to ``env.device``, unwrapped. On a
-    CPU the model is then marked for bf16 autocast when ``fsdp.mixed_precision`` resolves to bf16
-    (:func:`cpu_precision_of`); on CUDA FSDP2's policy applies (:func:`mixed_precision_policy`).
-    One log line says which precision runs and why."""
+    e.g. one GPU with CPU offload); no group: the module moved to ``env.device``, unwrapped.
+    ``fsdp.mixed_precision`` resolves per device (:func:`device_precision_of`); at bf16 a sharded
+    model on CUDA gets FSDP2's bf16 parameters with fp32 reduction (:func:`mixed_precision_policy`),
+    and an unsharded one (one GPU, or any CPU rank) is marked for bf16 autocast over its fp32
+    parameters (fp32 master weights, gradients and optimizer state). One log line says which
+    precision runs and why."""
     from hybridrl.parallel.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
-    # the reference follows the actor's verdict (the same forward + backward measurement, cached):
-    # at equal weights its log-probs equal the actor's, so the KL term starts at exactly 0
-    prec = cpu_precision_of(model, cfg) if env.device.type == "cpu" else None
-    model = _prepare(model, cfg, env, trainable)
-    if prec is None:
-        bf16 = cfg.mixed_precision in ("bf16", "auto") and is_sharded(model)
-        log.info(
-            "%s precision: %s (fsdp.mixed_precision=%s on %s)",
-            what,
-            "bf16 params + fp32 reduce" if bf16 else "fp32",
-            cfg.mixed_precision,
-            env.device.type,
-        )
+    # the reference follows the actor's verdict (the same rule, or on a CPU the same forward +
+    # backward measurement, cached): at equal weights its log-probs equal the actor's, so the KL
+    # term starts at exactly 0
+    prec = device_precision_of(model, cfg, env.device)
+    model = _prepare(model, cfg, env, trainable, prec.bf16)
+    if is_sharded(model) and env.device.type == "cuda":
+        params = "bf16 params + fp32 reduce" if prec.bf16 else "fp32"
+        log.info("%s precision: %s (FSDP2; %s)", what, params, prec.reason)
         return set_autocast(model, None)
     log.info(prec.describe(what))
-    return set_autocast(model, torch.bfloat16 if prec.bf16 else None)
+    return set_autocast(model, torch.bfloat16 if prec.bf16 else None, env.device.type)
 
 
-def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -> nn.Module:
+def _prepare(
+    model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool, bf16: bool
+) -> nn.Module:
     if trainable and cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
     if env.backend is None or (cfg.strategy == "none" and not env.distributed):
@@ -174,7 +188,7 @@ def _prepare(model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool) -
     offload = cfg.cpu_offload and env.device.type == "cuda"
     common = dict(
         mesh=mesh,
-        mp_policy=mixed_precision_policy(cfg, env.device),
+        mp_policy=mixed_precision_policy(bf16 and env.device.type == "cuda"),
         offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy(),
     )
     reshard = cfg.sharding == "full"

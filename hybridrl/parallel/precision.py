@@ -1,5 +1,11 @@
-"""Compute precision on the CPU: bf16 where this CPU runs bf16 matmuls natively and it pays for this
-model.
+"""Compute precision: on CUDA bf16 where the GPU has native bf16 (compute capability >= 8.0); on the
+CPU bf16 where this CPU runs bf16 matmuls natively and it pays for this model.
+
+On a GPU (:func:`cuda_precision`) ``auto`` is bf16 on Ampere and newer (A100, H100, H200, L4 ...)
+and fp32 on older GPUs, whose bf16 is emulated; no measurement is needed. Training there is
+autocast too (one GPU, ``fsdp.strategy=none``: ``torch.autocast("cuda", dtype=torch.bfloat16)`` over
+fp32 parameters, gradients and optimizer state) or FSDP2's bf16 parameters with fp32 reduction
+(world size > 1, ``parallel/fsdp.py``).
 
 A CPU with AMX (``amx_bf16``) runs a bf16 matmul several times faster than an fp32 one; one with
 only ``avx512_bf16`` a little faster; one with neither emulates bf16 and is slower (fp16 on a CPU is
@@ -13,13 +19,14 @@ the rollout engine), best of a few alternating runs, must be at least ``MIN_SPEE
 bf16. ``torch.backends.cpu.get_cpu_capability()`` is not enough: it reports ``AVX512`` on an AMX
 machine.
 
-Training in bf16 is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``): parameters,
-gradients and optimizer state stay fp32 (the master weights); matmuls run in bf16; the loss math
-casts the logits to fp32 first (``learner/logprob.py``). The rollout engine in bf16 holds bf16
-weights and KV and reports fp32 log-probs (``rollout/precision.py``).
+Training in bf16 on a CPU is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``):
+parameters, gradients and optimizer state stay fp32 (the master weights); matmuls run in bf16; the
+loss math casts the logits to fp32 first (``learner/logprob.py``). The rollout engine in bf16 holds
+bf16 weights and KV and reports fp32 log-probs (``rollout/precision.py``).
 
-``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to without measuring: for
-reproducible runs and for the test suite, whose exactness checks compare with fp32 references.
+``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to (CPU and CUDA) without
+measuring: for reproducible runs and for the test suite, whose exactness checks compare with fp32
+references.
 """
 
 from __future__ import annotations
@@ -254,13 +261,55 @@ def cpu_precision(setting: str, model: nn.Module, *, train: bool, key: str) -> P
     )
 
 
+def cuda_bf16_native(device: torch.device | str | None = None) -> bool:
+    """Whether the GPU runs bf16 matmuls natively (compute capability >= 8.0: Ampere and newer)."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def cuda_precision(
+    setting: str, *, key: str, device: torch.device | str | None = None, env: str | None = None
+) -> Precision:
+    """The CUDA compute precision for ``setting`` (``auto``, ``fp32``, ``bf16``): ``auto`` is bf16
+    where the GPU has native bf16 (:func:`cuda_bf16_native`), else fp32; ``env`` (the
+    ``HYBRIDRL_AUTO_PRECISION`` value, default: read from the environment) fixes what ``auto``
+    means, as on the CPU."""
+    if setting not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"{key} must be auto, fp32 or bf16, got {setting!r}")
+    if setting == "fp32":
+        return Precision(torch.float32, f"{key}=fp32 on cuda")
+    native = cuda_bf16_native(device)
+    name = torch.cuda.get_device_name(device)
+    if setting == "bf16":
+        note = "" if native else f"; {name} has no native bf16 (compute capability < 8.0): slow"
+        return Precision(torch.bfloat16, f"{key}=bf16 on cuda{note}")
+    if env is None:
+        env = os.environ.get(ENV_OVERRIDE) or None
+    if env:
+        if env not in ("fp32", "bf16"):
+            raise ValueError(f"{ENV_OVERRIDE} must be fp32 or bf16, got {env!r}")
+        return Precision(
+            torch.bfloat16 if env == "bf16" else torch.float32,
+            f"{key}=auto on cuda, {ENV_OVERRIDE}={env}",
+        )
+    if native:
+        return Precision(torch.bfloat16, f"{key}=auto on cuda: {name} has native bf16")
+    return Precision(
+        torch.float32, f"{key}=auto on cuda: {name} has no native bf16 (compute capability < 8.0)"
+    )
+
+
 # --- autocast -------------------------------------------------------------------------------------
 _ATTR = "_hybridrl_autocast_dtype"
+_DEVICE_ATTR = "_hybridrl_autocast_device"
 
 
-def set_autocast(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
-    """Mark ``model``'s forwards to run under CPU autocast to ``dtype`` (None: as they are)."""
+def set_autocast(
+    model: nn.Module, dtype: torch.dtype | None, device_type: str = "cpu"
+) -> nn.Module:
+    """Mark ``model``'s forwards to run under autocast to ``dtype`` on ``device_type`` (``cpu`` or
+    ``cuda``; None: as they are)."""
     object.__setattr__(model, _ATTR, dtype)
+    object.__setattr__(model, _DEVICE_ATTR, device_type)
     return model
 
 
@@ -268,8 +317,13 @@ def autocast_dtype(model: nn.Module) -> torch.dtype | None:
     return getattr(model, _ATTR, None)
 
 
+def autocast_device(model: nn.Module) -> str:
+    """The device type ``model``'s autocast mark is for (``cpu`` when unmarked)."""
+    return getattr(model, _DEVICE_ATTR, "cpu")
+
+
 def autocast(model: nn.Module):
-    """The context a forward of ``model`` runs in: CPU bf16 autocast when the model is marked for
-    it."""
+    """The context a forward of ``model`` runs in: bf16 autocast (CPU or CUDA) when the model is
+    marked for it."""
     dtype = autocast_dtype(model)
-    return nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+    return nullcontext() if dtype is None else torch.autocast(autocast_device(model), dtype=dtype)

@@ -43,11 +43,15 @@ class LLMEngine:
         draft_model=None,
         num_blocks: int | None = None,
         spec_max_batch: int | None = None,
+        device: torch.device | str | None = None,
     ):
-        # rollout.dtype: the engine's weights and KV may be bf16 while the model it copies is fp32
-        # (rollout/precision.py)
-        self.device = next(model.parameters()).device
-        self.dtype = resolve_engine_dtype(cfg.dtype, model)
+        # the engine's weights, KV pool and sampling live on `device` (None: the model's device),
+        # copied from the model wherever it is; rollout.dtype: they may be bf16 while the model it
+        # copies is fp32 (rollout/precision.py)
+        self.device = (
+            torch.device(device) if device is not None else next(model.parameters()).device
+        )
+        self.dtype = resolve_engine_dtype(cfg.dtype, model, self.device)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)

@@ -8,8 +8,10 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.parallel import weight_sync
+from hybridrl.parallel.distributed import compute_device
 from hybridrl.protocol import Sample
-from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
+from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.backends import make_backend
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stream import RolloutStream
 from hybridrl.telemetry.flops import rollout_perf
@@ -21,7 +23,8 @@ class RolloutWorker(Worker):
         super().__init__(ctx)
         self.cfg = cfg
         model, self.tokenizer = load_model(cfg, model_path)
-        self.backend = ROLLOUT_BACKENDS.get(cfg.rollout.backend)(model, self.tokenizer, cfg.rollout)
+        # native / hf run on this process's GPU when it has one (the learner's rule)
+        self.backend = make_backend(cfg.rollout, model, self.tokenizer, compute_device())
         self.scorer = Scorer(cfg, self.tokenizer)
         self.stream: RolloutStream | None = None
         # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)

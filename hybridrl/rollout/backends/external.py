@@ -27,7 +27,6 @@ while ``generate`` runs in another thread is not supported.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -37,7 +36,8 @@ import torch
 from hybridrl.config import RolloutConfig
 from hybridrl.parallel.buckets import bucketed
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
+from hybridrl.rollout.backends import usable_backends
+from hybridrl.rollout.base import RolloutEngine, SamplingParams
 from hybridrl.rollout.sequence import request_seed
 
 # engine finish reason -> Sample.status (None: the engine gave none: the request did not finish)
@@ -45,16 +45,6 @@ STATUS = {"stop": "finished", "length": "truncated", "abort": "aborted", None: "
 
 # (token ids, behaviour log-probs, finish reason) of one sample
 Output = tuple[list[int], list[float], "str | None"]
-
-
-def usable_backends() -> list[str]:
-    """Registered backends whose third-party package (if any) is importable here."""
-    out = []
-    for name in ROLLOUT_BACKENDS.names():
-        package = getattr(ROLLOUT_BACKENDS.get(name), "package", "")
-        if not package or importlib.util.find_spec(package) is not None:
-            out.append(name)
-    return out
 
 
 def import_engine(package: str, install: str):
@@ -76,6 +66,7 @@ class ExternalRollout(RolloutEngine):
     ``wake_up``."""
 
     package = ""  # the third-party module the adapter drives
+    extra = ""  # the hybridrl extra that installs it: pip install 'hybridrl[extra]'
     install = ""  # how to get it
     bucket_bytes = 256 << 20  # weight-sync bucket size handed to the engine per call
 

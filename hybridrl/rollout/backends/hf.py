@@ -10,6 +10,10 @@ Seeds follow the native engine: sample ``j`` of a prompt uses
 taken under the distribution it was drawn from. Stop strings end a sample at the token that
 completes one (``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect
 between ``generate`` calls; streaming is the interface's default (one ``generate`` per ``step``).
+
+``device``: where the model generates (None: where it is). On CUDA the model is cast to
+``rollout.dtype`` (``auto``: bf16 where the GPU has it natively, ``rollout/precision.py``); on a CPU
+it keeps its own dtype. Weights synced later are cast on load (``copy_``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from transformers import (
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
+from hybridrl.rollout.precision import resolve_engine_dtype
 from hybridrl.rollout.sampler import STREAM_SAMPLE, draw, filtered_log_softmax, uniform
 from hybridrl.rollout.sequence import derive_seed, request_seed
-from hybridrl.rollout.stop import as_tuple, stop_hit
+from hybridrl.rollout.stop import as_tuple, eos_token_ids, stop_hit
 
 
 class _SeededDraw(LogitsProcessor):
@@ -82,11 +87,26 @@ class _StopStrings(StoppingCriteria):
 
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout(RolloutEngine):
-    def __init__(self, model, tokenizer, cfg: RolloutConfig | None = None):
+    takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cfg: RolloutConfig | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
+        cfg = cfg or RolloutConfig()
+        if device is not None and torch.device(device).type == "cuda":
+            model = model.to(device, resolve_engine_dtype(cfg.dtype, model, device))
+        elif device is not None:
+            model = model.to(device)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_batch_size = (cfg or RolloutConfig()).max_batch_size
+        self.eos_token_ids = eos_token_ids(model, tokenizer)  # the tokenizer's and the model's
+        self.max_batch_size = cfg.max_batch_size
         self._tokens = 0
         self._seconds = 0.0
 
@@ -148,7 +168,7 @@ class HFRollout(RolloutEngine):
         criteria = StoppingCriteriaList([_StopStrings(tok, stops, width)] if stops else [])
         gen = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=self._eos(params),
+            eos_token_id=self._eos(params) or None,
             pad_token_id=tok.pad_token_id,
             do_sample=False,
             output_scores=sampler is None,
@@ -179,7 +199,7 @@ class HFRollout(RolloutEngine):
         return self._to_samples(rows, responses, logps, stop_ends, params, t0)
 
     def _eos(self, params: SamplingParams) -> list[int]:
-        return [self.tokenizer.eos_token_id, *params.stop_token_ids]
+        return [*self.eos_token_ids, *params.stop_token_ids]
 
     def _to_samples(
         self,

@@ -8,6 +8,11 @@ version that produced it. Extra sampling options are read from the params
 object when present: ``min_p``, ``stop`` (strings), ``ignore_eos``,
 ``return_raw_log_probs`` (raw log-probs land in ``Sample.metadata["raw_log_probs"]``).
 Streaming (``add`` / ``step`` / ``done`` / ``take``) drives the engine's continuous batch directly.
+
+``device``: where the engine's weights, KV pool and sampling live (None: the model's device). The
+rollout worker passes its GPU (``parallel.distributed.compute_device``) with a model loaded on the
+CPU: the engine copies the weights onto the GPU (cast to ``rollout.dtype``) and keeps no reference
+to the model, so no fp32 copy of it occupies device memory.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.engine import LLMEngine
 from hybridrl.rollout.sequence import Sequence, request_seed
+from hybridrl.rollout.stop import eos_token_ids
 
 
 def _load_draft(path: str, like):
@@ -36,18 +42,30 @@ def _load_draft(path: str, like):
 
 @ROLLOUT_BACKENDS.register("native")
 class NativeRollout(RolloutEngine):
+    takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
+
     def __init__(
-        self, model, tokenizer, cfg: RolloutConfig | None = None, *, draft_model=None, **engine_kw
+        self,
+        model,
+        tokenizer,
+        cfg: RolloutConfig | None = None,
+        *,
+        draft_model=None,
+        device: torch.device | str | None = None,
+        **engine_kw,
     ):
         super().__init__()
         cfg = cfg or RolloutConfig()
         if draft_model is None and cfg.draft_model_path:
             draft_model = _load_draft(cfg.draft_model_path, model)
-        eos = (
-            [] if tokenizer is None or tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-        )
         self.engine = LLMEngine(
-            model, cfg, eos_token_ids=eos, tokenizer=tokenizer, draft_model=draft_model, **engine_kw
+            model,
+            cfg,
+            eos_token_ids=eos_token_ids(model, tokenizer),  # the tokenizer's and the model's
+            tokenizer=tokenizer,
+            draft_model=draft_model,
+            device=device,
+            **engine_kw,
         )
         self.tokenizer = tokenizer
 

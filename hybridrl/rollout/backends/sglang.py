@@ -37,7 +37,8 @@ from hybridrl.rollout.sequence import derive_seed
 @ROLLOUT_BACKENDS.register("sglang")
 class SGLangRollout(ExternalRollout):
     package = "sglang"
-    install = "pip install 'sglang[all]'  (needs a CUDA GPU; it brings its own torch)"
+    extra = "sglang"
+    install = "pip install 'hybridrl[sglang]'  (after torch; needs a CUDA GPU)"
 
     def _start(self, path: str):
         cfg = self.cfg

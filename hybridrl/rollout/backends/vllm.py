@@ -45,7 +45,8 @@ def _load_into(bucket: list[tuple[str, torch.Tensor]], model) -> None:
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMRollout(ExternalRollout):
     package = "vllm"
-    install = "pip install vllm  (needs a CUDA GPU; it brings its own torch)"
+    extra = "vllm"
+    install = "pip install 'hybridrl[vllm]'  (after torch; needs a CUDA GPU)"
 
     def _start(self, path: str):
         cfg = self.cfg
