@@ -153,16 +153,16 @@ def test_hung_reward_call_times_out_and_does_not_block_later_calls(caplog):
     assert extras(samples, "reward_nonfinite") == [0.0] * 4
     messages = [r.getMessage() for r in caplog.records]
     assert any("reward_timeouts" in m and "p-1" in m and "0.5 s" in m for m in messages)
-    assert scorer.calls.hung == 1  # abandoned, still running
+    assert scorer.pools["by_answer"].hung == 1  # abandoned, still running
     # the next batch is scored normally while that call still hangs
     again = samples_with_answers(scorer, ["3", "3"])
     scorer(again)
     assert [s.reward for s in again] == [1.0, 1.0]
     RELEASE.set()  # the hung call returns: its thread exits
     deadline = time.monotonic() + 5
-    while scorer.calls.hung and time.monotonic() < deadline:
+    while scorer.pools["by_answer"].hung and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert scorer.calls.hung == 0
+    assert scorer.pools["by_answer"].hung == 0
 
 
 def test_too_many_hung_calls_stop_the_run_naming_the_reward_function():
@@ -173,7 +173,7 @@ def test_too_many_hung_calls_stop_the_run_naming_the_reward_function():
         scorer(samples)
     assert time.monotonic() - start < 5
     assert f"{scoring.MAX_HUNG_CALLS} calls" in str(info.value)
-    assert scorer.calls.hung == scoring.MAX_HUNG_CALLS
+    assert scorer.pools["always_hangs"].hung == scoring.MAX_HUNG_CALLS
 
 
 def test_timed_calls_reuse_one_thread_and_pass_results_and_errors():

@@ -1,34 +1,47 @@
 """Scoring where the samples are generated: each rollout rank decodes its responses and scores them
-with the configured reward function (``task.reward_fn``), in both training modes.
+with the configured reward functions (``task.reward_fn``: one or several, in any of the forms of
+``hybridrl/rewards/signatures.py``, weighted by ``task.reward_weights``), in both training modes.
+``docs/rewards.md`` is the user's guide.
 
-Numbers a reward function returns beside its score (``{"score": ..., "format": 1.0}``) become
-``reward_extras["reward/<name>"]`` and are logged as means.
+A sample's reward is the weighted sum of the scores of the functions that scored it (a TRL-style
+function returns None for a sample it does not score). With several functions (or a weight other
+than 1) each function's own, unweighted score becomes ``reward_extras["reward/<name>"]``; numbers
+a function returns beside its score (``{"score": ..., "format": 1.0}``) become
+``reward_extras["reward/<key>"]``; both are logged as means.
 
 A failed reward call does not stop the run: the sample scores 0, its
 ``reward_extras["reward_errors"]`` is 1 (0 for a sample scored normally), and the first
-:data:`LOGGED_ERRORS` failures of each kind are logged. The failures are:
+:data:`LOGGED_ERRORS` failures of each kind are logged. The failures, of any one of the functions:
 
-- the reward function raised;
-- its score is not a finite float32 (NaN, inf, or beyond float32's range such as ``1e300``: the
-  batch stores rewards as float32, and one infinite reward turns every advantage, and then every
-  weight, into NaN); such a sample also has ``reward_extras["reward_nonfinite"]`` = 1;
+- the reward function raised (or returned something that is not a score); a batched function that
+  raises or returns a list of the wrong length fails every sample of the call;
+- its score, or the weighted sum, is not a finite float32 (NaN, inf, or beyond float32's range such
+  as ``1e300``: the batch stores rewards as float32, and one infinite reward turns every advantage,
+  and then every weight, into NaN); such a sample also has ``reward_extras["reward_nonfinite"]`` =
+  1;
 - the call took longer than ``task.reward_timeout_s``; such a sample also has
-  ``reward_extras["reward_timeouts"]`` = 1.
+  ``reward_extras["reward_timeouts"]`` = 1;
+- every function returned None for it (nothing scored it): counted as a reward error.
 
 Every scored sample carries the three counts (0 or 1), so they become batch columns and the step's
 metrics sum them: ``reward/errors``, ``reward/nonfinite`` and ``reward/timeouts``.
 
-Timeouts: Python cannot stop a thread, so each reward call runs on a helper daemon thread
-(:class:`TimedCalls`) and the scorer waits for it at most ``task.reward_timeout_s``. A thread whose
-call times out is abandoned (it exits if the call ever returns) and a fresh thread takes the next
-call, so one hung call costs one timeout and does not block later samples. An abandoned thread keeps
-whatever it holds (CPU, memory, a connection) until its call returns, so once
-:data:`MAX_HUNG_CALLS` abandoned calls are still running the scorer raises
-:class:`RewardFunctionHung` and the run stops with an error naming the reward function, rather than
-piling up threads. The trade-off of running reward functions off the calling thread: a reward
-function cannot use ``signal`` (e.g. ``signal.alarm`` for its own timeout), which works only on the
-main thread, and thread-local state it sets is not seen by the next call, which may run on another
-thread.
+Calls: a per-sample function is called once per sample, a batched one (TRL-style, or a scorer added
+with :meth:`Scorer.add_scorer`) once per scorer call. Each call runs on a helper daemon thread
+(:class:`TimedCalls`, one pool per function) and the scorer waits for it at most
+``task.reward_timeout_s``. An async per-sample function has all the samples' calls awaited
+concurrently in one event loop on a helper thread, each cancelled past the timeout (the loop's
+thread is given :data:`ASYNC_GRACE_S` more before it is abandoned, in case a coroutine blocks it).
+
+Timeouts: Python cannot stop a thread, so a thread whose call times out is abandoned (it exits if
+the call ever returns) and a fresh thread takes the next call, so one hung call costs one timeout
+and does not block later samples. An abandoned thread keeps whatever it holds (CPU, memory, a
+connection) until its call returns, so once :data:`MAX_HUNG_CALLS` abandoned calls of one function
+are still running the scorer raises :class:`RewardFunctionHung` and the run stops with an error
+naming the reward function, rather than piling up threads. The trade-off of running reward
+functions off the calling thread: a reward function cannot use ``signal`` (e.g. ``signal.alarm``
+for its own timeout), which works only on the main thread, and thread-local state it sets is not
+seen by the next call, which may run on another thread.
 """
 
 from __future__ import annotations
@@ -37,25 +50,40 @@ import logging
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from hybridrl.config import Config
 from hybridrl.protocol import Sample
-from hybridrl.tasks import REWARDS, compute_reward
-from hybridrl.tasks.base import NonFiniteReward
+from hybridrl.rewards.signatures import (
+    BatchedScorer,
+    Result,
+    RewardFunction,
+    RewardInputs,
+    RewardTimeout,
+    resolve_reward_fns,
+    score_concurrently,
+    score_one,
+    settle,
+    unique_name,
+)
+from hybridrl.tasks.base import NonFiniteReward, finite_float32
 
 log = logging.getLogger(__name__)
 LOGGED_ERRORS = 5  # reward-call failures of each kind logged in full per scorer; later only counted
-MAX_HUNG_CALLS = 8  # timed-out reward calls still running when the scorer gives up on the run
+MAX_HUNG_CALLS = 8  # timed-out calls of one function still running when the scorer gives up
+ASYNC_GRACE_S = 5.0  # an async function's event loop gets this long past the timeout to return
 
 
 # what a scored sample's reward_extras count (every failure is also a reward error)
 FAILURE_COUNTS = {"reward_errors": 0.0, "reward_nonfinite": 0.0, "reward_timeouts": 0.0}
-
-
-class RewardTimeout(TimeoutError):
-    """A reward call took longer than its timeout (its thread is abandoned)."""
+# (exception type, the count it sets, how the log says it), first match wins
+FAILURE_KINDS: tuple[tuple[type[BaseException], str, Callable[[Any], str]], ...] = (
+    (RewardTimeout, "reward_timeouts", lambda e: f"{e} on"),
+    (NonFiniteReward, "reward_nonfinite", lambda e: f"returned score {e.score!r} (not finite) on"),
+    (BaseException, "reward_errors", lambda e: f"raised {e!r} on"),
+)
+__all__ = ["RewardTimeout", "RewardFunctionHung", "TimedCalls", "Scorer", "eos_token_ids"]
 
 
 class RewardFunctionHung(RuntimeError):
@@ -116,6 +144,10 @@ class TimedCalls:
         self._finalizer = weakref.finalize(self, _stop, self._idle)
 
     def __call__(self, fn: Callable, *args, **kwargs):
+        return self.run(self.timeout_s, fn, *args, **kwargs)
+
+    def run(self, timeout_s: float, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)`` waiting at most ``timeout_s`` (instead of the pool's)."""
         with self._lock:
             if self._idle:
                 helper = self._idle.pop()
@@ -125,7 +157,7 @@ class TimedCalls:
         call = _Call(fn, args, kwargs)
         helper.calls.put(call)
         try:
-            finished = call.done.wait(self.timeout_s)
+            finished = call.done.wait(timeout_s)
         except BaseException:  # interrupted while waiting: the helper exits once its call returns
             helper.calls.put(None)
             raise
@@ -142,10 +174,10 @@ class TimedCalls:
             hung = len(self._hung)
         if hung >= self.max_hung:
             raise RewardFunctionHung(
-                f"{self.name}: {hung} calls ran past the {self.timeout_s:g} s timeout and are "
+                f"{self.name}: {hung} calls ran past the {timeout_s:g} s timeout and are "
                 "still running; stopping the run (fix the function, or raise the timeout)"
             )
-        raise RewardTimeout(f"took longer than {self.timeout_s:g} s")
+        raise RewardTimeout(f"took longer than {timeout_s:g} s")
 
     @property
     def hung(self) -> int:
@@ -161,52 +193,128 @@ class TimedCalls:
 
 
 class Scorer:
-    def __init__(self, cfg: Config, tokenizer):
-        self.tokenizer = tokenizer
-        from hybridrl.tasks import TASKS
+    """Scores samples in place with the configured reward functions (see the module docstring).
 
-        name = (cfg.task.reward_fns() or [TASKS.get(cfg.task.name).default_reward])[0]
-        self.fn = REWARDS.get(name) if isinstance(name, str) else name
-        self.fn_name = name if isinstance(name, str) else getattr(name, "__qualname__", repr(name))
+    ``eos_ids``: the token ids that end a response (one is stripped from a finished response's end
+    before decoding, and from the ``completion_ids`` batched functions get); None: the tokenizer's
+    eos (:func:`eos_token_ids` adds a model's generation_config ones). ``extra_scorers``: batched
+    scorers from outside the config, as ``(name, fn, weight)`` (see :meth:`add_scorer`).
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer,
+        eos_ids: Iterable[int] | None = None,
+        extra_scorers: Sequence[tuple[str, Callable, float]] = (),
+    ):
+        self.tokenizer = tokenizer
+        self.eos_ids = frozenset(eos_token_ids(tokenizer) if eos_ids is None else eos_ids)
         self.timeout_s = cfg.task.reward_timeout_s
-        self.calls = TimedCalls(self.timeout_s, f"reward function {self.fn_name}")
+        self.functions: list[RewardFunction] = []
+        self.pools: dict[str, TimedCalls] = {}  # by function name: each has its own helpers
         self._logged: dict[str, int] = {}  # failures logged, by kind
+        for f in resolve_reward_fns(cfg):
+            self._add(f)
+        for name, fn, weight in extra_scorers:
+            self.add_scorer(name, fn, weight)
+
+    def add_scorer(self, name: str, fn: Callable, weight: float = 1.0) -> str:
+        """Add a batched scorer ``fn(prompts: list[Prompt], completions: list[str]) ->
+        list[float | None]`` (sync or async; e.g. a reward model), called once per scorer call with
+        every sample, its score weighted by ``weight`` into the reward and logged as
+        ``reward/<name>``; failures are handled as a reward function's. Returns its name (made
+        unique)."""
+        f = BatchedScorer(fn, unique_name(name, {g.name for g in self.functions}), weight)
+        self._add(f)
+        return f.name
+
+    def _add(self, f: RewardFunction) -> None:
+        self.functions.append(f)
+        self.pools[f.name] = TimedCalls(self.timeout_s, f"reward function {f.name}")
 
     def __call__(self, samples: list[Sample]) -> list[Sample]:
-        """Sets ``reward`` and ``reward_extras["reward_errors"]`` of each sample (in place), and
-        ``reward_extras["reward_nonfinite"]`` / ``["reward_timeouts"]`` (1) of a sample that failed
-        that way (absent: 0); returns them. Raises :class:`RewardFunctionHung` when too many reward
-        calls hang."""
-        eos = self.tokenizer.eos_token_id
-        for s in samples:
-            finished = s.status == "finished"
-            ids = (
-                s.response_ids[:-1]
-                if finished and s.response_ids and s.response_ids[-1] == eos
-                else s.response_ids
+        """Sets ``reward`` and ``reward_extras`` (the failure counts, each function's score when
+        several, their extras) of each sample, in place; returns them. Raises
+        :class:`RewardFunctionHung` when too many reward calls hang."""
+        if not samples:
+            return samples
+        inputs = self._inputs(samples)
+        per_function = [self._run(f, inputs) for f in self.functions]
+        each = len(self.functions) > 1 or any(f.weight != 1.0 for f in self.functions)
+        for j, s in enumerate(samples):
+            self._combine(
+                s, [(f, results[j]) for f, results in zip(self.functions, per_function)], each
             )
-            prompt = s.metadata["prompt"]
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            s.reward_extras.update(FAILURE_COUNTS)  # all 0: a failure below sets its own to 1
-            try:
-                s.reward, extras = self.calls(
-                    compute_reward, self.fn, prompt, text, finished=finished
-                )
-            except RewardFunctionHung:
-                raise
-            except RewardTimeout:
-                self._failed(s, "reward_timeouts", f"took longer than {self.timeout_s:g} s on")
-            except NonFiniteReward as e:
-                self._failed(s, "reward_nonfinite", f"returned score {e.score!r} (not finite) on")
-            except Exception as e:  # a user's reward function must not kill the run
-                self._failed(s, "reward_errors", f"raised {e!r} on")
-            else:  # numbers a reward function returns beside its score
-                for key, value in extras.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        s.reward_extras[f"reward/{key}"] = float(value)
         return samples
 
-    def _failed(self, s: Sample, kind: str, what: str) -> None:
+    def _inputs(self, samples: list[Sample]) -> RewardInputs:
+        ids, finished = [], []
+        for s in samples:
+            done = s.status == "finished"
+            strip = done and s.response_ids and s.response_ids[-1] in self.eos_ids
+            ids.append(s.response_ids[:-1] if strip else s.response_ids)
+            finished.append(done)
+        return RewardInputs(
+            prompts=[s.metadata["prompt"] for s in samples],
+            responses=[self.tokenizer.decode(r, skip_special_tokens=True) for r in ids],
+            response_ids=ids,
+            finished=finished,
+        )
+
+    def _run(self, f: RewardFunction, inputs: RewardInputs) -> list[Result]:
+        """Function ``f``'s outcome for every sample (a failure as the exception)."""
+        pool, timeout_s = self.pools[f.name], self.timeout_s
+        grace = ASYNC_GRACE_S if f.is_async else 0.0
+        try:
+            if f.batched:
+                raw = pool.run(timeout_s + grace, settle, f.call, (inputs,), timeout_s)
+                return f.results(raw, inputs)
+            if f.is_async:
+                return pool.run(timeout_s + grace, score_concurrently, f, inputs, timeout_s)
+        except RewardFunctionHung:
+            raise
+        except Exception as e:  # the whole call failed: every sample of it
+            return [e] * len(inputs)
+        return [self._one(pool, f, inputs, i) for i in range(len(inputs))]
+
+    def _one(self, pool: TimedCalls, f: RewardFunction, inputs: RewardInputs, i: int) -> Result:
+        try:
+            return pool(score_one, f, inputs, i, self.timeout_s)
+        except RewardFunctionHung:
+            raise
+        except Exception as e:  # a user's reward function must not kill the run
+            return e
+
+    def _combine(self, s: Sample, outcomes: list[tuple[RewardFunction, Result]], each: bool):
+        s.reward_extras.update(FAILURE_COUNTS)  # all 0: a failure below sets its own to 1
+        reward, scored, failed, scores = 0.0, False, False, {}
+        for f, outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                failed = True
+                scores[f.name] = 0.0
+                self._failed(s, f.name, outcome)
+                continue
+            score, extras = outcome
+            for key, value in extras.items():  # numbers a reward function returns beside its score
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    s.reward_extras[f"reward/{key}"] = float(value)
+            if score is not None:
+                reward, scored, scores[f.name] = reward + f.weight * score, True, score
+        if each:
+            s.reward_extras.update({f"reward/{name}": v for name, v in scores.items()})
+        names = "+".join(f.name for f, _ in outcomes)
+        if failed:
+            s.reward = 0.0
+        elif not scored:
+            self._failed(s, names, ValueError("returned None (no function scored the sample)"))
+        elif not finite_float32(reward):
+            self._failed(s, names, NonFiniteReward(f"weighted sum {reward!r}", reward))
+        else:
+            s.reward = reward
+
+    def _failed(self, s: Sample, fn_name: str, error: BaseException) -> None:
+        kind, what = next((k, w(error)) for t, k, w in FAILURE_KINDS if isinstance(error, t))
         s.reward = 0.0
         s.reward_extras["reward_errors"] = 1.0
         s.reward_extras[kind] = 1.0
@@ -216,9 +324,19 @@ class Scorer:
             last = " (later ones are only counted)" if logged + 1 == LOGGED_ERRORS else ""
             log.warning(
                 "reward function %s %s prompt %s: sample scored 0, counted in %s%s",
-                self.fn_name,
+                fn_name,
                 what,
                 s.metadata["prompt"].uid,
                 kind,
                 last,
             )
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """The ids that end a response: the tokenizer's eos and every id of ``model``'s
+    ``generation_config.eos_token_id`` (an int or a list)."""
+    ids = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+    config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config_ids is not None:
+        ids += [config_ids] if isinstance(config_ids, int) else list(config_ids)
+    return list(dict.fromkeys(int(i) for i in ids))

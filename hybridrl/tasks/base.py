@@ -12,7 +12,9 @@ tokens skipped); ``finished`` is False when the sample never emitted ``<eos>``
 (truncated at the token limit, or aborted). Accepting ``finished`` is optional:
 :func:`compute_reward` passes it only to functions whose signature takes it (a
 parameter named ``finished`` or ``**kwargs``), so a two-argument plug-in works.
-Reward functions are registered in :data:`REWARDS` or given by dotted path.
+Reward functions are registered in :data:`REWARDS` or given by dotted path. This is the
+per-sample form; TRL-style batched and veRL-style functions are recognised by their parameters
+and adapted in ``hybridrl/rewards/signatures.py`` (see ``docs/rewards.md``).
 """
 
 from __future__ import annotations
@@ -88,10 +90,15 @@ def _accepts_finished(fn: Callable) -> bool:
     )
 
 
+def reward_kwargs(fn: Callable, finished: bool) -> dict:
+    """The keyword arguments a per-sample reward function gets beside ``(prompt, response)``."""
+    return {"finished": finished} if _accepts_finished(fn) else {}
+
+
 def compute_reward(
     fn: RewardFn, prompt: Prompt, response: str, *, finished: bool = True
 ) -> tuple[float, dict]:
-    """Call a reward function and normalise its result to ``(score, extras)``.
+    """Call a per-sample reward function and normalise its result to ``(score, extras)``.
 
     A float (or int / numpy / 0-d tensor) result gives ``(float(r), {})``; a
     mapping must hold ``"score"`` and its other items become ``extras``.
@@ -102,14 +109,25 @@ def compute_reward(
     range such as ``1e300``, which a batch's float32 rewards would hold as inf)
     raises :class:`NonFiniteReward`.
     """
-    result = (
-        fn(prompt, response, finished=finished) if _accepts_finished(fn) else fn(prompt, response)
-    )
+    result = fn(prompt, response, **reward_kwargs(fn, finished))
+    score, extras = normalise_reward(_name(fn), result, prompt.uid)
+    assert score is not None
+    return score, extras
+
+
+def normalise_reward(
+    name: str, result: Any, uid: str, *, allow_none: bool = False
+) -> tuple[float | None, dict]:
+    """One sample's reward-function result as ``(score, extras)``: a number, or a mapping with
+    ``"score"`` (its other items are the extras); ``None`` only where ``allow_none`` (the function
+    does not score this sample). Raises as :func:`compute_reward` does; ``name`` names the
+    function in the messages and ``uid`` the prompt."""
+    if result is None and allow_none:
+        return None, {}
     if isinstance(result, Mapping):
         if "score" not in result:
             raise ValueError(
-                f"reward function {_name(fn)} returned a dict without 'score': keys "
-                f"{sorted(result)}"
+                f"reward function {name} returned a dict without 'score': keys {sorted(result)}"
             )
         extras = {k: v for k, v in result.items() if k != "score"}
         raw = result["score"]
@@ -117,13 +135,13 @@ def compute_reward(
         extras, raw = {}, result
     if isinstance(raw, (str, bytes)) or not hasattr(raw, "__float__"):
         raise TypeError(
-            f"reward function {_name(fn)} returned score {raw!r} of type {type(raw).__name__}, not "
+            f"reward function {name} returned score {raw!r} of type {type(raw).__name__}, not "
             "a number"
         )
     score = float(raw)
     if not finite_float32(score):
         raise NonFiniteReward(
-            f"reward function {_name(fn)} returned score {score!r} for prompt {prompt.uid!r}: not "
+            f"reward function {name} returned score {score!r} for prompt {uid!r}: not "
             "a finite float32 (NaN, inf, or beyond float32's range; rewards are stored as float32)",
             score,
         )
