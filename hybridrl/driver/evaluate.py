@@ -73,7 +73,7 @@ def evaluate_checkpoint(cfg) -> dict[str, float]:
     path = ensure_warm_start(cfg, cfg.trainer.progress)
     roles = build_roles(cfg, path, path, learner=False)
     try:
-        params = SamplingParams.of(cfg.rollout)
+        params = SamplingParams.of(cfg)  # data.stop too
         prompts = make_task(cfg).heldout()[: cfg.task.eval_size]
         return Evaluator(
             roles.rollout,

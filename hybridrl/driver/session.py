@@ -106,7 +106,7 @@ def open_session(cfg: Config, resume: bool) -> Session:
             roles.sync_weights(state["step"])
         roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
         task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
-        params = SamplingParams.of(cfg.rollout, n=t.samples_per_prompt)
+        params = SamplingParams.of(cfg, n=t.samples_per_prompt)  # data.stop too
         evaluate = Evaluator(
             roles.rollout,
             task.heldout()[: cfg.task.eval_size],

@@ -7,11 +7,17 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from hybridrl.config import Config
+from hybridrl.data import DatasetTask
 from hybridrl.models import load_model_and_tokenizer
 from hybridrl.tasks import TASKS, Task
 
 
 def make_task(cfg: Config) -> Task:
+    """The prompt source: a :class:`~hybridrl.data.DatasetTask` over ``data.train_files`` when set
+    (cheap: it checks the paths, and reads the files on its first prompt), else the registered task
+    ``task.name``."""
+    if cfg.data.train_files:
+        return DatasetTask(cfg)
     return TASKS.get(cfg.task.name)(seed=cfg.trainer.seed, heldout_size=cfg.task.heldout_size)
 
 

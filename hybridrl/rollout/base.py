@@ -146,12 +146,17 @@ class SamplingParams:
         return self.temperature == 0
 
     @classmethod
-    def of(cls, rollout_cfg, **overrides) -> SamplingParams:
+    def of(cls, cfg, **overrides) -> SamplingParams:
         """The sampling a run's rollout is configured for (``rollout.temperature``, ``top_p``,
-        ``top_k``, ``max_new_tokens``), with ``overrides`` (``n``, ``seed`` ...)."""
-        r = rollout_cfg
+        ``top_k``, ``max_new_tokens``), with ``overrides`` (``n``, ``seed`` ...). ``cfg``: the run's
+        Config, whose ``data.stop`` strings end responses too, or its RolloutConfig alone. (Every
+        eos id of the tokenizer and the model's generation_config ends a response in the
+        backends.)"""
+        r = getattr(cfg, "rollout", cfg)
+        data = getattr(cfg, "data", None)
         fields = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        return cls(**fields, max_new_tokens=r.max_new_tokens, **overrides)
+        fields |= dict(max_new_tokens=r.max_new_tokens, stop=tuple(data.stop) if data else ())
+        return cls(**(fields | overrides))
 
 
 def _by_params(

@@ -1,5 +1,5 @@
-"""Stop strings: the check the native engine runs after every token, and the hf backend after
-generation.
+"""Stopping: the ids that end a response (:func:`eos_token_ids`), and stop strings: the check the
+native engine runs after every token, and the hf backend after generation.
 
 A stop string can end inside a token (one BPE token may decode to ``x</ans>y``), so the check
 decodes a window made of the newest token and enough earlier tokens to cover ``len(stop)`` more
@@ -49,3 +49,14 @@ def as_tuple(stop) -> tuple[str, ...]:
     if not all(isinstance(s, str) and s for s in stops):
         raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     return stops
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a response, once each: the tokenizer's eos, then each eos of the model's
+    ``generation_config`` (an int or a list: a ChatML model ends a turn with ``<|im_end|>`` and a
+    text with ``<|endoftext|>``)."""
+    config = getattr(model, "generation_config", None) or getattr(model, "config", None)
+    found = getattr(config, "eos_token_id", None)
+    listed = found if isinstance(found, (list, tuple)) else [found]
+    ids = [getattr(tokenizer, "eos_token_id", None), *listed]
+    return tuple(dict.fromkeys(int(t) for t in ids if t is not None))

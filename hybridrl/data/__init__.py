@@ -1,0 +1,20 @@
+"""Users' own datasets as the prompt source: reading files (``files.py``), rendering prompts with
+chat templates (``render.py``), the :class:`DatasetTask` over them (``source.py``) and the steps
+that cover ``data.epochs`` (``epochs.py``). ``models/loading.make_task`` builds a DatasetTask when
+``data.train_files`` is set."""
+
+from hybridrl.data.epochs import steps_for_epochs
+from hybridrl.data.files import DataError, as_paths, read_files
+from hybridrl.data.render import dig, is_chat, render_prompt
+from hybridrl.data.source import DatasetTask
+
+__all__ = [
+    "DataError",
+    "DatasetTask",
+    "as_paths",
+    "dig",
+    "is_chat",
+    "read_files",
+    "render_prompt",
+    "steps_for_epochs",
+]

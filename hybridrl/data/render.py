@@ -1,0 +1,111 @@
+"""A dataset row's prompt as the model sees it: ``(text, token ids)``, and dotted keys into rows.
+
+A prompt is a string or a list of chat messages ``{role, content}``. ``data.apply_chat_template``:
+
+* null (auto): chat messages are rendered with the tokenizer's chat template and
+  ``add_generation_prompt=True``; a string is used as it is;
+* true: a string becomes one user message and is rendered too;
+* false: nothing is rendered; the contents of chat messages are joined with newlines.
+
+``data.system_prompt`` goes first as a system message in every chat prompt that has none. The token
+ids of a rendered prompt are the template's own (``apply_chat_template(tokenize=True)``, which adds
+no special tokens beyond the template's); a string used as it is is encoded by the tokenizer as a
+built-in task's text is (``<bos>`` first where the tokenizer adds one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hybridrl.config.schema import DataConfig
+from hybridrl.data.files import DataError
+
+
+def is_chat(value: Any) -> bool:
+    """Whether ``value`` is a list of chat messages (mappings with a role and a content)."""
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
+    )
+
+
+def render_prompt(value: Any, tokenizer, data: DataConfig, where: str) -> tuple[str, list[int]]:
+    """``(text, token ids)`` of one stored prompt; ``where`` names it in errors (e.g. "row 3 of
+    data.train_files")."""
+    mode = data.apply_chat_template
+    if is_chat(value):
+        messages = _with_system([_message(m) for m in value], data.system_prompt)
+        if mode is False:
+            return _encode("\n".join(str(m["content"]) for m in messages), tokenizer, where)
+        return _apply_template(messages, tokenizer, where)
+    if isinstance(value, str):
+        if mode is True:
+            messages = _with_system([{"role": "user", "content": value}], data.system_prompt)
+            return _apply_template(messages, tokenizer, where)
+        return _encode(value, tokenizer, where)
+    raise DataError(
+        f"{where}: data.prompt_key={data.prompt_key!r} holds {_short(value)} "
+        f"({type(value).__name__}); a prompt is a string or a list of chat messages "
+        "{role, content}"
+    )
+
+
+def dig(row: Mapping[str, Any], key: str, where: str) -> Any:
+    """The value at dotted ``key`` in ``row`` (``a.b`` is ``row["a"]["b"]``)."""
+    value: Any = row
+    walked = []
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            have = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            at = ".".join(walked) or "the row"
+            raise DataError(f"{where}: no {part!r} in {at} for key {key!r} (it holds {have})")
+        value = value[part]
+        walked.append(part)
+    return value
+
+
+def _message(m: Mapping[str, Any]) -> dict[str, Any]:
+    # datasets unify the fields of a column's structs: a message may carry null extras
+    # (tool_calls=None ...) that some templates test with `in`
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    if system is None or any(m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _apply_template(messages: list[dict], tokenizer, where: str) -> tuple[str, list[int]]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{where}: the prompt is chat messages but the tokenizer has no chat template; set "
+            "data.apply_chat_template=false (message contents joined with newlines) or use a "
+            "model.path whose tokenizer has a chat template"
+        )
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as e:  # the template's own error (jinja), on one line
+        raise DataError(f"{where}: the chat template failed: {' '.join(str(e).split())}") from e
+    if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding regardless
+        ids = ids["input_ids"]
+    return text, [int(t) for t in ids]
+
+
+def _encode(text: str, tokenizer, where: str) -> tuple[str, list[int]]:
+    try:
+        return text, list(tokenizer(text)["input_ids"])
+    except Exception as e:  # e.g. a character the built-in tokenizer lacks
+        raise DataError(
+            f"{where}: the tokenizer cannot encode the prompt: {' '.join(str(e).split())}"
+        ) from e
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
