@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ class WandbSink:
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else ""
         if not run_id:
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(4)  # wandb ids: lowercase letters and digits
             id_file.write_text(run_id + "\n")
         mode = wandb_mode()
         self._wandb = wandb
