@@ -59,19 +59,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def check_plugins(cfg: Config) -> None:
-    """Resolve every registry name now, so a typo fails before any work."""
+    """Resolve every registry name now, so a typo fails before any work; load every reward
+    function (name, dotted path or callable) and check its signature and optional package."""
     from hybridrl.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+    from hybridrl.rewards.signatures import RewardConfigError, resolve_reward_fns
     from hybridrl.rollout import ROLLOUT_BACKENDS
-    from hybridrl.tasks import REWARDS, TASKS
+    from hybridrl.tasks import TASKS
 
-    rewards = [
-        (f"task.reward_fn[{i}]", REWARDS, fn)
-        for i, fn in enumerate(cfg.task.reward_fns())
-        if isinstance(fn, str)
-    ]
     for key, registry, name in [
         ("task.name", TASKS, cfg.task.name),
-        *rewards,
         ("rollout.backend", ROLLOUT_BACKENDS, cfg.rollout.backend),
         ("algorithm.advantage", ADVANTAGES, cfg.algorithm.advantage),
         ("algorithm.policy_loss", POLICY_LOSSES, cfg.algorithm.policy_loss),
@@ -81,6 +77,10 @@ def check_plugins(cfg: Config) -> None:
             registry.get(name)
         except KeyError as e:
             raise ConfigError(f"config key {key!r}: {e.args[0]}") from None
+    try:
+        resolve_reward_fns(cfg)
+    except RewardConfigError as e:
+        raise ConfigError(f"config key {e.key!r}: {e.message}") from None
 
 
 def check_loggers(cfg: Config) -> None:

@@ -67,6 +67,7 @@ from hybridrl.rewards.signatures import (
     settle,
     unique_name,
 )
+from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.tasks.base import NonFiniteReward, finite_float32
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ FAILURE_KINDS: tuple[tuple[type[BaseException], str, Callable[[Any], str]], ...]
     (NonFiniteReward, "reward_nonfinite", lambda e: f"returned score {e.score!r} (not finite) on"),
     (BaseException, "reward_errors", lambda e: f"raised {e!r} on"),
 )
-__all__ = ["RewardTimeout", "RewardFunctionHung", "TimedCalls", "Scorer", "eos_token_ids"]
+__all__ = ["RewardTimeout", "RewardFunctionHung", "TimedCalls", "Scorer"]
 
 
 class RewardFunctionHung(RuntimeError):
@@ -197,8 +198,9 @@ class Scorer:
 
     ``eos_ids``: the token ids that end a response (one is stripped from a finished response's end
     before decoding, and from the ``completion_ids`` batched functions get); None: the tokenizer's
-    eos (:func:`eos_token_ids` adds a model's generation_config ones). ``extra_scorers``: batched
-    scorers from outside the config, as ``(name, fn, weight)`` (see :meth:`add_scorer`).
+    eos (``rollout.stop.eos_token_ids(model, tokenizer)`` adds the model's generation_config ones).
+    ``extra_scorers``: batched scorers from outside the config, as ``(name, fn, weight)`` (see
+    :meth:`add_scorer`).
     """
 
     def __init__(
@@ -209,7 +211,7 @@ class Scorer:
         extra_scorers: Sequence[tuple[str, Callable, float]] = (),
     ):
         self.tokenizer = tokenizer
-        self.eos_ids = frozenset(eos_token_ids(tokenizer) if eos_ids is None else eos_ids)
+        self.eos_ids = frozenset(eos_token_ids(None, tokenizer) if eos_ids is None else eos_ids)
         self.timeout_s = cfg.task.reward_timeout_s
         self.functions: list[RewardFunction] = []
         self.pools: dict[str, TimedCalls] = {}  # by function name: each has its own helpers
@@ -330,13 +332,3 @@ class Scorer:
                 kind,
                 last,
             )
-
-
-def eos_token_ids(tokenizer, model=None) -> list[int]:
-    """The ids that end a response: the tokenizer's eos and every id of ``model``'s
-    ``generation_config.eos_token_id`` (an int or a list)."""
-    ids = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
-    config_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if config_ids is not None:
-        ids += [config_ids] if isinstance(config_ids, int) else list(config_ids)
-    return list(dict.fromkeys(int(i) for i in ids))

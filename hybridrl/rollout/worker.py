@@ -12,7 +12,8 @@ from hybridrl.parallel.distributed import compute_device
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends import make_backend
-from hybridrl.rollout.scoring import Scorer, eos_token_ids
+from hybridrl.rollout.scoring import Scorer
+from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.rollout.stream import RolloutStream
 from hybridrl.telemetry.flops import rollout_perf
 from hybridrl.telemetry.samples import RecentSamples
@@ -25,7 +26,7 @@ class RolloutWorker(Worker):
         model, self.tokenizer = load_model(cfg, model_path)
         # native / hf run on this process's GPU when it has one (the learner's rule)
         self.backend = make_backend(cfg.rollout, model, self.tokenizer, compute_device())
-        self.scorer = Scorer(cfg, self.tokenizer, eos_token_ids(self.tokenizer, model))
+        self.scorer = Scorer(cfg, self.tokenizer, eos_token_ids(model, self.tokenizer))
         self.stream: RolloutStream | None = None
         # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)
         self.recent = RecentSamples(cfg.trainer.log_samples)
