@@ -261,6 +261,16 @@ def test_chat_messages_without_a_template_are_an_error_naming_the_fix(tmp_path):
     assert plain.prompt(0).text == "what is two plus three"
 
 
+def test_the_length_limit_counts_the_rendered_templates_tokens(tmp_path):
+    tok = chatml_tokenizer()
+    short, long = CHAT, [{"role": "user", "content": "you are a helpful assistant " * 4}]
+    limit = len(tok.apply_chat_template(short, add_generation_prompt=True, return_dict=False))
+    records = [{"prompt": long if i % 4 == 0 else short, "answer": ""} for i in range(12)]
+    task = chat_task(tmp_path, records, tok, max_prompt_length=limit, val_files=None)
+    assert task.dropped_long == 3 and task.num_rows + len(task.heldout()) == 9
+    assert all(len(task.prompt(i).token_ids) == limit for i in range(task.num_rows))
+
+
 # --- the order of the stream --------------------------------------------------------------------
 def epoch_rows(task: DatasetTask, epoch: int) -> list[int]:
     n = task.num_rows

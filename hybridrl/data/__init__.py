@@ -5,7 +5,7 @@ that cover ``data.epochs`` (``epochs.py``). ``models/loading.make_task`` builds 
 
 from hybridrl.data.epochs import steps_for_epochs
 from hybridrl.data.files import DataError, as_paths, read_files
-from hybridrl.data.render import dig, is_chat, render_prompt
+from hybridrl.data.render import dig, encode, is_chat, render_prompt, render_text
 from hybridrl.data.source import DatasetTask
 
 __all__ = [
@@ -13,8 +13,10 @@ __all__ = [
     "DatasetTask",
     "as_paths",
     "dig",
+    "encode",
     "is_chat",
     "read_files",
     "render_prompt",
+    "render_text",
     "steps_for_epochs",
 ]

@@ -8,9 +8,9 @@ A prompt is a string or a list of chat messages ``{role, content}``. ``data.appl
 * false: nothing is rendered; the contents of chat messages are joined with newlines.
 
 ``data.system_prompt`` goes first as a system message in every chat prompt that has none. The token
-ids of a rendered prompt are the template's own (``apply_chat_template(tokenize=True)``, which adds
-no special tokens beyond the template's); a string used as it is is encoded by the tokenizer as a
-built-in task's text is (``<bos>`` first where the tokenizer adds one).
+ids of a rendered prompt are the template's own: its text encoded without adding special tokens,
+which is what ``apply_chat_template(tokenize=True)`` does (no second ``<bos>``); a string used as it
+is is encoded as a built-in task's text is (``<bos>`` first where the tokenizer adds one).
 """
 
 from __future__ import annotations
@@ -34,22 +34,42 @@ def is_chat(value: Any) -> bool:
 def render_prompt(value: Any, tokenizer, data: DataConfig, where: str) -> tuple[str, list[int]]:
     """``(text, token ids)`` of one stored prompt; ``where`` names it in errors (e.g. "row 3 of
     data.train_files")."""
+    text, special = render_text(value, tokenizer, data, where)
+    return text, encode([text], tokenizer, special, where)[0]
+
+
+def render_text(value: Any, tokenizer, data: DataConfig, where: str) -> tuple[str, bool]:
+    """``(text, whether encoding it adds the tokenizer's special tokens)``: a rendered template
+    holds its own (``apply_chat_template(tokenize=True)`` encodes its text without adding any,
+    so :func:`encode` gives the template's ids); a string used as it is gets ``<bos>`` where the
+    tokenizer adds one, as a built-in task's text does."""
     mode = data.apply_chat_template
     if is_chat(value):
         messages = _with_system([_message(m) for m in value], data.system_prompt)
         if mode is False:
-            return _encode("\n".join(str(m["content"]) for m in messages), tokenizer, where)
-        return _apply_template(messages, tokenizer, where)
+            return "\n".join(str(m["content"]) for m in messages), True
+        return _apply_template(messages, tokenizer, where), False
     if isinstance(value, str):
         if mode is True:
             messages = _with_system([{"role": "user", "content": value}], data.system_prompt)
-            return _apply_template(messages, tokenizer, where)
-        return _encode(value, tokenizer, where)
+            return _apply_template(messages, tokenizer, where), False
+        return value, True
     raise DataError(
         f"{where}: data.prompt_key={data.prompt_key!r} holds {_short(value)} "
         f"({type(value).__name__}); a prompt is a string or a list of chat messages "
         "{role, content}"
     )
+
+
+def encode(texts: list[str], tokenizer, special: bool, where: str) -> list[list[int]]:
+    """The token ids of ``texts`` (one batch call), with the tokenizer's special tokens when
+    ``special``."""
+    try:
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
+    except Exception as e:  # e.g. a character the built-in tokenizer lacks
+        raise DataError(
+            f"{where}: the tokenizer cannot encode the prompt: {' '.join(str(e).split())}"
+        ) from e
 
 
 def dig(row: Mapping[str, Any], key: str, where: str) -> Any:
@@ -78,7 +98,7 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}, *messages]
 
 
-def _apply_template(messages: list[dict], tokenizer, where: str) -> tuple[str, list[int]]:
+def _apply_template(messages: list[dict], tokenizer, where: str) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             f"{where}: the prompt is chat messages but the tokenizer has no chat template; set "
@@ -86,24 +106,9 @@ def _apply_template(messages: list[dict], tokenizer, where: str) -> tuple[str, l
             "model.path whose tokenizer has a chat template"
         )
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template's own error (jinja), on one line
         raise DataError(f"{where}: the chat template failed: {' '.join(str(e).split())}") from e
-    if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding regardless
-        ids = ids["input_ids"]
-    return text, [int(t) for t in ids]
-
-
-def _encode(text: str, tokenizer, where: str) -> tuple[str, list[int]]:
-    try:
-        return text, list(tokenizer(text)["input_ids"])
-    except Exception as e:  # e.g. a character the built-in tokenizer lacks
-        raise DataError(
-            f"{where}: the tokenizer cannot encode the prompt: {' '.join(str(e).split())}"
-        ) from e
 
 
 def _short(value: Any) -> str:

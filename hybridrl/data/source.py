@@ -29,12 +29,13 @@ from transformers import PreTrainedTokenizerFast
 
 from hybridrl.config import Config
 from hybridrl.data.files import DataError, as_paths, read_files
-from hybridrl.data.render import dig, render_prompt
+from hybridrl.data.render import dig, encode, render_prompt, render_text
 from hybridrl.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
 
 _PERMUTATIONS_KEPT = 2  # epochs whose order is cached (the current one and the one before)
+_BATCH = 1024  # prompts encoded per tokenizer call when their lengths are measured
 
 
 def seeded_rng(*key: object) -> random.Random:
@@ -201,23 +202,34 @@ class DatasetTask(Task):
             feature = feature[part]
 
     def _within_length(self, table, key: str) -> tuple[list[int], int]:
-        """(the rows within ``data.max_prompt_length``, how many were dropped)."""
+        """(the rows within ``data.max_prompt_length``, how many were dropped); the prompts are
+        rendered one by one and encoded in batches."""
         limit = self.data.max_prompt_length
         if limit is None:
             return list(range(len(table))), 0
+        tokenizer, values = self.tokenizer(), table[self.data.prompt_key]
         kept = []
-        tokenizer = self.tokenizer()
-        for row, value in enumerate(table[self.data.prompt_key]):
-            length = len(render_prompt(value, tokenizer, self.data, f"row {row} of {key}")[1])
-            if length <= limit:
-                kept.append(row)
-            elif not self.data.drop_long_prompts:
-                raise DataError(
-                    f"{key}: row {row}'s prompt is {length} tokens, above "
-                    f"data.max_prompt_length={limit}; raise the limit or set "
-                    "data.drop_long_prompts=true to drop such rows"
-                )
-        return kept, len(table) - len(kept)
+        for start in range(0, len(values), _BATCH):
+            by_kind: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+            for row in range(start, min(start + _BATCH, len(values))):
+                where = f"row {row} of {key}"
+                text, special = render_text(values[row], tokenizer, self.data, where)
+                by_kind[special].append((row, text))
+            for special, items in by_kind.items():
+                if not items:
+                    continue
+                where = f"rows {items[0][0]}..{items[-1][0]} of {key}"
+                ids = encode([t for _, t in items], tokenizer, special, where)
+                for (row, _), row_ids in zip(items, ids):
+                    if len(row_ids) <= limit:
+                        kept.append(row)
+                    elif not self.data.drop_long_prompts:
+                        raise DataError(
+                            f"{key}: row {row}'s prompt is {len(row_ids)} tokens, above "
+                            f"data.max_prompt_length={limit}; raise the limit or set "
+                            "data.drop_long_prompts=true to drop such rows"
+                        )
+        return sorted(kept), len(table) - len(kept)
 
     def _order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s order of the training positions."""
