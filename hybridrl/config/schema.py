@@ -55,6 +55,26 @@ def _check_writable_dir(key: str, path: str) -> None:
         raise ValueError(f"{key} {path!r} cannot be written: no write permission in {str(probe)!r}")
 
 
+def _check_reward_model(key: str, path: str) -> None:
+    """A ValueError unless ``path`` is a checkpoint of a one-label sequence-classification model."""
+    _check_checkpoint_dir(key, path)
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{key} {path!r}: its config.json cannot be read ({e})") from None
+    archs = (config.get("architectures") if isinstance(config, dict) else None) or []
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(
+            f"{key} {path!r} is not a sequence-classification model (architectures: "
+            f"{archs or 'none listed'}); a reward model is a *ForSequenceClassification checkpoint"
+        )
+    labels = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)
+    if labels != 1:
+        raise ValueError(
+            f"{key} {path!r} has {labels} labels; a reward model scores with one (num_labels=1)"
+        )
+
+
 def _absolute_file_path(plugin):
     """A plug-in named by file (``rewards.py:fn``) with the file's absolute path; anything else as
     it is."""
@@ -111,6 +131,17 @@ class TaskConfig:
         "error once 8 abandoned calls are still running",
         gt=0,
     )
+    reward_model_path: str | None = _f(
+        None,
+        "local transformers checkpoint of a sequence-classification reward model (num_labels 1, "
+        "with its tokenizer) that scores prompt + response; its score times reward_model_weight "
+        "is added to the reward, logged as reward/reward_model (null: none; placed by "
+        "controller.placement.reward_model)",
+    )
+    reward_model_weight: float = _f(1.0, "weight of the reward model's score in the reward")
+    reward_model_batch_size: int = _f(
+        16, "prompt + response pairs per reward-model forward pass", ge=1
+    )
 
     def reward_fns(self) -> list:
         """``reward_fn`` as a list (empty when null)."""
@@ -137,6 +168,9 @@ class TaskConfig:
                 f"reward_weights has {len(self.reward_weights)} weight(s) for {len(fns)} reward "
                 "function(s): give one weight per function"
             )
+        if self.reward_model_path is not None:  # absolute: workers may run elsewhere
+            self.reward_model_path = str(Path(self.reward_model_path).expanduser().resolve())
+            _check_reward_model("task.reward_model_path", self.reward_model_path)
 
 
 @dataclass
@@ -205,7 +239,10 @@ class PoolConfig:
     )
 
 
-ROLES = ("learner", "rollout")  # the processes a run places: the trained models, the generation
+# the processes a run places: the trained models, the generation, the reward model
+ROLES = ("learner", "rollout", "reward_model")
+# roles placed only when configured (task.reward_model_path), and whose pool they take when unplaced
+OPTIONAL_ROLES = {"reward_model": "rollout"}
 FORMER_ROLES = {  # placement keys of earlier versions, and what replaced them
     "actor": (
         "the actor, reference and critic are parts of the learner: "
@@ -229,9 +266,10 @@ class ControllerConfig:
         metadata={"help": "resource pools by name"},
     )
     placement: dict[str, str] = _f(
-        {r: "global" for r in ROLES},
+        {r: "global" for r in ROLES if r not in OPTIONAL_ROLES},
         "role -> pool name: learner (policy, reference, critic and the learning step), rollout "
-        "(generation and scoring); one pool for both colocates them",
+        "(generation and scoring), reward_model (only with task.reward_model_path; default: the "
+        "rollout's pool); roles on one pool are colocated",
     )
     pg_timeout_s: float = _f(
         600.0,
@@ -244,10 +282,11 @@ class ControllerConfig:
         former = [r for r in self.placement if r in FORMER_ROLES]
         if former:
             raise ValueError(f"placement.{former[0]}: {FORMER_ROLES[former[0]]}")
-        missing = [r for r in ROLES if r not in self.placement]
+        missing = [r for r in ROLES if r not in self.placement and r not in OPTIONAL_ROLES]
         if missing:
             raise ValueError(
-                f"placement lacks role(s) {missing}; every role of {list(ROLES)} needs a pool"
+                f"placement lacks role(s) {missing}; every role of "
+                f"{[r for r in ROLES if r not in OPTIONAL_ROLES]} needs a pool"
             )
         for role, pool in self.placement.items():
             if role not in ROLES:
@@ -259,6 +298,10 @@ class ControllerConfig:
                     f"placement.{role} names pool {pool!r}, which is not in pools "
                     f"({', '.join(self.pools)})"
                 )
+
+    def pool_of(self, role: str) -> str:
+        """The pool of ``role``; an optional role left out takes the pool of the role it follows."""
+        return self.placement.get(role) or self.placement[OPTIONAL_ROLES[role]]
 
 
 @dataclass
@@ -740,6 +783,11 @@ class Config:
                 )
         if self.trainer.mode == "async":
             self._validate_async()
+        if "reward_model" in self.controller.placement and self.task.reward_model_path is None:
+            raise ValueError(
+                "controller.placement.reward_model is set but task.reward_model_path is null: "
+                "give the reward model's checkpoint or drop placement.reward_model"
+            )
         self._validate_estimator()
         from hybridrl.algorithms import rollout_correction  # lazy: schema stays import-light
 
@@ -816,4 +864,12 @@ class Config:
                 "trainer.mode=async with controller.backend=ray: the rollout needs its own pool "
                 "(rollout and training run at the same time); "
                 "map placement.rollout to a pool other than the learner's"
+            )
+        rm = self.controller.pool_of("reward_model")
+        ray = self.controller.backend == "ray"
+        if ray and self.task.reward_model_path and rm == place["learner"] != place["rollout"]:
+            raise ValueError(
+                "trainer.mode=async: placement.reward_model shares the learner's pool, whose "
+                "process is busy training while the rollout scores; map it to the rollout's pool "
+                "or a pool of its own"
             )

@@ -1,8 +1,10 @@
-"""Place the two roles of a run on their resource pools (``controller.pools`` /
+"""Place the roles of a run on their resource pools (``controller.pools`` /
 ``controller.placement``): the learner (``learner/learner.py``: policy, reference, critic and the
-learning step) and the rollout (``rollout/worker.py``: generation and scoring).
+learning step), the rollout (``rollout/worker.py``: generation and scoring) and, with
+``task.reward_model_path``, the reward model (``rollout/reward_model.py``; by default on the
+rollout's pool), which every rollout rank's Scorer calls (:func:`connect_reward_model`).
 
-* ``local`` backend: one WorkerGroup per role, both in the driver process.
+* ``local`` backend: one WorkerGroup per role, all in the driver process.
 * ``ray`` backend: roles on different pools get their own WorkerGroups (disaggregated); roles on one
   pool share one process per slot, a :class:`~hybridrl.controller.colocated.ColocatedWorker`, in
   which they take turns on the device (colocated).
@@ -21,10 +23,16 @@ from hybridrl.controller import ResourcePool, WorkerGroup, init_ray
 from hybridrl.controller.colocated import ColocatedWorker, RoleView
 from hybridrl.learner.learner import Learner
 from hybridrl.parallel import weight_sync
+from hybridrl.rollout.reward_model import (
+    RewardModelClient,
+    RewardModelWorker,
+    attach_colocated,
+    attach_reward_model,
+)
 from hybridrl.rollout.worker import RolloutWorker
 
 # the worker class of each role named in the config's ROLES (controller.placement)
-WORKER_CLASSES = {"learner": Learner, "rollout": RolloutWorker}
+WORKER_CLASSES = {"learner": Learner, "rollout": RolloutWorker, "reward_model": RewardModelWorker}
 
 
 @dataclass
@@ -37,6 +45,8 @@ class Roles:
     # their placement groups, released at shutdown
     pools: list[ResourcePool] = field(default_factory=list)
     transport: str = "memory"  # weight sync: memory (one process), fused, shm (one node) or store
+    # a WorkerGroup or RoleView of RewardModelWorker (None: no task.reward_model_path)
+    reward_model: RewardModelWorker | None = None
 
     def __post_init__(self):
         if self.learner is not None:
@@ -70,7 +80,9 @@ class Roles:
                 if owner is not None:
                     failed.add(id(owner))
 
-        for role in (self.learner, self.rollout):  # staging files released, torch.distributed left
+        # staging files released, torch.distributed left (the reward model holds neither: its
+        # group's shutdown below is all it needs)
+        for role in (self.learner, self.rollout):
             if role is not None:
                 attempt(_group_of(role), role.close)
         failed.clear()  # every group is killed and every pool released, whatever failed before
@@ -96,6 +108,22 @@ def _group_of(role: WorkerGroup | RoleView) -> WorkerGroup:
     return role.group if isinstance(role, RoleView) else role
 
 
+def connect_reward_model(rollout, reward_model, weight: float) -> None:
+    """Give every rollout rank's Scorer a reward-model rank to call (rank ``i % n``): the worker
+    object beside it in one process (the ``local`` backend, or one colocated group holding both),
+    else the rank's Ray actor (a colocated one reached through ``call_role``)."""
+    if isinstance(reward_model, RoleView) and _group_of(rollout) is reward_model.group:
+        reward_model.group.apply_all(attach_colocated, weight)
+        return
+    group = _group_of(reward_model)
+    if group.backend_name == "local":
+        clients = [RewardModelClient(worker) for worker in group.workers]
+    else:
+        route = ("call_role", "reward_model", "score") if group is not reward_model else ("score",)
+        clients = [RewardModelClient(actor, route) for actor in group.workers]
+    rollout.apply_all(attach_reward_model, clients, weight)
+
+
 def build_roles(
     cfg: Config,
     policy_path: str | None,
@@ -104,8 +132,8 @@ def build_roles(
     learner: bool = True,
 ) -> Roles:
     """Worker groups for the learner (unless ``learner`` is False: a run that only generates, e.g.
-    ``hybridrl eval``) and the rollout; roles mapped to the same pool share its processes
-    (colocation) under the ``ray`` backend."""
+    ``hybridrl eval``), the rollout and the reward model (with ``task.reward_model_path``); roles
+    mapped to the same pool share its processes (colocation) under the ``ray`` backend."""
     c = cfg.controller
     if c.backend == "ray":
         init_ray(c.ray_address)
@@ -116,10 +144,13 @@ def build_roles(
     args = {
         "learner": (cfg, policy_path, reference_path, critic_path),
         "rollout": (cfg, policy_path),
+        "reward_model": (cfg,),
     }
+    placed = ["learner", "rollout"] if learner else ["rollout"]
+    placed += ["reward_model"] if cfg.task.reward_model_path else []
     by_pool: dict[str, list[str]] = {}
-    for role in WORKER_CLASSES if learner else ("rollout",):
-        by_pool.setdefault(c.placement[role], []).append(role)
+    for role in placed:
+        by_pool.setdefault(c.pool_of(role), []).append(role)
 
     handles, groups = {}, []
     for pool, roles in by_pool.items():
@@ -144,9 +175,17 @@ def build_roles(
         )
         groups.append(fused)
         handles |= {role: RoleView(fused, role, WORKER_CLASSES[role]) for role in roles}
-    return Roles(
+    roles = Roles(
         learner=handles.get("learner"),
         rollout=handles["rollout"],
+        reward_model=handles.get("reward_model"),
         groups=groups,
         pools=list(pools.values()),
     )
+    if roles.reward_model is not None:
+        try:
+            connect_reward_model(roles.rollout, roles.reward_model, cfg.task.reward_model_weight)
+        except BaseException:
+            roles.shutdown()
+            raise
+    return roles
