@@ -16,6 +16,7 @@ import logging
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from hybridrl.config import ConfigError
 
@@ -81,6 +82,35 @@ def read_files(paths: list[Path], key: str, role: str = "train"):
             raise DataError(
                 f"{key}: the files do not share their columns ({columns}): {_one_line(e)}"
             ) from e
+
+
+def first_row(path: Path, key: str, role: str) -> tuple[list[str], Any, dict | None]:
+    """(columns, features or None, the first row or None when empty) of one path, reading as
+    little as the format allows (a file is streamed, a saved directory memory-mapped)."""
+    import datasets
+
+    try:
+        with _quiet():
+            if path.is_dir():
+                data = datasets.load_from_disk(str(path))
+                if isinstance(data, datasets.DatasetDict):
+                    data = _pick_split(data, path, key, role)
+                return data.column_names, data.features, data[0] if len(data) else None
+            with tempfile.TemporaryDirectory(prefix="hybridrl-data-") as cache:
+                data = datasets.load_dataset(
+                    FORMATS[path.suffix.lower()],
+                    data_files=[str(path)],
+                    split="train",
+                    cache_dir=cache,
+                    streaming=True,
+                )
+                row = next(iter(data), None)
+                columns = data.column_names or (list(row) if row else [])
+                return columns, data.features, row
+    except DataError:
+        raise
+    except Exception as e:  # a malformed file: datasets' own message, on one line
+        raise DataError(f"{key}: cannot read {str(path)!r}: {_one_line(e)}") from e
 
 
 def _read_one(path: Path, key: str, role: str):

@@ -28,6 +28,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerFast
 
 from hybridrl.config import Config
+from hybridrl.data.check import check_columns
 from hybridrl.data.files import DataError, as_paths, read_files
 from hybridrl.data.render import dig, encode, render_prompt, render_text
 from hybridrl.tasks.base import Prompt, Task
@@ -138,11 +139,11 @@ class DatasetTask(Task):
     def _read(self) -> _Rows:
         data = self.data
         train_table = read_files(self.train_paths, "data.train_files", "train")
-        self._check_columns(train_table, "data.train_files")
+        check_columns(train_table.column_names, train_table.features, data, "data.train_files")
         train, dropped = self._within_length(train_table, "data.train_files")
         if self.val_paths:
             val_table = read_files(self.val_paths, "data.val_files", "val")
-            self._check_columns(val_table, "data.val_files")
+            check_columns(val_table.column_names, val_table.features, data, "data.val_files")
             heldout, dropped_val = self._within_length(val_table, "data.val_files")
             rows = _Rows(train_table, train, val_table, heldout, "val", dropped + dropped_val)
         else:
@@ -173,33 +174,6 @@ class DatasetTask(Task):
         # a first render finds a missing chat template or a prompt of the wrong kind before the run
         self._make(train_table, rows.train[0], "check", "data.train_files")
         return rows
-
-    def _check_columns(self, table, key: str) -> None:
-        columns = table.column_names
-        if self.data.prompt_key not in columns:
-            raise DataError(
-                f"{key}: no column {self.data.prompt_key!r} (data.prompt_key); the columns: "
-                f"{columns}"
-            )
-        answer = self.data.answer_key
-        if answer is None:
-            return
-        parts = answer.split(".")
-        if parts[0] not in columns:
-            raise DataError(
-                f"{key}: no column {parts[0]!r} for data.answer_key={answer!r}; the columns: "
-                f"{columns} (data.answer_key=null: the data has no answers)"
-            )
-        feature = table.features[parts[0]]
-        for depth, part in enumerate(parts[1:], 1):
-            if not isinstance(feature, dict):  # not a struct: rows are checked as they are read
-                break
-            if part not in feature:
-                raise DataError(
-                    f"{key}: {'.'.join(parts[:depth])!r} has no field {part!r} for "
-                    f"data.answer_key={answer!r}; its fields: {sorted(feature)}"
-                )
-            feature = feature[part]
 
     def _within_length(self, table, key: str) -> tuple[list[int], int]:
         """(the rows within ``data.max_prompt_length``, how many were dropped); the prompts are

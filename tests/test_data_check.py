@@ -1,0 +1,45 @@
+"""check_data: a dataset's problems found before a run starts, from each file's first row (every
+format), as the same one-line errors the full read gives."""
+
+from __future__ import annotations
+
+import pytest
+from test_data import CHAT, chatml_tokenizer, config, model_dir, rows, write
+
+from hybridrl.data import DataError, check_data
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.json", "d.parquet", "d.csv", "saved"])
+def test_good_data_passes_in_every_format(tmp_path, name):
+    check_data(
+        config(write(tmp_path / name, rows(5)), val_files=write(tmp_path / "v.jsonl", rows(2)))
+    )
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.parquet", "saved"])
+def test_a_missing_column_is_found_from_the_first_row(tmp_path, name):
+    path = write(tmp_path / name, [{"question": "1+1=", "rm": {"gt": "2"}}] * 3)
+    with pytest.raises(DataError, match=r"no column 'prompt' \(data.prompt_key\).*question"):
+        check_data(config(path))
+    with pytest.raises(DataError, match=r"'rm' has no field 'truth'.*\['gt'\]"):
+        check_data(config(path, prompt_key="question", answer_key="rm.truth"))
+    check_data(config(path, prompt_key="question", answer_key="rm.gt"))
+
+
+def test_chat_without_a_template_and_bad_paths_fail_before_any_read(tmp_path):
+    chat = write(tmp_path / "c.jsonl", [{"prompt": CHAT, "answer": "5"}] * 2)
+    no_template = model_dir(tmp_path, chatml_tokenizer(template=None))
+    with pytest.raises(DataError, match="data.apply_chat_template=false"):
+        check_data(config(chat, model_path=no_template))
+    check_data(config(chat, model_path=no_template, apply_chat_template=False))
+    with pytest.raises(DataError, match="val.jsonl' does not exist"):
+        check_data(config(chat, val_files=str(tmp_path / "val.jsonl")))
+    bad = write(tmp_path / "b.jsonl", [{"prompt": ["not", "messages"], "answer": 1}])
+    with pytest.raises(DataError, match="row 0 of data.train_files.*string or a list"):
+        check_data(config(bad))
+
+
+def test_no_data_files_is_nothing_to_check():
+    from hybridrl.config import Config
+
+    check_data(Config())
