@@ -62,9 +62,9 @@ def check_plugins(cfg: Config) -> None:
     """Resolve every registry name now, so a typo fails before any work; load every reward
     function (name, dotted path or callable) and check its signature and optional package."""
     from hybridrl.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
-    from hybridrl.rewards.signatures import RewardConfigError, resolve_reward_fns
     from hybridrl.rollout import ROLLOUT_BACKENDS
     from hybridrl.tasks import TASKS
+    from hybridrl.tasks.reward_signatures import RewardConfigError, resolve_reward_fns
 
     for key, registry, name in [
         ("task.name", TASKS, cfg.task.name),

@@ -14,11 +14,11 @@ import pytest
 from hybridrl.cli import ConfigError, check_plugins
 from hybridrl.config import Config, load_config
 from hybridrl.protocol import Sample
-from hybridrl.rewards import needs
-from hybridrl.rewards.signatures import RewardConfigError, resolve_reward_fns
 from hybridrl.rollout import scoring
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.tasks import Prompt
+from hybridrl.tasks.base import needs
+from hybridrl.tasks.reward_signatures import RewardConfigError, resolve_reward_fns
 
 EOS, IM_END = 1, 2  # a model's generation_config may end a response with either
 
@@ -371,7 +371,7 @@ def test_external_batched_scorer():
 # --- math_verify ----------------------------------------------------------------------------------
 def test_math_verify():
     pytest.importorskip("math_verify")
-    from hybridrl.rewards.mathverify import math_verify
+    from hybridrl.tasks.mathverify import math_verify
 
     assert math_verify(prompt(0, "\\frac{1}{2}"), "0.5") == 1.0
     assert math_verify(prompt(0, "0.5"), "so the answer is $\\frac{1}{2}$") == 1.0
@@ -416,6 +416,6 @@ def test_missing_package_and_unknown_name_are_config_errors():
     cfg = load_config(Config, None, ["task.reward_fn=exact_matc"])
     with pytest.raises(ConfigError, match="did you mean 'exact_match'"):
         check_plugins(cfg)
-    from hybridrl.rewards.mathverify import math_verify
+    from hybridrl.tasks.mathverify import math_verify
 
     assert math_verify.requires_module == ("math_verify", "math")

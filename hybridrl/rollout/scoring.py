@@ -1,7 +1,7 @@
 """Scoring where the samples are generated: each rollout rank decodes its responses and scores them
-with the configured reward functions (``task.reward_fn``: one or several, in any of the forms of
-``hybridrl/rewards/signatures.py``, weighted by ``task.reward_weights``), in both training modes.
-``docs/rewards.md`` is the user's guide.
+with the configured reward functions (``task.reward_fn``: one or several, in any of the forms
+of ``hybridrl/tasks/reward_signatures.py``, weighted by ``task.reward_weights``), in both
+training modes. ``docs/rewards.md`` is the user's guide.
 
 A sample's reward is the weighted sum of the scores of the functions that scored it (a TRL-style
 function returns None for a sample it does not score). With several functions (or a weight other
@@ -55,7 +55,9 @@ from typing import Any
 
 from hybridrl.config import Config
 from hybridrl.protocol import Sample
-from hybridrl.rewards.signatures import (
+from hybridrl.rollout.stop import eos_token_ids
+from hybridrl.tasks.base import NonFiniteReward, finite_float32
+from hybridrl.tasks.reward_signatures import (
     BatchedScorer,
     Result,
     RewardFunction,
@@ -67,8 +69,6 @@ from hybridrl.rewards.signatures import (
     settle,
     unique_name,
 )
-from hybridrl.rollout.stop import eos_token_ids
-from hybridrl.tasks.base import NonFiniteReward, finite_float32
 
 log = logging.getLogger(__name__)
 LOGGED_ERRORS = 5  # reward-call failures of each kind logged in full per scorer; later only counted

@@ -14,7 +14,7 @@ tokens skipped); ``finished`` is False when the sample never emitted ``<eos>``
 parameter named ``finished`` or ``**kwargs``), so a two-argument plug-in works.
 Reward functions are registered in :data:`REWARDS` or given by dotted path. This is the
 per-sample form; TRL-style batched and veRL-style functions are recognised by their parameters
-and adapted in ``hybridrl/rewards/signatures.py`` (see ``docs/rewards.md``).
+and adapted in ``hybridrl/tasks/reward_signatures.py`` (see ``docs/rewards.md``).
 """
 
 from __future__ import annotations
@@ -157,6 +157,17 @@ class NonFiniteReward(ValueError):
 
     def __reduce__(self):
         return type(self), (str(self), self.score)
+
+
+def needs(module: str, extra: str) -> Callable[[Callable], Callable]:
+    """Mark a reward function as needing an optional package: selecting it when ``module`` is not
+    importable is a config-time error telling to ``pip install 'hybridrl[<extra>]'``."""
+
+    def deco(fn: Callable) -> Callable:
+        fn.requires_module = (module, extra)  # read by reward_signatures.load_reward_fn
+        return fn
+
+    return deco
 
 
 def finite_float32(x: float) -> bool:

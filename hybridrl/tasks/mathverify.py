@@ -11,8 +11,7 @@ instead.
 
 from __future__ import annotations
 
-from hybridrl.rewards import needs
-from hybridrl.tasks.base import REWARDS, Prompt
+from hybridrl.tasks.base import REWARDS, Prompt, needs
 
 
 @REWARDS.register("math_verify")
