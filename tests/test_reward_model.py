@@ -194,10 +194,50 @@ def test_local_async_run_scores_in_the_stream(tmp_path, rm_path):
     check_reward_is_the_models(rows_of(tmp_path / "runs" / "arith_grpo"), [1, 2])
 
 
-@pytest.mark.slow
-def test_ray_run_with_the_reward_model_on_its_own_pool(tmp_path, rm_path):
+@pytest.fixture(scope="module")
+def ray_cluster():
+    yield
     import ray
 
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def test_ray_colocated_with_the_rollout_scores_in_memory(tmp_path, rm_path, ray_cluster):
+    """Under Ray, unplaced: the reward model shares the rollout's processes (one colocated group)
+    and the rollout's Scorer calls it there; its scores equal the role's own."""
+    from hybridrl.controller.colocated import RoleView
+    from hybridrl.models.loading import load_tokenizer, make_task
+    from hybridrl.protocol import prompt_sample
+    from hybridrl.rollout import SamplingParams
+
+    cfg = cfg_with(
+        tmp_path,
+        f"task.reward_model_path={rm_path}",
+        zero_reward(tmp_path),
+        "controller.backend=ray",
+    )
+    roles = build_roles(cfg, None, None, learner=False)
+    try:
+        assert isinstance(roles.reward_model, RoleView) and isinstance(roles.rollout, RoleView)
+        assert roles.reward_model.group is roles.rollout.group
+        tok = load_tokenizer(cfg, None)
+        prompts = make_task(cfg).heldout()[:3]
+        samples = roles.rollout.generate(
+            [prompt_sample(p, tok) for p in prompts], SamplingParams.of(cfg, n=2)
+        )
+        pairs = [
+            (s.metadata["prompt"].text, tok.decode(s.response_ids, skip_special_tokens=True))
+            for s in samples
+        ]
+        want = roles.reward_model.score(pairs)
+    finally:
+        roles.shutdown()
+    assert [s.reward for s in samples] == pytest.approx(want, abs=1e-5)
+    assert [s.reward_extras["reward/reward_model"] for s in samples] == pytest.approx(want)
+
+
+def test_ray_run_with_the_reward_model_on_its_own_pool(tmp_path, rm_path, ray_cluster):
     from hybridrl.driver.sync import train
 
     cfg = cfg_with(
@@ -209,8 +249,5 @@ def test_ray_run_with_the_reward_model_on_its_own_pool(tmp_path, rm_path):
         "controller.pools={global: {cpus_per_worker: 0.5}, rm: {cpus_per_worker: 0.5}}",
         "controller.placement={learner: global, rollout: global, reward_model: rm}",
     )
-    try:
-        assert train(cfg)["steps"] == 2
-    finally:
-        ray.shutdown()
+    assert train(cfg)["steps"] == 2
     check_reward_is_the_models(rows_of(tmp_path / "runs" / "arith_grpo"), [1, 2])
