@@ -335,9 +335,10 @@ class RolloutConfig:
     )
     dtype: Literal["auto", "fp32", "bf16"] = _f(
         "auto",
-        "native: dtype of the engine's weights and KV cache (log-probs stay fp32); "
-        "auto: on a CPU bf16 when it has native bf16 matmuls and a measurement "
-        "on the model says they pay, else fp32; on CUDA the model's dtype",
+        "native (and hf on CUDA): dtype of the engine's weights and KV cache (log-probs stay "
+        "fp32); auto: on CUDA bf16 where the GPU has native bf16 (compute capability >= 8.0), "
+        "else fp32; on a CPU bf16 when it has native bf16 matmuls and a measurement on the "
+        "model says they pay, else fp32",
     )
     kv_cache_memory_fraction: float | None = _f(
         None,
@@ -569,8 +570,10 @@ class FSDPConfig:
     )
     mixed_precision: Literal["auto", "fp32", "bf16"] = _f(
         "auto",
-        "training and reference precision. GPU: auto/bf16 = bf16 params + "
-        "fp32 reduce (FSDP2, world size > 1). CPU: bf16 = autocast with fp32 "
+        "training and reference precision. GPU: bf16 = bf16 params + fp32 reduce "
+        "(FSDP2, world size > 1), or bf16 autocast with fp32 master weights and optimizer state "
+        "(one GPU); auto = bf16 where the GPU has native bf16 (compute capability >= 8.0), else "
+        "fp32. CPU: bf16 = autocast with fp32 "
         "master weights and optimizer state; auto = bf16 when the CPU has "
         "native bf16 matmuls (amx_bf16, avx512_bf16) and a measurement on the "
         "model says they pay (>= 1.3x), else fp32",
