@@ -5,6 +5,7 @@ unit tests and tiny real runs in both modes. wandb runs offline and never touche
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -35,6 +36,7 @@ def offline_wandb(tmp_path, monkeypatch):
 def wandb_records(run_dir):
     """The protobuf records of the offline wandb runs under ``run_dir/wandb`` (the .wandb file:
     a 7-byte header, then leveldb-log blocks of 32 KiB), with the run's id."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     out = []
@@ -51,16 +53,31 @@ def wandb_records(run_dir):
                 break
             if kind in (1, 4):  # a full record, or the last piece of one
                 rec = pb.Record()
-                rec.ParseFromString(buf)
+                try:
+                    rec.ParseFromString(buf)
+                except DecodeError:  # still being written
+                    break
                 out.append(rec)
                 buf = b""
     return out
 
 
-def wandb_history(run_dir) -> list[dict]:
+def finished_records(run_dir, runs: int = 1, timeout_s: float = 60.0):
+    """:func:`wandb_records` once ``runs`` runs have their exit record: wandb's service process may
+    still be writing the file when ``finish()`` returns."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(run_dir)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if kinds.count("exit") >= runs or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def wandb_history(run_dir, runs: int = 1) -> list[dict]:
     return [
         {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-        for r in wandb_records(run_dir)
+        for r in finished_records(run_dir, runs)
         if r.WhichOneof("record_type") == "history"
     ]
 
@@ -180,14 +197,14 @@ def test_wandb_offline_run_has_metrics_table_and_keeps_its_id_on_resume(tmp_path
     data = json.loads(table.read_text())
     assert data["columns"] == [*columns([{}]), "reward_errors"]
     assert data["data"][0][:4] == [1, "a", "q a | x\nline", "5 6"]
-    runs = [r.run for r in wandb_records(run) if r.WhichOneof("record_type") == "run"]
+    runs = [r.run for r in finished_records(run) if r.WhichOneof("record_type") == "run"]
     assert (runs[0].run_id, runs[0].project, runs[0].display_name) == (run_id, "proj", "tiny")
     # a resumed run continues the same wandb run
     with MetricsLogger(run, tensorboard=False, resume_step=1, wandb=cfg) as logger:
         logger.log(2, {"reward/mean": 0.5})
     assert (run / RUN_ID_FILE).read_text().strip() == run_id
     assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
-    assert [h["step"] for h in wandb_history(run) if "reward/mean" in h] == [1, 2]
+    assert [h["step"] for h in wandb_history(run, runs=2) if "reward/mean" in h] == [1, 2]
 
 
 def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch, capsys):
