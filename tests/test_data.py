@@ -136,6 +136,18 @@ def test_bad_paths_are_one_line_errors_naming_the_path_and_what_is_allowed(tmp_p
     )
 
 
+def test_unreadable_or_mismatched_files_are_one_line_errors(tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": \n')
+    one_line_error(lambda: DatasetTask(config(str(broken))).prompt(0), "cannot read", "broken")
+    a = write(tmp_path / "a.jsonl", rows(3))
+    b = write(tmp_path / "b.jsonl", [{"prompt": "1+1=", "other": 1}])
+    one_line_error(lambda: DatasetTask(config([a, b])).prompt(0), "b.jsonl", "no column 'answer'")
+    c = write(tmp_path / "c.jsonl", [{"prompt": "2+2=", "answer": 4, "extra": "x"}])
+    task = DatasetTask(config([a, c], shuffle=False))  # an extra column: null in the other file
+    assert task.prompt(0).columns["extra"] is None and task.prompt(3).columns["extra"] == "x"
+
+
 def test_missing_columns_are_one_line_errors_naming_the_columns(tmp_path):
     path = write(tmp_path / "d.jsonl", [{"question": "1+1=", "rm": {"gt": "2"}}] * 4)
     one_line_error(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,16 @@ def as_paths(files: str | list[str] | None, key: str) -> list[Path]:
     return paths
 
 
-def read_files(paths: list[Path], key: str, role: str = "train"):
+def read_files(
+    paths: list[Path],
+    key: str,
+    role: str = "train",
+    check: Callable[[Any, str], None] | None = None,
+):
     """One in-memory ``datasets.Dataset`` of all ``paths`` (from :func:`as_paths`), in order.
-    ``role`` ("train" or "val") picks the split of a saved DatasetDict that has several."""
+    ``role`` ("train" or "val") picks the split of a saved DatasetDict that has several. ``check``
+    (table, "<key>: '<path>'") runs on each file's table before they are concatenated: a column
+    one file lacks would otherwise be filled with nulls."""
     import datasets
 
     parts = []
@@ -73,6 +80,8 @@ def read_files(paths: list[Path], key: str, role: str = "train"):
                 raise
             except Exception as e:  # a malformed file: datasets' own message, on one line
                 raise DataError(f"{key}: cannot read {str(path)!r}: {_one_line(e)}") from e
+            if check is not None:
+                check(parts[-1], f"{key}: {str(path)!r}" if len(paths) > 1 else key)
         if len(parts) == 1:
             return parts[0]
         try:

@@ -138,12 +138,10 @@ class DatasetTask(Task):
 
     def _read(self) -> _Rows:
         data = self.data
-        train_table = read_files(self.train_paths, "data.train_files", "train")
-        check_columns(train_table.column_names, train_table.features, data, "data.train_files")
+        train_table = read_files(self.train_paths, "data.train_files", "train", self._check)
         train, dropped = self._within_length(train_table, "data.train_files")
         if self.val_paths:
-            val_table = read_files(self.val_paths, "data.val_files", "val")
-            check_columns(val_table.column_names, val_table.features, data, "data.val_files")
+            val_table = read_files(self.val_paths, "data.val_files", "val", self._check)
             heldout, dropped_val = self._within_length(val_table, "data.val_files")
             rows = _Rows(train_table, train, val_table, heldout, "val", dropped + dropped_val)
         else:
@@ -174,6 +172,9 @@ class DatasetTask(Task):
         # a first render finds a missing chat template or a prompt of the wrong kind before the run
         self._make(train_table, rows.train[0], "check", "data.train_files")
         return rows
+
+    def _check(self, table, key: str) -> None:
+        check_columns(table.column_names, table.features, self.data, key)
 
     def _within_length(self, table, key: str) -> tuple[list[int], int]:
         """(the rows within ``data.max_prompt_length``, how many were dropped); the prompts are
