@@ -106,6 +106,20 @@ def test_scores_equal_transformers_one_pair_at_a_time(tmp_path, rm_path, pad, ba
     assert RewardModelClient(worker)(prompts, [c for _, c in PAIRS]) == got
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_on_the_gpu_and_host_memory_while_asleep(rm_path):
+    cfg = load_config(Config, None, [f"task.reward_model_path={rm_path}"])
+    worker = RewardModelWorker(WorkerContext(0, 1, "reward_model", "global"), cfg)
+    weight = next(worker.model.parameters())
+    assert weight.device.type == "cuda" and weight.dtype == torch.bfloat16
+    want = direct_scores(rm_path, PAIRS)
+    assert worker.score(PAIRS) == pytest.approx(want, rel=0.05, abs=0.25)
+    worker.sleep()  # colocated: another role has the device
+    assert next(worker.model.parameters()).device.type == "cpu"
+    assert worker.score(PAIRS) == pytest.approx(want, rel=0.05, abs=0.25)  # woke up for it
+    assert next(worker.model.parameters()).device.type == "cuda"
+
+
 def test_config_errors(tmp_path, rm_path):
     def load(*extra):
         return load_config(Config, None, list(extra))
