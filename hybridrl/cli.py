@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from hybridrl.checks import check_config
 from hybridrl.config import Config, ConfigError, dump_yaml, load_config
 
 EXIT_CONFIG = 2
@@ -56,52 +57,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.overrides.insert(0, args.config)
         args.config = None
     return args
-
-
-def check_plugins(cfg: Config) -> None:
-    """Resolve every registry name now, so a typo fails before any work; load every reward
-    function (name, dotted path or callable) and check its signature and optional package."""
-    from hybridrl.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
-    from hybridrl.rollout import ROLLOUT_BACKENDS
-    from hybridrl.tasks import TASKS
-    from hybridrl.tasks.reward_signatures import RewardConfigError, resolve_reward_fns
-
-    for key, registry, name in [
-        ("task.name", TASKS, cfg.task.name),
-        ("rollout.backend", ROLLOUT_BACKENDS, cfg.rollout.backend),
-        ("algorithm.advantage", ADVANTAGES, cfg.algorithm.advantage),
-        ("algorithm.policy_loss", POLICY_LOSSES, cfg.algorithm.policy_loss),
-        ("algorithm.kl_estimator", KL_ESTIMATORS, cfg.algorithm.kl_estimator),
-    ]:
-        try:
-            registry.get(name)
-        except KeyError as e:
-            raise ConfigError(f"config key {key!r}: {e.args[0]}") from None
-    try:
-        resolve_reward_fns(cfg)
-    except RewardConfigError as e:
-        raise ConfigError(f"config key {e.key!r}: {e.message}") from None
-
-
-def check_loggers(cfg: Config) -> None:
-    """A logger in ``trainer.loggers`` whose package is missing fails now, before any work."""
-    if "wandb" in cfg.trainer.loggers:
-        from hybridrl.telemetry.tracking import import_wandb
-
-        try:
-            import_wandb()
-        except ImportError as e:
-            raise ConfigError(f"config key 'trainer.loggers': {e}") from None
-
-
-def check_rollout_backend(cfg: Config) -> None:
-    """A rollout backend whose package is missing (vllm, sglang) fails now, before any worker
-    starts, naming the extra that installs it."""
-    from hybridrl.rollout.backends import missing_requirement
-
-    problem = missing_requirement(cfg.rollout.backend)
-    if problem:
-        raise ConfigError(f"config key 'rollout.backend': {problem}")
 
 
 def export(argv: list[str]) -> int:
@@ -215,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(Config, args.config, args.overrides)
-        check_plugins(cfg)
-        check_rollout_backend(cfg)
-        check_loggers(cfg)
+        check_config(cfg)
         if args.command == "sft" and not args.print_config:
             # `sft` trains and writes even when sft.enabled is false or a cached one exists
             try:
@@ -246,13 +199,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(evaluate_checkpoint(cfg), indent=1))
         return 0
-    from hybridrl.driver import asynchronous, sync
+    from hybridrl.api import run
     from hybridrl.driver.checkpoint import CheckpointError
     from hybridrl.telemetry.watchdog import StepTimeoutError
 
-    trainers = {"sync": sync.train, "async": asynchronous.train}  # trainer.mode
     try:
-        summary = trainers[cfg.trainer.mode](cfg, resume=args.resume)
+        summary = run(cfg, resume=args.resume)
     except (StepTimeoutError, CheckpointError) as e:  # says what happened and where, in one line
         print(f"hybridrl: error: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED

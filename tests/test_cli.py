@@ -132,10 +132,25 @@ def test_cached_sft_checkpoint_is_only_read(tmp_path, capsys):
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
 
+def example_assets(example: Path, tmp_path: Path) -> list[str]:
+    """Overrides that point an example at assets it makes first (a model, data files)."""
+    if example.name != "chat_math_grpo.yaml":
+        return []
+    from hybridrl.models.chat_model import build_chat_model
+    from hybridrl.tasks.word_problems import write_word_problems
+
+    model = build_chat_model(tmp_path / "model", ["user assistant 12 apples"], vocab_size=280)
+    train = write_word_problems(tmp_path / "train.jsonl", 8, seed=0)
+    val = write_word_problems(tmp_path / "val.jsonl", 4, seed=1)
+    return [f"model.path={model}", f"data.train_files={train}", f"data.val_files={val}"]
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_examples_load(capsys, example):
+def test_examples_load(capsys, tmp_path, example):
     assert len(EXAMPLES) >= 5
-    code, out, err = run(capsys, "train", str(example), "--print-config")
+    overrides = example_assets(example, tmp_path)
+    capsys.readouterr()  # what making the assets printed
+    code, out, err = run(capsys, "train", str(example), *overrides, "--print-config")
     assert code == 0 and err == "", err
 
 

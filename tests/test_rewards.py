@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from hybridrl.cli import ConfigError, check_plugins
-from hybridrl.config import Config, load_config
+from hybridrl.checks import check_plugins
+from hybridrl.config import Config, ConfigError, load_config
 from hybridrl.protocol import Sample
 from hybridrl.rollout import scoring
 from hybridrl.rollout.scoring import Scorer

@@ -9,7 +9,7 @@ A backend class may declare:
   they are given) and keep the in-memory model on the CPU as a host mirror.
 * ``package`` / ``extra``: the third-party package it drives and the hybridrl extra that installs
   it; :func:`missing_requirement` turns a missing one into a one-line config error before any
-  worker starts (``hybridrl.cli.check_plugins``).
+  worker starts (``hybridrl.checks.check_plugins``).
 
 Only hybridrl code is imported here (the registry's classes are looked up when asked for).
 """
