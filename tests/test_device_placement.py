@@ -5,6 +5,7 @@ same paths on a real GPU. Also: a CPU run still places everything on the CPU, a 
 sglang package is a one-line config error, and the extras are declared in pyproject.toml."""
 
 import logging
+import os
 import sys
 import types
 from pathlib import Path
@@ -48,6 +49,53 @@ def test_the_worker_device_is_the_gpu_it_was_given(monkeypatch):
     assert distributed.compute_device() == torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_RANK", "1")  # a launcher's second rank on the node
     assert distributed.compute_device() == torch.device("cuda", 1) and chosen == [0, 1]
+
+
+def fake_ray(monkeypatch, actor_id, gpu_ids):
+    """``ray`` as seen from a process it runs: an actor (``actor_id``) or the driver (None)."""
+    ctx = types.SimpleNamespace(get_actor_id=lambda: actor_id)
+    ray = types.SimpleNamespace(
+        is_initialized=lambda: True, get_runtime_context=lambda: ctx, get_gpu_ids=lambda: gpu_ids
+    )
+    monkeypatch.setitem(sys.modules, "ray", ray)
+
+
+def test_a_ray_actor_that_reserved_no_gpu_runs_on_the_cpu_on_a_gpu_node(monkeypatch):
+    """Ray leaves CUDA_VISIBLE_DEVICES alone for an actor with num_gpus=0, so it sees every GPU of
+    the node; a pool with gpus_per_worker: 0 must still run on the CPU."""
+    fake_gpu(monkeypatch, count=8)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    fake_ray(monkeypatch, "actor-1", [])
+    assert distributed.compute_device() == torch.device("cpu")
+    fake_ray(monkeypatch, "actor-1", [3])  # reserved one: Ray made it the only visible GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert distributed.compute_device() == torch.device("cuda", 0)
+    fake_ray(monkeypatch, None, [])  # the driver (local controller): the machine's GPU 0
+    assert distributed.compute_device() == torch.device("cuda", 0)
+
+
+class _Probe:
+    def check(self) -> bool:
+        return distributed._ray_actor_without_gpu()
+
+
+def test_the_ray_actor_check_against_ray_itself():
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("another test's Ray instance is running")
+    path = os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},  # the actor imports this module
+    )
+    try:
+        actor = ray.remote(num_cpus=0.1)(_Probe).remote()  # no GPU reserved
+        assert ray.get(actor.check.remote()) is True
+        assert distributed._ray_actor_without_gpu() is False  # the driver
+    finally:
+        ray.shutdown()
 
 
 def test_without_a_gpu_the_worker_device_is_the_cpu(monkeypatch):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -45,13 +46,30 @@ class DistEnv:
 
 
 def compute_device() -> torch.device:
-    """The GPU this process was given (Ray sets ``CUDA_VISIBLE_DEVICES`` per actor; a launcher sets
-    ``LOCAL_RANK``), else the CPU."""
-    if not torch.cuda.is_available():
+    """The one rule for a worker's device, used by every role (learner, reference, critic, rollout):
+    the GPU this process was given, else the CPU. Ray sets ``CUDA_VISIBLE_DEVICES`` for an actor
+    that reserved GPUs (``gpus_per_worker > 0``); one that reserved none gets the CPU even on a GPU
+    node (Ray leaves the variable alone then, so the process would see every GPU). A launcher sets
+    ``LOCAL_RANK``; one process on a GPU machine (the local controller) takes GPU 0."""
+    if not torch.cuda.is_available() or _ray_actor_without_gpu():
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
     torch.cuda.set_device(local)
     return torch.device("cuda", local)
+
+
+def _ray_actor_without_gpu() -> bool:
+    """Whether this process is a Ray actor that reserved no GPU (Ray is only asked when this process
+    has imported it)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    try:
+        if ray.get_runtime_context().get_actor_id() is None:  # the driver, not an actor
+            return False
+        return not ray.get_gpu_ids()
+    except Exception:  # an unexpected Ray API: keep the CUDA rule
+        return False
 
 
 def pg_timeout_s() -> float:
