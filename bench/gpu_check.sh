@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks, prepared for a lent GPU machine (the `device` tool's `run`), in one call of at most
-# about 8 minutes on an H200:
+# The GPU checks, prepared for a lent GPU machine (the `device` tool's `run`), in one call of about
+# 8 minutes on an H200 (the steps' time limits add up to 570 s):
 #   run(command="bash bench/gpu_check.sh", timeout_s=600)
 # Needs the machine's python3 to have torch (CUDA), transformers, peft, safetensors, pytest and
 # hybridrl's other core dependencies (pyyaml, tqdm, matplotlib, numpy); no Ray (the local controller
