@@ -227,7 +227,7 @@ def make_cfg(tmp_path, *extra) -> Config:
 
 
 def trace(tmp_path) -> list[dict]:
-    path = tmp_path / "runs" / "arith_grpo" / "trajectories.jsonl"
+    path = tmp_path / "runs" / "reverse_grpo" / "trajectories.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -251,7 +251,7 @@ def test_max_staleness_zero_is_on_policy(tmp_path):
     train(make_cfg(tmp_path, "asynchronous.max_staleness=0", "trainer.total_steps=3"))
     metrics = [
         json.loads(line)
-        for line in (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
+        for line in (tmp_path / "runs" / "reverse_grpo" / "metrics.jsonl").read_text().splitlines()
     ]
     rows = trace(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3] and [m["step"] for m in metrics] == [0, 1, 2, 3]
@@ -274,7 +274,7 @@ def test_resume_trains_no_trajectory_twice_and_continues_the_stream(tmp_path):
     assert len(trained) == len(set(trained)) == 16
     final = json.loads(
         (
-            tmp_path / "runs" / "arith_grpo" / "checkpoints" / "step_000004" / "trainer.json"
+            tmp_path / "runs" / "reverse_grpo" / "checkpoints" / "step_000004" / "trainer.json"
         ).read_text()
     )
     # every prompt of the stream up to the cursor was trained exactly once or
@@ -328,7 +328,7 @@ def test_async_training_runs_with_the_hf_backend(tmp_path):
     assert len(lags) == 2 * 8 and max(lags) <= 1
     metrics = [
         json.loads(line)
-        for line in (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
+        for line in (tmp_path / "runs" / "reverse_grpo" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all("reward/mean" in m and "actor/pg_loss" in m for m in metrics[1:])
 
@@ -345,7 +345,7 @@ class FailingTask(ReverseTask):
 def test_a_failing_rollout_stops_the_run_with_its_error(tmp_path):
     with pytest.raises(Exception, match="prompt source went away"):
         train(make_cfg(tmp_path, f"task.name={__name__}:FailingTask", "trainer.total_steps=5"))
-    metrics = (tmp_path / "runs" / "arith_grpo" / "metrics.jsonl").read_text().splitlines()
+    metrics = (tmp_path / "runs" / "failingtask_grpo" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[0])["step"] == 0  # what was written before is kept
 
 
