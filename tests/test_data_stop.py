@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from chain_models import chain_model as chain_model_of
+from chain_models import word_tokenizer
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
 from hybridrl.config import Config, RolloutConfig
 from hybridrl.config.schema import DataConfig
@@ -22,40 +23,12 @@ CHAIN = ["a", "b", "c", "<|endoftext|>", "w"]  # greedy decoding walks it, then 
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
-    tk = Tokenizer(models.WordLevel(IDS, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-    )
+    return word_tokenizer(WORDS, eos="<|im_end|>")
 
 
 def chain_model(eos) -> Qwen2ForCausalLM:
-    """Attention and MLP outputs are zero, so the logits depend on the current token only; the head
-    maps each token of CHAIN to the next. ``eos``: its generation_config's eos_token_id."""
-    cfg = Qwen2Config(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    m = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        m.model.embed_tokens.weight.copy_(torch.eye(len(WORDS), 32))
-        m.lm_head.weight.zero_()
-        for a, b in zip(CHAIN, CHAIN[1:] + ["w"]):
-            m.lm_head.weight[IDS[b], IDS[a]] = 10.0
+    """Greedy decoding walks CHAIN; ``eos``: its generation_config's eos_token_id."""
+    m = chain_model_of(WORDS, dict(zip(CHAIN, CHAIN[1:] + ["w"])), hidden=32)
     m.generation_config.eos_token_id = eos
     return m
 

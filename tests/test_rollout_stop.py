@@ -4,8 +4,8 @@ the shared check."""
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from chain_models import chain_model as chain_model_of
+from chain_models import word_tokenizer
 
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample
@@ -30,48 +30,17 @@ WORDS = (
 
 
 def tokenizer():
-    tk = Tokenizer(models.WordLevel({t: i for i, t in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tk.decoder = decoders.Fuse()  # tokens concatenate: "a11" "x</ans>y" -> "a11x</ans>y"
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        eos_token="<eos>",
-        pad_token="<pad>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-    )
+    return word_tokenizer(WORDS)  # tokens concatenate: "a11" "x</ans>y" -> "a11x</ans>y"
 
 
 def chain_model():
-    """Greedy decoding walks a fixed chain:
-    a0 -> a1 -> ... -> a12 -> the case's end tokens -> w -> w ...
-    (attention and MLP outputs are zero, so the logits depend on the current token only)."""
-    nxt = {}
+    """Greedy decoding walks a fixed chain: a0 -> a1 -> ... -> a12 -> the case's end tokens -> w
+    -> w ..."""
+    nxt = {"w": "w"}
     for family, fillers in FILLERS.items():
         path = fillers + ENDS[family] + ["w"]
         nxt.update({a: b for a, b in zip(path, path[1:])})
-    nxt["w"] = "w"
-    ids = {t: i for i, t in enumerate(WORDS)}
-    cfg = Qwen2Config(
-        vocab_size=len(WORDS),
-        hidden_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    m = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        m.model.embed_tokens.weight.copy_(torch.eye(len(WORDS), 64))
-        m.lm_head.weight.zero_()
-        for a, b in nxt.items():
-            m.lm_head.weight[ids[b], ids[a]] = 10.0
-    return m, ids
+    return chain_model_of(WORDS, nxt), {t: i for i, t in enumerate(WORDS)}
 
 
 CASES = [
