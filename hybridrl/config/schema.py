@@ -727,10 +727,23 @@ class TrainerConfig:
         "for",
         gt=0,
     )
+    profile_steps: list[int] = _f(
+        [],
+        "steps (1-based, as in metrics.jsonl) during which every worker process runs the torch "
+        "profiler; Chrome traces go to <run>/profile/<worker>-rank<k>-step<N>.json.gz (open in "
+        "Perfetto); a step beyond the run is never reached. Every step's phase spans go to "
+        "<run>/timeline.jsonl regardless",
+    )
+    profile_record_shapes: bool = _f(
+        False, "profiled steps: record operator input shapes (larger traces)"
+    )
 
     def validate(self) -> None:
         if self.name == "":
             raise ValueError("name must not be empty (null: derived from the task)")
+        bad = [s for s in self.profile_steps if s < 1]
+        if bad:
+            raise ValueError(f"profile_steps holds {bad[0]}: steps count from 1")
 
 
 @dataclass

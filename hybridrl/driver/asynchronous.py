@@ -21,6 +21,7 @@ from hybridrl.config import Config
 from hybridrl.driver.checkpoint import save_checkpoint
 from hybridrl.driver.session import open_session
 from hybridrl.rollout.buffer import make_buffer
+from hybridrl.telemetry.profiler import profiled
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
@@ -41,7 +42,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         try:
             roles.rollout.start_stream(buffer, s.params, t.seed)
             tick = time.perf_counter()
-            for step in s.watchdog.steps(bar):  # each within trainer.step_timeout_s
+            for step in profiled(s, s.watchdog.steps(bar)):  # timeline.jsonl, traces
                 out = roles.learner.train_step(step, buffer)
                 with timer.phase("weight_sync"):
                     roles.sync_weights(step + 1)

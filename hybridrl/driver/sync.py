@@ -16,6 +16,7 @@ from hybridrl.config import Config
 from hybridrl.driver.checkpoint import save_checkpoint
 from hybridrl.driver.collect import collect
 from hybridrl.driver.session import open_session
+from hybridrl.telemetry.profiler import profiled
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
@@ -26,7 +27,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
     with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
         try:
-            for step in s.watchdog.steps(bar):  # each within trainer.step_timeout_s
+            for step in profiled(s, s.watchdog.steps(bar)):  # timeline.jsonl, traces
                 samples, cursor, metrics = collect(
                     roles.rollout, s.task, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
                 )

@@ -59,6 +59,7 @@ from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
 from hybridrl.telemetry.flops import learner_perf
+from hybridrl.telemetry.timeline import SpanLog
 
 # a batch column: each row's index, so the update's forward can note its old log-probs
 ROW = "update_row"
@@ -163,7 +164,9 @@ class Learner(Worker):
         critic_from = critic_path or ref_path
         self.critic = Critic(cfg, critic_from, self.dist) if needs_critic(cfg) else None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
-        self.timer = PhaseTimer()
+        # each phase is also a span of the run's timeline (telemetry/timeline.py)
+        self.spans = SpanLog(ctx.role)
+        self.timer = PhaseTimer(spans=self.spans, prefix="learner/")
         # weight sync, by name, built on first use
         self.transports: dict[str, weight_sync.WeightTransport] = {}
 
@@ -364,7 +367,8 @@ class Learner(Worker):
         (``parallel/weight_sync.py``); the handle the rollout loads from (rank 0)."""
         if transport not in self.transports:
             self.transports[transport] = weight_sync.make_transport(transport)
-        return self.transports[transport].publish(self, version)
+        with self.spans.span("weight_sync/publish"):
+            return self.transports[transport].publish(self, version)
 
     def rehome_parameters(self, stage):
         """Move the parameters into a shared-memory staging file (the ``shm`` transport's zero-copy

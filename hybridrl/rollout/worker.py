@@ -17,6 +17,7 @@ from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.rollout.stream import RolloutStream
 from hybridrl.telemetry.flops import rollout_perf
 from hybridrl.telemetry.samples import RecentSamples
+from hybridrl.telemetry.timeline import SpanLog, SpannedEngine
 
 
 class RolloutWorker(Worker):
@@ -32,12 +33,16 @@ class RolloutWorker(Worker):
         self.recent = RecentSamples(cfg.trainer.log_samples)
         # weight sync, by name, built on first use
         self.transports: dict[str, weight_sync.WeightTransport] = {}
+        self.spans = SpanLog(ctx.role)  # the timeline's spans (telemetry/timeline.py)
 
     @register(Dispatch.DP_COMPUTE)
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """``params.n`` scored samples per prompt sample
         (:func:`~hybridrl.protocol.prompt_sample`)."""
-        return self.scorer(self.backend.generate(prompts, params))
+        with self.spans.span("rollout/generate"):
+            out = self.backend.generate(prompts, params)
+        with self.spans.span("rollout/score"):
+            return self.scorer(out)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, transport: str, handle, version: int) -> int:
@@ -45,7 +50,8 @@ class RolloutWorker(Worker):
         returned) through this worker's ``transport``; the number of tensors loaded."""
         if transport not in self.transports:
             self.transports[transport] = weight_sync.make_transport(transport)
-        return self.transports[transport].load(self.backend, handle, version)
+        with self.spans.span("weight_sync/load"):
+            return self.transports[transport].load(self.backend, handle, version)
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
@@ -62,12 +68,13 @@ class RolloutWorker(Worker):
         prompt."""
         if self.stream is not None:
             raise RuntimeError("the rollout stream is already running")
+        score = self.spans.wrap("rollout/score", self.scorer)
         self.stream = RolloutStream(
-            self.backend,
+            SpannedEngine(self.backend, self.spans),  # engine steps as rollout/generate spans
             buffer,
             make_task(self.cfg),
             self.tokenizer,
-            lambda group: self.recent.keep(self.scorer(group)),
+            lambda group: self.recent.keep(score(group)),
             params,
             seed,
             self.cfg.asynchronous.max_concurrent_prompts,

@@ -10,6 +10,9 @@ Usage::
             with timer.phase("forward"):   # nesting of different names is fine
                 ...
         metrics.update(timer.pop())        # {"timing/rollout": s, ..., "timing/step": s}
+
+With ``spans`` (a :class:`~hybridrl.telemetry.timeline.SpanLog`) every phase is also recorded as a
+span ``<prefix><name>`` of the run's timeline (wall-clock start and end).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 
 class PhaseTimer:
@@ -31,13 +34,17 @@ class PhaseTimer:
     * A phase still open when ``pop`` is called contributes the time elapsed
       so far; the rest is attributed to the next step.
 
-    ``clock`` is injectable for tests; it defaults to :func:`time.perf_counter`.
+    ``clock`` is injectable for tests; it defaults to :func:`time.perf_counter`. ``spans``: where
+    each phase also goes as a timeline span named ``prefix + name``.
     """
 
     PREFIX = "timing/"
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, spans=None, prefix: str = ""
+    ):
         self._clock = clock
+        self._spans, self._span_prefix = spans, prefix
         self._totals: dict[str, float] = defaultdict(float)
         self._open: dict[str, float] = {}  # phase name -> start time
         self._step_start = clock()
@@ -50,8 +57,12 @@ class PhaseTimer:
         if name in self._open:
             raise RuntimeError(f"phase {name!r} is already running")
         self._open[name] = self._clock()
+        span = (
+            self._spans.span(self._span_prefix + name) if self._spans is not None else nullcontext()
+        )
         try:
-            yield
+            with span:
+                yield
         finally:
             start = self._open.pop(name)
             self._totals[name] += self._clock() - start
