@@ -1,10 +1,11 @@
 """``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``,
-``distill-draft``.
+``distill-draft``, ``profile``.
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
     hybridrl export runs/arith_grpo/checkpoints/step_000200 exported_model
     hybridrl distill-draft TARGET_DIR DRAFT_DIR_OR_SIZE OUT_DIR --task arith --steps 300
     hybridrl memory small --world-size 2 --sharding full
+    hybridrl profile runs/arith_grpo [--steps 5:8]
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="hybridrl",
         description="RL post-training of LLMs with a single controller. "
         "Also: `hybridrl export CKPT OUT`, `hybridrl memory MODEL [layout flags]` and "
-        "`hybridrl distill-draft TARGET DRAFT OUT`.",
+        "`hybridrl distill-draft TARGET DRAFT OUT`, `hybridrl profile RUN_DIR`.",
     )
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in [
@@ -164,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         return export(argv[1:])
     if argv and argv[0] == "distill-draft":
         return distill_draft(argv[1:])
+    if argv and argv[0] == "profile":  # a run's phases, idle time and timeline.png
+        from hybridrl.telemetry.profile_report import main as profile_main
+
+        return profile_main(argv[1:])
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
