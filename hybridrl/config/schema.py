@@ -703,6 +703,27 @@ class TrainerConfig:
     eval_every: int = _f(10, "held-out evaluation every N steps (0: only before and after)", ge=0)
     save_every: int = _f(20, "checkpoint every N steps (0: only at the end)", ge=0)
     keep_checkpoints: int = _f(2, "checkpoints kept on disk", ge=1)
+    max_restarts: int = _f(
+        3,
+        "times a run restarts by itself from its last checkpoint after a worker died or a rollout "
+        "call timed out (rollout.timeout_s, asynchronous.batch_timeout_s); at most save_every "
+        "steps are computed again each time (0: stop with the error)",
+        ge=0,
+    )
+    async_save: bool = _f(
+        False,
+        "write checkpoints in the background: the saving step only snapshots the trained state to "
+        "host memory (one more copy of weights and optimizer) and training goes on; at most one "
+        "save in flight, the next save and the end of the run wait for it (docs/operations.md)",
+    )
+    prefetch_steps: int = _f(
+        1,
+        "steps of prompts prepared ahead on a background thread (task.prompt: reading, "
+        "chat template, tokenizing) while the current step runs; the same prompts in the same "
+        "order (0: off)",
+        ge=0,
+        le=2,
+    )
     seed: int = _f(0, "seed of the prompt stream, sampling and shuffling", ge=0, le=SEED_MAX)
     loggers: list[str] = _f(
         ["jsonl", "tensorboard"],

@@ -18,7 +18,7 @@ import time
 from tqdm import tqdm
 
 from hybridrl.config import Config
-from hybridrl.driver.checkpoint import save_checkpoint
+from hybridrl.driver.checkpointer import Checkpointer
 from hybridrl.driver.session import open_session
 from hybridrl.rollout.buffer import make_buffer
 from hybridrl.telemetry.profiler import profiled
@@ -38,11 +38,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
     last, desc = dict(state.get("last", state["before"])), f"{cfg.algorithm.advantage} async"
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
+    saver = Checkpointer(s.run_dir, roles, cfg)  # trainer.async_save: saves in the background
     with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
         try:
             roles.rollout.start_stream(buffer, s.params, t.seed)
             tick = time.perf_counter()
             for step in profiled(s, s.watchdog.steps(bar)):  # timeline.jsonl, traces
+                saver.check()  # a background save that failed stops the run here
                 out = roles.learner.train_step(step, buffer)
                 with timer.phase("weight_sync"):
                     roles.sync_weights(step + 1)
@@ -74,9 +76,10 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     s.watchdog.arm(step)  # so does the checkpoint
                     kl = roles.learner.kl_reward_coef()
                     extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
-                    save_checkpoint(s.run_dir, done, roles, state | extra, cfg)
+                    saver.save(done, state | extra)
                 # evaluation and checkpoints do not count as the learner's idleness
                 tick = time.perf_counter()
+            saver.close()  # the save in flight, if any
         finally:  # stop generating first, so nothing writes into a closing buffer
             s.watchdog.disarm()  # the shutdown is not part of the step
             try:
@@ -84,6 +87,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             finally:
                 buffer.close()
                 buffer.kill()
+                saver.close(abandon=True)  # after close(): nothing left
                 s.logger.close()
                 roles.shutdown()
     return s.close(last)

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import NoReturn
 
 from hybridrl.config import Config, dump_yaml
 
@@ -48,27 +49,50 @@ def save_checkpoint(run_dir: Path, step: int, roles, trainer_state: dict, cfg: C
     """Write ``step_NNNNNN/`` (through ``.tmp-step_NNNNNN/``) and drop all but the newest
     ``keep_checkpoints``. Raises :class:`CheckpointError` (nothing written, nothing rotated, the
     temporary directory removed) when the weights are not finite or a write fails."""
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"{PREFIX}{step:06d}", root / f".tmp-{PREFIX}{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = begin(run_dir, step)
     try:
-        tmp.mkdir(parents=True)
         # critic: when there is one
         roles.learner.save_checkpoint(str(tmp / "model"), str(tmp / "critic"))
-        _write_synced(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}, indent=1))
-        _write_synced(tmp / "config.yaml", dump_yaml(cfg))
+        write_driver_files(tmp, step, trainer_state, cfg)
         write_manifest(tmp, step)
     except BaseException as exc:  # interrupted too (a hung step stopped): no partial save stays
-        shutil.rmtree(tmp, ignore_errors=True)
-        error = _save_error(exc, step, tmp, run_dir) if isinstance(exc, Exception) else None
-        if error is None:
-            raise
-        raise error from exc
+        fail(exc, step, tmp, run_dir)
+    return publish(run_dir, step, tmp, cfg.trainer.keep_checkpoints)
+
+
+def begin(run_dir: Path, step: int) -> Path:
+    """A fresh, empty ``.tmp-step_NNNNNN/`` to write the checkpoint of ``step`` into."""
+    tmp = run_dir / "checkpoints" / f".tmp-{PREFIX}{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_driver_files(tmp: Path, step: int, trainer_state: dict, cfg: Config) -> None:
+    """``trainer.json`` (``{"step", **trainer_state}``) and ``config.yaml``, fsynced."""
+    _write_synced(tmp / "trainer.json", json.dumps({"step": step, **trainer_state}, indent=1))
+    _write_synced(tmp / "config.yaml", dump_yaml(cfg))
+
+
+def publish(run_dir: Path, step: int, tmp: Path, keep: int) -> Path:
+    """``tmp`` (complete, with its manifest) becomes ``step_NNNNNN/``; then the old ones rotate."""
+    root = run_dir / "checkpoints"
+    final = root / f"{PREFIX}{step:06d}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(root)
-    rotate(run_dir, step, cfg.trainer.keep_checkpoints)
+    rotate(run_dir, step, keep)
     return final
+
+
+def fail(exc: BaseException, step: int, tmp: Path, run_dir: Path) -> NoReturn:
+    """Remove ``tmp`` and raise the one-line :class:`CheckpointError` for ``exc`` (or ``exc``
+    itself when it is none of the failures handled here)."""
+    error = save_error(exc, step, tmp, run_dir) if isinstance(exc, Exception) else None
+    shutil.rmtree(tmp, ignore_errors=True)
+    if error is None:
+        raise exc
+    raise error from exc
 
 
 def rotate(run_dir: Path, step: int, keep: int) -> None:
@@ -149,15 +173,19 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
-def _save_error(exc: Exception, step: int, tmp: Path, run_dir: Path) -> CheckpointError | None:
+def kept_text(run_dir: Path, tmp: Path) -> str:
+    good = [p for p in list_checkpoints(run_dir) if p != tmp]
+    return (
+        f"the last good checkpoint {good[-1]} is kept" if good else "no earlier checkpoint exists"
+    )
+
+
+def save_error(exc: Exception, step: int, tmp: Path, run_dir: Path) -> CheckpointError | None:
     """The one-line error for a failed save, or None when ``exc`` is none of the failures
     handled here (it is re-raised as it is). Called before ``tmp`` is removed."""
     chain = _chain(exc)
     text = " ".join(str(e) for e in chain)
-    good = [p for p in list_checkpoints(run_dir) if p != tmp]
-    kept = (
-        f"the last good checkpoint {good[-1]} is kept" if good else "no earlier checkpoint exists"
-    )
+    kept = kept_text(run_dir, tmp)
     nonfinite = next((e for e in chain if type(e).__name__ == "NonFiniteWeightsError"), None)
     if nonfinite is not None or "NonFiniteWeightsError" in text:
         what = str(nonfinite) if nonfinite is not None else text

@@ -1,7 +1,9 @@
 """Rollout collection for one synchronous step: generate and score (on the rollout ranks); with DAPO
 dynamic sampling (``algorithm.filter_groups``) keep only groups whose rewards differ and sample more
 prompts until the step has ``prompts_per_step`` groups or ``max_sampling_rounds`` is reached. The
-prompt-stream position is explicit state, so a resumed run continues the stream exactly.
+prompt-stream position is explicit state, so a resumed run continues the stream exactly. The prompts
+come from a :class:`~hybridrl.data.prefetch.PromptPrefetcher`, which prepares the next round's on a
+background thread while this one generates (the same prompts, in the same order).
 
 An advantage estimator with ``needs_greedy_baseline = True`` (ReMax) also gets one greedy response
 per prompt, generated and scored like the samples but never trained on: only its reward reaches the
@@ -18,8 +20,9 @@ import torch
 from hybridrl.algorithms import ADVANTAGES
 from hybridrl.algorithms.advantages import group_rows
 from hybridrl.config import Config
+from hybridrl.data.prefetch import PromptPrefetcher
 from hybridrl.learner.shaping import overlong_penalty
-from hybridrl.protocol import Sample, prompt_sample
+from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 
 
@@ -55,16 +58,15 @@ def collect(
     rollout, task, tokenizer, cfg: Config, params: SamplingParams, cursor: int, seed: int, timer
 ):
     """(scored samples, new prompt cursor, metrics); time goes to the ``rollout`` and ``baseline``
-    phases."""
+    phases. ``task``: the task, or a :class:`PromptPrefetcher` over it (kept across steps)."""
     t, alg = cfg.trainer, cfg.algorithm
+    source = task if isinstance(task, PromptPrefetcher) else PromptPrefetcher(task, tokenizer, 0)
     target = t.prompts_per_step * t.samples_per_prompt
     kept: list[Sample] = []  # samples of informative groups, then the rest as filler
     filler: list[Sample] = []
     rounds = alg.max_sampling_rounds if alg.filter_groups else 1
     for rnd in range(rounds):
-        prompts = [
-            prompt_sample(task.prompt(cursor + i), tokenizer) for i in range(t.prompts_per_step)
-        ]
+        prompts = source.take(cursor, t.prompts_per_step)
         cursor += t.prompts_per_step
         with timer.phase("rollout"):
             new = rollout.generate(prompts, replace(params, seed=seed * 1000 + rnd))

@@ -13,7 +13,8 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from hybridrl.config import Config
-from hybridrl.driver.checkpoint import save_checkpoint
+from hybridrl.data.prefetch import PromptPrefetcher
+from hybridrl.driver.checkpointer import Checkpointer
 from hybridrl.driver.collect import collect
 from hybridrl.driver.session import open_session
 from hybridrl.telemetry.profiler import profiled
@@ -25,11 +26,14 @@ def train(cfg: Config, resume: bool = False) -> dict:
     last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
+    saver = Checkpointer(s.run_dir, roles, cfg)  # trainer.async_save: saves in the background
+    prompts = PromptPrefetcher(s.task, s.tokenizer, t.prefetch_steps * t.prompts_per_step)
     with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
         try:
             for step in profiled(s, s.watchdog.steps(bar)):  # timeline.jsonl, traces
+                saver.check()  # a background save that failed stops the run here
                 samples, cursor, metrics = collect(
-                    roles.rollout, s.task, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
+                    roles.rollout, prompts, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
                 )
                 metrics |= roles.learner.train_step(step, samples)["metrics"]
                 with timer.phase("weight_sync"):
@@ -50,9 +54,12 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     s.watchdog.arm(step)  # so does the checkpoint
                     kl = roles.learner.kl_reward_coef()
                     saved = dict(step=done, last=last, prompt_cursor=cursor, kl_reward_coef=kl)
-                    save_checkpoint(s.run_dir, done, roles, state | saved, cfg)
+                    saver.save(done, state | saved)
+            saver.close()  # the save in flight, if any
         finally:  # a failed step still leaves the metrics flushed and the workers stopped
             s.watchdog.disarm()  # the shutdown is not part of the step
+            prompts.close()
+            saver.close(abandon=True)  # after close(): nothing left
             s.logger.close()
             roles.shutdown()
     return s.close(last)

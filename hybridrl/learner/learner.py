@@ -50,7 +50,12 @@ from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
-from hybridrl.learner.state import check_finite, load_trainable, save_trainable
+from hybridrl.learner.state import (
+    BackgroundWriter,
+    check_finite,
+    load_trainable,
+    save_trainable,
+)
 from hybridrl.learner.update import SkipCounter, first_epoch_map, is_single_pass, run_updates
 from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
@@ -169,6 +174,7 @@ class Learner(Worker):
         self.timer = PhaseTimer(spans=self.spans, prefix="learner/")
         # weight sync, by name, built on first use
         self.transports: dict[str, weight_sync.WeightTransport] = {}
+        self.writer = BackgroundWriter()  # background checkpoint saves (trainer.async_save)
 
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
@@ -379,13 +385,23 @@ class Learner(Worker):
         shm_staging.unhome(self.model, stage)
 
     @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str, critic_path: str | None = None) -> None:
+    def save_checkpoint(
+        self, path: str, critic_path: str | None = None, marker: str | None = None
+    ) -> str | None:
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the
         sharded model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of
         ``learner/lora.py``); the critic the same way under ``critic_path`` when there is one.
-        Raises ``NonFiniteWeightsError`` before writing anything when a weight is NaN or inf."""
+        Raises ``NonFiniteWeightsError`` before writing anything when a weight is NaN or inf.
+
+        ``marker`` (``trainer.async_save``): snapshot the state now and write it on a background
+        thread (LoRA: the policy is written now, the critic in the background), then write
+        ``<marker>-rank<r>`` (``learner/state.py``: ``BackgroundWriter``); returns that path."""
         critic = self.critic.model if self.critic is not None else None
         check_finite({"policy": self.model, "critic": critic})
+        writer = None
+        if marker is not None:
+            self.wait_checkpoint()  # one save in flight at most
+            writer = self.writer
         if self.lora is not None:
             lora_lib.save_lora_checkpoint(
                 path,
@@ -396,9 +412,22 @@ class Learner(Worker):
                 base_source=self.base_source,
             )
         else:
-            save_trainable(path, self.model, self.optimizer, self.shuffle, self.tokenizer)
+            save_trainable(
+                path, self.model, self.optimizer, self.shuffle, self.tokenizer, background=writer
+            )
         if self.critic is not None and critic_path is not None:
-            self.critic.save(critic_path)
+            c = self.critic
+            save_trainable(critic_path, c.model, c.optimizer, c.shuffle, background=writer)
+        if writer is None:
+            return None
+        writer.start(f"{marker}-rank{self.rank}")
+        return f"{marker}-rank{self.rank}"
+
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_checkpoint(self) -> dict | None:
+        """Wait for this rank's background save; its failure (``learner/state.py``:
+        ``describe_failure``) or None."""
+        return self.writer.wait()
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str, critic_path: str | None = None) -> None:

@@ -14,11 +14,20 @@ otherwise (``"dcp"`` forces the sharded layout, which also works in one process)
 role calls :func:`save_trainable` / :func:`load_trainable` (the sharded parts are collectives);
 either layout loads. ``hybridrl.parallel.fsdp.export_hf(path, out)`` rebuilds a transformers
 directory from ``path/dcp`` alone.
+
+Background saves (``trainer.async_save``): given a :class:`BackgroundWriter`,
+:func:`save_trainable` takes a consistent snapshot now (every tensor copied to host memory, tied
+weights kept tied; under FSDP the gathered full weights and the DCP shards staged as
+``dcp.async_save`` stages them) and queues the writes; the writer's thread writes the same files
+the synchronous save writes, and the caller goes on training meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,7 +39,86 @@ from hybridrl.parallel.fsdp import (
     is_sharded,
     load_sharded,
     save_sharded,
+    stage_sharded,
 )
+
+
+def host_copy(obj, memo: dict | None = None):
+    """``obj`` (nested dicts, lists and tuples of tensors and plain values) with every tensor copied
+    to host memory; tensors viewing the same memory (tied weights) stay one tensor."""
+    memo = {} if memo is None else memo
+    if torch.is_tensor(obj):
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride())
+        if key not in memo:
+            memo[key] = obj.detach().to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        return type(obj)((k, host_copy(v, memo)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v, memo) for v in obj)
+    return obj
+
+
+class BackgroundWriter:
+    """One checkpoint's writes, run in order on one thread; ``wait`` returns the first failure.
+
+    ``group``: the gloo process group the sharded writes synchronise on, so that they never share
+    a collective with training (created by the first sharded background save: every rank saves at
+    once)."""
+
+    def __init__(self):
+        self.jobs: list[Callable[[], None]] = []
+        self.thread: threading.Thread | None = None
+        self.failure: dict | None = None
+        self.group = None
+
+    def add(self, job: Callable[[], None]) -> None:
+        self.jobs.append(job)
+
+    def start(self, marker: str | None = None) -> None:
+        """Run the queued jobs on a thread; then write ``marker`` (JSON: ``{"ok": true}`` or the
+        failure of :func:`describe_failure`; fsynced, renamed into place) for a driver in another
+        process."""
+        jobs, self.jobs, self.failure = self.jobs, [], None
+
+        def run():
+            try:
+                for job in jobs:
+                    job()
+            except BaseException as exc:  # noqa: BLE001 -- reported through wait() and the marker
+                self.failure = describe_failure(exc)
+            if marker is not None:
+                try:  # whole or absent: written aside, then renamed
+                    with open(f"{marker}.part", "w") as f:
+                        f.write(json.dumps(self.failure or {"ok": True}))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(f"{marker}.part", marker)
+                except OSError as exc:
+                    self.failure = self.failure or describe_failure(exc)
+
+        self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> dict | None:
+        """Wait for the writes in flight; their failure (None: written, or nothing in flight)."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return self.failure
+
+
+def describe_failure(exc: BaseException) -> dict:
+    """A failed write as plain data (it crosses processes): the exception's type and message and,
+    for an ``OSError`` in it or its causes, the errno, strerror and file name."""
+    os_err, e = None, exc
+    while e is not None and os_err is None:
+        os_err = e if isinstance(e, OSError) else None
+        e = e.__cause__ or e.__context__
+    out = {"type": type(exc).__name__, "message": " ".join(str(exc).split())}
+    if os_err is not None:
+        out |= {"errno": os_err.errno, "strerror": os_err.strerror, "filename": os_err.filename}
+    return out
 
 
 def _plain_class_name(model) -> str:
@@ -48,20 +136,28 @@ def save_trainable(
     *,
     hf_weights: bool = True,
     layout: str = "auto",
+    background: BackgroundWriter | None = None,
 ) -> None:
+    """Write the role to ``path`` (the layouts of the module doc); with ``background``, snapshot
+    now and queue the writes on it (:class:`BackgroundWriter`)."""
     path = Path(path)
     if layout not in ("auto", "dcp", "single"):
         raise ValueError(f"layout must be auto, dcp or single, got {layout!r}")
     if layout == "single" or (layout == "auto" and not is_sharded(model)):
         if is_sharded(model):
             raise ValueError("a sharded model needs the dcp layout")
-        model.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "shuffle_rng": generator.get_state()},
-            path / "train_state.pt",
-        )
+        if background is None:
+            _write_single(
+                path, model, None, optimizer.state_dict(), generator.get_state(), tokenizer
+            )
+            return
+        weights = host_copy(model.state_dict())
+        train_state = host_copy(optimizer.state_dict())
+        rng = generator.get_state()
+        background.add(lambda: _write_single(path, model, weights, train_state, rng, tokenizer))
+        return
+    if background is not None:
+        _queue_sharded(path, model, optimizer, generator, tokenizer, hf_weights, background)
         return
     if not is_sharded(model):
         if hf_weights:
@@ -85,6 +181,46 @@ def save_trainable(
     if tokenizer is not None and distributed.rank() == 0:
         tokenizer.save_pretrained(path)
     save_sharded(path / "dcp", model, optimizer, extra={"shuffle_rng": generator.get_state()})
+
+
+def _write_single(path: Path, model, weights, optimizer_state, rng, tokenizer) -> None:
+    """The single-process layout: ``weights`` (None: the model's own) in transformers format,
+    the tokenizer, and ``train_state.pt``."""
+    model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    torch.save({"optimizer": optimizer_state, "shuffle_rng": rng}, path / "train_state.pt")
+
+
+def _queue_sharded(path: Path, model, optimizer, generator, tokenizer, hf_weights, writer) -> None:
+    """The sharded layout in the background: the full weights gathered now (a collective, rank 0
+    keeps a host copy), the shards staged now; the files written by ``writer``'s thread."""
+    if not is_sharded(model):
+        sd = host_copy(model.state_dict()) if hf_weights else None
+    else:
+        sd = host_copy(full_state_dict(model)) if hf_weights else None  # collective
+    rank0 = distributed.rank() == 0
+    write_shards = stage_sharded(
+        path / "dcp", model, optimizer, {"shuffle_rng": generator.get_state()}, writer
+    )
+
+    def write() -> None:
+        if rank0:
+            path.mkdir(parents=True, exist_ok=True)
+            if sd is not None:
+                model.save_pretrained(path, state_dict=sd)
+            else:
+                model.config.save_pretrained(path)
+            if is_sharded(model):  # the class name, not FSDP's subclass
+                config = json.loads((path / "config.json").read_text())
+                config["architectures"] = [_plain_class_name(model)]
+                text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+                (path / "config.json").write_text(text)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        write_shards()
+
+    writer.add(write)
 
 
 def _load_hf_weights(path: Path, model) -> None:

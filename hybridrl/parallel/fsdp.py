@@ -356,6 +356,37 @@ def save_sharded(
     return path
 
 
+def stage_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict, writer):
+    """:func:`save_sharded` in two halves, for a background save: now (every rank, a collective)
+    the shards are staged to host memory (``FileSystemWriter.stage``, what ``dcp.async_save``
+    does); the returned function, run on ``writer``'s thread, writes them (synchronising on
+    ``writer.group``, a gloo group of its own, never the training's), then rank 0 writes
+    ``extra`` and renames the directory into place. DCP's save returns on rank 0 only once every
+    rank's files are written and fsynced."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp"
+    if distributed.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped and writer.group is None:
+        writer.group = dist.new_group(backend="gloo")
+    storage = dcp.FileSystemWriter(tmp)
+    staged = storage.stage(_states(model, optimizer))
+    extra = {k: v.clone() if torch.is_tensor(v) else v for k, v in extra.items()}
+
+    def write() -> None:
+        dcp.save(staged, storage_writer=storage, process_group=writer.group, no_dist=not grouped)
+        if distributed.rank() == 0:
+            torch.save(extra, tmp / "extra.pt")
+            _replace_dir(tmp, path)
+
+    return write
+
+
 def load_sharded(path: str | Path, model: nn.Module, optimizer=None) -> dict:
     """Load model (+ optimizer) shards from a :func:`save_sharded` checkpoint, whatever the world
     size that wrote it (DCP reshards); returns the ``extra`` state."""

@@ -7,7 +7,9 @@ scores them and puts the group (its samples, with the prompt's stream ``index`` 
 version in their metadata) into the buffer: the data goes rollout -> buffer, not through the
 driver. Weight updates arrive on another thread between engine steps (``update_weights`` takes the
 engine lock); the engine then drops its stale KV and continues every in-flight sequence, and each
-token keeps the version that produced it.
+token keeps the version that produced it. The admitted prompts' samples come from a
+:class:`~hybridrl.data.prefetch.PromptPrefetcher`: the ``prefetch`` prompts after the last one
+admitted are prepared on a background thread (default ``max_groups``; 0: off).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import threading
 import time
 from dataclasses import replace
 
-from hybridrl.protocol import Sample, prompt_sample
+from hybridrl.data.prefetch import PromptPrefetcher
+from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.sequence import derive_seed
 
@@ -37,9 +40,12 @@ class RolloutStream:
         params: SamplingParams,
         seed: int,
         max_groups: int,
+        prefetch: int | None = None,
     ):
         self.backend, self.buffer, self.task, self.tokenizer = backend, buffer, task, tokenizer
         self.scorer, self.params, self.seed, self.max_groups = scorer, params, seed, max_groups
+        ahead = max_groups if prefetch is None else prefetch
+        self.prompts = PromptPrefetcher(task, tokenizer, ahead)
         # prompt samples generating (metadata: index, admitted version)
         self.pending: list[Sample] = []
         self.stopping = threading.Event()
@@ -74,7 +80,7 @@ class RolloutStream:
             return
         version = self.backend.version
         for index in self.buffer.admit(free, version):
-            prompt = prompt_sample(self.task.prompt(index), self.tokenizer)
+            prompt = self.prompts.get(index)
             prompt.metadata |= {"index": index, "admitted": version}
             self.backend.add([prompt], replace(self.params, seed=derive_seed(self.seed, index)))
             self.pending.append(prompt)
@@ -106,6 +112,8 @@ class RolloutStream:
             self.error = e
             # the learner stops waiting for data
             self.buffer.close(f"the rollout stream failed: {e!r}")
+        finally:
+            self.prompts.close()
 
     def stats(self) -> dict[str, float]:
         """Since the last call: the idle fraction (no prompt admitted) and the groups generated."""
