@@ -1,8 +1,8 @@
 """Checks of a whole config that need more than its schema, run before any work starts by the
 command line and the Python API alike: plug-ins resolve, reward functions have a signature we can
-call, optional packages (wandb, vllm, sglang, math-verify) are installed, and a dataset's files
-hold the columns the config names. Each raises :class:`~hybridrl.config.ConfigError` with one
-line."""
+call, optional packages (wandb, vllm, sglang, math-verify) are installed, a step's samples fit in
+the machine's memory, and a dataset's files hold the columns the config names. Each raises
+:class:`~hybridrl.config.ConfigError` with one line."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ def check_config(cfg: Config) -> None:
     check_plugins(cfg)
     check_rollout_backend(cfg)
     check_loggers(cfg)
+    check_step_memory(cfg)
     if cfg.data.train_files is not None:
         from hybridrl.data import check_data
 
@@ -64,3 +65,59 @@ def check_rollout_backend(cfg: Config) -> None:
     problem = missing_requirement(cfg.rollout.backend)
     if problem:
         raise ConfigError(f"config key 'rollout.backend': {problem}")
+
+
+# host bytes per token of a step's samples: ~100 B of Python lists in a Sample (token ids,
+# log-probs), ~60 B of batch tensors in the learner (ids, masks, positions, log-probs, advantages,
+# values), doubled for the copies made on the way (pickling, gathering, batching)
+STEP_BYTES_PER_TOKEN = 256
+# prompt length assumed when data.max_prompt_length does not bound it
+PROMPT_TOKENS_GUESS = 256
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new work on this machine: psutil's figure, else
+    ``MemAvailable`` of /proc/meminfo; None where neither is known."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def step_memory(cfg: Config) -> int:
+    """Host bytes a step's samples and batch tensors need: prompts_per_step x samples_per_prompt
+    x (prompt + max_new_tokens) tokens x :data:`STEP_BYTES_PER_TOKEN`. The learner's activations
+    are not counted: ``actor.micro_batch_tokens`` bounds them, whatever the step's size."""
+    t = cfg.trainer
+    prompt = cfg.data.max_prompt_length or PROMPT_TOKENS_GUESS
+    tokens = t.prompts_per_step * t.samples_per_prompt * (prompt + cfg.rollout.max_new_tokens)
+    return tokens * STEP_BYTES_PER_TOKEN
+
+
+def check_step_memory(cfg: Config) -> None:
+    """A step whose samples cannot fit in the machine's available memory fails now, naming the
+    keys to lower; skipped where the available memory is unknown."""
+    available = available_memory()
+    need = step_memory(cfg)
+    if available is None or need <= available:
+        return
+    t, gib = cfg.trainer, 2**30
+    prompt = "data.max_prompt_length" if cfg.data.max_prompt_length else "prompt (assumed)"
+    raise ConfigError(
+        "config keys 'trainer.prompts_per_step', 'trainer.samples_per_prompt', "
+        f"'rollout.max_new_tokens': a step's samples need about {need / gib:.1f} GiB of host "
+        f"memory ({t.prompts_per_step} x {t.samples_per_prompt} samples x ({prompt} "
+        f"{cfg.data.max_prompt_length or PROMPT_TOKENS_GUESS} + {cfg.rollout.max_new_tokens}) "
+        f"tokens x {STEP_BYTES_PER_TOKEN} B), above the {available / gib:.1f} GiB available; "
+        "lower them"
+    )
