@@ -113,10 +113,13 @@ def make_config(
 
 def run(cfg: Config, resume: bool = False) -> dict:
     """Run a validated config (the command line's ``hybridrl train`` does the same): the steps
-    that cover ``data.epochs``, then the driver of ``trainer.mode``."""
+    that cover ``data.epochs``, then the driver of ``trainer.mode``, restarted from the last
+    checkpoint after a worker died or a rollout call timed out, up to ``trainer.max_restarts``
+    times (``driver/restarts.py``; past it :class:`RestartsExhaustedError`, one line)."""
     import torch
 
     from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver.restarts import run_with_restarts
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -128,7 +131,7 @@ def run(cfg: Config, resume: bool = False) -> dict:
         log.info("data.epochs=%d: %d steps", cfg.data.epochs, cfg.trainer.total_steps)
     torch.set_num_threads(cfg.controller.num_threads)
     trainers = {"sync": sync.train, "async": asynchronous.train}  # trainer.mode
-    return trainers[cfg.trainer.mode](cfg, resume=resume)
+    return run_with_restarts(trainers[cfg.trainer.mode], cfg, resume)
 
 
 def _override_strings(overrides: Mapping[str, Any] | Sequence[str]) -> list[str]:

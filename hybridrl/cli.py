@@ -206,11 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hybridrl.api import run
     from hybridrl.driver.checkpoint import CheckpointError
+    from hybridrl.driver.restarts import RestartsExhaustedError
     from hybridrl.telemetry.watchdog import StepTimeoutError
 
     try:
         summary = run(cfg, resume=args.resume)
-    except (StepTimeoutError, CheckpointError) as e:  # says what happened and where, in one line
+    except (StepTimeoutError, CheckpointError, RestartsExhaustedError) as e:  # one line each
         print(f"hybridrl: error: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
     print(json.dumps(summary, indent=1))

@@ -364,6 +364,13 @@ class RolloutConfig:
         "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine "
         "(e.g. {dtype: bfloat16})",
     )
+    timeout_s: float | None = _f(
+        1800.0,
+        "ray backend: a generate call of the rollout still running after this many seconds has "
+        "its workers killed, and the run restarts from its last checkpoint (trainer.max_restarts); "
+        "null: no limit. Not applied under the local backend (a thread cannot be stopped)",
+        gt=0,
+    )
 
     def validate(self) -> None:
         if self.draft_model_path:

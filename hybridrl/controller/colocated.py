@@ -50,6 +50,15 @@ class ColocatedWorker(Worker):
         self.take_turn(role)
         return fn(self.parts[role], *args, **kwargs)
 
+    def heartbeat(self) -> dict:
+        """The heartbeat of the first part that reports one (the rollout's); read from another
+        thread while a call runs (``controller/health.py``)."""
+        for part in self.parts.values():
+            beat = getattr(part, "heartbeat", None)
+            if callable(beat):
+                return beat()
+        return {}
+
 
 class RoleView:
     """One role of a WorkerGroup of :class:`ColocatedWorker`: the role class's registered methods as

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.controller.dispatch import RankCall
+from hybridrl.controller.health import HEALTH_GROUP, refusal, timed_out
 from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.controller.worker import (
     WorkerContext,
@@ -115,6 +116,12 @@ class _WorkerHost:
         # args travel top level so that Ray resolves ObjectRefs among them
         return getattr(self.worker, method)(*args, **kwargs)
 
+    def heartbeat(self) -> dict:
+        """The worker's ``heartbeat()`` (``{}`` without one); called in the concurrency group
+        ``health``, so it answers while a call runs (``controller/health.py``)."""
+        beat = getattr(self.worker, "heartbeat", None)
+        return beat() if callable(beat) else {}
+
 
 class RayBackend:
     """``pool.world_size`` actors, rank ``r`` on slot ``r`` of ``pool``.
@@ -143,7 +150,8 @@ class RayBackend:
         self.contexts = contexts
         self.where: list[tuple[str, str, int, int]] = []  # per rank, from locate()
         self.stack_fds: list[int] = []  # per rank: the fd its stacks are written to
-        self.dead: WorkerDiedError | None = None  # the first rank found dead: the group is broken
+        # the first rank found dead, or a call that timed out (actors killed): the group is broken
+        self.dead: WorkerError | None = None
         threads = str(contexts[0].num_threads)
         forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
         actor_env = {
@@ -152,7 +160,7 @@ class RayBackend:
             **forwarded,
             **{k: str(v) for k, v in env.items()},
         }
-        host = ray.remote(_WorkerHost)
+        host = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(_WorkerHost)
         self.actors = []
         for ctx in contexts:
             pg, index = pool.placement(ctx.rank)
@@ -205,34 +213,35 @@ class RayBackend:
         several ranks is put into the object store once. A group with a dead
         rank takes no more calls: its torch.distributed group is broken."""
         if self.dead is not None:
-            d = self.dead
-            raise WorkerDiedError(
-                d.role,
-                d.rank,
-                d.method,
-                d.detail,
-                d.where,
-                f"  the group takes no more calls (this one: {method}()); shut it down",
-            ) from d
+            raise refusal(self.dead, method) from self.dead
         calls = self._share(calls)
         return [
             (rank, self.actors[rank].call.remote(method, *args, **kwargs))
             for rank, args, kwargs in calls
         ]
 
-    def gather(self, method: str, pending: list[tuple[int, Any]]) -> list[Any]:
+    def gather(
+        self, method: str, pending: list[tuple[int, Any]], timeout: tuple | None = None
+    ) -> list[Any]:
         """The results in the order of ``pending``. A rank whose actor died is reported as soon as
         Ray knows, without awaiting the others (a survivor may sit in a collective with the dead
         peer); otherwise the first failing rank in rank order among those done within DEATH_GRACE_S
-        of the first failure."""
+        of the first failure. ``timeout``: ``(seconds, config key, "role.method")``: a call
+        running after that long kills the group and raises ``CallTimeoutError``
+        (``controller/health.py``)."""
         ray = self._ray
         rank_of = {ref: rank for rank, ref in pending}
         results: dict[Any, Any] = {}
         failed: dict[int, BaseException] = {}
         waiting, deadline = [ref for _, ref in pending], None
+        limit = None if timeout is None else time.monotonic() + timeout[0]
         while waiting:
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready, waiting = ray.wait(waiting, num_returns=1, timeout=timeout)
+            ends = [t for t in (deadline, limit) if t is not None]
+            wait_s = max(min(ends) - time.monotonic(), 0.0) if ends else None
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=wait_s)
+            if not ready and not failed and limit is not None and time.monotonic() >= limit:
+                self.dead = timed_out(self, [rank_of[r] for r in waiting], *timeout)
+                raise self.dead
             if not ready:  # the grace after a failure ran out
                 break
             ref = ready[0]

@@ -66,6 +66,8 @@ class WorkerGroup:
         self._in_flight: dict[int, tuple[str, list, float]] = {}
         self._keys = itertools.count()
         self._abandoned: str | None = None
+        # "role.method" -> (seconds, config key): calls bounded in time (ray only, health.py)
+        self._timeouts: dict[str, tuple[float, str]] = {}
         clash = sorted(n for n in self._methods if hasattr(WorkerGroup, n))
         if clash:
             raise ValueError(
@@ -141,9 +143,26 @@ class WorkerGroup:
         key = next(self._keys)
         self._in_flight[key] = (name, calls, time.monotonic())
         try:
-            return self._backend.gather(name, self._backend.submit(name, calls))
+            pending = self._backend.submit(name, calls)
+            what = self._describe(name, calls) if self._timeouts else None
+            if what not in self._timeouts:
+                return self._backend.gather(name, pending)
+            return self._backend.gather(name, pending, timeout=(*self._timeouts[what], what))
         finally:
             del self._in_flight[key]
+
+    def set_call_timeout(self, what: str, seconds: float | None, setting: str) -> None:
+        """Bound every call of ``what`` (``role.method`` as :meth:`in_flight` names it, e.g.
+        ``rollout.generate``) to ``seconds`` (None: no bound): past it the group's actors are killed
+        and the call raises :class:`~hybridrl.controller.health.CallTimeoutError` naming
+        ``setting``. ``ray`` only: a ``local`` call runs in the driver's thread and cannot be
+        stopped, so there it is not bounded."""
+        if self.backend_name != "ray":
+            return
+        if seconds is None:
+            self._timeouts.pop(what, None)
+        else:
+            self._timeouts[what] = (float(seconds), setting)
 
     # --- hang detection ------------------------------------------------------
     def in_flight(self) -> list[tuple[str, float]]:

@@ -12,20 +12,20 @@ No trajectory passes through it; it only sees metrics and the trained prompts' i
 
 from __future__ import annotations
 
-import json
 import time
 
 from tqdm import tqdm
 
 from hybridrl.config import Config
 from hybridrl.driver.checkpointer import Checkpointer
+from hybridrl.driver.restarts import Faults
 from hybridrl.driver.session import open_session
 from hybridrl.rollout.buffer import make_buffer
 from hybridrl.telemetry.profiler import profiled
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    s = open_session(cfg, resume)
+def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> dict:
+    s = open_session(cfg, resume, faults)  # faults: restart counters (driver/restarts.py)
     t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
     buffer = make_buffer(
         cfg.controller.backend,
@@ -38,6 +38,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
     last, desc = dict(state.get("last", state["before"])), f"{cfg.algorithm.advantage} async"
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
+    # a dead rollout rank closes the buffer: the learner stops waiting and the run restarts
+    watch = s.watch_rollout(buffer.close)
     saver = Checkpointer(s.run_dir, roles, cfg)  # trainer.async_save: saves in the background
     with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
         try:
@@ -52,13 +54,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 metrics = out["metrics"] | roles.rollout.stats() | buffer.stats()
                 metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
                 metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
-                with open(s.run_dir / "trajectories.jsonl", "a") as trace:
-                    trace.write(
-                        json.dumps(
-                            {"step": done, "uids": out["uids"], "staleness": out["staleness"]}
-                        )
-                        + "\n"
-                    )
+                s.trace(done, out)  # trajectories.jsonl: trained uids and staleness
                 if s.due(t.eval_every, done):
                     s.watchdog.arm(step)  # the evaluation gets a timeout budget of its own
                     with timer.phase("eval"):
@@ -82,6 +78,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
             saver.close()  # the save in flight, if any
         finally:  # stop generating first, so nothing writes into a closing buffer
             s.watchdog.disarm()  # the shutdown is not part of the step
+            watch.stop()
             try:
                 roles.rollout.stop_stream()
             finally:

@@ -1,17 +1,21 @@
-"""What the synchronous and the asynchronous drivers share: start a run (warm start, resume, roles,
-evaluator, logger, the held-out evaluation before training) and end it (summary and report)."""
+"""What the synchronous and the asynchronous drivers share: start a run (warm start, resume or
+restart, roles, evaluator, logger, the held-out evaluation before training) and end it (summary and
+report)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridrl.config import Config, to_dict
+from hybridrl.controller.health import DeathWatch
 from hybridrl.driver.checkpoint import latest_checkpoint
 from hybridrl.driver.evaluate import Evaluator
 from hybridrl.driver.placement import Roles, build_roles
+from hybridrl.driver.restarts import Faults
 from hybridrl.driver.run_dir import open_run_dir, run_path, write_summary
 from hybridrl.driver.sft import ensure_warm_start
 from hybridrl.models.loading import load_tokenizer, make_task
@@ -21,6 +25,25 @@ from hybridrl.telemetry.samples import sample_rows
 from hybridrl.telemetry.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
+
+TRACE_FILE = "trajectories.jsonl"  # per step the trained prompts' uids (async: their staleness)
+
+
+class FaultLogger:
+    """The run's :class:`MetricsLogger` with the ``fault/*`` counters added to every step's line
+    once the run has restarted; remembers the last step logged (the steps a restart loses)."""
+
+    def __init__(self, logger: MetricsLogger, faults: Faults):
+        self.logger, self.faults = logger, faults
+
+    def log(self, step: int, metrics) -> None:
+        if step > 0:
+            metrics = {**metrics, **self.faults.metrics()}
+        self.logger.log(step, metrics)
+        self.faults.reached = max(self.faults.reached, step)
+
+    def __getattr__(self, name: str):
+        return getattr(self.logger, name)
 
 
 @dataclass
@@ -40,6 +63,8 @@ class Session:
     t_start: float  # perf_counter() when the run began (before the warm start)
     # stops a step past trainer.step_timeout_s (stacks to <run>/hang/); the drivers arm it per step
     watchdog: Watchdog | None = None
+    # restarts and lost steps (driver/restarts.py)
+    faults: Faults = field(default_factory=lambda: Faults(0))
 
     def due(self, every: int, done: int) -> bool:
         return bool(every and done % every == 0) or done == self.cfg.trainer.total_steps
@@ -52,6 +77,23 @@ class Session:
         if t.log_samples_every and self.due(t.log_samples_every, done):
             samples = samples() if callable(samples) else samples
             self.logger.log_samples(done, sample_rows(samples, self.tokenizer, done, t.log_samples))
+
+    def trace(self, done: int, out: dict) -> None:
+        """Append step ``done``'s trained prompt uids (and, asynchronous, each sample's staleness)
+        from the learner's ``train_step`` result to ``trajectories.jsonl``."""
+        line = {"step": done, "uids": out["uids"]}
+        if self.cfg.trainer.mode == "async":
+            line["staleness"] = out["staleness"]
+        with open(self.run_dir / TRACE_FILE, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def watch_rollout(self, on_death):
+        """Asynchronous training under ``ray``: ``on_death(message)`` once a rollout rank is found
+        dead (a :class:`DeathWatch`; ``stop()`` ends it), else a watch that does nothing."""
+        group = getattr(self.roles.rollout, "group", self.roles.rollout)  # a RoleView's group
+        if group.backend_name != "ray":
+            return _NoWatch()
+        return DeathWatch(group, on_death)
 
     def close(self, last: dict) -> dict:
         """Write ``summary.json`` and ``report.png``; returns the summary."""
@@ -67,6 +109,8 @@ class Session:
             "warm_start": self.warm,
             "resumed_from_step": self.state["step"] if self.resumed else None,
             "mode": t.mode,
+            "restarts": self.faults.restarts,
+            "lost_steps": self.faults.lost_steps,
         }
         write_summary(self.run_dir, summary)
         a = self.cfg.algorithm
@@ -77,21 +121,49 @@ class Session:
         return summary
 
 
-def open_session(cfg: Config, resume: bool) -> Session:
+class _NoWatch:
+    def stop(self) -> None:
+        pass
+
+
+def _truncate_trace(run_dir: Path, step: int) -> None:
+    """Drop the ``trajectories.jsonl`` lines of steps after ``step`` (they are done again)."""
+    path = run_dir / TRACE_FILE
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(x for x in lines if x.strip() and json.loads(x)["step"] <= step))
+
+
+def open_session(cfg: Config, resume: bool, faults: Faults | None = None) -> Session:
     """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the
-    rollout, and the held-out evaluation before training (once per run)."""
+    rollout, and the held-out evaluation before training (once per run). ``faults``: the run's
+    restart counters (``driver/restarts.py``); when it says a restart is under way, the newest
+    checkpoint is restored like ``resume``, and without one the run starts again from step 0 in its
+    own directory."""
     t_start, t = time.perf_counter(), cfg.trainer
+    faults = faults or Faults(t.max_restarts)
+    restart = faults.restarting is not None
     warm = ensure_warm_start(cfg, t.progress)
-    found = latest_checkpoint(run_path(cfg)) if resume else None
-    if resume and not found:
+    found = latest_checkpoint(run_path(cfg)) if resume or restart else None
+    if resume and not found and not restart:
         log.warning(
             "--resume: no complete checkpoint that verifies under %s, starting a fresh run",
             run_path(cfg),
         )
     elif found:
-        log.info("--resume: from %s", found[0])
-    run_dir = open_run_dir(cfg, resume=found is not None)
+        log.info("%s: from %s", "restart" if restart else "--resume", found[0])
+    run_dir = open_run_dir(cfg, resume=found is not None or restart)
     state = found[1] if found else {"step": 0, "prompt_cursor": 0, "reference_path": warm}
+    if restart and not found and faults.before is not None:
+        state["before"] = faults.before  # a restart before the first checkpoint keeps it
+    if not restart:
+        faults.load(state.get("fault"))
+    # lines after the restored step are done again: dropped (all but step 0's "before" when
+    # restarting without a checkpoint, everything when that is not known either)
+    resume_step = state["step"] if found else (None if not restart else 0 if "before" in state
+                                               else -1)  # fmt: skip
+    if resume_step is not None:
+        _truncate_trace(run_dir, resume_step)
     ckpt = found[0] if found else None
     roles = build_roles(
         cfg,
@@ -114,10 +186,12 @@ def open_session(cfg: Config, resume: bool) -> Session:
             params,
             seed=t.seed + 10_000,
         )
+        for group in roles.groups:  # the rollout's generate calls (ray only: controller/health.py)
+            group.set_call_timeout("rollout.generate", cfg.rollout.timeout_s, "rollout.timeout_s")
         logger = MetricsLogger(
             run_dir,
             "tensorboard" in t.loggers,
-            resume_step=state["step"] if found else None,
+            resume_step=resume_step,
             alerts=cfg.alerts,
             max_staleness=cfg.asynchronous.max_staleness,
             wandb=(
@@ -126,6 +200,10 @@ def open_session(cfg: Config, resume: bool) -> Session:
                 else None
             ),
         )
+        if restart:
+            faults.restarted(run_dir, state["step"])
+        faults.reached = state["step"]
+        state["fault"] = faults.state()  # saved in every checkpoint's trainer.json
         s = Session(
             cfg,
             roles,
@@ -140,12 +218,15 @@ def open_session(cfg: Config, resume: bool) -> Session:
             found is not None,
             warm,
             t_start,
+            faults=faults,
         )
+        s.logger = FaultLogger(logger, faults)
         s.watchdog = Watchdog(t.step_timeout_s, run_dir / "hang", roles.groups)
         if "before" not in state:
             with s.timer.phase("eval"):
                 state["before"] = evaluate()
             logger.log(0, state["before"])
+        faults.before = state["before"]
         s.timer.pop()
     except BaseException:
         roles.shutdown()

@@ -16,12 +16,13 @@ from hybridrl.config import Config
 from hybridrl.data.prefetch import PromptPrefetcher
 from hybridrl.driver.checkpointer import Checkpointer
 from hybridrl.driver.collect import collect
+from hybridrl.driver.restarts import Faults
 from hybridrl.driver.session import open_session
 from hybridrl.telemetry.profiler import profiled
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    s = open_session(cfg, resume)
+def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> dict:
+    s = open_session(cfg, resume, faults)  # faults: restart counters (driver/restarts.py)
     t, roles, timer, state, desc = cfg.trainer, s.roles, s.timer, s.state, cfg.algorithm.advantage
     last, cursor = dict(state.get("last", state["before"])), state["prompt_cursor"]
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
@@ -35,11 +36,13 @@ def train(cfg: Config, resume: bool = False) -> dict:
                 samples, cursor, metrics = collect(
                     roles.rollout, prompts, s.tokenizer, cfg, s.params, cursor, t.seed + step, timer
                 )
-                metrics |= roles.learner.train_step(step, samples)["metrics"]
+                out = roles.learner.train_step(step, samples)
+                metrics |= out["metrics"]
                 with timer.phase("weight_sync"):
                     roles.sync_weights(step + 1)
                 metrics |= roles.rollout.stats()
                 done = step + 1
+                s.trace(done, out)  # trajectories.jsonl: the trained prompts' uids
                 if s.due(t.eval_every, done):
                     s.watchdog.arm(step)  # the evaluation gets a timeout budget of its own
                     with timer.phase("eval"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
+from hybridrl.controller.health import Progress
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.parallel import weight_sync
 from hybridrl.parallel.distributed import compute_device
@@ -27,6 +28,9 @@ class RolloutWorker(Worker):
         model, self.tokenizer = load_model(cfg, model_path)
         # native / hf run on this process's GPU when it has one (the learner's rule)
         self.backend = make_backend(cfg.rollout, model, self.tokenizer, compute_device())
+        # engine steps for the heartbeat (controller/health.py): generate and the stream step here
+        self.progress = Progress()
+        self.backend.step = self.progress.counting(self.backend.step)
         self.scorer = Scorer(cfg, self.tokenizer, eos_token_ids(model, self.tokenizer))
         self.stream: RolloutStream | None = None
         # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)
@@ -39,7 +43,7 @@ class RolloutWorker(Worker):
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """``params.n`` scored samples per prompt sample
         (:func:`~hybridrl.protocol.prompt_sample`)."""
-        with self.spans.span("rollout/generate"):
+        with self.spans.span("rollout/generate"), self.progress.busy():
             out = self.backend.generate(prompts, params)
         with self.spans.span("rollout/score"):
             return self.scorer(out)
@@ -101,7 +105,14 @@ class RolloutWorker(Worker):
             self.stream.check()
         out = self.backend.stats()
         out |= rollout_perf(out, self.backend)
+        out["engine/heartbeat_age_s"] = self.progress.beat()["step_age_s"]
         return out if self.stream is None else out | self.stream.stats()
+
+    def heartbeat(self) -> dict:
+        """Engine steps taken, seconds since the last one, seconds in the current ``generate``
+        (read from another thread while a call runs; the ``hf`` backend takes no engine steps
+        inside ``generate``)."""
+        return self.progress.beat()
 
     def sleep(self) -> None:
         """Colocation: free the KV cache while the learner has the device."""
