@@ -44,13 +44,18 @@ MARKER = ".written"  # a learner rank's background writes are done: .written-ran
 POLL_S = 0.02  # how often the driver thread looks for the ranks' markers
 
 
+class BackgroundWriteError(RuntimeError):
+    """A learner rank's background write failed with something other than an ``OSError``; the
+    message is that exception's ``Type: message``."""
+
+
 def rebuilt(failure: dict) -> Exception:
     """The exception a learner rank's thread reported (``learner/state.py``:
     ``describe_failure``), rebuilt in this process: an ``OSError`` when it was one."""
     if failure.get("errno") is not None or failure.get("filename"):
         strerror = failure.get("strerror") or failure["message"]
         return OSError(failure.get("errno"), strerror, failure.get("filename"))
-    return RuntimeError(f"{failure['type']}: {failure['message']}")
+    return BackgroundWriteError(f"{failure['type']}: {failure['message']}")
 
 
 class Checkpointer:
@@ -149,10 +154,12 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 -- raised in the driver by check()/wait()
             error = save_error(exc, step, tmp, self.run_dir) if isinstance(exc, Exception) else None
             if error is None:
+                what = " ".join(str(exc).split())
+                if not isinstance(exc, BackgroundWriteError):
+                    what = f"{type(exc).__name__}: {what}"
                 error = CheckpointError(
-                    f"step {step}: checkpoint not saved, the background write failed "
-                    f"({type(exc).__name__}: {' '.join(str(exc).split())}); the partial "
-                    f"{tmp.name} was removed, {kept_text(self.run_dir, tmp)}"
+                    f"step {step}: checkpoint not saved, the background write failed ({what}); "
+                    f"the partial {tmp.name} was removed, {kept_text(self.run_dir, tmp)}"
                 )
             shutil.rmtree(tmp, ignore_errors=True)
             self.error = error

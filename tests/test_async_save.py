@@ -1,0 +1,274 @@
+"""Background checkpoint saves (``trainer.async_save``, driver/checkpointer.py): the checkpoint is
+the one a synchronous save of the same state writes, file for file; the saving step returns while
+the files are still being written and training may change the weights meanwhile (the snapshot is
+what is saved); a writer that fails leaves the previous checkpoint the newest complete one and the
+failure is raised at the next step; a run with async saves, stopped and resumed, equals a
+synchronous run bit for bit. The sharded layout (FSDP2, DCP) runs in a subprocess
+(``python tests/test_async_save.py sharded WORKDIR PORT``), as in tests/test_resume.py."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_integrity import STATE, make_cfg
+from test_resume import K, assert_same_runs, cfg, critic_batch, critic_cfg, snapshot
+
+from hybridrl.driver.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from hybridrl.driver.checkpointer import Checkpointer
+from hybridrl.driver.placement import build_roles
+from hybridrl.driver.sync import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def roles(tmp_path_factory):
+    """The built-in tiny policy in a local learner, trained one optimizer step (so the optimizer
+    has moments to save); keeps one checkpoint."""
+    work = tmp_path_factory.mktemp("roles")
+    config = make_cfg(work, "trainer.keep_checkpoints=1")
+    roles = build_roles(config, None, None)
+    roles.learner.apply_all(optimizer_step)
+    yield config, roles
+    roles.shutdown()
+
+
+def optimizer_step(learner, scale: float = 1.0) -> None:
+    loss = sum((p.float() ** 2).sum() for p in learner.model.parameters()) * scale
+    loss.backward()
+    learner.optimizer.step()
+    learner.optimizer.zero_grad()
+
+
+def weights_of(learner) -> dict:
+    return {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+
+
+def restore(learner, saved: dict) -> None:
+    with torch.no_grad():
+        for n, p in learner.model.named_parameters():
+            p.copy_(saved[n])
+
+
+def background(config, roles, run_dir: Path) -> Checkpointer:
+    saver = Checkpointer(run_dir, roles, config)
+    saver.background = True  # the same config.yaml as the synchronous save's
+    return saver
+
+
+def files(ckpt: Path) -> dict[str, bytes]:
+    return {p.relative_to(ckpt).as_posix(): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def test_async_save_writes_the_files_a_synchronous_save_writes(roles, tmp_path):
+    config, roles = roles
+    sync = save_checkpoint(tmp_path / "a", 1, roles, STATE | {"step": 1}, config)
+    saver = background(config, roles, tmp_path / "b")
+    saver.save(1, STATE | {"step": 1})
+    saver.close()
+    done = step_dir(tmp_path / "b", 1)
+    assert files(done) == files(sync)  # every file's bytes, manifest.json included
+    assert {"model/train_state.pt", "model/model.safetensors", "manifest.json"} <= set(files(done))
+    assert verify_checkpoint(done)[0] is None
+    assert not list((tmp_path / "b" / "checkpoints").glob(".*"))  # no markers, no temporary dir
+
+
+def gated_torch_save(monkeypatch) -> threading.Event:
+    """``torch.save`` waits for the returned event before writing (a slow disk)."""
+    gate, real = threading.Event(), torch.save
+
+    def slow(*args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", slow)
+    return gate
+
+
+def test_the_step_returns_before_the_write_and_the_snapshot_is_saved(roles, tmp_path, monkeypatch):
+    config, roles = roles
+    before = roles.learner.apply_all(weights_of)[0]
+    expected = files(save_checkpoint(tmp_path / "a", 1, roles, STATE | {"step": 1}, config))
+    gate = gated_torch_save(monkeypatch)
+    saver = background(config, roles, tmp_path / "b")
+    t0 = time.perf_counter()
+    saver.save(1, STATE | {"step": 1})
+    returned = time.perf_counter() - t0
+    assert saver.thread.is_alive() and not list_checkpoints(tmp_path / "b")
+    try:  # training goes on while the writer waits: the weights change under it
+        roles.learner.apply_all(optimizer_step, 100.0)
+        assert any(
+            not torch.equal(before[n], w) for n, w in roles.learner.apply_all(weights_of)[0].items()
+        )
+        gate.set()
+        saver.close()
+        assert files(step_dir(tmp_path / "b", 1)) == expected  # the state of the saving step
+    finally:
+        gate.set()
+        roles.learner.apply_all(restore, before)
+    assert returned < 5.0
+
+
+def test_a_failing_writer_keeps_the_previous_checkpoint_and_is_raised_at_the_next_step(
+    roles, tmp_path, monkeypatch
+):
+    config, roles = roles
+    run_dir = tmp_path / "run"
+    saver = background(config, roles, run_dir)
+    saver.save(1, STATE | {"step": 1})
+    saver.wait()
+    good = step_dir(run_dir, 1)
+
+    def enospc(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"\0" * 1000)  # half written, then the disk is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+
+    monkeypatch.setattr(torch, "save", enospc)
+    saver.save(2, STATE | {"step": 2})  # returns: the failure is the writer's
+    saver.thread.join(60)
+    with pytest.raises(CheckpointError) as err:
+        saver.check()  # what the driver calls at the next step
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("step 2: checkpoint not saved, ")
+    assert "no space left on device while writing" in message and "train_state.pt" in message
+    assert f"the last good checkpoint {good} is kept" in message
+    assert list_checkpoints(run_dir) == [good]  # nothing rotated out (keep_checkpoints=1)
+    assert latest_checkpoint(run_dir)[0] == good
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    saver.check()  # raised once
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("writer crashed\nmid-write")
+
+    monkeypatch.setattr(torch, "save", boom)
+    saver.save(3, STATE | {"step": 3})
+    with pytest.raises(CheckpointError) as err:
+        saver.close()  # the end of the run raises it too
+    assert "background write failed (RuntimeError: writer crashed mid-write)" in str(err.value)
+    assert list_checkpoints(run_dir) == [good] and latest_checkpoint(run_dir)[0] == good
+
+
+def test_non_finite_weights_are_refused_in_the_saving_step(roles, tmp_path):
+    config, roles = roles
+    before = roles.learner.apply_all(weights_of)[0]
+
+    def poison(learner):
+        with torch.no_grad():
+            next(learner.model.parameters()).view(-1)[0] = float("nan")
+
+    roles.learner.apply_all(poison)
+    saver = background(config, roles, tmp_path / "run")
+    try:
+        with pytest.raises(CheckpointError, match="step 1: checkpoint not saved, non-finite"):
+            saver.save(1, STATE | {"step": 1})
+    finally:
+        roles.learner.apply_all(restore, before)
+    assert saver.thread is None and not list((tmp_path / "run" / "checkpoints").glob("*"))
+
+
+def test_a_run_with_async_saves_resumes_exactly(tmp_path):
+    """Saves every step in the background, stops after K steps, resumes: equal to a synchronous
+    run that never stopped, metric for metric and weight for weight."""
+    train(cfg(tmp_path, "straight", 2 * K))
+    every = ["trainer.async_save=true", "trainer.save_every=1"]
+    train(cfg(tmp_path, "split", K, *every))
+    assert [p.name for p in list_checkpoints(tmp_path / "runs" / "split")] == [
+        f"step_{s:06d}" for s in range(K - 1, K + 1)
+    ]
+    resumed = train(cfg(tmp_path, "split", 2 * K, *every), resume=True)
+    assert resumed["resumed_from_step"] == K
+    assert_same_runs(tmp_path, "straight", "split", 2 * K)
+
+
+# --- the sharded layout ---------------------------------------------------------------------------
+def sharded_main(workdir: str, port: int) -> None:
+    """A critic sharded by FSDP2 on a 1-rank gloo group: saved synchronously and in the
+    background (training once more while the background write runs), both loaded back."""
+    import torch.distributed as dist
+
+    from hybridrl.learner.critic import Critic
+    from hybridrl.learner.state import BackgroundWriter, load_trainable, save_trainable
+    from hybridrl.parallel.distributed import DistEnv
+    from hybridrl.parallel.fsdp import is_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    group = DistEnv(0, 1, torch.device("cpu"), "gloo")
+    work = Path(workdir)
+    critic = Critic(critic_cfg(), None, group)
+    batch = critic_batch(critic)
+    for _ in range(2):
+        critic.update(batch)
+    saved = snapshot(critic)
+    save_trainable(work / "sync", critic.model, critic.optimizer, critic.shuffle)
+    writer = BackgroundWriter()
+    save_trainable(
+        work / "async", critic.model, critic.optimizer, critic.shuffle, background=writer
+    )
+    writer.start(str(work / "marker"))
+    critic.update(batch)  # training goes on during the write
+    failure = writer.wait()
+    out = {"sharded": is_sharded(critic.model), "failure": failure, "saved": snapshot(critic)}
+    out["saved"] = saved
+    for name in ("sync", "async"):
+        fresh = Critic(critic_cfg(), None, group)
+        load_trainable(work / name, fresh.model, fresh.optimizer, fresh.shuffle)
+        out[name] = snapshot(fresh)
+    torch.save(out, work / "out.pt")
+
+
+def test_sharded_async_save_equals_the_synchronous_one(tmp_path):
+    from test_resume import assert_bitwise_equal
+
+    from hybridrl.controller.worker import find_free_port
+    from hybridrl.parallel.fsdp import is_complete
+
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}{os.pathsep}"
+        + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "sharded", str(tmp_path), str(find_free_port("127.0.0.1"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["sharded"] and out["failure"] is None
+    assert json.loads((tmp_path / "marker").read_text()) == {"ok": True}
+    assert_bitwise_equal(out["saved"], out["sync"])
+    assert_bitwise_equal(out["saved"], out["async"])  # the snapshot, not the later update
+    for name in ("sync", "async"):
+        assert is_complete(tmp_path / name / "dcp")
+        assert not list((tmp_path / name).glob(".*.tmp"))
+    hf = ("model.safetensors", "config.json")
+    assert all(
+        (tmp_path / "sync" / f).read_bytes() == (tmp_path / "async" / f).read_bytes() for f in hf
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sharded":
+        sharded_main(sys.argv[2], int(sys.argv[3]))
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)  # FSDP2's hooks keep the gloo group alive past the end (tests/test_resume.py)
