@@ -7,7 +7,8 @@ A driver wraps its step loop once::
 
 After each step's body the driver takes every worker's phase spans (one ``apply_all`` per worker
 group, ``telemetry/timeline.py``) and appends them, with the step's own window, to
-``<run>/timeline.jsonl``. During the steps listed in ``trainer.profile_steps`` (1-based, as
+``<run>/timeline.jsonl`` (the driver's timer counts this as ``timing/profile``, logged with the next
+step). During the steps listed in ``trainer.profile_steps`` (1-based, as
 ``metrics.jsonl`` counts) every worker process runs ``torch.profiler.profile`` (CPU activities, plus
 CUDA when the process computes on a GPU; ``record_shapes`` per ``trainer.profile_record_shapes``,
 no stacks) and the Chrome trace goes to ``<run>/profile/<worker>-rank<k>-step<N>.json.gz``:
@@ -31,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from hybridrl.telemetry import timeline
+from hybridrl.telemetry.timer import PhaseTimer
 
 PROFILE_DIR = "profile"
 TRACE_ATTR = "_hybridrl_trace"  # the running torch profiler of a worker process, on its worker
@@ -79,6 +81,8 @@ class StepProfiler:
         origin: the wall-clock time the timeline's ``t0``/``t1`` count from.
         first_step: the 0-based step the loop starts at (rows of later steps from an interrupted
             run are dropped: they are computed again).
+        timer: the driver's :class:`PhaseTimer`: taking the spans and writing the traces after a
+            step is its phase ``profile`` (in the next step's ``timing/profile``).
     """
 
     def __init__(
@@ -89,8 +93,10 @@ class StepProfiler:
         first_step: int = 0,
         profile_steps: Iterable[int] = (),
         record_shapes: bool = False,
+        timer=None,
     ):
         self.groups, self.run_dir, self.origin = list(groups), Path(run_dir), origin
+        self.timer = timer if timer is not None else PhaseTimer()
         self.profile_steps, self.record_shapes = set(profile_steps), record_shapes
         self.local = any(g.backend_name == "local" for g in self.groups)
         self.driver = _DriverProcess()  # holds the driver's own trace (local backend)
@@ -112,9 +118,10 @@ class StepProfiler:
                     stop_trace(self.driver)
                 raise
             t1 = time.time()
-            if traced:
-                self._stop(done)
-            self._record(done, t0, t1)
+            with self.timer.phase("profile"):  # in the next step's metrics: timing/profile
+                if traced:
+                    self._stop(done)
+                self._record(done, t0, t1)
 
     def _take(self) -> list[tuple[str, dict]]:
         return [(g.role, taken) for g in self.groups for taken in g.apply_all(timeline.take_spans)]
@@ -169,4 +176,5 @@ def profiled(session, steps: Iterable[int]) -> Iterator[int]:
         session.state["step"],
         t.profile_steps,
         t.profile_record_shapes,
+        session.timer,
     ).steps(steps)
