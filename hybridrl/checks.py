@@ -111,13 +111,13 @@ def check_step_memory(cfg: Config) -> None:
     need = step_memory(cfg)
     if available is None or need <= available:
         return
-    t, gib = cfg.trainer, 2**30
-    prompt = "data.max_prompt_length" if cfg.data.max_prompt_length else "prompt (assumed)"
+    t, gib, bound = cfg.trainer, 2**30, cfg.data.max_prompt_length
+    keys = "'trainer.prompts_per_step', 'trainer.samples_per_prompt', 'rollout.max_new_tokens'"
+    keys += ", 'data.max_prompt_length'" if bound else ""
+    prompt = f"{bound} prompt" if bound else f"{PROMPT_TOKENS_GUESS} prompt (assumed)"
     raise ConfigError(
-        "config keys 'trainer.prompts_per_step', 'trainer.samples_per_prompt', "
-        f"'rollout.max_new_tokens': a step's samples need about {need / gib:.1f} GiB of host "
-        f"memory ({t.prompts_per_step} x {t.samples_per_prompt} samples x ({prompt} "
-        f"{cfg.data.max_prompt_length or PROMPT_TOKENS_GUESS} + {cfg.rollout.max_new_tokens}) "
-        f"tokens x {STEP_BYTES_PER_TOKEN} B), above the {available / gib:.1f} GiB available; "
-        "lower them"
+        f"config keys {keys}: a step's samples need about {need / gib:.1f} GiB of host memory "
+        f"({t.prompts_per_step} x {t.samples_per_prompt} samples x ({prompt} + "
+        f"{cfg.rollout.max_new_tokens} new) tokens x {STEP_BYTES_PER_TOKEN} B), above the "
+        f"{available / gib:.1f} GiB available; lower them"
     )
