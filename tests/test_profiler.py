@@ -242,3 +242,15 @@ def test_ray_colocated_run_writes_a_trace_per_worker_process(tmp_path, local_run
     check_timeline(rows, [1, 2], phases)
     workers = {(r["worker"], r["pid"]) for r in rows if r["role"] != "driver"}
     assert len(workers) == 1 and next(iter(workers))[0] == "learner+rollout"
+
+
+def test_resume_drops_the_rows_it_computes_again(tmp_path):
+    from hybridrl.telemetry.timeline import append_rows, truncate_after
+
+    rows = [dict(step=s, role="driver", phase="step", t0=s, t1=s + 1.0) for s in (1, 2, 3)]
+    append_rows(tmp_path, rows)
+    with open(tmp_path / "timeline.jsonl", "a") as f:
+        f.write('{"step": 4, "ro')  # a line torn by a crash
+    assert [r["step"] for r in read_timeline(tmp_path)] == [1, 2, 3]
+    truncate_after(tmp_path, 2)
+    assert read_timeline(tmp_path) == rows[:2]
