@@ -59,6 +59,12 @@ def digit_credit(prompt, response: str, **_) -> float:
     return sum(a == b for a, b in zip(response, prompt.answer)) / len(prompt.answer)
 
 
+def slow_credit(prompt, response: str, **_) -> float:
+    """:func:`digit_credit`, one second late: scoring is part of the rollout's generate call."""
+    time.sleep(1.0)
+    return digit_credit(prompt, response)
+
+
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory) -> Path:
     """One cached warm start for the module."""
@@ -284,14 +290,14 @@ def test_sigkill_restarts_and_finishes_as_if_unkilled(tmp_path, warm, unkilled, 
 
 
 def test_rollout_timeout_restarts_then_stops_with_one_line(tmp_path, warm, ray_cluster, capsys):
-    """Generation far slower than rollout.timeout_s (the evaluation before training already): the
-    rollout is killed, the run restarts once, times out again, and the command line prints one
+    """A generate call far slower than rollout.timeout_s (the evaluation before training already;
+    its reward function takes a second): the rollout is killed, the run restarts once, times out again, and the command line prints one
     line naming the rank, the timeout and the heartbeat, exit code 1."""
     from hybridrl.cli import main
 
     args = [*TINY, *RAY, f"sft.checkpoint={warm}", f"trainer.runs_dir={tmp_path / 'runs'}"]
     args += ["trainer.name=slow", "trainer.total_steps=2", "trainer.max_restarts=1"]
-    args += ["rollout.timeout_s=0.5", "rollout.max_new_tokens=512", "task.eval_size=64"]
+    args += ["rollout.timeout_s=0.5", f"task.reward_fn={__file__}:slow_credit"]
     start = time.monotonic()
     assert main(["train", *args]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -239,11 +239,13 @@ class RayBackend:
             ends = [t for t in (deadline, limit) if t is not None]
             wait_s = max(min(ends) - time.monotonic(), 0.0) if ends else None
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=wait_s)
-            if not ready and not failed and limit is not None and time.monotonic() >= limit:
-                self.dead = timed_out(self, [rank_of[r] for r in waiting], *timeout)
-                raise self.dead
-            if not ready:  # the grace after a failure ran out
+            if not ready and failed:  # the grace after a failure ran out
                 break
+            if not ready:  # the call's timeout (ray.wait may wake a little early)
+                if time.monotonic() >= limit:
+                    self.dead = timed_out(self, [rank_of[r] for r in waiting], *timeout)
+                    raise self.dead
+                continue
             ref = ready[0]
             try:
                 results[ref] = ray.get(ref)
