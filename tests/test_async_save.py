@@ -165,6 +165,26 @@ def test_a_failing_writer_keeps_the_previous_checkpoint_and_is_raised_at_the_nex
     assert list_checkpoints(run_dir) == [good] and latest_checkpoint(run_dir)[0] == good
 
 
+def test_a_driver_side_write_error_names_the_file(roles, tmp_path, monkeypatch):
+    from hybridrl.driver import checkpoint
+
+    config, roles = roles
+    run_dir = tmp_path / "run"
+
+    def failing(path, text):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+
+    monkeypatch.setattr(checkpoint, "_write_synced", failing)
+    saver = background(config, roles, run_dir)
+    saver.save(1, STATE | {"step": 1})
+    with pytest.raises(CheckpointError) as err:
+        saver.wait()
+    message = str(err.value)
+    assert "\n" not in message and "Input/output error while writing" in message
+    assert "trainer.json" in message and "no earlier checkpoint exists" in message
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").iterdir())
+
+
 def test_non_finite_weights_are_refused_in_the_saving_step(roles, tmp_path):
     config, roles = roles
     before = roles.learner.apply_all(weights_of)[0]

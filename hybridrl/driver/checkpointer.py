@@ -3,13 +3,13 @@ or in the background with ``trainer.async_save``.
 
 A background save of step N: the step makes ``.tmp-step_N/``, every learner rank snapshots its
 trained state to host memory (weights, optimizer, RNG; refusing non-finite weights at once) and
-starts a thread writing it there (``Learner.save_checkpoint(..., marker=)``), and the driver writes
-``trainer.json`` and ``config.yaml``; then the step returns and training goes on. A driver thread
-waits for every rank's marker (``.written-rank<r>``, written by the rank's thread after its files
-are fsynced, holding its failure if any), removes the markers, hashes every file into
-``manifest.json``, renames the directory into place and rotates the old checkpoints: the
-synchronous path's steps, in the same order, so a crash at any point leaves the previous checkpoint
-the newest complete one.
+starts a thread writing it there (``Learner.save_checkpoint(..., marker=)``); then the step
+returns and training goes on. A driver thread writes ``trainer.json`` (the state given to the
+step) and ``config.yaml``, waits for every rank's marker (``.written-rank<r>``, written by the
+rank's thread after its files are fsynced, holding its failure if any), removes the markers,
+hashes every file into ``manifest.json``, renames the directory into place and rotates the old
+checkpoints: the synchronous path's steps, in the same order, so a crash at any point leaves the
+previous checkpoint the newest complete one.
 
 At most one save is in flight: the next save and the end of the run wait for it (a resume starts
 after the end of the run it resumes). A failed background save (a full disk, a write error) removes
@@ -19,6 +19,7 @@ with the synchronous path's one-line message.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -86,7 +87,6 @@ class Checkpointer:
                 str(tmp / "model"), str(tmp / "critic"), str(tmp / MARKER)
             )
             started = True
-            write_driver_files(tmp, step, trainer_state, self.cfg)
         except BaseException as exc:
             if started:  # the ranks' threads write into tmp: let them finish first
                 self._wait_learner(quiet=True)
@@ -94,7 +94,10 @@ class Checkpointer:
         self.stop.clear()
         self.abandon, self.failures = False, []
         self.thread = threading.Thread(
-            target=self._finish, args=(step, tmp, markers), name="checkpoint-finish", daemon=True
+            target=self._finish,
+            args=(step, tmp, markers, copy.deepcopy(trainer_state)),
+            name="checkpoint-finish",
+            daemon=True,
         )
         self.thread.start()
 
@@ -140,11 +143,18 @@ class Checkpointer:
             if not quiet:
                 raise
 
-    def _finish(self, step: int, tmp: Path, markers: list[str]) -> None:
+    def _finish(self, step: int, tmp: Path, markers: list[str], trainer_state: dict) -> None:
+        written: Exception | None = None
+        try:  # while the ranks write
+            write_driver_files(tmp, step, trainer_state, self.cfg)
+        except Exception as exc:  # noqa: BLE001 -- raised below, once the ranks are done
+            written = exc
         try:
             failures = self._await(markers)
             if failures is None:  # abandoned while the ranks were still writing
                 return
+            if written is not None:
+                raise written
             if failures:
                 raise rebuilt(failures[0])
             for marker in markers:
