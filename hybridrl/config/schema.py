@@ -365,9 +365,10 @@ class RolloutConfig:
         "(e.g. {dtype: bfloat16})",
     )
     timeout_s: float | None = _f(
-        1800.0,
+        1200.0,
         "ray backend: a generate call of the rollout still running after this many seconds has "
         "its workers killed, and the run restarts from its last checkpoint (trainer.max_restarts); "
+        "keep it below trainer.step_timeout_s, whose watchdog otherwise stops the run first; "
         "null: no limit. Not applied under the local backend (a thread cannot be stopped)",
         gt=0,
     )

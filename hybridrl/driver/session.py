@@ -188,6 +188,13 @@ def open_session(cfg: Config, resume: bool, faults: Faults | None = None) -> Ses
         )
         for group in roles.groups:  # the rollout's generate calls (ray only: controller/health.py)
             group.set_call_timeout("rollout.generate", cfg.rollout.timeout_s, "rollout.timeout_s")
+        if cfg.controller.backend == "ray" and (cfg.rollout.timeout_s or 0) >= t.step_timeout_s:
+            log.warning(
+                "rollout.timeout_s=%g is not below trainer.step_timeout_s=%g: a generate call that "
+                "hangs stops the run (step watchdog) before it could restart it",
+                cfg.rollout.timeout_s,
+                t.step_timeout_s,
+            )
         logger = MetricsLogger(
             run_dir,
             "tensorboard" in t.loggers,
