@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_integrity import STATE, make_cfg
+from test_checkpoint_integrity import STATE, TINY_RUN, make_cfg
 from test_resume import K, assert_same_runs, cfg, critic_batch, critic_cfg, snapshot
 
+from hybridrl.config import Config, load_config
 from hybridrl.driver.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -285,6 +286,37 @@ def test_sharded_async_save_equals_the_synchronous_one(tmp_path):
     assert all(
         (tmp_path / "sync" / f).read_bytes() == (tmp_path / "async" / f).read_bytes() for f in hf
     )
+
+
+@pytest.mark.slow
+def test_two_sharded_learner_ranks_under_ray_save_in_the_background(tmp_path):
+    """The learner as 2 FSDP2 ranks (Ray actors): background saves every step write complete
+    checkpoints (``dcp/`` of both ranks, the gathered weights) equal to synchronous saves."""
+    import ray
+
+    from hybridrl.parallel.fsdp import is_complete
+
+    example = ROOT / "examples" / "arith_grpo_fsdp_disaggregated.yaml"
+    try:
+        for name, flag in (("sync", "false"), ("async", "true")):
+            overrides = [
+                *TINY_RUN,
+                f"sft.checkpoint={tmp_path / 'ws'}",
+                f"trainer.runs_dir={tmp_path / 'runs'}",
+                f"trainer.name={name}",
+                f"trainer.async_save={flag}",
+            ]
+            train(load_config(Config, example, overrides))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    runs = tmp_path / "runs"
+    for step in (1, 2):
+        a, b = step_dir(runs / "sync", step), step_dir(runs / "async", step)
+        assert verify_checkpoint(b)[0] is None and is_complete(b / "model" / "dcp")
+        weights = "model/model.safetensors"
+        assert (a / weights).read_bytes() == (b / weights).read_bytes(), step
+    assert not list((runs / "async" / "checkpoints").glob(".*"))
 
 
 if __name__ == "__main__":
