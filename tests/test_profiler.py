@@ -7,8 +7,10 @@ import gzip
 import json
 import shutil
 import threading
+import time
 
 import pytest
+import torch
 from test_train_e2e import TINY_RUN
 
 from hybridrl.cli import main as cli_main
@@ -254,3 +256,37 @@ def test_resume_drops_the_rows_it_computes_again(tmp_path):
     assert [r["step"] for r in read_timeline(tmp_path)] == [1, 2, 3]
     truncate_after(tmp_path, 2)
     assert read_timeline(tmp_path) == rows[:2]
+
+
+def test_a_trace_holds_the_spans_of_every_thread():
+    """The asynchronous rollout generates on a thread of its own, started before the trace."""
+    from hybridrl.telemetry.profiler import start_trace, stop_trace
+
+    class Process:
+        pass
+
+    log, stop, process = SpanLog("rollout"), threading.Event(), Process()
+
+    def generate():
+        while not stop.is_set():
+            with log.span("rollout/generate"):
+                torch.mm(torch.ones(32, 32), torch.ones(32, 32))
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        start_trace(process)
+        with pytest.raises(RuntimeError, match="already running"):
+            start_trace(process)
+        with log.span("learner/update"):
+            torch.mm(torch.ones(8, 8), torch.ones(8, 8))
+        time.sleep(0.05)
+        data = stop_trace(process)
+    finally:
+        stop.set()
+        thread.join()
+    names = [e.get("name") for e in json.loads(gzip.decompress(data))["traceEvents"]]
+    assert "learner/update" in names and "rollout/generate" in names
+    assert stop_trace(process) == b""  # none running

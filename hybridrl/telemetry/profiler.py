@@ -52,10 +52,25 @@ def start_trace(worker, record_shapes: bool = False) -> None:
     if compute_device().type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     prof = torch.profiler.profile(
-        activities=activities, record_shapes=record_shapes, with_stack=False
+        activities=activities,
+        record_shapes=record_shapes,
+        with_stack=False,
+        experimental_config=_all_threads(),
     )
     prof.start()
     setattr(worker, TRACE_ATTR, prof)
+
+
+def _all_threads():
+    """The profiler's option to record every thread's operators (the asynchronous rollout
+    generates on a thread of its own), where this torch has it; None (the calling thread and the
+    threads it starts) otherwise."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        return None
 
 
 def stop_trace(worker) -> bytes:

@@ -51,7 +51,8 @@ class SpanLog:
 
         t0 = time.time()
         try:
-            if torch.autograd._profiler_enabled():
+            # process-wide (the asynchronous rollout records on a thread of its own)
+            if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
                 with torch.profiler.record_function(phase):
                     yield
             else:
