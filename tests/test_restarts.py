@@ -203,6 +203,9 @@ def test_injected_deaths_restart_from_the_checkpoint_exactly(tmp_path, warm, mon
         "restarts": 2,
         "lost_steps": 2,
     }
+    # a later --resume counts on
+    more = run(make_cfg(tmp_path, warm, "killed", f"trainer.total_steps={steps + 1}"), resume=True)
+    assert (more["restarts"], rows(run_dir)[-1]["fault/restarts"]) == (2, 2.0)
 
 
 def test_past_max_restarts_one_line_and_user_errors_never_retry(tmp_path, warm, monkeypatch):
@@ -291,8 +294,9 @@ def test_sigkill_restarts_and_finishes_as_if_unkilled(tmp_path, warm, unkilled, 
 
 def test_rollout_timeout_restarts_then_stops_with_one_line(tmp_path, warm, ray_cluster, capsys):
     """A generate call far slower than rollout.timeout_s (the evaluation before training already;
-    its reward function takes a second): the rollout is killed, the run restarts once, times out again, and the command line prints one
-    line naming the rank, the timeout and the heartbeat, exit code 1."""
+    its reward function takes a second): the rollout is killed, the run restarts once, times out
+    again, and the command line prints one line naming the rank, the timeout and the heartbeat,
+    exit code 1."""
     from hybridrl.cli import main
 
     args = [*TINY, *RAY, f"sft.checkpoint={warm}", f"trainer.runs_dir={tmp_path / 'runs'}"]

@@ -713,9 +713,10 @@ class TrainerConfig:
     keep_checkpoints: int = _f(2, "checkpoints kept on disk", ge=1)
     max_restarts: int = _f(
         3,
-        "times a run restarts by itself from its last checkpoint after a worker died or a rollout "
-        "call timed out (rollout.timeout_s, asynchronous.batch_timeout_s); at most save_every "
-        "steps are computed again each time (0: stop with the error)",
+        "times a run (one invocation; --resume may restart as often again) restarts by itself "
+        "from its last checkpoint after a worker died or a rollout call timed out "
+        "(rollout.timeout_s, asynchronous.batch_timeout_s); at most save_every steps are computed "
+        "again each time (0: stop with the error)",
         ge=0,
     )
     async_save: bool = _f(

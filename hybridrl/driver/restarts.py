@@ -25,8 +25,8 @@ evaluation before training is kept). The steps done after that checkpoint are do
 Counters: ``fault/restarts`` and ``fault/lost_steps`` (steps computed again, cumulative) are logged
 on every step once a run has restarted, kept in ``trainer.json`` (a later ``--resume`` counts on),
 and ``summary.json`` holds ``restarts`` and ``lost_steps``; each restart also appends a row
-``worker_restart`` to ``alerts.jsonl``. Past ``trainer.max_restarts`` the run stops with
-:class:`RestartsExhaustedError`, whose one line is the last failure's.
+``worker_restart`` to ``alerts.jsonl``. Past ``trainer.max_restarts`` restarts in one invocation the
+run stops with :class:`RestartsExhaustedError`, whose one line is the last failure's.
 """
 
 from __future__ import annotations
@@ -56,14 +56,17 @@ class RestartsExhaustedError(RuntimeError):
 class Faults:
     """A run's fault counters, and what a failed attempt hands to the next.
 
-    ``reached``: the last step the current attempt logged; ``restarting``: the reason, while the
-    next session is a restart; ``before``: the held-out evaluation before training, reused by a
-    restart that finds no checkpoint.
+    ``restarts`` and ``lost_steps`` count over the whole run (``--resume`` reads them back);
+    ``used``: the restarts of this invocation, which ``max_restarts`` bounds; ``reached``: the last
+    step the current attempt logged; ``restarting``: the reason, while the next session is a
+    restart; ``before``: the held-out evaluation before training, reused by a restart that finds no
+    checkpoint.
     """
 
     max_restarts: int
     restarts: int = 0
     lost_steps: int = 0
+    used: int = 0
     reached: int = 0
     restarting: str | None = None
     before: dict | None = None
@@ -89,7 +92,7 @@ class Faults:
         lost = max(self.reached - step, 0)
         self.lost_steps += lost
         message = (
-            f"restart {self.restarts} of at most {self.max_restarts} (trainer.max_restarts) from "
+            f"restart {self.used} of at most {self.max_restarts} (trainer.max_restarts) from "
             f"step {step}, {lost} step(s) to do again, after: {self.restarting}"
         )
         log.info("restored step %d: %d step(s) to do again", step, lost)
@@ -150,17 +153,18 @@ def run_with_restarts(train: Callable[..., dict], cfg: Config, resume: bool) -> 
             reason = restart_reason(exc, cfg.controller.backend)
             if reason is None:
                 raise
-            if faults.restarts >= faults.max_restarts:
+            if faults.used >= faults.max_restarts:
                 log.error("the run stops: %s", exc)
-                used = f"{faults.restarts} restart(s)" if faults.restarts else "no restart"
+                used = f"{faults.used} restart(s)" if faults.used else "no restart"
                 raise RestartsExhaustedError(
                     f"{reason} [{used}: trainer.max_restarts={faults.max_restarts}]"
                 ) from exc
+            faults.used += 1
             faults.restarts += 1
             faults.restarting = reason
             log.warning(
                 "worker failure, restarting from the last checkpoint (%d of %d): %s",
-                faults.restarts,
+                faults.used,
                 faults.max_restarts,
                 reason,
             )
