@@ -218,6 +218,35 @@ def test_a_run_with_async_saves_resumes_exactly(tmp_path):
     assert_same_runs(tmp_path, "straight", "split", 2 * K)
 
 
+def test_lora_and_critic_runs_save_in_the_background(tmp_path):
+    """LoRA (the policy written in the step, the rest in the background) and PPO (the critic
+    written in the background): complete checkpoints equal to the synchronous run's."""
+    from hybridrl.learner import lora as lora_lib
+
+    ppo = ROOT / "examples" / "arith_ppo.yaml"
+    for name, base, extra in (("lora", None, ["actor.lora_rank=8"]), ("ppo", ppo, [])):
+        for flag in ("false", "true"):
+            overrides = [
+                *TINY_RUN,
+                *extra,
+                "critic.ppo_minibatch_size=4",
+                f"sft.checkpoint={tmp_path / 'ws'}",
+                f"trainer.runs_dir={tmp_path / 'runs'}",
+                f"trainer.name={name}-{flag}",
+                f"trainer.async_save={flag}",
+            ]
+            train(load_config(Config, base, overrides))
+        a, b = (step_dir(tmp_path / "runs" / f"{name}-{f}", 2) for f in ("false", "true"))
+        assert verify_checkpoint(b)[0] is None
+        assert files(a).keys() == files(b).keys()
+        weights = [k for k in files(a) if k.endswith(".safetensors")]
+        assert all(files(a)[k] == files(b)[k] for k in weights), name
+        if name == "lora":
+            assert lora_lib.is_lora_checkpoint(b / "model")
+        else:
+            assert (b / "critic" / "train_state.pt").is_file()
+
+
 # --- the sharded layout ---------------------------------------------------------------------------
 def sharded_main(workdir: str, port: int) -> None:
     """A critic sharded by FSDP2 on a 1-rank gloo group: saved synchronously and in the
