@@ -153,6 +153,41 @@ def test_busy_survivor_is_not_awaited(monkeypatch):
         pool.release()
 
 
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_call_past_its_timeout_kills_the_group():
+    """``set_call_timeout``: rank 1 sleeps past the bound while rank 0 waits for it in the
+    all-reduce; the call fails after the bound (not after the sleep) naming the lowest waiting rank,
+    the config key and what the heartbeats said, every actor of the group is killed, and the group
+    refuses later calls with the same error. Other methods are not bounded."""
+    from hybridrl.controller.health import CallTimeoutError, heartbeats
+
+    pool = ResourcePool("slow", workers_per_node=2, cpus_per_worker=0.5)
+    try:
+        group = WorkerGroup(GlooWorker, pool, role="learner", backend="ray")
+        try:
+            # the heartbeat answers from its own thread, even while the rank is busy
+            pending = group._backend.submit("total", [(r, (1.0, 1, 3.0), {}) for r in (0, 1)])
+            assert heartbeats(ray, dict(enumerate(group.workers)), wait_s=2.0) == {0: {}, 1: {}}
+            assert group._backend.gather("total", pending) == [2.0, 2.0]
+            group.set_call_timeout("learner.total", 2.0, "test.timeout_s")
+            assert group.pid() == group.pid()  # unbounded method
+            start = time.monotonic()
+            with pytest.raises(CallTimeoutError) as info:
+                group.total(1.0, late_rank=1, delay_s=60.0)
+            assert time.monotonic() - start < 20.0
+            assert str(info.value) == (
+                "worker role 'learner' rank 0 failed in total(): exceeded test.timeout_s=2 s "
+                "(it reports no progress; rank 1: it reports no progress); its workers were killed"
+            )
+            assert all(actor_dead(a) for a in group.workers)
+            with pytest.raises(CallTimeoutError, match=r"(?s)exceeded.*this one: pid\(\)"):
+                group.pid()
+        finally:
+            group.shutdown()
+    finally:
+        pool.release()
+
+
 def test_shutdown_closes_every_role_past_a_failing_close_local():
     """Local backend: the roles after the failing one are still closed and their groups stopped."""
     roles = make_roles(
