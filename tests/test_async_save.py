@@ -247,6 +247,23 @@ def test_lora_and_critic_runs_save_in_the_background(tmp_path):
             assert (b / "critic" / "train_state.pt").is_file()
 
 
+def test_an_asynchronous_run_saves_in_the_background_and_resumes(tmp_path):
+    from test_async import make_cfg as async_cfg
+
+    from hybridrl.driver import asynchronous
+
+    every = ["trainer.async_save=true", "trainer.save_every=1", "rollout.max_new_tokens=16"]
+    asynchronous.train(async_cfg(tmp_path, "trainer.total_steps=2", *every))
+    run_dir = tmp_path / "runs" / "reverse_grpo"
+    found = latest_checkpoint(run_dir)
+    assert found is not None and found[0] == step_dir(run_dir, 2)
+    assert {"pending_prompts", "trained_groups"} <= found[1].keys()
+    summary = asynchronous.train(async_cfg(tmp_path, "trainer.total_steps=3", *every), resume=True)
+    assert summary["resumed_from_step"] == 2 and latest_checkpoint(run_dir)[0] == step_dir(
+        run_dir, 3
+    )
+
+
 # --- the sharded layout ---------------------------------------------------------------------------
 def sharded_main(workdir: str, port: int) -> None:
     """A critic sharded by FSDP2 on a 1-rank gloo group: saved synchronously and in the
