@@ -91,15 +91,17 @@ def test_async_save_writes_the_files_a_synchronous_save_writes(roles, tmp_path):
     assert not list((tmp_path / "b" / "checkpoints").glob(".*"))  # no markers, no temporary dir
 
 
-def gated_torch_save(monkeypatch) -> threading.Event:
-    """``torch.save`` waits for the returned event before writing (a slow disk)."""
-    gate, real = threading.Event(), torch.save
+def gated_writes(monkeypatch) -> threading.Event:
+    """The learner's writer waits for the returned event before writing anything (a slow disk)."""
+    from hybridrl.learner import state
+
+    gate, real = threading.Event(), state._write_single
 
     def slow(*args, **kwargs):
         assert gate.wait(60), "the test never opened the gate"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", slow)
+    monkeypatch.setattr(state, "_write_single", slow)
     return gate
 
 
@@ -107,7 +109,7 @@ def test_the_step_returns_before_the_write_and_the_snapshot_is_saved(roles, tmp_
     config, roles = roles
     before = roles.learner.apply_all(weights_of)[0]
     expected = files(save_checkpoint(tmp_path / "a", 1, roles, STATE | {"step": 1}, config))
-    gate = gated_torch_save(monkeypatch)
+    gate = gated_writes(monkeypatch)
     saver = background(config, roles, tmp_path / "b")
     t0 = time.perf_counter()
     saver.save(1, STATE | {"step": 1})
@@ -119,6 +121,7 @@ def test_the_step_returns_before_the_write_and_the_snapshot_is_saved(roles, tmp_
             not torch.equal(before[n], w) for n, w in roles.learner.apply_all(weights_of)[0].items()
         )
         gate.set()
+        roles.learner.apply_all(optimizer_step, 100.0)  # and while the files are written
         saver.close()
         assert files(step_dir(tmp_path / "b", 1)) == expected  # the state of the saving step
     finally:
