@@ -727,9 +727,10 @@ class TrainerConfig:
     )
     prefetch_steps: int = _f(
         1,
-        "steps of prompts prepared ahead on a background thread (task.prompt: reading, "
-        "chat template, tokenizing) while the current step runs; the same prompts in the same "
-        "order (0: off)",
+        "synchronous runs: steps of prompts prepared ahead on a background thread (task.prompt: "
+        "reading, chat template, tokenizing) while the current step runs; the same prompts in the "
+        "same order (0: off). An asynchronous run's rollout stream prepares the "
+        "asynchronous.max_concurrent_prompts prompts after the last one admitted",
         ge=0,
         le=2,
     )
