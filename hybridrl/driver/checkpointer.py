@@ -81,15 +81,13 @@ class Checkpointer:
             return
         self.wait()
         tmp = begin(self.run_dir, step)
-        started = False
         try:
             markers = self.roles.learner.save_checkpoint(
                 str(tmp / "model"), str(tmp / "critic"), str(tmp / MARKER)
             )
-            started = True
         except BaseException as exc:
-            if started:  # the ranks' threads write into tmp: let them finish first
-                self._wait_learner(quiet=True)
+            # a rank that did start writing into tmp (another one failed) finishes first
+            self._wait_learner(quiet=True)
             fail(exc, step, tmp, self.run_dir)
         self.stop.clear()
         self.abandon, self.failures = False, []
