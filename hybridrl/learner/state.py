@@ -49,6 +49,7 @@ def host_copy(obj, memo: dict | None = None):
     memo = {} if memo is None else memo
     if torch.is_tensor(obj):
         key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride())
+        key += (obj.dtype,)
         if key not in memo:
             memo[key] = obj.detach().to("cpu", copy=True)
         return memo[key]
