@@ -727,10 +727,9 @@ class TrainerConfig:
     )
     prefetch_steps: int = _f(
         1,
-        "synchronous runs: steps of prompts prepared ahead on a background thread (task.prompt: "
-        "reading, chat template, tokenizing) while the current step runs; the same prompts in the "
-        "same order (0: off). An asynchronous run's rollout stream prepares the "
-        "asynchronous.max_concurrent_prompts prompts after the last one admitted",
+        "steps of prompts prepared ahead on a background thread (task.prompt: reading, chat "
+        "template, tokenizing) while the current step runs (the rollout stream's admissions in "
+        "an asynchronous run); the same prompts in the same order (0: off)",
         ge=0,
         le=2,
     )

@@ -82,6 +82,7 @@ class RolloutWorker(Worker):
             params,
             seed,
             self.cfg.asynchronous.max_concurrent_prompts,
+            prefetch=self.cfg.trainer.prefetch_steps * self.cfg.trainer.prompts_per_step,
         )
         self.stream.start()
 
