@@ -125,6 +125,9 @@ def test_what_restarts_and_what_stops():
     batch = WorkerError("learner", 0, "train_step", "TimeoutError: (asynchronous.batch_timeout_s)")
     assert restart_reason(batch, "ray") and restart_reason(batch, "local") is None
     assert restart_reason(WorkerError("learner", 0, "train_step", "ValueError: bad"), "ray") is None
+    # a rollout rank whose reward-model actor died
+    scorer = WorkerError("rollout", 0, "generate", "ActorDiedError: The actor died unexpectedly")
+    assert restart_reason(scorer, "ray") and restart_reason(scorer, "local") is None
     for stop in (StepTimeoutError("step 3 exceeded"), CheckpointError("disk full")):
         try:  # a hang or a failed save stops the run even when a death follows it
             try:

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # the learner's TimeoutError when the trajectory buffer held no batch in time (rollout/buffer.py)
 BATCH_TIMEOUT_KEY = "asynchronous.batch_timeout_s"
+# what a worker reports when an actor it calls died (a rollout rank calling the reward model)
+ACTOR_DIED = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
 
 
 class RestartsExhaustedError(RuntimeError):
@@ -122,8 +124,9 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def restart_reason(exc: BaseException, backend: str) -> str | None:
     """The one-line reason why ``exc`` restarts the run, or None when it must stop it: a dead
-    worker, a rollout call past its timeout, or (``ray``) an asynchronous learner with no batch in
-    time; never a hang (``StepTimeoutError``), a checkpoint that failed, a bad config, an
+    worker (or, ``ray``, a worker that reports an actor it called as dead: the reward model), a
+    rollout call past its timeout, or (``ray``) an asynchronous learner with no batch in time;
+    never a hang (``StepTimeoutError``), a checkpoint that failed, a bad config, an
     interrupt, or an error of the user's code."""
     from hybridrl.driver.checkpoint import CheckpointError
     from hybridrl.telemetry.watchdog import StepTimeoutError
@@ -137,7 +140,11 @@ def restart_reason(exc: BaseException, backend: str) -> str | None:
         if isinstance(e, (WorkerDiedError, CallTimeoutError)):
             return str(e).splitlines()[0]
     for e in reversed(chain):
-        if backend == "ray" and isinstance(e, WorkerError) and BATCH_TIMEOUT_KEY in e.detail:
+        if (
+            backend == "ray"
+            and isinstance(e, WorkerError)
+            and (BATCH_TIMEOUT_KEY in e.detail or e.detail.startswith(ACTOR_DIED))
+        ):
             return str(e).splitlines()[0]
     return None
 
