@@ -270,20 +270,20 @@ def save_model(size: str, seed: int, path: Path) -> None:
 def run_hybridrl(spec: dict) -> dict:
     import torch
 
-    import hybridrl.driver.collect as collect_mod
+    import hybridrl.data.prefetch as prefetch_mod  # where the training prompts are made
     import hybridrl.driver.session as session_mod
     from hybridrl.config import Config, load_config
     from hybridrl.driver import sync
 
     seen: list[list[int]] = []
-    original = collect_mod.prompt_sample
+    original = prefetch_mod.prompt_sample
 
     def recording(prompt, tokenizer):  # the ids the rollout is given, step by step
         sample = original(prompt, tokenizer)
         seen.append(list(sample.prompt_ids))
         return sample
 
-    collect_mod.prompt_sample = recording
+    prefetch_mod.prompt_sample = recording
 
     class CpuTimer(session_mod.PhaseTimer):  # also this process's CPU seconds per step
         def pop(self):

@@ -204,7 +204,7 @@ def test_a_run_stopped_for_a_known_reason_exits_1_with_one_line(monkeypatch, cap
     }
     message = f"step 3: {error} for the test"
 
-    def stopped(cfg, resume=False):
+    def stopped(cfg, resume=False, **kwargs):
         raise cls[error](message)
 
     monkeypatch.setattr(sync, "train", stopped)
