@@ -9,12 +9,17 @@ installed package (``hybridrl.*``, or a user package) are fine; for a class in
 a loose script or test module either start Ray with ``PYTHONPATH`` in
 ``runtime_env`` or call ``ray.cloudpickle.register_pickle_by_value(module)``.
 
-Stack dumps: every host registers :mod:`faulthandler` for ``SIGUSR1`` at startup, writing into an
-unlinked temporary file (nothing is left behind). :meth:`RayBackend.dump_stacks` (the driver's
-watchdog, on a step past ``trainer.step_timeout_s``) signals each rank's process and copies what it
-wrote into the run directory: from the driver for ranks on its own node, through a zero-CPU Ray task
-pinned to the node for the others. faulthandler writes from its C signal handler, so a rank stuck in
-a C call (a collective, a CUDA sync) still reports its Python stacks.
+Stack dumps (``controller/stacks.py``): every host registers :mod:`faulthandler` for ``SIGUSR1``
+at startup, writing into an unlinked temporary file (nothing is left behind).
+:meth:`RayBackend.dump_stacks` (the driver's watchdog, on a step past ``trainer.step_timeout_s``)
+signals each rank's process and copies what it wrote into the run directory: from the driver for
+ranks on its own node, through a zero-CPU Ray task pinned to the node for the others. faulthandler
+writes from its C signal handler, so a rank stuck in a C call (a collective, a CUDA sync) still
+reports its Python stacks.
+
+Health (``controller/health.py``): every host answers ``heartbeat()`` on a thread of its own (the
+Ray concurrency group ``health``), and a call of a method bounded by
+``WorkerGroup.set_call_timeout`` that runs too long kills the group's actors.
 """
 
 from __future__ import annotations
@@ -24,9 +29,6 @@ import faulthandler
 import logging
 import os
 import re
-import shutil
-import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from typing import Any
 from hybridrl.controller.dispatch import RankCall
 from hybridrl.controller.health import HEALTH_GROUP, refusal, timed_out
 from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.controller.stacks import STACKS_SIGNAL, read_stacks
 from hybridrl.controller.worker import (
     WorkerContext,
     WorkerDiedError,
@@ -53,10 +56,7 @@ DEATH_GRACE_S = 10.0
 # driver's environment): the torch.distributed timeout read by parallel/distributed.py
 FORWARDED_ENV = ("HYBRIDRL_PG_TIMEOUT_S",)
 _PLAIN = (int, float, bool, str, bytes, type(None))
-# signal that makes a rank's process write its Python stacks (faulthandler)
-STACKS_SIGNAL = signal.SIGUSR1
-# seconds to wait for the stacks of the signalled processes (of one node) / for a remote node's task
-STACKS_WAIT_S = 3.0
+# seconds to wait for a remote node's stack-reading task
 STACKS_REMOTE_TIMEOUT_S = 20.0
 
 
@@ -372,62 +372,6 @@ class RayBackend:
                 first = first or exc
         if first is not None:
             raise first
-
-
-def read_stacks(procs: list[tuple[int, int]], wait_s: float = STACKS_WAIT_S) -> list[str]:
-    """Signal each ``(pid, fd)`` process of this node to write its stacks to its ``fd`` and return
-    what each wrote (waits up to ``wait_s`` in all). With ``py-spy`` on the PATH its dump (native
-    frames too) is appended. Runs on the driver, or in a Ray task on the processes' node."""
-    starts: list[int | str] = []
-    for pid, fd in procs:
-        try:
-            starts.append(os.stat(f"/proc/{pid}/fd/{fd}").st_size)
-            os.kill(pid, STACKS_SIGNAL)
-        except OSError as exc:
-            starts.append(f"(no stacks: pid {pid}: {exc})\n")
-    deadline, sizes = time.monotonic() + wait_s, {}
-    while time.monotonic() < deadline:  # until every file grew and stopped growing
-        now = {}
-        for (pid, fd), start in zip(procs, starts):
-            if isinstance(start, int):
-                try:
-                    now[pid] = os.stat(f"/proc/{pid}/fd/{fd}").st_size
-                except OSError:
-                    now[pid] = start
-        grown = all(now[p] > s for (p, _), s in zip(procs, starts) if isinstance(s, int))
-        if grown and now == sizes:
-            break
-        sizes = now
-        time.sleep(0.1)
-    texts = []
-    for (pid, fd), start in zip(procs, starts):
-        if not isinstance(start, int):
-            texts.append(start)
-            continue
-        try:
-            with open(f"/proc/{pid}/fd/{fd}") as f:
-                f.seek(start)
-                text = f.read() or f"(pid {pid} wrote no stacks within {wait_s:g} s)\n"
-        except OSError as exc:
-            text = f"(no stacks: pid {pid}: {exc})\n"
-        texts.append(text + _py_spy(pid))
-    return texts
-
-
-def _py_spy(pid: int) -> str:
-    exe = shutil.which("py-spy")
-    if exe is None:
-        return ""
-    try:
-        out = subprocess.run(
-            [exe, "dump", "--native", "--pid", str(pid)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return f"\n# py-spy dump --native --pid {pid}\n{out.stdout}{out.stderr}"
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"\n# py-spy dump failed: {exc}\n"
 
 
 def _cause(err: BaseException) -> BaseException:
