@@ -265,6 +265,7 @@ def kill_when(run_dir: Path, step: int, role: str, monkeypatch) -> list[int]:
         while time.monotonic() < deadline:
             if built and any(r["step"] >= step for r in rows(run_dir)):
                 group = getattr(built[0], role)
+                group = getattr(group, "group", group)  # a colocated role's process
                 pid = group.processes()[0]["pid"]
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -314,6 +315,22 @@ def test_rollout_timeout_restarts_then_stops_with_one_line(tmp_path, warm, ray_c
     assert time.monotonic() - start < 240
     alerts = rows(tmp_path / "runs" / "slow", "alerts.jsonl")
     assert [r["alert"] for r in alerts] == ["worker_restart"]
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_colocated_process(tmp_path, warm, ray_cluster, monkeypatch):
+    """The default layout: learner and rollout in one process (one pool). Killing it after step 3
+    restarts the run once; it ends as the unkilled run of the same layout, bit for bit."""
+    straight = run(make_cfg(tmp_path, warm, "colocated", "trainer.total_steps=5",
+                            "controller.backend=ray"))  # fmt: skip
+    cfg = make_cfg(
+        tmp_path, warm, "colocated_kill", "trainer.total_steps=5", "controller.backend=ray"
+    )
+    killed = kill_when(tmp_path / "runs" / "colocated_kill", 3, "learner", monkeypatch)
+    summary = run(cfg)
+    assert len(killed) == 1 and (summary["restarts"], summary["lost_steps"]) == (1, 1)
+    assert_same_weights(final_weights(summary), final_weights(straight))
+    assert assert_lineage(summary, 5) == assert_lineage(straight, 5)
 
 
 @pytest.mark.slow
