@@ -148,8 +148,11 @@ def test_counters_and_heartbeat_words():
     with progress.busy():
         assert step() == 5 and progress.beat()["steps"] == 1 and progress.beat()["busy_s"] >= 0
     assert progress.beat()["busy_s"] == 0.0
-    assert describe_heartbeat({"steps": 37, "step_age_s": 412.3}) == (
-        "no engine step for 412 s, 37 taken"
+    assert describe_heartbeat({"steps": 37, "step_age_s": 412.3, "busy_s": 415.0}) == (
+        "no engine step for 412 s, 37 taken, 415 s into the call"
+    )
+    assert describe_heartbeat({"steps": 8, "step_age_s": 0.42, "busy_s": 0.0}) == (
+        "no engine step for 0.4 s, 8 taken"
     )
     assert describe_heartbeat(None) == "no heartbeat"
 

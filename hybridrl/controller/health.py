@@ -87,15 +87,23 @@ class CallTimeoutError(WorkerError):
 
 
 def describe_heartbeat(beat: dict | None) -> str:
-    """A rank's heartbeat in words: ``no engine step for 412 s, 37 taken`` (a worker that reports
-    engine steps), ``busy for 30 s`` (one that reports only its call), ``no heartbeat``."""
+    """A rank's heartbeat in words: ``no engine step for 412 s, 37 taken, 415 s into the call`` (a
+    worker that reports engine steps), ``busy for 30 s`` (one that reports only its call), ``no
+    heartbeat``."""
     if not beat:
         return "no heartbeat" if beat is None else "it reports no progress"
+    busy = beat.get("busy_s") or 0.0
+    call = f", {_secs(busy)} s into the call" if busy else ""
     if "step_age_s" in beat:
-        return f"no engine step for {beat['step_age_s']:.0f} s, {beat.get('steps', 0)} taken"
-    if "busy_s" in beat:
-        return f"busy for {beat['busy_s']:.0f} s"
+        age, steps = _secs(beat["step_age_s"]), beat.get("steps", 0)
+        return f"no engine step for {age} s, {steps} taken{call}"
+    if busy:
+        return f"busy for {_secs(busy)} s"
     return ", ".join(f"{k}={v}" for k, v in beat.items())
+
+
+def _secs(x: float) -> str:
+    return f"{x:.1f}" if x < 10 else f"{x:.0f}"
 
 
 def heartbeats(ray, actors: dict[int, Any], wait_s: float = HEARTBEAT_WAIT_S) -> dict:
