@@ -9,7 +9,8 @@
   ``generate`` by ``rollout.timeout_s``): a call past it has its ranks' heartbeats read, the
   group's actors killed (``ray.kill``), and raises :class:`CallTimeoutError` naming the rank, the
   timeout and the heartbeat, e.g. ``worker role 'rollout' rank 0 failed in generate(): exceeded
-  rollout.timeout_s=5 s (no engine step for 412 s, 37 taken); its workers were killed``. Under the
+  rollout.timeout_s=600 s (no engine step for 412 s, 37 taken, 600 s into the call); its workers
+  were killed``. Under the
   ``local`` backend a call runs in the driver's thread and cannot be stopped: no call timeout
   applies there.
 * **Watcher.** :class:`DeathWatch` asks a group's ranks for their heartbeat every few seconds from a
