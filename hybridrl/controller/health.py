@@ -10,9 +10,8 @@
   group's actors killed (``ray.kill``), and raises :class:`CallTimeoutError` naming the rank, the
   timeout and the heartbeat, e.g. ``worker role 'rollout' rank 0 failed in generate(): exceeded
   rollout.timeout_s=600 s (no engine step for 412 s, 37 taken, 600 s into the call); its workers
-  were killed``. Under the
-  ``local`` backend a call runs in the driver's thread and cannot be stopped: no call timeout
-  applies there.
+  were killed``. Under the ``local`` backend a call runs in the driver's thread and cannot be
+  stopped: no call timeout applies there.
 * **Watcher.** :class:`DeathWatch` asks a group's ranks for their heartbeat every few seconds from a
   daemon thread, and calls back once when a rank is found dead: the asynchronous driver closes the
   trajectory buffer then, so the learner stops waiting for batches that will never come.
