@@ -282,6 +282,7 @@ def test_resume_trains_no_trajectory_twice_and_continues_the_stream(tmp_path):
     assert sorted(trained + final["pending_prompts"]) == list(range(final["prompt_cursor"]))
 
 
+@pytest.mark.slow  # ~30 s of Ray start-up; two FSDP ranks are covered fast in test_fsdp.py
 def test_two_learner_ranks_on_ray(tmp_path):
     """Rollout and learner on their own pools, the buffer a Ray actor (the data path
     never touches the driver), and the learner as 2 FSDP2 ranks: rank 0 fetches each

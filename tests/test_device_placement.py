@@ -79,6 +79,7 @@ class _Probe:
         return distributed._ray_actor_without_gpu()
 
 
+@pytest.mark.slow  # starts Ray (~10 s); the rule itself is tested with a fake above
 def test_the_ray_actor_check_against_ray_itself():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():

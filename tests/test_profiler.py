@@ -221,6 +221,7 @@ def test_profile_steps_are_checked():
         load_config(Config, None, ["trainer.profile_steps=[0]"])
 
 
+@pytest.mark.slow  # a Ray run (~15-30 s); the local run covers the traces and the timeline
 def test_ray_colocated_run_writes_a_trace_per_worker_process(tmp_path, local_run):
     """Ray, learner and rollout colocated in one process: the process's trace, written by the
     driver from the bytes the worker returned, and its spans of both roles in one row."""

@@ -285,7 +285,11 @@ def unkilled(ray_cluster, tmp_path_factory, warm) -> dict:
     return run(make_cfg(root, warm, "straight", "trainer.total_steps=5", *RAY))
 
 
-@pytest.mark.parametrize("role", ["learner", "rollout"])
+# ~35 s each: the learner kill runs by default, the rollout kill with the slow tests
+@pytest.mark.parametrize(
+    "role",
+    ["learner", pytest.param("rollout", marks=pytest.mark.slow)],
+)
 def test_sigkill_restarts_and_finishes_as_if_unkilled(tmp_path, warm, unkilled, role, monkeypatch):
     """A learner or rollout process SIGKILLed after step 3 (checkpoint at 2): one restart, one step
     done again, final weights bit for bit those of the unkilled run, no prompt trained twice."""
@@ -299,6 +303,7 @@ def test_sigkill_restarts_and_finishes_as_if_unkilled(tmp_path, warm, unkilled, 
     assert assert_lineage(summary, 5) == assert_lineage(unkilled, 5)
 
 
+@pytest.mark.slow  # two Ray runs (~30 s); the call timeout itself is in test_worker_failure
 def test_rollout_timeout_restarts_then_stops_with_one_line(tmp_path, warm, ray_cluster, capsys):
     """A generate call far slower than rollout.timeout_s (the evaluation before training already;
     its reward function takes a second): the rollout is killed, the run restarts once, times out

@@ -251,6 +251,7 @@ def test_ray_colocated_with_the_rollout_scores_in_memory(tmp_path, rm_path, ray_
     assert [s.reward_extras["reward/reward_model"] for s in samples] == pytest.approx(want)
 
 
+@pytest.mark.slow  # a Ray run on two pools (~17 s); the colocated Ray test stays fast
 def test_ray_run_with_the_reward_model_on_its_own_pool(tmp_path, rm_path, ray_cluster):
     from hybridrl.driver.sync import train
 
