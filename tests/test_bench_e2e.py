@@ -109,6 +109,7 @@ def test_summarise_drops_warmup_and_takes_medians():
     assert s["timed_steps"] == 3 and s["step_times"] == [9.0, 1.0, 3.0, 2.0]
 
 
+@pytest.mark.slow  # ~20 s: both sides train a step in subprocesses; the specs are checked above
 @pytest.mark.timeout(600)
 def test_one_step_per_side_against_trl(tmp_path):
     pytest.importorskip("trl")

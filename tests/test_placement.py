@@ -152,6 +152,7 @@ def two_node_cluster():
     cluster.shutdown()
 
 
+@pytest.mark.slow  # starts a two-node Ray cluster (~20 s)
 def test_two_node_cluster_puts_rollout_on_second_node(two_node_cluster):
     cluster, second = two_node_cluster
     cfg = small_cfg(
