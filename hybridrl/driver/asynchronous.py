@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from hybridrl.config import Config
 from hybridrl.driver.checkpointer import Checkpointer
+from hybridrl.driver.replace import RolloutReplacer
 from hybridrl.driver.restarts import Faults
 from hybridrl.driver.session import open_session
 from hybridrl.rollout.buffer import make_buffer
@@ -38,8 +39,8 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
     last, desc = dict(state.get("last", state["before"])), f"{cfg.algorithm.advantage} async"
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=desc, disable=not t.progress, dynamic_ncols=True)  # fmt: skip
-    # a dead rollout rank closes the buffer: the learner stops waiting and the run restarts
-    watch = s.watch_rollout(buffer.close)
+    # a dead rollout rank pauses the buffer and is replaced while the learner goes on (replace.py)
+    rep = RolloutReplacer(s, buffer, state["step"])
     saver = Checkpointer(s.run_dir, roles, cfg)  # trainer.async_save: saves in the background
     with s.watchdog:  # a step past trainer.step_timeout_s: stacks dumped, StepTimeoutError
         try:
@@ -47,11 +48,11 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
             tick = time.perf_counter()
             for step in profiled(s, s.watchdog.steps(bar)):  # timeline.jsonl, traces
                 saver.check()  # a background save that failed stops the run here
-                out = roles.learner.train_step(step, buffer)
+                out = rep.train_step(step)
                 with timer.phase("weight_sync"):
-                    roles.sync_weights(step + 1)
+                    rep.sync(step + 1)
                 done, elapsed = step + 1, time.perf_counter() - tick
-                metrics = out["metrics"] | roles.rollout.stats() | buffer.stats()
+                metrics = out["metrics"] | rep.stats() | buffer.stats()
                 metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
                 metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
                 s.trace(done, out)  # trajectories.jsonl: trained uids and staleness
@@ -61,7 +62,8 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
                         last = s.evaluate()
                     metrics |= last
                 s.logger.log(done, metrics | timer.pop())
-                s.log_samples(done, roles.rollout.recent_samples)  # the rollout's latest groups
+                # the rollout's latest groups (of the rollout now: a dead one is replaced)
+                s.log_samples(done, lambda: roles.rollout.recent_samples())
                 stale = f"{metrics['async/staleness_mean']:.2f}"
                 bar.set_postfix(
                     reward=f"{metrics['reward/mean']:.3f}",
@@ -78,7 +80,7 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
             saver.close()  # the save in flight, if any
         finally:  # stop generating first, so nothing writes into a closing buffer
             s.watchdog.disarm()  # the shutdown is not part of the step
-            watch.stop()
+            rep.stop()
             try:
                 roles.rollout.stop_stream()
             finally:

@@ -25,8 +25,10 @@ evaluation before training is kept). The steps done after that checkpoint are do
 Counters: ``fault/restarts`` and ``fault/lost_steps`` (steps computed again, cumulative) are logged
 on every step once a run has restarted, kept in ``trainer.json`` (a later ``--resume`` counts on),
 and ``summary.json`` holds ``restarts`` and ``lost_steps``; each restart also appends a row
-``worker_restart`` to ``alerts.jsonl``. Past ``trainer.max_restarts`` restarts in one invocation the
-run stops with :class:`RestartsExhaustedError`, whose one line is the last failure's.
+``worker_restart`` to ``alerts.jsonl``. A dead rollout of an asynchronous ``ray`` run is replaced in
+place instead, the learner going on (``driver/replace.py``, ``fault/rollout_replacements``). Past
+``trainer.max_restarts`` restarts in one invocation the run stops with
+:class:`RestartsExhaustedError`, whose one line is the last failure's.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Faults:
     max_restarts: int
     restarts: int = 0
     lost_steps: int = 0
+    rollout_replacements: int = 0  # dead async rollouts replaced in place (driver/replace.py)
     used: int = 0
     reached: int = 0
     restarting: str | None = None
@@ -77,16 +80,23 @@ class Faults:
         """The step's ``fault/*`` metrics: none until the run has restarted."""
         if not self.restarts:
             return {}
-        return {"fault/restarts": float(self.restarts), "fault/lost_steps": float(self.lost_steps)}
+        out = {"fault/restarts": float(self.restarts), "fault/lost_steps": float(self.lost_steps)}
+        if self.rollout_replacements:  # only once a rollout was replaced (driver/replace.py)
+            out["fault/rollout_replacements"] = float(self.rollout_replacements)
+        return out
 
     def state(self) -> dict[str, int]:
         """What ``trainer.json`` keeps (key ``fault``)."""
-        return {"restarts": self.restarts, "lost_steps": self.lost_steps}
+        out = {"restarts": self.restarts, "lost_steps": self.lost_steps}
+        if self.rollout_replacements:
+            out["rollout_replacements"] = self.rollout_replacements
+        return out
 
     def load(self, saved: dict | None) -> None:
         """The counters of a checkpoint's ``trainer.json`` (``--resume`` continues them)."""
         if saved:
             self.restarts, self.lost_steps = int(saved["restarts"]), int(saved["lost_steps"])
+            self.rollout_replacements = int(saved.get("rollout_replacements", 0))
 
     def restarted(self, run_dir: Path, step: int) -> None:
         """Called by the session of a restart once it restored ``step``: counts the lost steps, and

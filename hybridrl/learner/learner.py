@@ -62,6 +62,7 @@ from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
 from hybridrl.protocol import Batch, Sample, samples_to_batch
+from hybridrl.rollout.buffer import REPLACING
 from hybridrl.telemetry import PhaseTimer
 from hybridrl.telemetry.flops import learner_perf
 from hybridrl.telemetry.timeline import SpanLog
@@ -233,9 +234,16 @@ class Learner(Worker):
         with self.timer.phase("wait_batch"):  # rank 0 takes the batch and shares it with the others
             samples = None
             if self.rank == 0:
-                samples = source.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
+                try:
+                    samples = source.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
+                except RuntimeError as exc:  # the rollout is replaced: every rank raises it
+                    if REPLACING not in str(exc):
+                        raise
+                    samples = REPLACING
             if distributed.world_size() > 1:
                 samples = distributed.all_gather_object(samples)[0]
+        if isinstance(samples, str):
+            raise RuntimeError(samples)
         return samples
 
     def policy_loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:

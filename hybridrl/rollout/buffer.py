@@ -33,6 +33,8 @@ from collections import deque
 
 from hybridrl.protocol import Sample
 
+# the learner's error while the rollout is replaced (driver/replace.py retries the step)
+REPLACING = "the rollout is being replaced"
 # the scored samples of one prompt; metadata: "index" (stream position), "admitted"
 Group = list[Sample]
 
@@ -62,6 +64,7 @@ class TrajectoryBuffer:
         self.ready: list[Group] = []
         self.cond = threading.Condition()
         self.closed = ""  # why, once closed
+        self.paused = ""  # why, while a dead rollout is replaced (driver/replace.py)
 
     # --- rollout side ---------------------------------------------------------------------------
     def capacity(self, version: int) -> int:
@@ -73,7 +76,7 @@ class TrajectoryBuffer:
         """Up to ``want`` prompt indices the caller may start generating with weights
         ``version``."""
         with self.cond:
-            n = max(0, min(want, self.capacity(version))) if not self.closed else 0
+            n = max(0, min(want, self.capacity(version))) if not (self.closed or self.paused) else 0
             out = [self.retry.popleft() for _ in range(min(n, len(self.retry)))]
             fresh = n - len(out)
             out += range(self.cursor, self.cursor + fresh)
@@ -84,6 +87,8 @@ class TrajectoryBuffer:
     def put(self, group: Group) -> None:
         with self.cond:
             if self.running.pop(_index(group), None) is None:
+                if _index(group) in self.retry:  # handed out again: a replaced rollout's late group
+                    return
                 raise KeyError(
                     f"group for prompt {_index(group)} was never admitted (or was put twice)"
                 )
@@ -110,7 +115,7 @@ class TrajectoryBuffer:
         until they are ready)."""
         with self.cond:
             if not self.cond.wait_for(
-                lambda: self.closed or self._pick(version) is not None, timeout
+                lambda: self.closed or self.paused or self._pick(version) is not None, timeout
             ):
                 raise TimeoutError(
                     f"no training batch for version {version} within {timeout:.0f} s "
@@ -120,6 +125,8 @@ class TrajectoryBuffer:
                 )
             if self.closed:
                 raise RuntimeError(f"the trajectory buffer was closed: {self.closed}")
+            if self._pick(version) is None:
+                raise RuntimeError(f"{REPLACING}: {self.paused}")
             batch, self.ready = self.ready[: self.B], self.ready[self.B :]
             self.consumed += self.B
             return [sample for group in batch for sample in group]
@@ -142,6 +149,24 @@ class TrajectoryBuffer:
                 "pending_prompts": pending,
                 "trained_groups": self.consumed,
             }
+
+    def interrupt(self, reason: str) -> None:
+        """A rollout rank died: admit nothing, hand every generating prompt out again (first, oldest
+        first; the partial samples are never put), and stop a waiting learner with ``REPLACING``
+        unless a batch is ready, until :meth:`unpause`."""
+        with self.cond:
+            self.paused = reason
+            self.retry = deque(sorted(set(self.retry) | set(self.running)))
+            self.running.clear()
+            self.cond.notify_all()
+
+    def interrupted(self) -> str:
+        """Why the buffer is paused ("" when it is not)."""
+        return self.paused
+
+    def unpause(self) -> None:
+        with self.cond:
+            self.paused = ""
 
     def close(self, reason: str = "the run ended") -> None:
         """Wake a waiting learner with an error, and admit nothing more."""

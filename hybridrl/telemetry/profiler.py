@@ -25,14 +25,18 @@ Perfetto (ui.perfetto.dev) and chrome://tracing open the ``.json.gz`` files as t
 from __future__ import annotations
 
 import gzip
+import logging
 import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from hybridrl.controller.worker import WorkerDiedError
 from hybridrl.telemetry import timeline
 from hybridrl.telemetry.timer import PhaseTimer
+
+log = logging.getLogger(__name__)
 
 PROFILE_DIR = "profile"
 TRACE_ATTR = "_hybridrl_trace"  # the running torch profiler of a worker process, on its worker
@@ -110,7 +114,9 @@ class StepProfiler:
         record_shapes: bool = False,
         timer=None,
     ):
-        self.groups, self.run_dir, self.origin = list(groups), Path(run_dir), origin
+        # a list is kept as is: a group replaced in it (driver/replace.py) is the one asked
+        self.groups = groups if isinstance(groups, list) else list(groups)
+        self.run_dir, self.origin = Path(run_dir), origin
         self.timer = timer if timer is not None else PhaseTimer()
         self.profile_steps, self.record_shapes = set(profile_steps), record_shapes
         self.local = any(g.backend_name == "local" for g in self.groups)
@@ -139,7 +145,13 @@ class StepProfiler:
                 self._record(done, t0, t1)
 
     def _take(self) -> list[tuple[str, dict]]:
-        return [(g.role, taken) for g in self.groups for taken in g.apply_all(timeline.take_spans)]
+        out = []
+        for g in list(self.groups):
+            try:
+                out += [(g.role, taken) for taken in g.apply_all(timeline.take_spans)]
+            except WorkerDiedError as exc:  # its next call raises it again: the driver's to handle
+                log.warning("no timeline spans of a dead worker: %s", str(exc).splitlines()[0])
+        return out
 
     def _record(self, done: int, t0: float, t1: float) -> None:
         rows = [
