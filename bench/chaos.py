@@ -78,7 +78,8 @@ def logged_step(run_dir: Path) -> int:
 
 class Killer:
     """Kills per ``plan`` from a thread; finds each live run's groups by wrapping the session's
-    ``build_roles`` (a restart builds new ones: kill i waits for a run built after kill i-1)."""
+    ``build_roles`` (a restart builds new ones; kill i waits until no process of the live run is
+    one killed before)."""
 
     def __init__(self, run_dir: Path, plan: list[dict]):
         from hybridrl.driver import session
@@ -95,18 +96,31 @@ class Killer:
         self.built.append(self._original(*args, **kwargs))
         return self.built[-1]
 
+    def _recovered(self, killed: set[int]) -> bool:
+        """Whether the live run has come back from the kills so far: its roles' processes (a
+        restart builds new ones; an asynchronous run replaces a dead rollout in place) are none of
+        the killed ones."""
+        if not self.built:
+            return False
+        try:
+            pids = {p["pid"] for r in ("learner", "rollout")
+                    for p in getattr(self.built[-1], r).processes()}  # fmt: skip
+        except Exception:  # a group being torn down or rebuilt
+            return False
+        return not pids & killed
+
     def _run(self) -> None:
-        seen = 0  # runs built when the previous kill struck
+        killed: set[int] = set()
         for kill in self.plan:
             while not self._stop.is_set():
-                if len(self.built) > seen and logged_step(self.run_dir) >= kill["step"]:
+                if self._recovered(killed) and logged_step(self.run_dir) >= kill["step"]:
                     break
                 time.sleep(0.05)
             if self._stop.wait(kill["delay_s"]):
                 return
-            seen = len(self.built)
             group = getattr(self.built[-1], kill["role"])
             pid = group.processes()[0]["pid"]
+            killed.add(pid)
             with contextlib.suppress(ProcessLookupError):  # already gone: counted as a kill
                 os.kill(pid, signal.SIGKILL)
             self.done.append(kill | {"pid": pid, "logged_step": logged_step(self.run_dir)})
