@@ -88,14 +88,19 @@ def make_config(
 ) -> Config:
     """The validated :class:`Config` :func:`train` would run (see there)."""
     items = _override_strings(overrides)
-    base = _load(config, items)
-    for key, data, stem in (
-        ("data.train_files", train_dataset, "dataset"),
-        ("data.val_files", eval_dataset, "eval"),
-    ):
-        if data is not None:
-            items.append(f"{key}={json.dumps(_data_path(data, base.trainer.runs_dir, stem))}")
-    cfg = _load(config, items) if len(items) > len(_override_strings(overrides)) else base
+    cfg = _load(config, items)
+    given = [
+        (key, data, stem)
+        for key, data, stem in (
+            ("data.train_files", train_dataset, "dataset"),
+            ("data.val_files", eval_dataset, "eval"),
+        )
+        if data is not None
+    ]
+    if given:  # loaded again with the data's paths, so that the run's name follows the data
+        runs_dir = cfg.trainer.runs_dir
+        items += [f"{k}={json.dumps(_data_path(d, runs_dir, stem))}" for k, d, stem in given]
+        cfg = _load(config, items)
     if reward_funcs is not None:
         fns = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         cfg.task.reward_fn = fns

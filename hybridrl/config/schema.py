@@ -152,11 +152,13 @@ class TaskConfig:
         )
 
     def validate(self) -> None:
-        if self.reward_fn is not None:  # a file path is made absolute: workers may run elsewhere
-            fns = [_absolute_file_path(f) for f in self.reward_fns()]
-            self.reward_fn = fns if isinstance(self.reward_fn, (list, tuple)) else fns[0]
+        # a plug-in's file path is made absolute: workers may run elsewhere
+        fns = [_absolute_file_path(f) for f in self.reward_fns()]
+        if isinstance(self.reward_fn, (list, tuple)):
+            self.reward_fn = fns
+        elif fns:
+            self.reward_fn = fns[0]
         self.name = _absolute_file_path(self.name)
-        fns = self.reward_fns()
         for i, fn in enumerate(fns):
             if not (isinstance(fn, str) and fn) and not callable(fn):
                 raise ValueError(

@@ -62,7 +62,7 @@ def cache_key(cfg: Config) -> dict:
     }
     if cfg.sft.steps is None:
         key["check"] = {
-            "reward_fn": [f if isinstance(f, str) else repr(f) for f in cfg.task.reward_fns()],
+            "reward_fn": to_dict(cfg.task.reward_fns()),  # a callable by its module:name
             "heldout_size": cfg.task.heldout_size,
             "max_new_tokens": cfg.rollout.max_new_tokens,
         }
