@@ -295,6 +295,7 @@ def staging_path(worker) -> str | None:
     return worker.transports["shm"].path
 
 
+@pytest.mark.slow  # ~20 s of Ray; the shm transport itself is tested in test_weight_transport.py
 @pytest.mark.skipif(weight_sync.SHM_DIR is None, reason="no /dev/shm")
 def test_one_node_ray_sync_goes_through_shared_memory_and_shutdown_removes_the_file():
     """Learner and rollout in their own Ray processes on one node: the sync goes through a staging
