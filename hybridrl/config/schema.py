@@ -404,6 +404,28 @@ class ActorConfig:
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "module names that get adapters",
     )
+    packing: bool = _f(
+        False,
+        "pack whole sequences into rows (best-fit decreasing, rows as long as the longest "
+        "sequence, attention kept inside each sequence) instead of padding each micro-batch to "
+        "its longest row: the same log-probs and gradients with less padding",
+    )
+    pp_size: int = _f(
+        1,
+        "pipeline stages: the actor's ranks form a (data parallel x pp_size) mesh, each rank "
+        "holding its stages' decoder layers (1: no pipeline)",
+        ge=1,
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = _f(
+        "1f1b",
+        "pipeline schedule; interleaved_1f1b, zbv and dualpipev put two stages on each rank "
+        "(zbv, dualpipev: V-shaped, rank 0 holds the first and the last stage)",
+    )
+    pp_microbatches: int = _f(
+        0,
+        "micro-batches per mini-batch through the pipeline (0: twice the number of stages)",
+        ge=0,
+    )
 
 
 LOSS_AGG_MODES = [
@@ -710,6 +732,11 @@ class TrainerConfig:
     total_steps: int = _f(200, "RL steps", ge=0)
     prompts_per_step: int = _f(32, "prompts per RL step", ge=1)
     samples_per_prompt: int = _f(8, "G: samples per prompt", ge=1)
+    balance_batch: bool = _f(
+        True,
+        "reorder each step's samples so that every data-parallel rank of a trained role gets "
+        "an equal token count (Karmarkar-Karp over sequence lengths)",
+    )
     eval_every: int = _f(10, "held-out evaluation every N steps (0: only before and after)", ge=0)
     save_every: int = _f(20, "checkpoint every N steps (0: only at the end)", ge=0)
     keep_checkpoints: int = _f(2, "checkpoints kept on disk", ge=1)
