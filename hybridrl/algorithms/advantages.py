@@ -348,4 +348,21 @@ def compute_advantages(batch: Batch, cfg) -> Batch:
     out = ADVANTAGES.get(cfg.advantage)(batch, cfg)
     if isinstance(out, torch.Tensor):
         out = {"advantages": out}
+    if getattr(cfg, "task_norm", False):
+        out["advantages"] = task_normalized(
+            out["advantages"], batch["response_mask"], batch["task_id"]
+        )
     return Batch({**batch.tensors, **out}, batch.meta)
+
+
+def task_normalized(adv: torch.Tensor, mask: torch.Tensor, task_ids: list[str]) -> torch.Tensor:
+    """Task-level advantage normalisation (AgentRL, 2510.04206): each task's advantages are
+    whitened over that task's valid tokens in the batch, (A - mean_task) / std_task, so that a task
+    whose rewards are easy to come by does not outweigh the others in a multi-task run. The
+    statistics are :func:`masked_whiten`'s (unbiased variance, eps inside the square root); a task
+    with one valid token gets 0."""
+    out = torch.zeros_like(adv)
+    for task in dict.fromkeys(task_ids):
+        rows = torch.tensor([t == task for t in task_ids], dtype=torch.bool)
+        out[rows] = masked_whiten(adv[rows], mask[rows])
+    return out

@@ -122,6 +122,12 @@ class TaskConfig:
     reward_weights: list[float] | None = _f(
         None, "one weight per reward function; the reward is their weighted sum (null: all 1)"
     )
+    mix: dict[str, float] | None = _f(
+        None,
+        "several registered tasks in one run, task name -> mixing weight (e.g. {arith: 1, "
+        "reverse: 1}); each prompt drawn from one task with probability proportional to its "
+        "weight; the tasks must share a tokenizer (null: the single task task.name)",
+    )
     heldout_size: int = _f(1024, "prompts in the fixed held-out set", ge=1)
     eval_size: int | None = _f(None, "held-out prompts used per evaluation (null: all)", ge=1)
     reward_timeout_s: float = _f(
@@ -451,6 +457,11 @@ class AlgorithmConfig:
         "auto: decoupled_ppo when trainer.mode is async, else ppo_clip",
     )
     norm_adv_by_std: bool = _f(True, "grpo, grpo_passk: divide by the group's std (false: Dr.GRPO)")
+    task_norm: bool = _f(
+        False,
+        "task-level normalisation (AgentRL): after the estimator, whiten the advantages within "
+        "each task's samples, (A - mean_task) / std_task over that task's tokens",
+    )
     whiten_shift_mean: bool = _f(
         True,
         "reinforce_pp, reinforce_pp_baseline, gae: whitened advantages have mean 0 "

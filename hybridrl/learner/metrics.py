@@ -14,30 +14,49 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     rewards, lengths = batch["rewards"], batch["attention_mask"][:, -width:].sum(-1).float()
     extras = {k: batch[k].mean().item() for k in batch.tensors if k.startswith("reward/")}
     nonfinite, timeouts = "reward_nonfinite" in batch, "reward_timeouts" in batch
-    return extras | {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "reward/errors": batch["reward_errors"].sum().item(),
-        "reward/nonfinite": batch["reward_nonfinite"].sum().item() if nonfinite else 0.0,
-        "reward/timeouts": batch["reward_timeouts"].sum().item() if timeouts else 0.0,
-        "response/length_mean": lengths.mean().item(),
-        "response/length_max": lengths.max().item(),
-        "response/truncated_frac": sum(s == "truncated" for s in batch["status"]) / len(batch),
-        "advantage/abs_mean": batch["advantages"].abs().sum().item()
-        / max(batch["response_mask"].sum().item(), 1),
-    }
+    return (
+        extras
+        | {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "reward/errors": batch["reward_errors"].sum().item(),
+            "reward/nonfinite": batch["reward_nonfinite"].sum().item() if nonfinite else 0.0,
+            "reward/timeouts": batch["reward_timeouts"].sum().item() if timeouts else 0.0,
+            "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/truncated_frac": sum(s == "truncated" for s in batch["status"]) / len(batch),
+            "advantage/abs_mean": batch["advantages"].abs().sum().item()
+            / max(batch["response_mask"].sum().item(), 1),
+        }
+        | task_metrics(batch)
+    )
+
+
+def task_metrics(batch: Batch) -> dict[str, float]:
+    """``reward/task/<task_id>``: the mean reward of each task's samples, when the batch holds more
+    than one task (a multi-task run)."""
+    tasks = batch.meta.get("task_id", [])
+    if len(set(tasks)) < 2:
+        return {}
+    rewards = batch["rewards"].tolist()
+    out: dict[str, list[float]] = defaultdict(list)
+    for task, r in zip(tasks, rewards):
+        out[task].append(r)
+    return {f"reward/task/{t}": sum(v) / len(v) for t, v in out.items()}
 
 
 def mean_over_ranks(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:
-    """The mean of each metric over the ranks' results (a single dict: a worker called
-    in-process)."""
+    """The mean of each metric over the ranks that report it (a single dict: a worker called
+    in-process). A rank may lack a key: e.g. no sample of some task reached it."""
     if isinstance(per_rank, dict):
         return per_rank
     sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     for d in per_rank:
         for k, v in d.items():
-            sums[k] += v / len(per_rank)
-    return dict(sums)
+            sums[k] += v
+            counts[k] += 1
+    return {k: v / counts[k] for k, v in sums.items()}
 
 
 def staleness_metrics(

@@ -10,6 +10,7 @@ from hybridrl.config import Config
 from hybridrl.data import DatasetTask
 from hybridrl.models import load_model_and_tokenizer
 from hybridrl.tasks import TASKS, Task
+from hybridrl.tasks.mix import MixedTask
 
 
 def make_task(cfg: Config) -> Task:
@@ -18,6 +19,8 @@ def make_task(cfg: Config) -> Task:
     ``task.name``."""
     if cfg.data.train_files:
         return DatasetTask(cfg)
+    if cfg.task.mix:
+        return MixedTask(cfg.task.mix, seed=cfg.trainer.seed, heldout_size=cfg.task.heldout_size)
     return TASKS.get(cfg.task.name)(seed=cfg.trainer.seed, heldout_size=cfg.task.heldout_size)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from hybridrl.tasks.base import REWARDS, TASKS, Prompt, normalise_reward, reward_kwargs
+from hybridrl.tasks.mix import MixedTask
 
 ACCEPTED = (
     "per-sample fn(prompt, response, *, finished=True), TRL-style fn(prompts, completions, "
@@ -237,6 +238,8 @@ def default_reward(cfg) -> str:
     """The reward when ``task.reward_fn`` is null: exact_match for a dataset, else the task's."""
     if cfg.data.train_files is not None:
         return "exact_match"
+    if cfg.task.mix:
+        return MixedTask.default_reward
     return TASKS.get(cfg.task.name).default_reward
 
 
