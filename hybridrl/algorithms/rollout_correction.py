@@ -13,11 +13,11 @@ Switches (``algorithm.*``, see docs/algorithms.md, "Rollout correction"):
 - ``rollout_is_threshold`` (upper), ``rollout_is_threshold_lower`` (mask mode; null: 1/upper).
 - ``rollout_bypass``: μ serves as the old policy; the actor's old-log-prob forward is skipped.
 
-The weight is detached and multiplies the per-token policy loss (``workers/actor.py``); dropped
+The weight is detached and multiplies the per-token policy loss (``learner/learner.py``); dropped
 tokens still count in the aggregation's denominators, as ``decoupled_ppo``'s cap does. The
 train-rollout gap metrics are logged whenever both log-probs exist, with the correction on or off
 (after the update on a step that takes the old log-probs from the update's own forward,
-``trainers/learn.py``; the weights, an input of the loss, keep the separate pass).
+``learner/learner.py``; the weights, an input of the loss, keep the separate pass).
 """
 
 from __future__ import annotations
