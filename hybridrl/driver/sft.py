@@ -73,14 +73,23 @@ def sft_batch(
     task, tokenizer, start: int, size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
     """(input_ids, attention_mask, labels, prompt texts) with labels -100 except on the completion
-    and ``<eos>``."""
+    and ``<eos>``. A task with ``sft_segments(i)`` (prompt, [(text, trained on), ...]) gives its
+    completion in parts, each tokenised on its own as a multi-turn rollout does: an environment's
+    observation is in the input but not in the loss."""
     rows, labels, texts = [], [], []
+    segmented = getattr(task, "sft_segments", None)
     for i in range(start, start + size):
-        prompt, completion = task.sft_example(i)
-        p = tokenizer(prompt)["input_ids"]
-        c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(p + c)
-        labels.append([-100] * len(p) + c)
+        if segmented:
+            prompt, parts = segmented(i)
+        else:
+            prompt, completion = task.sft_example(i)
+            parts = [(completion, True)]
+        p, c, lab = tokenizer(prompt)["input_ids"], [], []
+        for text, trained in parts:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            c, lab = c + ids, lab + (ids if trained else [-100] * len(ids))
+        rows.append(p + c + [tokenizer.eos_token_id])
+        labels.append([-100] * len(p) + lab + [tokenizer.eos_token_id])
         texts.append(prompt)
     ids = pad_2d(rows, tokenizer.pad_token_id, torch.long)
     return (
