@@ -9,6 +9,9 @@ first check that reaches ``sft.target_accuracy``, which is set below 1 so that R
 ``sft.max_steps`` caps it (with a warning). ``sft.steps`` instead trains a fixed number of steps
 without any check.
 
+With ``actor.packing`` the examples of a step are packed into rows (``parallel/packing.py``) instead
+of grouped by length: the same loss and gradients with less padding.
+
 The result is a transformers checkpoint cached under a path derived from the settings, so a second
 ``make train`` starts RL at once; its ``sft.json`` records the steps taken and the accuracy reached.
 """
@@ -30,6 +33,7 @@ from tqdm import tqdm
 from hybridrl.config import Config, to_dict
 from hybridrl.learner.logprob import length_buckets
 from hybridrl.models.loading import load_model, make_task
+from hybridrl.parallel.packing import pack_micro_batches, packed_forward
 from hybridrl.protocol import pad_2d
 from hybridrl.rollout import SamplingParams
 
@@ -60,6 +64,8 @@ def cache_key(cfg: Config) -> dict:
         "seed": cfg.trainer.seed,
         "sft": {k: v for k, v in to_dict(cfg.sft).items() if k not in ("checkpoint", "enabled")},
     }
+    if cfg.actor.packing:  # low bits of the weights differ (other matmul shapes); absent when off
+        key["packing"] = True
     if cfg.sft.steps is None:
         key["check"] = {
             "reward_fn": to_dict(cfg.task.reward_fns()),  # a callable by its module:name
@@ -156,19 +162,41 @@ class HeldoutCheck:
         return acc, len(prompts)
 
 
-def _train_step(model, opt, sched, ids, attn, labels, micro_batch_tokens: int) -> float:
-    n_labels, lengths, loss = (labels[:, 1:] != -100).sum(), attn.sum(-1), 0.0
-    opt.zero_grad(set_to_none=True)
-    # similar lengths together, cut to the longest
+def length_grouped(model, ids, attn, labels, micro_batch_tokens: int):
+    """(logits, targets) per micro-batch: similar lengths together, cut to the longest."""
+    lengths = attn.sum(-1)
     for rows in length_buckets(lengths, micro_batch_tokens):
         w = int(lengths[rows].max())
-        logits = model(
-            input_ids=ids[rows, :w], attention_mask=attn[rows, :w], use_cache=False
-        ).logits[:, :-1]
+        logits = model(input_ids=ids[rows, :w], attention_mask=attn[rows, :w], use_cache=False)
+        yield logits.logits[:, :-1], labels[rows, 1:w]
+
+
+def packed(model, ids, attn, labels, micro_batch_tokens: int):
+    """(logits, targets) per micro-batch of packed rows: each position's target is the next token
+    of its own example (-100 at an example's last token and on padding)."""
+    following = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    for plan in pack_micro_batches(attn.sum(-1).tolist(), micro_batch_tokens):
+        docs = torch.tensor(plan.docs)
+        a = attn[docs]
+        rows, offsets = torch.tensor(plan.rows), torch.tensor(plan.offsets)
+        logits, layout = packed_forward(model, ids[docs], a, rows, offsets, pad_id=0)
+        yield logits, layout.scatter(following[docs], a, -100).view(logits.shape[:2])
+
+
+# how a step's examples are cut into micro-batches, by actor.packing
+MICRO_BATCHES = {False: length_grouped, True: packed}
+
+
+def _train_step(
+    model, opt, sched, ids, attn, labels, micro_batch_tokens: int, packing: bool = False
+) -> float:
+    n_labels, loss = (labels[:, 1:] != -100).sum(), 0.0
+    opt.zero_grad(set_to_none=True)
+    for logits, targets in MICRO_BATCHES[packing](model, ids, attn, labels, micro_batch_tokens):
         part = (
             F.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]),
-                labels[rows, 1:w].reshape(-1),
+                targets.reshape(-1),
                 ignore_index=-100,
                 reduction="sum",
             )
@@ -203,7 +231,16 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
     for step in bar:
         ids, attn, labels, texts = sft_batch(task, tokenizer, step * s.batch_size, s.batch_size)
         losses.append(
-            _train_step(model, opt, sched, ids, attn, labels, cfg.actor.micro_batch_tokens)
+            _train_step(
+                model,
+                opt,
+                sched,
+                ids,
+                attn,
+                labels,
+                cfg.actor.micro_batch_tokens,
+                cfg.actor.packing,
+            )
         )
         if check is None:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")

@@ -15,13 +15,12 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
 from hybridrl.config import Config
-from hybridrl.learner.logprob import batch_map
+from hybridrl.learner.logprob import batch_map, response_outputs
 from hybridrl.learner.state import load_trainable, save_trainable
 from hybridrl.learner.update import SkipCounter, run_updates
 from hybridrl.models.factory import model_size_config
 from hybridrl.models.loading import load_tokenizer
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
-from hybridrl.parallel.precision import autocast
 from hybridrl.protocol import Batch
 
 
@@ -57,17 +56,8 @@ def build_value_model(cfg: Config, model_path: str | None):
 
 
 def response_values(model, mb: Batch) -> torch.Tensor:
-    attn, resp_len = mb["attention_mask"], mb["responses"].shape[1]
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    # bf16 matmuls when the model is marked for it; the values and the loss are fp32
-    with autocast(model):
-        out = model(
-            input_ids=mb["input_ids"],
-            attention_mask=attn,
-            position_ids=position_ids,
-            use_cache=False,
-        ).logits
-    return out[:, -resp_len - 1 : -1, 0].float() * mb["response_mask"]
+    # the policy's forward (packed when the micro-batch is); the values and the loss are fp32
+    return response_outputs(model, mb)[..., 0].float() * mb["response_mask"]
 
 
 class Critic:
@@ -83,7 +73,8 @@ class Critic:
 
     def values(self, batch: Batch) -> Batch:
         tokens = self.cfg.critic.micro_batch_tokens
-        return Batch({"values": batch_map(self.model, batch, tokens, response_values)})
+        packing = self.cfg.actor.packing  # the learner's passes pack alike
+        return Batch({"values": batch_map(self.model, batch, tokens, response_values, packing)})
 
     def loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
@@ -105,6 +96,7 @@ class Critic:
             norm_len=self.cfg.loss_norm_len,
             prefix="critic",
             skips=self.skips,
+            packing=self.cfg.actor.packing,
         )
 
     def save(self, path: str) -> None:

@@ -61,6 +61,7 @@ from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
+from hybridrl.parallel.packing import balance_for_ranks
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.rollout.buffer import REPLACING
 from hybridrl.telemetry import PhaseTimer
@@ -189,6 +190,9 @@ class Learner(Worker):
         waited = time.perf_counter() - t0
         alg, timer = self.cfg.algorithm, self.timer
         batch = samples_to_batch(samples, self.tokenizer.pad_token_id)
+        # each rank's share of the rows (on_my_rows) gets an equal token count (parallel/packing.py)
+        world, balance = distributed.world_size(), self.cfg.trainer.balance_batch
+        batch, balanced = balance_for_ranks(batch, world, balance)
         reuse = reuses_old_log_probs(self.cfg, len(batch))
         if self.reference is not None:
             with timer.phase("reference"):
@@ -220,7 +224,7 @@ class Learner(Worker):
             stale, lag = staleness_metrics(batch, version, self.cfg.asynchronous.max_staleness)
         timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
         # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
-        perf = learner_perf(self, timing, batch["attention_mask"])
+        perf = learner_perf(self, timing, batch["attention_mask"]) | balanced
         return {
             "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
             "uids": list(dict.fromkeys(s.uid for s in samples)),

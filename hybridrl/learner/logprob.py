@@ -10,6 +10,12 @@ forwards (each one all-gathers the sharded layers), so :func:`dp_micro_batches`
 pads a rank's list with *dummy* micro-batches (one row, ``response_mask`` all
 zero) up to the largest count over the ranks; their outputs are dropped.
 
+Packing (``actor.packing``, ``parallel/packing.py``): instead of length groups, a micro-batch holds
+whole sequences packed into rows (best-fit decreasing), with each sequence's row and offset in the
+columns ``pack_row`` and ``pack_offset``; :func:`response_outputs` runs the packed forward and
+gathers each response token's output back to the ``(B, R)`` layout, so everything after the forward
+(filters, log-probs, losses, metrics) sees the same tensors as unpacked.
+
 Distribution: log-probs are taken under the distribution the rollout samples from, the logits
 filtered by the rollout's temperature, top-k, top-p and min-p (:func:`sampling_of`), with the
 sampler's own filter code (``rollout/sampler.py``). The engine's behaviour log-probs and these are
@@ -26,10 +32,19 @@ import torch
 
 from hybridrl.algorithms.masking import zero_pad
 from hybridrl.parallel import distributed
+from hybridrl.parallel.packing import (
+    gather_positions,
+    pack_micro_batches,
+    packed_forward,
+    response_positions,
+)
 from hybridrl.parallel.precision import autocast
 from hybridrl.protocol import Batch
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.sampler import filtered_log_softmax
+
+# a packed micro-batch's columns: each sequence's row and first position in the packed rows
+PACK_ROW, PACK_OFFSET = "pack_row", "pack_offset"
 
 
 def sampling_of(rollout_cfg) -> SamplingParams:
@@ -66,8 +81,10 @@ def trim(mb: Batch) -> Batch:
     the responses' common right padding). Positions come from the attention mask: the outputs are
     unchanged."""
     P, R = mb["prompts"].shape[1], mb["responses"].shape[1]
-    p = int(mb["attention_mask"][:, :P].sum(-1).max())
-    r = max(1, int(mb["response_mask"].sum(-1).max()))
+    attn = mb["attention_mask"]
+    # the responses' real length, not the loss mask's count: a 0 inside a loss mask (a tool's
+    # output) is still a token whose successors are trained
+    p, r = int(attn[:, :P].sum(-1).max()), max(1, int(attn[:, P:].sum(-1).max()))
     if (p, r) == (P, R):
         return mb
     out = {}
@@ -84,9 +101,15 @@ def trim(mb: Batch) -> Batch:
     return Batch(out, mb.meta)
 
 
-def micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.Tensor]:
+def micro_batches(
+    batch: Batch, token_budget: int, packing: bool = False
+) -> tuple[list[Batch], torch.Tensor]:
     """``(micro-batches, order)``: rows grouped by length (:func:`length_buckets`) and trimmed
-    (:func:`trim`); ``order`` lists the rows in the order the micro-batches hold them."""
+    (:func:`trim`), or with ``packing`` whole sequences packed into rows
+    (:func:`packed_micro_batches`); ``order`` lists the rows in the order the micro-batches hold
+    them."""
+    if packing:
+        return packed_micro_batches(batch, token_budget)
     P = batch["prompts"].shape[1]
     # padded width bound
     lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(-1)
@@ -94,6 +117,34 @@ def micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.T
     return [trim(batch.index(idx)) for idx in groups], torch.cat(groups) if groups else torch.zeros(
         0, dtype=torch.long
     )
+
+
+def packed_micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.Tensor]:
+    """:func:`micro_batches` with packing: each sequence's real tokens (prompt without its left
+    padding, response without its right padding) packed into rows (``parallel/packing.py``:
+    ``pack_micro_batches``); each micro-batch is the batch's rows of its sequences, trimmed, with
+    their ``pack_row`` and ``pack_offset``."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    mbs, order = [], []
+    for plan in pack_micro_batches(lengths, token_budget):
+        where = Batch(
+            {
+                PACK_ROW: torch.tensor(plan.rows, dtype=torch.long),
+                PACK_OFFSET: torch.tensor(plan.offsets, dtype=torch.long),
+            }
+        )
+        mbs.append(trim(batch.index(plan.docs)) | where)
+        order += plan.docs
+    return mbs, torch.tensor(order, dtype=torch.long)
+
+
+def fed_tokens(mb: Batch) -> int:
+    """The token positions a forward of ``mb`` computes: the packed rows x their width, or the
+    micro-batch's padded rectangle."""
+    if PACK_ROW not in mb:
+        return mb["input_ids"].numel()
+    lens = mb["attention_mask"].sum(-1)
+    return (int(mb[PACK_ROW].max()) + 1) * int((mb[PACK_OFFSET] + lens).max())
 
 
 def dummy_micro_batch(batch: Batch) -> Batch:
@@ -113,12 +164,12 @@ def dummy_micro_batch(batch: Batch) -> Batch:
 
 
 def dp_micro_batches(
-    batch: Batch, token_budget: int, pad_from: Batch | None = None
+    batch: Batch, token_budget: int, pad_from: Batch | None = None, packing: bool = False
 ) -> tuple[list[Batch], int, torch.Tensor]:
     """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with
     dummies (made from ``pad_from``, default ``batch``) to the largest count over the ranks (a
     collective when the world size is > 1; world size 1: no padding)."""
-    mbs, order = micro_batches(batch, token_budget) if len(batch) else ([], None)
+    mbs, order = micro_batches(batch, token_budget, packing) if len(batch) else ([], None)
     n = len(mbs)
     if distributed.world_size() > 1:
         most = int(distributed.all_reduce([n], op="max")[0].item())
@@ -128,21 +179,33 @@ def dp_micro_batches(
     return mbs, n, order
 
 
+def response_outputs(model, mb: Batch) -> torch.Tensor:
+    """(B, R, D): the model's output (``.logits``) at the position that predicts each response
+    token, P + t - 1; a packed micro-batch (``pack_row`` in it) runs the packed forward and is
+    gathered back to this layout. Under the model's autocast mark (``parallel/precision.py``)."""
+    input_ids, attn = mb["input_ids"], mb["attention_mask"]
+    resp_len = mb["responses"].shape[1]
+    with autocast(model):  # bf16 matmuls when the model is marked for it
+        if PACK_ROW in mb:
+            out, layout = packed_forward(
+                model, input_ids, attn, mb[PACK_ROW], mb[PACK_OFFSET], pad_id=0
+            )
+            return gather_positions(out, response_positions(layout, attn, resp_len))
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False
+        ).logits
+    return logits[:, -resp_len - 1 : -1]
+
+
 def response_log_probs(
     model, mb: Batch, sampling: SamplingParams | float = 1.0, with_entropy: bool = False
 ):
     """(log_probs, entropy or None), each (B, R), zero where ``response_mask`` is 0, under the
     distribution ``sampling`` describes (a SamplingParams, or a bare temperature)."""
-    input_ids, attn = mb["input_ids"], mb["attention_mask"]
     responses = mb["responses"]
-    resp_len = responses.shape[1]
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    with autocast(model):  # bf16 matmuls when the model is marked for it (parallel/precision.py)
-        logits = model(
-            input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False
-        ).logits
     # the loss math (log-softmax, ratios, KL) stays fp32
-    logits = logits[:, -resp_len - 1 : -1].float()
+    logits = response_outputs(model, mb).float()
     logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
     mask = mb["response_mask"]
     # zero_pad is a where, not a product: a padding position's token may be filtered out
@@ -165,13 +228,13 @@ def model_device(model) -> torch.device:
 
 
 @torch.no_grad()
-def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
+def batch_map(model, batch: Batch, token_budget: int, fn, packing: bool = False) -> torch.Tensor:
     """``cat(fn(model, mb))`` over this rank's micro-batches (on the model's device, result on the
-    CPU); the ranks of a sharded model run in lockstep (dummy micro-batches pad the shorter
-    ranks)."""
+    CPU), packed with ``packing``; the ranks of a sharded model run in lockstep (dummy
+    micro-batches pad the shorter ranks)."""
     model.eval()
     device = model_device(model)
-    mbs, n_real, order = dp_micro_batches(batch, token_budget)
+    mbs, n_real, order = dp_micro_batches(batch, token_budget, packing=packing)
     out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
     row = 0
     for i, mb in enumerate(mbs):
@@ -183,8 +246,16 @@ def batch_map(model, batch: Batch, token_budget: int, fn) -> torch.Tensor:
 
 
 def batch_log_probs(
-    model, batch: Batch, token_budget: int, sampling: SamplingParams | float = 1.0
+    model,
+    batch: Batch,
+    token_budget: int,
+    sampling: SamplingParams | float = 1.0,
+    packing: bool = False,
 ) -> torch.Tensor:
     return batch_map(
-        model, batch, token_budget, lambda m, mb: response_log_probs(m, mb, sampling)[0]
+        model,
+        batch,
+        token_budget,
+        lambda m, mb: response_log_probs(m, mb, sampling)[0],
+        packing=packing,
     )

@@ -22,4 +22,5 @@ class Reference:
 
     def log_probs(self, batch: Batch) -> Batch:
         tokens = self.cfg.actor.micro_batch_tokens
-        return Batch({"ref_log_probs": batch_log_probs(self.model, batch, tokens, self.sampling)})
+        logp = batch_log_probs(self.model, batch, tokens, self.sampling, self.cfg.actor.packing)
+        return Batch({"ref_log_probs": logp})

@@ -18,6 +18,13 @@ Ranks with fewer micro-batches run dummy ones (no contribution) so that the
 collectives line up. Metrics are token-weighted means over the global
 mini-batch, identical on every rank.
 
+Packing (``packing``, default the section's ``packing`` field, ``actor.packing``): the micro-batches
+hold whole sequences packed into rows (``learner/logprob.py``, ``parallel/packing.py``) instead of
+length groups; the loss functions see the same ``(rows, R)`` tensors either way. The share of the
+token positions fed to the model that are padding is reported as ``perf/padding_fraction`` (the
+actor's; ``perf/<prefix>_padding_fraction`` for another role), over the real micro-batches of every
+rank (a dummy micro-batch is not counted: it exists for the collectives, not for the data).
+
 Non-finite updates: when a mini-batch's loss or its gradient norm (the clip's total norm, global
 over ranks under FSDP; a loss that is non-finite on any rank counts on all of them) is NaN or inf,
 the optimizer does not step: the gradients are dropped, ``<prefix>/skipped_updates`` counts it, and
@@ -36,12 +43,20 @@ from collections.abc import Callable
 import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
-from hybridrl.learner.logprob import batch_map, dp_micro_batches, model_device
+from hybridrl.learner.logprob import batch_map, dp_micro_batches, fed_tokens, model_device
 from hybridrl.parallel import distributed
 from hybridrl.parallel.fsdp import clip_grad_norm
 from hybridrl.protocol import Batch
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
+
+# the padding-fraction metric of each role's update (another prefix p: perf/p_padding_fraction)
+PADDING_METRIC = {"actor": "perf/padding_fraction"}
+
+
+def packing_of(section, packing: bool | None) -> bool:
+    """``packing`` when given, else the role config's ``packing`` field (absent: off)."""
+    return bool(getattr(section, "packing", False) if packing is None else packing)
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -92,7 +107,9 @@ def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: 
     return [batch.index(rows) for rows in minibatch_rows(len(batch), generator, minibatch_size)]
 
 
-def first_epoch_map(model, batch: Batch, generator: torch.Generator, section, fn) -> torch.Tensor:
+def first_epoch_map(
+    model, batch: Batch, generator: torch.Generator, section, fn, packing: bool | None = None
+) -> torch.Tensor:
     """``fn(model, mb)`` (B, R), no gradient, over the micro-batches that the next
     :func:`run_updates` with ``generator`` cuts in its first epoch: the same rows, grouped and
     trimmed alike, so each row's forward has the shapes of that update's forward. ``generator`` is
@@ -105,8 +122,9 @@ def first_epoch_map(model, batch: Batch, generator: torch.Generator, section, fn
     peek = torch.Generator()
     peek.set_state(generator.get_state())
     out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
+    pack = packing_of(section, packing)
     for rows in minibatch_rows(len(batch), peek, section.ppo_minibatch_size):
-        out[rows] = batch_map(model, batch.index(rows), section.micro_batch_tokens, fn)
+        out[rows] = batch_map(model, batch.index(rows), section.micro_batch_tokens, fn, pack)
     return out
 
 
@@ -133,11 +151,13 @@ def run_updates(
     norm_len: float,
     prefix: str,
     skips: SkipCounter | None = None,
+    packing: bool | None = None,
 ) -> dict[str, float]:
     """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in
     mini-batches of ``section.ppo_minibatch_size``, micro-batches under
     ``section.micro_batch_tokens``, gradients clipped at ``section.grad_clip`` (``section``: the
     role's config, ActorConfig or CriticConfig); metrics averaged over the optimizer steps taken.
+    ``packing``: packed micro-batches (None: the section's ``packing`` field).
 
     A mini-batch with a non-finite loss or gradient norm is skipped (see the module docstring) and
     counted by ``skips`` (the owner's counter; None: a fresh one that stops at 3 in a row), which
@@ -145,6 +165,8 @@ def run_updates(
     minibatch_size, epochs = section.ppo_minibatch_size, section.ppo_epochs
     micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
     skips = skips or SkipCounter(3, prefix)
+    pack = packing_of(section, packing)
+    fed, real = 0, 0  # token positions fed to the model, and the real tokens among them
     model.train()
     device = model_device(model)
     sums: dict[str, float] = defaultdict(float)
@@ -154,7 +176,7 @@ def run_updates(
             optimizer.zero_grad(set_to_none=True)
             totals = global_totals(mini, norm_len)
             n_tokens = max(totals.n_tokens, 1.0)
-            mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, pad_from=batch)
+            mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, batch, pack)
             mini_sums: dict[str, float] = defaultdict(float)
             loss_ok = torch.ones((), dtype=torch.bool, device=device)
             for i, mb in enumerate(mbs):
@@ -167,6 +189,8 @@ def run_updates(
                     loss_ok &= torch.isfinite(loss.detach()).all()
                 loss.backward()
                 if i < n_real:
+                    fed += fed_tokens(mb)
+                    real += int(mb["attention_mask"].sum())
                     # token-weighted mean over the mini-batch
                     share = float(mb["response_mask"].sum()) / n_tokens
                     for k, v in metrics.items():
@@ -191,6 +215,7 @@ def run_updates(
             steps += 1
     # each rank summed its tokens' shares: the sum over ranks is the global mean
     if distributed.world_size() > 1:
+        fed, real = distributed.all_reduce([fed, real]).tolist()
         keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
         sums = dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
     # no step taken (all skipped): no value to report; NaN is logged as null ("no data")
@@ -199,4 +224,7 @@ def run_updates(
         f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
         f"{prefix}/updates": steps,
         f"{prefix}/skipped_updates": skipped,
+        PADDING_METRIC.get(prefix, f"perf/{prefix}_padding_fraction"): 1.0 - real / fed
+        if fed
+        else 0.0,
     }
