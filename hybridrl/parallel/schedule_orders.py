@@ -112,11 +112,13 @@ class _RankOrder:
         else:
             self.actions.append(Action("BW", stage, mb))
 
-    def w(self) -> None:
-        """The oldest deferred weight gradient, if any."""
-        if self.pending_w:
-            stage, mb = self.pending_w.popleft()
-            self.actions.append(Action("W", stage, mb))
+    def w(self, stage: int | None = None) -> None:
+        """The oldest deferred weight gradient (of ``stage`` if given), if any."""
+        pick = [i for i, p in enumerate(self.pending_w) if stage is None or p[0] == stage]
+        if pick:
+            s, mb = self.pending_w[pick[0]]
+            del self.pending_w[pick[0]]
+            self.actions.append(Action("W", s, mb))
 
     def fb(self, f_stage: int, b_stage: int) -> None:
         f_mb = self._take(self.next_f, f_stage)
@@ -248,8 +250,10 @@ def zbv(pp: int, m: int) -> Plan:
             o.b(s1)
         for _ in range(pp - r):
             o.b(s0)
-            o.w()
-        o.flush_w()
+            o.w(s0)
+        for s in (s1, s0):
+            while any(p[0] == s for p in o.pending_w):
+                o.w(s)
     return _plan("zbv", pp, m, v_stage_rank(pp), ranks)
 
 
