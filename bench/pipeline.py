@@ -60,12 +60,15 @@ def _r(x: float) -> float:
 
 def simulate_one(name: str, pp: int, m: int, costs: Costs) -> tuple[dict, SimResult]:
     plan = build(name, pp, m)
-    stage_costs = costs.scaled(1 / plan.stages_per_rank)
+    # a stage is 1 / stages_per_chain of the model; the costs given are for 1 / pp of it
+    share = plan.pp / plan.stages_per_chain
+    stage_costs = costs.scaled(share)
     res = simulate(plan, stage_costs)
-    formula = table2_bubble(name, plan.num_stages, stage_costs)
+    formula = table2_bubble(name, plan.stages_per_chain, stage_costs)
     return {
         "n_microbatches": m,
-        "stages": plan.num_stages,
+        "stages": plan.stages_per_chain,
+        "model_copies": plan.chains,
         "stage_costs": _costs_json(stage_costs),
         "makespan_sim": _r(res.makespan),
         "bubble_sim": _r(res.bubble),
@@ -77,8 +80,8 @@ def simulate_one(name: str, pp: int, m: int, costs: Costs) -> tuple[dict, SimRes
         "peak_activations_per_rank": res.peak_activations,
         "param_copies": plan.param_copies,
         # the same two in units of a 1/pp share of the model (what a rank's memory holds)
-        "peak_activations_share_units": _r(res.peak_activation / plan.stages_per_rank),
-        "param_share_of_model": _r(plan.stages_per_rank / plan.num_stages),
+        "peak_activations_share_units": _r(res.peak_activation * share),
+        "param_share_of_model": _r(plan.model_share_per_rank),
     }, res
 
 
@@ -143,10 +146,10 @@ def draw(res: SimResult, path: Path) -> Path:
             ax.text((start + end) / 2, y, str(action.mb), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(plan.pp), [f"rank {plan.pp - 1 - y}" for y in range(plan.pp)])
     ax.set_xlim(0, res.makespan)
-    ax.set_xlabel(
-        "time (cost units)"
-        + ("; paler: the rank's second stage" if plan.stages_per_rank > 1 else "")
-    )
+    paler = {1: "", 2: "; paler: the rank's later stage"}.get(plan.stages_per_rank, "")
+    if plan.chains > 1:
+        paler = "; paler: the second model copy (fed from the last rank)"
+    ax.set_xlabel("time (cost units)" + paler)
     handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in COLORS if k in kinds]
     handles.append(Patch(color="#E5E5E5", label="idle"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3, fontsize=8)

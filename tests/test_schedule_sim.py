@@ -30,14 +30,17 @@ TABLE2_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipev"])
+@pytest.mark.parametrize("name", ["1f1b", "zb1p", "dualpipev", "dualpipe"])
 @pytest.mark.parametrize(("pp", "m", "costs"), TABLE2_CASES)
 def test_table2_bubbles_exact(name, pp, m, costs):
+    if name == "dualpipe" and (pp % 2 or m % 2):
+        pytest.skip("bidirectional DualPipe needs an even pp and micro-batch count")
     assert table2_exact(name, costs)
     result = run(name, pp, m, costs)
-    formula = table2_bubble(name, result.plan.num_stages, costs)
+    # Table 2's PP: the stages one micro-batch goes through (DualPipeV: 2 per rank)
+    formula = table2_bubble(name, result.plan.stages_per_chain, costs)
     assert result.bubble == pytest.approx(formula, abs=1e-9)
-    if name != "dualpipev" or costs.f_and_b == costs.f + costs.full_b:
+    if not name.startswith("dualpipe") or costs.f_and_b == costs.f + costs.full_b:
         # same work on every rank: every rank idles exactly the table's bubble
         assert result.bubbles == pytest.approx([formula] * pp, abs=1e-9)
 
@@ -65,7 +68,7 @@ def test_formula_off_where_its_assumptions_fail():
 def _cases():
     for name in SCHEDULES:
         for pp, m in [(1, 2), (2, 4), (3, 6), (4, 8), (4, 12)]:
-            if name == "interleaved_1f1b" and m % pp:
+            if (name == "interleaved_1f1b" and m % pp) or (name == "dualpipe" and pp % 2):
                 continue
             yield name, pp, m
 
@@ -74,7 +77,8 @@ def _cases():
 def test_orders_complete_and_dependencies_honoured(name, pp, m):
     plan = build(name, pp, m)
     passes = Counter(p for order in plan.orders for a in order for p in a.parts())
-    want = {(k, s, mb) for k in "FBW" for s in range(plan.num_stages) for mb in range(m)}
+    per_chain = range(m // plan.chains)
+    want = {(k, s, mb) for k in "FBW" for s in range(plan.num_stages) for mb in per_chain}
     assert set(passes) == want
     assert set(passes.values()) == {1}
     for rank, order in enumerate(plan.orders):
@@ -82,25 +86,25 @@ def test_orders_complete_and_dependencies_honoured(name, pp, m):
 
     costs = Costs(1.0, 0.7, 0.4, fb=1.8, comm=0.3)
     result = simulate(plan, costs)
-    end, start, where = {}, {}, {}
+    end, start, where, owner = {}, {}, {}, {}
     for rank, timeline in enumerate(result.timeline):
         assert [a for a, _, _ in timeline] == list(plan.orders[rank])
         prev_end = 0.0
-        for action, s, e in timeline:
+        for i, (action, s, e) in enumerate(timeline):
             assert s >= prev_end - 1e-12 and e == pytest.approx(s + costs.duration(action))
             prev_end = e
             for p in action.parts():
-                start[p], end[p], where[p] = s, e, rank
-    last = plan.num_stages - 1
+                start[p], end[p], where[p], owner[p] = s, e, rank, (rank, i)
+    chain = plan.stages_per_chain
     for (kind, s, mb), t in start.items():
         if kind == "F":
-            needs = [("F", s - 1, mb)] if s else []
+            needs = [("F", s - 1, mb)] if s % chain else []
         elif kind == "B":
-            needs = [("B", s + 1, mb)] if s < last else [("F", s, mb)]
+            needs = [("B", s + 1, mb)] if (s + 1) % chain else [("F", s, mb)]
         else:
             needs = [("B", s, mb)]
         for d in needs:
-            if start[d] == t:  # the two halves of one fused action
+            if owner[d] == owner[(kind, s, mb)]:  # the parts of one fused action
                 continue
             hop = costs.comm if where[d] != where[(kind, s, mb)] else 0.0
             assert t >= end[d] + hop - 1e-9, (name, (kind, s, mb), d)
@@ -116,6 +120,11 @@ def test_memory_as_table2_states(pp):
     assert zb.peak_activations == [pp] * pp and zb.plan.param_copies == 1
     dv = run("dualpipev", pp, m, Costs())  # PP = 2 * pp stages: PP + 1 activations, 2x params
     assert dv.peak_activations == [2 * pp + 1] * pp and dv.plan.param_copies == 2
+    assert dv.plan.model_share_per_rank == pytest.approx(1 / pp)
+    if pp % 2 == 0:  # bidirectional: PP = pp stages per copy, and two copies of the model
+        bi = run("dualpipe", pp, 2 * m, Costs())
+        assert bi.peak_activations == [pp + 1] * pp and bi.plan.param_copies == 2
+        assert bi.plan.model_share_per_rank == pytest.approx(2 / pp)
     assert run("gpipe", pp, m, Costs()).peak_activation == m
 
 

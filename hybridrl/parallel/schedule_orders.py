@@ -62,6 +62,10 @@ class Action:
 class Plan:
     """A schedule for ``pp`` ranks: the owner rank of each stage and each rank's action order.
 
+    ``chains`` is the number of model copies the stages form (bidirectional DualPipe: 2, one per
+    direction, each with its half of the micro-batches). Stage ids run chain after chain; within a
+    chain a micro-batch flows from its first stage to its last, where the loss is.
+
     ``param_copies`` is the parameter memory per rank in units of one stage, the unit of
     DeepSeek-V3's Table 2 ("parameter per device", compared at the same number of stages): the
     schedules with two stages per rank hold 2.
@@ -72,10 +76,20 @@ class Plan:
     n_microbatches: int
     stage_rank: tuple[int, ...]
     orders: tuple[tuple[Action, ...], ...]
+    chains: int = 1
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_rank)
+
+    @property
+    def stages_per_chain(self) -> int:
+        """Table 2's PP: the stages one micro-batch goes through."""
+        return self.num_stages // self.chains
+
+    @property
+    def microbatches_per_chain(self) -> int:
+        return self.n_microbatches // self.chains
 
     @property
     def stages_per_rank(self) -> int:
@@ -84,6 +98,11 @@ class Plan:
     @property
     def param_copies(self) -> int:
         return self.stages_per_rank
+
+    @property
+    def model_share_per_rank(self) -> float:
+        """The fraction of one model's parameters a rank holds (1 / pp unless copies are kept)."""
+        return self.stages_per_rank / self.stages_per_chain
 
 
 @dataclass
@@ -130,8 +149,12 @@ class _RankOrder:
             self.w()
 
 
+def _orders(ranks: list[_RankOrder]) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(r.actions) for r in ranks)
+
+
 def _plan(name: str, pp: int, m: int, stage_rank: list[int], ranks: list[_RankOrder]) -> Plan:
-    return Plan(name, pp, m, tuple(stage_rank), tuple(tuple(r.actions) for r in ranks))
+    return Plan(name, pp, m, tuple(stage_rank), _orders(ranks))
 
 
 def _check(pp: int, m: int, min_m: int = 1) -> None:
@@ -257,6 +280,43 @@ def zbv(pp: int, m: int) -> Plan:
     return _plan("zbv", pp, m, v_stage_rank(pp), ranks)
 
 
+def _dualpipe_rank(o: _RankOrder, s0: int, s1: int, half: int, h: int, n: int) -> None:
+    """One rank of DualPipe's phases. ``s0`` is the stage its first forwards go to, ``s1`` the
+    other; ``half`` ranks form one direction's half-pipeline, this rank is ``h`` hops from its end
+    (``h == half - 1``: at the turn) and each direction carries ``n`` micro-batches."""
+    turn = h == half - 1
+    for _ in range(2 * (half - h - 1)):
+        o.f(s0)
+    for _ in range(h + 1):
+        o.f(s0)
+        o.f(s1)
+    for _ in range(half - h - 1):
+        o.b(s1)
+        o.w()
+        o.f(s1)
+    for i in range(n - 2 * half + h + 1):
+        if i == 0 and turn:
+            o.f(s0)  # the turn: nothing to overlap with yet
+            o.b(s1, split=False)
+        else:
+            o.fb(s0, s1)
+        o.fb(s1, s0)
+    for _ in range(half - h - 1):
+        o.b(s1, split=False)
+        o.fb(s1, s0)
+    split = False
+    for i in range(h + 1):
+        # the second half of the drain's backwards defer their W to fill the tail
+        split = split or (i == (h + 1) // 2 and h % 2 == 1)
+        o.b(s1, split=split)
+        split = split or (i == (h + 1) // 2 and h % 2 == 0)
+        o.b(s0, split=split)
+    for _ in range(half - h - 1):
+        o.w()
+        o.b(s0)
+    o.flush_w()
+
+
 def dualpipev(pp: int, m: int) -> Plan:
     """DualPipeV (DeepSeek's cut-in-half DualPipe): two stages per rank in a V. After the warm-up
     forwards, the steady state pairs each forward of one stage with a full backward of the other
@@ -265,39 +325,24 @@ def dualpipev(pp: int, m: int) -> Plan:
     _check(pp, m, 2 * pp)
     ranks = [_RankOrder() for _ in range(pp)]
     for r, o in enumerate(ranks):
-        s0, s1 = r, 2 * pp - 1 - r
-        last = r == pp - 1
-        for _ in range(2 * (pp - r - 1)):
-            o.f(s0)
-        for _ in range(r + 1):
-            o.f(s0)
-            o.f(s1)
-        for _ in range(pp - r - 1):
-            o.b(s1)
-            o.w()
-            o.f(s1)
-        for i in range(m - 2 * pp + r + 1):
-            if i == 0 and last:
-                o.f(s0)  # the turn of the V: nothing to overlap with yet
-                o.b(s1, split=False)
-            else:
-                o.fb(s0, s1)
-            o.fb(s1, s0)
-        for _ in range(pp - r - 1):
-            o.b(s1, split=False)
-            o.fb(s1, s0)
-        split = False
-        for i in range(r + 1):
-            # the second half of the drain's backwards defer their W to fill the tail
-            split = split or (i == (r + 1) // 2 and r % 2 == 1)
-            o.b(s1, split=split)
-            split = split or (i == (r + 1) // 2 and r % 2 == 0)
-            o.b(s0, split=split)
-        for _ in range(pp - r - 1):
-            o.w()
-            o.b(s0)
-        o.flush_w()
+        _dualpipe_rank(o, r, 2 * pp - 1 - r, pp, r, m)
     return _plan("dualpipev", pp, m, v_stage_rank(pp), ranks)
+
+
+def dualpipe(pp: int, m: int) -> Plan:
+    """Bidirectional DualPipe: two model copies, one fed from rank 0 down, one from the last rank
+    up, each with half the micro-batches. Rank r holds stage r of the first and stage
+    ``pp - 1 - r`` of the second (global id ``2 pp - 1 - r``); ranks r and ``pp - 1 - r`` run
+    mirrored DualPipeV phases. Needs an even pp and an even ``m >= 2 * pp``."""
+    _check(pp, m, 2 * pp)
+    if pp % 2 or m % 2:
+        raise ValueError(f"dualpipe needs an even pp and micro-batch count, got {pp}, {m}")
+    ranks = [_RankOrder() for _ in range(pp)]
+    for r, o in enumerate(ranks):
+        down, up = r, 2 * pp - 1 - r
+        s0, s1 = (down, up) if r < pp // 2 else (up, down)
+        _dualpipe_rank(o, s0, s1, pp // 2, min(r, pp - 1 - r), m // 2)
+    return Plan("dualpipe", pp, m, tuple(v_stage_rank(pp)), _orders(ranks), chains=2)
 
 
 SCHEDULES: dict[str, Callable[[int, int], Plan]] = {
@@ -307,6 +352,7 @@ SCHEDULES: dict[str, Callable[[int, int], Plan]] = {
     "zb1p": zb1p,
     "zbv": zbv,
     "dualpipev": dualpipev,
+    "dualpipe": dualpipe,
 }
 
 

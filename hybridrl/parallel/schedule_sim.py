@@ -137,20 +137,21 @@ def validate(plan: Plan) -> None:
                 if plan.stage_rank[part[1]] != rank:
                     raise ValueError(f"{plan.name}: {action} runs on rank {rank}, not its stage's")
                 seen[part] = seen.get(part, 0) + 1
-    want = {
-        (k, s, m) for k in "FBW" for s in range(plan.num_stages) for m in range(plan.n_microbatches)
-    }
+    mbs = range(plan.microbatches_per_chain)
+    want = {(k, s, m) for k in "FBW" for s in range(plan.num_stages) for m in mbs}
     wrong = sorted(p for p in want | set(seen) if seen.get(p, 0) != 1)
     if wrong:
         raise ValueError(f"{plan.name}: passes missing, repeated or unknown: {wrong[:8]}")
 
 
-def _deps(part: tuple[str, int, int], num_stages: int) -> list[tuple[str, int, int]]:
+def _deps(part: tuple[str, int, int], chain: int) -> list[tuple[str, int, int]]:
+    """The passes ``part`` needs; ``chain`` stages make one model (a chain's first stage reads the
+    data, its last one computes the loss)."""
     kind, s, m = part
     if kind == "F":
-        return [("F", s - 1, m)] if s > 0 else []
+        return [("F", s - 1, m)] if s % chain else []
     if kind == "B":
-        return [("B", s + 1, m)] if s < num_stages - 1 else [("F", s, m)]
+        return [("B", s + 1, m)] if (s + 1) % chain else [("F", s, m)]
     return [("B", s, m)]
 
 
@@ -168,7 +169,7 @@ def simulate(plan: Plan, costs: Costs) -> SimResult:
             while pos[rank] < len(order):
                 action = order[pos[rank]]
                 own = set(action.parts())
-                deps = {d for p in own for d in _deps(p, plan.num_stages)} - own
+                deps = {d for p in own for d in _deps(p, plan.stages_per_chain)} - own
                 if any(d not in ends for d in deps):
                     break
                 ready = [
@@ -213,6 +214,7 @@ def run(name: str, pp: int, n_microbatches: int, costs: Costs) -> SimResult:
 TABLE2: dict[str, Callable[[int, Costs], float]] = {
     "1f1b": lambda pp, c: (pp - 1) * (c.f + c.full_b),
     "zb1p": lambda pp, c: (pp - 1) * (c.f + c.full_b - 2 * c.w),
+    "dualpipe": lambda pp, c: (pp / 2 - 1) * (c.f_and_b + c.full_b - 3 * c.w),
     "dualpipev": lambda pp, c: (pp / 2 - 1) * (c.f_and_b + c.full_b - 3 * c.w),
 }
 
@@ -226,6 +228,7 @@ TABLE2_EXACT: dict[str, Callable[[Costs], bool]] = {
     "zb1p": lambda c: c.w <= c.f,
     "dualpipev": lambda c: c.f == c.b and c.w <= c.f and c.f_and_b >= c.full_b,
 }
+TABLE2_EXACT["dualpipe"] = TABLE2_EXACT["dualpipev"]
 
 
 def table2_bubble(name: str, stages: int, costs: Costs) -> float | None:
