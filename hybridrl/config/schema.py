@@ -694,6 +694,60 @@ class AsyncConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Multi-turn (agentic) rollouts with an environment (``hybridrl/envs/``, docs/agentic.md);
+    null ``name``: single-turn generation."""
+
+    name: str | None = _f(
+        None,
+        "environment: a registered name (e.g. calc_tool), a dotted path 'pkg.module:Env' or "
+        "'envs.py:Env'; each trajectory gets its own instance, cls(**kwargs) (null: single-turn)",
+    )
+    kwargs: dict = _f({}, "keyword arguments of the environment's constructor")
+    max_turns: int = _f(
+        4, "model turns per trajectory; one that is not done by then is truncated", ge=1
+    )
+    max_total_tokens: int = _f(
+        1024,
+        "response tokens per trajectory, the model's turns and the observations together; a "
+        "trajectory that reaches it is truncated (status truncated); rollout.max_new_tokens "
+        "bounds each turn",
+        ge=1,
+    )
+    step_timeout_s: float = _f(
+        30.0,
+        "seconds one reset or step of the environment may take; past it the trajectory ends with "
+        "reward 0, counted in env/timeouts (an exception: env/errors); the run goes on",
+        gt=0,
+    )
+    turn_stop: list[str] = _f(
+        [],
+        "strings that end a model turn (e.g. '</call>'), kept in the response; eos and "
+        "rollout.max_new_tokens end a turn too",
+    )
+    max_concurrent_steps: int = _f(
+        256, "environment calls (reset/step) running at once on a rollout rank", ge=1
+    )
+    observation_role: str = _f(
+        "tool",
+        "with a chat template and chat prompts: the message role an observation is rendered as",
+    )
+
+    def validate(self) -> None:
+        if self.name is not None:
+            if not isinstance(self.name, str) or not self.name.strip():
+                raise ValueError("name must be a non-empty string (null: single-turn)")
+            self.name = _absolute_file_path(self.name)  # workers may run elsewhere
+        if not isinstance(self.kwargs, dict) or not all(isinstance(k, str) for k in self.kwargs):
+            raise ValueError(f"kwargs must be a mapping of argument names, got {self.kwargs!r}")
+        bad = [s for s in self.turn_stop if not isinstance(s, str) or not s]
+        if bad:
+            raise ValueError(f"turn_stop holds {bad[0]!r}: each entry is a non-empty string")
+        if self.name is None and (self.kwargs or self.turn_stop):
+            raise ValueError("kwargs / turn_stop are set but env.name is null: name an environment")
+
+
+@dataclass
 class AlertsConfig:
     """Training-health alerts on each logged step's metrics (``telemetry/alerts.py``): a warning,
     a row in ``<run>/alerts.jsonl`` and the metric ``alert/<name>`` = 1; a rule that keeps firing
@@ -830,6 +884,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self):

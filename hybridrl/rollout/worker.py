@@ -7,6 +7,7 @@ from __future__ import annotations
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.controller.health import Progress
+from hybridrl.envs.multiturn import env_rewards, with_environment
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.parallel import weight_sync
 from hybridrl.parallel.distributed import compute_device
@@ -26,12 +27,16 @@ class RolloutWorker(Worker):
         super().__init__(ctx)
         self.cfg = cfg
         model, self.tokenizer = load_model(cfg, model_path)
-        # native / hf run on this process's GPU when it has one (the learner's rule)
-        self.backend = make_backend(cfg.rollout, model, self.tokenizer, compute_device())
+        # native / hf run on this process's GPU when it has one (the learner's rule); with an
+        # environment (env.name) each trajectory alternates model turns and environment steps
+        backend = make_backend(cfg.rollout, model, self.tokenizer, compute_device())
+        self.backend = with_environment(cfg, backend, self.tokenizer)
         # engine steps for the heartbeat (controller/health.py): generate and the stream step here
         self.progress = Progress()
         self.backend.step = self.progress.counting(self.backend.step)
-        self.scorer = Scorer(cfg, self.tokenizer, eos_token_ids(model, self.tokenizer))
+        scorer = Scorer(cfg, self.tokenizer, eos_token_ids(model, self.tokenizer))
+        # with an environment, its reward (envs/multiturn.py)
+        self.scorer = env_rewards(cfg, scorer)
         self.stream: RolloutStream | None = None
         # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)
         self.recent = RecentSamples(cfg.trainer.log_samples)

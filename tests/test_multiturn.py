@@ -1,0 +1,403 @@
+"""Multi-turn rollouts with environments (hybridrl/envs/): token-in-token-out, masks, log-probs and
+versions per token, limits, failing and slow environments, the extension property of chat
+templates, and W4 (the calculator task) trained end to end in both modes."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from hybridrl.config import Config, load_config
+from hybridrl.config.schema import EnvConfig
+from hybridrl.driver.sft import sft_batch
+from hybridrl.envs import Env, StepResult
+from hybridrl.envs.multiturn import EnvRewards, MultiTurnRollout
+from hybridrl.models.loading import load_model
+from hybridrl.protocol import Sample, prompt_sample, samples_to_batch
+from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.backends.native import NativeRollout
+from hybridrl.rollout.base import RolloutEngine
+from hybridrl.tasks import Prompt, build_char_tokenizer
+from hybridrl.tasks.calc import CalcTask, CalcToolEnv
+
+torch.set_num_threads(1)
+TOK = CalcTask().tokenizer()
+
+
+# --- environments and a scripted engine for the unit tests ----------------------------------------
+class Echo(Env):
+    """Answers every turn with ``<obs>N</obs>`` (N: the turn number); done after ``turns``."""
+
+    def __init__(self, turns: int = 2, sleep_s: float = 0.0, fail_on: str = ""):
+        self.turns, self.sleep_s, self.fail_on, self.n = turns, sleep_s, fail_on, 0
+        self.prompt = None
+
+    def reset(self, prompt):
+        self.prompt = prompt
+        if self.fail_on == "reset":
+            raise RuntimeError("broken reset")
+
+    def step(self, action):
+        time.sleep(self.sleep_s)
+        self.n += 1
+        if self.fail_on == self.prompt.uid:
+            raise RuntimeError("broken tool")
+        if self.n >= self.turns:
+            return StepResult(reward=1.0, done=True, info={"turns_seen": float(self.n)})
+        return StepResult(observation=f"<obs>{self.n}</obs>", reward=0.25)
+
+
+class AsyncSleep(Env):
+    async def step(self, action):
+        await asyncio.sleep(0.3)
+        return StepResult(observation="<obs>1</obs>") if action != "9" else StepResult(done=True)
+
+
+class Hang(Env):
+    def step(self, action):
+        time.sleep(30)
+
+
+class Scripted(RolloutEngine):
+    """A stand-in for a model: each turn's tokens are ``script(turn index, prompt ids)``, with
+    log-prob -(1 + i) / 10 for the i-th token and the engine's version (the default streaming
+    queue of the interface)."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.contexts = script, []
+
+    def generate(self, prompts, params):
+        out = []
+        for p in prompts:
+            self.contexts.append(list(p.prompt_ids))
+            ids = self.script(int(p.uid.rsplit("/", 1)[1]), p.prompt_ids)[: params.max_new_tokens]
+            lps = [-(1 + i) / 10 for i in range(len(ids))]
+            out += [p.with_response(ids, lps, [self.version] * len(ids), "finished")] * params.n
+        return out
+
+    def _load_weights(self, named_tensors, version):
+        return len(list(named_tensors))
+
+
+def ids(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def prompts(k: int = 2) -> list[Sample]:
+    task = CalcTask()
+    return [prompt_sample(task.prompt(i), TOK) for i in range(k)]
+
+
+def rollout(engine, env_cls, **env) -> MultiTurnRollout:
+    return MultiTurnRollout(engine, TOK, EnvConfig(name="test", **env), env_cls=env_cls)
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(**({"n": 2, "max_new_tokens": 8, "seed": 3} | kw))
+
+
+# --- token-in-token-out ---------------------------------------------------------------------------
+class Recording(NativeRollout):
+    """The native backend, recording every turn it was given and what it returned."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.turns: dict[str, tuple[list[int], Sample]] = {}
+        self.given: dict[str, list[int]] = {}
+
+    def add(self, prompts, params):
+        for p in prompts:
+            self.given[p.uid] = list(p.prompt_ids)
+        return super().add(prompts, params)
+
+    def take(self, prompt, n):
+        out = super().take(prompt, n)
+        self.turns[prompt.uid] = out[0]
+        return out
+
+
+def test_trained_tokens_are_the_engines_tokens_plus_the_observations():
+    cfg = load_config(Config, None, ["task.name=calc"])
+    model, tok = load_model(cfg, None)
+    engine = Recording(model, tok, cfg.rollout)
+    mt = rollout(engine, Echo, max_turns=3, kwargs={"turns": 3})
+    out = mt.generate(prompts(2), params(max_new_tokens=6))
+    assert len(out) == 4
+    for k, s in enumerate(out):
+        traj = f"{s.uid}#{k % 2}"
+        want, mask, lps, vers = [], [], [], []
+        for turn in range(3):
+            t = engine.turns[f"{traj}/{turn}"]
+            # each turn's prompt is the trajectory so far, exactly
+            assert engine.given[f"{traj}/{turn}"] == s.prompt_ids + want
+            want += t.response_ids
+            mask += [1] * len(t.response_ids)
+            lps += t.log_probs
+            vers += t.versions
+            if turn < 2:
+                obs = ids(f"<obs>{turn + 1}</obs>")
+                z = len(obs)
+                want, mask, lps, vers = want + obs, mask + [0] * z, lps + [0.0] * z, vers + [0] * z
+        assert s.response_ids == want and s.loss_mask == mask
+        assert s.log_probs == lps and s.versions == vers
+        assert s.status == "finished" and s.metadata["env_turns"] == 3
+        assert s.metadata["env_reward"] == pytest.approx(1.5)
+    batch = samples_to_batch(out, tok.pad_token_id)
+    assert batch["response_mask"].sum().item() == sum(sum(s.loss_mask) for s in out)
+
+
+def test_loss_mask_log_probs_and_versions_per_token():
+    turn = ids("<call>1*2</call>")
+    mt = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"turns": 3})
+    mt.update_weights([("w", torch.zeros(1))], 7)
+    (s, _) = mt.generate(prompts(1), params(max_new_tokens=20))
+    obs1, obs2 = ids("<obs>1</obs>"), ids("<obs>2</obs>")
+    assert s.response_ids == turn + obs1 + turn + obs2 + turn
+    assert s.loss_mask == [1] * 16 + [0] * 12 + [1] * 16 + [0] * 12 + [1] * 16
+    lp = [-(1 + i) / 10 for i in range(16)]
+    assert s.log_probs == lp + [0.0] * 12 + lp + [0.0] * 12 + lp
+    assert set(s.versions) == {7}
+
+
+def test_turn_and_token_limits_truncate():
+    turn = ids("<call>1*2</call>")
+    mt = rollout(Scripted(lambda i, ctx: turn), Echo, max_turns=2, kwargs={"turns": 10})
+    s = mt.generate(prompts(1), params(n=1, max_new_tokens=20))[0]
+    assert s.status == "truncated" and s.metadata["env_turns"] == 2
+    assert len(s.response_ids) == 16 + 12 + 16
+    mt = rollout(Scripted(lambda i, ctx: turn), Echo, max_total_tokens=40, kwargs={"turns": 10})
+    s = mt.generate(prompts(1), params(n=1, max_new_tokens=20))[0]
+    # 16 model tokens, the 12 observation tokens, then a turn cut to the 12 tokens left
+    assert s.status == "truncated" and len(s.response_ids) == 40
+    assert s.loss_mask == [1] * 16 + [0] * 12 + [1] * 12
+    stats = mt.stats()
+    assert stats["env/truncated_frac"] == 1.0 and stats["env/trajectories"] == 1
+
+
+# --- failing, hanging and slow environments -------------------------------------------------------
+def test_an_environment_that_raises_scores_zero_and_is_counted():
+    turn = ids("<call>1*2</call>")
+    bad = prompts(2)[1].uid
+    mt = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"turns": 2, "fail_on": bad})
+    out = mt.generate(prompts(2), params())
+    cfg = load_config(Config, None, ["task.name=calc", "env.name=calc_tool"])
+    EnvRewards(cfg, scorer=None)(out)
+    assert [s.reward for s in out] == [1.25, 1.25, 0.0, 0.0]
+    assert [s.metadata["env_error"] for s in out] == ["", "", "errors", "errors"]
+    assert all(s.reward_extras["reward_errors"] == 0 for s in out)
+    stats = mt.stats()
+    assert stats["env/errors"] == 2 and stats["env/timeouts"] == 0
+    assert stats["env/turns_seen"] == 2.0  # the info of the trajectories that finished
+    broken_reset = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"fail_on": "reset"})
+    out = broken_reset.generate(prompts(1), params())
+    assert [s.response_ids for s in out] == [[], []] and broken_reset.stats()["env/errors"] == 2
+
+
+def test_an_environment_that_hangs_times_out_and_the_rollout_goes_on():
+    turn = ids("<call>1*2</call>")
+    mt = rollout(Scripted(lambda i, ctx: turn), Hang, step_timeout_s=0.3)
+    t0 = time.perf_counter()
+    out = mt.generate(prompts(2), params())
+    assert time.perf_counter() - t0 < 3.0
+    assert all(s.metadata["env_error"] == "timeouts" for s in out)
+    assert mt.stats()["env/timeouts"] == 4
+    ok = rollout(Scripted(lambda i, ctx: turn), Echo, step_timeout_s=0.3, kwargs={"turns": 2})
+    assert all(s.metadata["env_error"] == "" for s in ok.generate(prompts(2), params()))
+
+
+@pytest.mark.parametrize("env_cls,kwargs", [(Echo, {"turns": 3, "sleep_s": 0.3}), (AsyncSleep, {})])
+def test_a_slow_environment_does_not_block_the_other_trajectories(env_cls, kwargs):
+    """8 trajectories, 2 environment waits of 0.3 s each: one after the other they would take
+    4.8 s; concurrently, about 0.6 s."""
+
+    def script(i, ctx):
+        return ids("<call>1*2</call>") if i < 2 else ids("9")
+
+    mt = rollout(Scripted(script), env_cls, max_turns=3, kwargs=kwargs)
+    t0 = time.perf_counter()
+    out = mt.generate(prompts(4), params())
+    elapsed = time.perf_counter() - t0
+    assert len(out) == 8 and all(s.metadata["env_turns"] == 3 for s in out)
+    assert elapsed < 2.0, elapsed
+    assert mt.stats()["env/step_s_mean"] >= 0.2
+
+
+def test_the_stream_interface_serves_trajectories_while_others_wait():
+    """add / step / done / take: a prompt added later finishes while earlier ones still wait for
+    their (slow) environment."""
+
+    class SlowForFirst(Echo):
+        def step(self, action):
+            self.sleep_s = 0.5 if self.prompt.uid.endswith("000") else 0.0
+            return super().step(action)
+
+    turn = ids("<call>1*2</call>")
+    mt = rollout(Scripted(lambda i, ctx: turn), SlowForFirst, kwargs={"turns": 2})
+    first, second = prompts(2)
+    mt.add([first], params())
+    mt.step()
+    mt.add([second], params())
+    while not mt.done(second, 2):
+        mt.step()
+    assert not mt.done(first, 2)
+    assert len(mt.take(second, 2)) == 2
+    while not mt.done(first, 2):
+        mt.step()
+    assert [s.status for s in mt.take(first, 2)] == ["finished", "finished"]
+
+
+# --- chat templates and the extension property ----------------------------------------------------
+KEEP = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# drops the reasoning of every assistant turn but the last (as some reasoning models' templates do)
+DROP = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and loop.index0 < ns.last %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer(template: str):
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz<>/\n")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = template
+    return tok
+
+
+def chat_rollout(template: str):
+    tok = chat_tokenizer(template)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn = tok("<think>hm</think>go", add_special_tokens=False)["input_ids"] + [end]
+    raw = [{"role": "user", "content": "hi"}]
+    prompt = Prompt(uid="chat-0", text="", answer="", task_id="chat", raw=raw)
+    sample = Sample(
+        prompt_ids=tok.apply_chat_template(raw, tokenize=True, add_generation_prompt=True)[
+            "input_ids"
+        ],
+        uid="chat-0",
+        metadata={"prompt": prompt},
+    )
+
+    class Talk(Env):
+        def __init__(self):
+            self.n = 0
+
+        def step(self, action):
+            self.n += 1
+            return StepResult(observation="ok", done=self.n == 3)
+
+    env = EnvConfig(name="test", max_turns=3, observation_role="tool")
+    mt = MultiTurnRollout(Scripted(lambda i, ctx: turn), tok, env, env_cls=Talk)
+    return tok, turn, mt, mt.generate([sample], params(n=1, max_new_tokens=40))
+
+
+def test_chat_observations_extend_the_conversation_exactly():
+    tok, turn, mt, out = chat_rollout(KEEP)
+    assert len(out) == 1 and mt.stats()["tito/extension_violations"] == 0
+    s = out[0]
+    # the trained tokens are the template's rendering of the whole conversation (this template
+    # extends), and the model's turns sit in it exactly as sampled
+    said = tok.decode(turn, skip_special_tokens=True)
+    conv = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        conv += [{"role": "assistant", "content": said}, {"role": "tool", "content": "ok"}]
+    full = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert s.prompt_ids + s.response_ids == list(full) + turn
+    model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
+    assert model_tokens == turn * 3
+
+
+def test_a_template_that_rewrites_earlier_turns_is_detected_and_split():
+    tok, turn, mt, out = chat_rollout(DROP)
+    assert mt.stats()["tito/extension_violations"] == 1
+    assert len(out) == 2 and [s.metadata["env_part"] for s in out] == [0, 1]
+    first, second = out
+    assert [t for t, m in zip(first.response_ids, first.loss_mask) if m] == turn * 2
+    # the second part starts from the template's own rendering of the conversation
+    conv = [{"role": "user", "content": "hi"}]
+    said = tok.decode(turn, skip_special_tokens=True)
+    for _ in range(2):
+        conv += [{"role": "assistant", "content": said}, {"role": "tool", "content": "ok"}]
+    full = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert second.prompt_ids == list(full) and second.response_ids == turn
+    assert "<think>" not in tok.decode(second.prompt_ids[: len(full) // 2])
+
+
+# --- W4 ---------------------------------------------------------------------------------------
+def test_w4_warm_start_masks_the_observation():
+    task = CalcTask()
+    ids_, _, labels, texts = sft_batch(task, TOK, 0, 1)
+    prompt, segments = task.sft_segments(0)
+    obs = next(text for text, trained in segments if not trained)
+    row, lab = TOK.decode(ids_[0]), labels[0].tolist()
+    start = len(TOK(prompt)["input_ids"]) + len(ids(segments[0][0]))
+    assert row.startswith("<bos>" + prompt) and obs in row
+    assert lab[start : start + len(ids(obs))] == [-100] * len(ids(obs))
+    assert lab[start - 1] != -100 and lab[start + len(ids(obs))] != -100
+
+
+def test_calc_tool_answers_calls_and_scores_the_answer():
+    env = CalcToolEnv(latency_s=0.01, latency="lognormal", sigma=0.5, seed=1)
+    p = CalcTask().prompt(0)
+    asyncio.run(env.reset(p))
+    a, b = p.text.split("+")[0].split("*")
+    r = asyncio.run(env.step(f"<call>{a}*{b}</call>"))
+    assert r.observation == f"<obs>{int(a) * int(b)}</obs>" and not r.done
+    assert asyncio.run(env.step(p.answer)) == StepResult(
+        reward=1.0, done=True, info={"correct": 1.0, "tool_calls": 1.0}
+    )
+    assert asyncio.run(env.step("1")).reward == 0.0
+    assert env.delay("x") == env.delay("x") and env.delay("x") != env.delay("y")
+
+
+RUN = [
+    "task.name=calc",
+    "env.name=calc_tool",
+    "env.turn_stop=[</call>]",
+    "env.max_turns=3",
+    "env.kwargs={latency_s: 0.05}",
+    "sft.steps=3",
+    "sft.batch_size=16",
+    "task.eval_size=8",
+    "rollout.max_new_tokens=12",
+    "trainer.prompts_per_step=4",
+    "trainer.samples_per_prompt=2",
+    "actor.ppo_minibatch_size=8",
+    "trainer.eval_every=0",
+    "trainer.total_steps=2",
+    "trainer.progress=false",
+    "trainer.loggers=[jsonl]",
+    "controller.num_threads=1",
+]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_w4_trains_in_both_modes(tmp_path, mode):
+    from hybridrl.driver import asynchronous, sync
+
+    cfg = load_config(
+        Config,
+        None,
+        [
+            *RUN,
+            f"trainer.mode={mode}",
+            f"sft.checkpoint={tmp_path / 'ws'}",
+            f"trainer.runs_dir={tmp_path / 'runs'}",
+        ],
+    )
+    summary = {"sync": sync, "async": asynchronous}[mode].train(cfg)
+    assert summary["steps"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "calc_grpo" / "metrics.jsonl").open()]
+    trained = [r for r in rows if r["step"] > 0]
+    assert len(trained) == 2
+    assert all(r["env/errors"] == 0 and r["tito/extension_violations"] == 0 for r in trained)
+    assert all(r["env/trajectories"] > 0 for r in trained)
