@@ -170,3 +170,26 @@ def test_incomplete_order_rejected():
         build("nope", 2, 2)
     with pytest.raises(ValueError, match="at least 4"):
         build("dualpipev", 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [("interleaved_1f1b", "Interleaved1F1B"), ("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV")],
+)
+def test_orders_match_torch_schedules(ours, theirs):
+    """Our generators, written apart, give torch's published orders for its multi-stage schedules
+    (the ones the runtime uses). Torch's own single-stage 1F1B list is not a reference: its
+    published order differs from what its runtime runs."""
+    visualizer = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    kind = {"F": "F", "B": "I", "W": "W", "BW": "B"}
+    for pp, m in [(2, 4), (3, 6), (4, 8), (4, 12)]:
+        torch_ops = visualizer.get_schedule_ops(theirs, pp, m, num_stages_per_rank=2)
+        plan = build(ours, pp, m)
+        for rank, order in enumerate(plan.orders):
+            mine = [
+                f"({a.stage}F{a.mb};{a.b_stage}B{a.b_mb})OVERLAP_F_B"
+                if a.kind == "FB"
+                else f"{a.stage}{kind[a.kind]}{a.mb}"
+                for a in order
+            ]
+            assert [str(a) for a in torch_ops[rank] if a is not None] == mine, (pp, m, rank)
