@@ -189,22 +189,14 @@ def _one_f_one_b(name: str, pp: int, m: int, split: bool) -> Plan:
     ranks = [_RankOrder() for _ in range(pp)]
     for r, o in enumerate(ranks):
         warmup = min(pp - 1 - r, m)
-        backwards = 0
-
-        def backward(o=o, r=r):
-            nonlocal backwards
+        for _ in range(warmup):
+            o.f(r)
+        for k in range(m):
+            if k < m - warmup:
+                o.f(r)
             o.b(r, split=split)
-            backwards += 1
-            if split and backwards > r:
+            if split and k >= r:  # the first r backwards leave their W for the drain
                 o.w()
-
-        for _ in range(warmup):
-            o.f(r)
-        for _ in range(m - warmup):
-            o.f(r)
-            backward()
-        for _ in range(warmup):
-            backward()
         o.flush_w()
     return _plan(name, pp, m, list(range(pp)), ranks)
 
@@ -228,9 +220,9 @@ def interleaved_1f1b(pp: int, m: int, chunks: int = 2) -> Plan:
     stages = chunks * pp
     ranks = [_RankOrder() for _ in range(pp)]
     for r, o in enumerate(ranks):
-        fwd = [c * pp + r for g in range(m // pp) for c in range(chunks) for _ in range(pp)]
+        fwd = [c * pp + r for _ in range(m // pp) for c in range(chunks) for _ in range(pp)]
         bwd = [
-            c * pp + r for g in range(m // pp) for c in reversed(range(chunks)) for _ in range(pp)
+            c * pp + r for _ in range(m // pp) for c in reversed(range(chunks)) for _ in range(pp)
         ]
         warmup = min((chunks - 1) * pp + 2 * (pp - 1 - r), len(fwd))
         for s in fwd[:warmup]:
