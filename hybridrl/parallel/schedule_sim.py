@@ -10,7 +10,7 @@ Model. Each rank runs its actions (``schedule_orders.Plan``) one at a time, in o
 starts when the rank is free and its inputs exist:
 
 - ``F`` of micro-batch m on stage s needs ``F`` of m on stage s - 1;
-- ``B`` of m on stage s needs ``B`` of m on stage s + 1 (the last stage: its own ``F``, the loss);
+- ``B`` of m on stage s needs ``B`` of m on stage s + 1 (a model's last stage: its own ``F``);
 - ``W`` needs the ``B`` of the same stage and micro-batch;
 - fused actions (``BW``, ``FB``) need what their parts need from outside themselves.
 
@@ -115,17 +115,6 @@ class SimResult:
     @property
     def peak_activation(self) -> int:
         return max(self.peak_activations)
-
-    def summary(self) -> dict:
-        return {
-            "makespan": self.makespan,
-            "bubble": self.bubble,
-            "bubble_per_rank": self.bubbles,
-            "bubble_fraction": self.bubble_fraction,
-            "peak_activations": self.peak_activation,
-            "peak_activations_per_rank": self.peak_activations,
-            "param_copies": self.plan.param_copies,
-        }
 
 
 def validate(plan: Plan) -> None:
