@@ -10,7 +10,9 @@ per-sequence position ids that restart at 0; attention stays inside each sequenc
 is called with those position ids and no 2-D attention mask, which transformers (5.x) reads as the
 packed format: SDPA and eager attention get a block-diagonal causal mask, FlexAttention a block
 mask, and flash attention the variable-length kernel with the sequence boundaries taken from the
-position ids (for it the micro-batch is laid out as one row, see :func:`packed_forward`).
+position ids (for it the micro-batch is laid out as one row, see :func:`packed_forward`). The
+detection needs ``use_cache=False``: with a KV cache transformers takes the position ids as plain
+offsets and the sequences of a row would attend to each other.
 
 The row capacity is the longest sequence of the micro-batch's mini-batch (at least): a longer row
 would not pad less and would make the dense attention of SDPA cost more (quadratic in the row's
