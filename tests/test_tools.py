@@ -71,7 +71,11 @@ def test_schema_from_signature_and_docstring():
                 "properties": {
                     "query": {"type": "string", "description": "what to look for, over two lines."},
                     "top_k": {"type": "integer", "description": "how many results."},
-                    "lang": {"enum": ["en", "fr"], "description": "the language."},
+                    "lang": {
+                        "type": "string",
+                        "enum": ["en", "fr"],
+                        "description": "the language.",
+                    },
                     "tags": {"type": "array", "items": {"type": "string"}, "nullable": True},
                     "min_score": {"type": "number"},
                 },
@@ -173,6 +177,9 @@ def test_tool_config_sets_keyword_only_parameters():
     box = ToolBox([search], config={"search": {"index": "wiki"}})
     (result,) = run(box.call_all([ToolCall("search", {"query": "q", "top_k": 1})]))
     assert result.content == '["wiki:q:1:en"]'
+    # the model cannot set a setting
+    (denied,) = run(box.call_all([ToolCall("search", {"query": "q", "index": "secret"})]))
+    assert denied.error and "unknown index" in denied.content
     with pytest.raises(KeyError):
         ToolBox([search], config={"calculator": {}})
 

@@ -105,7 +105,8 @@ def json_schema(hint: Any) -> dict[str, Any]:
     if hint in _JSON_TYPES:
         return {"type": _JSON_TYPES[hint]}
     if origin is typing.Literal:
-        return {"enum": list(args)}
+        kinds = {_JSON_TYPES.get(type(a)) for a in args}
+        return {**({"type": kinds.pop()} if len(kinds) == 1 else {}), "enum": list(args)}
     if origin in (typing.Union, types.UnionType):
         options = [json_schema(a) for a in args if a is not type(None)]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
