@@ -51,17 +51,15 @@ def check(ret, what):
     if ret != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"{what}: {os.strerror(e)}")
-def c(s):
-    return s.encode() if s is not None else None
 if cfg["mode"] == "namespaces":
-    MS_BIND, MS_REC, MS_REMOUNT = 4096, 16384, 32
     work = cfg["workdir"]
-    check(libc.mount(c(work), c(work), None, MS_BIND | MS_REC, None), "bind " + work)
     libc.syscall.restype = ctypes.c_long
-    # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE, {attr_set=MOUNT_ATTR_RDONLY}, 32)
-    attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1, 0, 0, 0), 32)
-    check(libc.syscall(442, -100, b"/", 0x8000, attr, 32), "read-only /")
-    check(libc.mount(None, c(work), None, MS_REMOUNT | MS_BIND, None), "writable " + work)
+    def setattr(path, flags, attr_set, attr_clr):  # mount_setattr(2): changes only these flags
+        attr = ctypes.create_string_buffer(struct.pack("QQQQ", attr_set, attr_clr, 0, 0), 32)
+        check(libc.syscall(442, -100, path.encode(), flags, attr, 32), "mount_setattr " + path)
+    check(libc.mount(work.encode(), work.encode(), None, 4096 | 16384, None), "bind")  # MS_BIND|REC
+    setattr("/", 0x8000, 1, 0)  # AT_RECURSIVE, set MOUNT_ATTR_RDONLY
+    setattr(work, 0, 0, 1)  # clear it on the private directory
     os.chdir(work)
 elif cfg["mode"] == "seccomp":
     arch, x32, denied = cfg["seccomp"]
