@@ -124,6 +124,13 @@ def test_parse_one_and_several_calls():
         '<tool_call>{"name": "calculator", "arguments": {"expression": "2"}}'
     )
     assert unclosed[0].arguments == {"expression": "2"}
+    # the closing tag inside an argument does not end the call
+    code = '{"name": "python", "arguments": {"code": "print(\'</tool_call>\')"}}'
+    (call,) = parse_tool_calls(f"<tool_call>{code}</tool_call>")
+    assert call.arguments == {"code": "print('</tool_call>')"} and call.error is None
+    # a malformed call does not hide the next one
+    two = parse_tool_calls('<tool_call>{"name": </tool_call><tool_call>{"name": "a"}</tool_call>')
+    assert two[0].error and (two[1].name, two[1].error) == ("a", None)
 
 
 @pytest.mark.parametrize(
@@ -133,6 +140,9 @@ def test_parse_one_and_several_calls():
         ('["calculator"]', "needs"),
         ('{"arguments": {}}', "needs"),
         ('{"name": "calculator", "arguments": [1]}', "arguments must be an object"),
+        ('{"name": "calculator", "arguments": "{x"}', "arguments must be an object"),
+        ('{"name": "calculator"} trailing words', "malformed JSON"),
+        ("", "malformed JSON"),
     ],
 )
 def test_parse_malformed_calls_become_errors(body, expected):

@@ -153,33 +153,51 @@ class ToolResult:
     error: bool
 
 
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_DECODER = json.JSONDecoder()
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every ``<tool_call>{json}</tool_call>`` in ``text``, in order; a last call without its
-    closing tag (generation stopped at it) counts. Unparsable calls come back with ``error``."""
-    calls = []
-    for i, m in enumerate(_CALL.finditer(text), 1):
-        body = m.group(1).strip()
+    closing tag (generation stopped at it) counts. The JSON is decoded first and the closing tag
+    looked for after it, so arguments may contain the tag (code that prints it). Unparsable calls
+    come back with ``error``."""
+    calls, pos = [], text.find(_OPEN)
+    while pos >= 0:
+        start = pos + len(_OPEN)
+        body_start = len(text) - len(text[start:].lstrip())
         try:
-            obj = json.loads(body)
+            obj, end = _DECODER.raw_decode(text, body_start)
+            rest = text[end:].lstrip()
+            if rest and not rest.startswith((_CLOSE, _OPEN)):
+                raise json.JSONDecodeError("extra text after the JSON object", text, end)
         except json.JSONDecodeError as e:
-            calls.append(ToolCall("", error=f"tool call {i}: malformed JSON ({e.msg}): {body!r}"))
-            continue
-        args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-        if isinstance(args, str):  # OpenAI sends arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append(ToolCall("", error=f'tool call {i}: needs {{"name": ..., "arguments"}}'))
-        elif not isinstance(args, dict):
-            calls.append(ToolCall(obj["name"], error=f"tool call {i}: arguments must be an object"))
+            close = text.find(_CLOSE, start)
+            body = text[start : close if close >= 0 else len(text)].strip()
+            calls.append(_error(len(calls) + 1, f"malformed JSON ({e.msg}): {body!r}"))
+            end = close if close >= 0 else len(text)
         else:
-            calls.append(ToolCall(obj["name"], args))
+            calls.append(_call(len(calls) + 1, obj))
+        pos = text.find(_OPEN, end)
     return calls
+
+
+def _call(i: int, obj: Any) -> ToolCall:
+    args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+    if isinstance(args, str):  # OpenAI sends arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return _error(i, 'needs {"name": ..., "arguments": {...}}')
+    if not isinstance(args, dict):
+        return _error(i, "arguments must be an object", obj["name"])
+    return ToolCall(obj["name"], args)
+
+
+def _error(i: int, message: str, name: str = "") -> ToolCall:
+    return ToolCall(name, error=f"tool call {i}: {message}")
 
 
 def check_arguments(t: Tool, args: dict[str, Any]) -> str | None:
