@@ -328,3 +328,16 @@ def test_tool_env_runs_python_in_the_sandbox():
     assert step.observation.startswith("<tool_response>\n45\n[stderr]\nTraceback")
     assert "ZeroDivisionError" in step.observation and "[exit code 1]" in step.observation
     assert step.info["tool_errors"] == 0  # the program failed, not the call
+
+
+def length_reward(prompt: Prompt, response: str) -> dict:
+    """A reward function given by dotted path, with an extra value to log."""
+    return {"score": 0.5, "length": len(response), "note": "not a number"}
+
+
+def test_tool_env_reward_fn_by_dotted_path_logs_numeric_extras():
+    env = ToolEnv(tools=["calculator"], reward_fn="tests.test_tools:length_reward")
+    env.reset(_prompt(""))
+    final = run(env.step("four"))
+    assert final.done and final.reward == 0.5
+    assert final.info["length"] == 4.0 and "note" not in final.info
