@@ -205,7 +205,11 @@ class Sandbox:
                 )
         finally:
             os.close(status_w)
-        out, timed_out = _drain(proc, limits.wall_s, limits.output_bytes, start)
+        try:
+            out, timed_out = _drain(proc, limits.wall_s, limits.output_bytes, start)
+        except BaseException:  # interrupted: leave nothing running
+            _killpg(proc.pid)
+            raise
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         report = _read_report(status_r)
@@ -241,9 +245,10 @@ def _drain(proc: subprocess.Popen, wall_s: float, cap: int, start: float) -> tup
         sel.register(pipe, selectors.EVENT_READ, i)
     truncated = timed_out = False
     deadline, killed = start + wall_s, False
+    exited = os.WEXITED | os.WNOHANG | os.WNOWAIT  # for waitid: has it exited? (not reaping it)
     while sel.get_map():
         now = time.monotonic()
-        if not killed and (now >= deadline or _exited(proc.pid)):
+        if not killed and (now >= deadline or os.waitid(os.P_PID, proc.pid, exited)):
             timed_out = now >= deadline
             _killpg(proc.pid)
             killed, deadline = True, now + 1.0  # grace to read what is left in the pipes
@@ -275,12 +280,6 @@ def _read_report(fd: int) -> dict | None:
         return None
     finally:
         os.close(fd)
-
-
-def _exited(pid: int) -> bool:
-    """Whether ``pid`` has exited, without reaping it."""
-    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    return info is not None
 
 
 def _killpg(pgid: int) -> None:
