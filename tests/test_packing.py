@@ -28,6 +28,7 @@ from hybridrl.learner.logprob import (
 )
 from hybridrl.models.loading import load_model
 from hybridrl.parallel.packing import (
+    ROW_WIDEN,
     balance_for_ranks,
     balanced_order,
     best_fit_decreasing,
@@ -36,6 +37,8 @@ from hybridrl.parallel.packing import (
     karmarkar_karp,
     pack_micro_batches,
     packed_layout,
+    plan_rows,
+    row_capacity,
 )
 from hybridrl.protocol import Batch
 
@@ -65,6 +68,17 @@ def test_best_fit_takes_the_tightest_bin():
     # put it with the 7)
     assert best_fit_decreasing([7, 4, 4, 2], 10) == [[0], [1, 2, 3]]
     assert best_fit_decreasing([6, 5, 5, 4, 4, 4], 10) == [[0, 3], [1, 2], [4, 5]]
+
+
+def test_rows_widen_when_that_saves_padding():
+    # seven 6s at capacity 20: 3 + 3 + 1 per row, 3 rows 18 wide (54 positions for 42 tokens);
+    # rows of 24 (within 1.25 x 20) take 4 + 3: 2 rows, 48 positions
+    bins, width = plan_rows([6] * 7, 20)
+    assert (len(bins), width) == (2, 24)
+    # never narrower than the longest sequence (30: then one row of 34 instead of two of 30)
+    assert plan_rows([30, 2, 2], 20) == ([[0, 1, 2]], 34)
+    # already without padding: as it is
+    assert plan_rows([5, 5, 5, 5], 10) == ([[0, 1], [2, 3]], 10)
 
 
 @pytest.mark.parametrize(
@@ -149,13 +163,14 @@ def test_no_sequence_is_split_and_rows_fit():
     lengths = long_tailed_lengths(200, seed=1)
     budget = 1024
     plans = pack_micro_batches(lengths, budget)
-    capacity = max(lengths)
+    capacity = int(row_capacity(lengths, budget) * ROW_WIDEN)  # the widest a row may get
     assert sorted(d for p in plans for d in p.docs) == list(range(len(lengths)))
     for p in plans:
         rows: dict[int, list[tuple[int, int]]] = {}
         for d, r, o in zip(p.docs, p.rows, p.offsets):
             rows.setdefault(r, []).append((o, o + lengths[d]))
-        assert len(rows) * capacity <= max(budget, capacity)
+        width = max(end for spans in rows.values() for _, end in spans)
+        assert len(rows) * width <= max(budget, width)
         for spans in rows.values():
             spans.sort()
             assert spans[-1][1] <= capacity
@@ -236,7 +251,9 @@ def gradients(model, batch: Batch, packing: bool) -> dict[str, torch.Tensor]:
     mbs, _ = micro_batches(batch, 128, packing=packing)
     for mb in mbs:
         logp, ent = response_log_probs(model, mb, 1.0, with_entropy=True)
-        (-(logp * mb["advantages"]).sum() - 0.01 * ent.sum()).backward()
+        # the update's objective: a mean over the response tokens
+        loss = -(logp * mb["advantages"]).sum() - 0.01 * ent.sum()
+        (loss / batch["response_mask"].sum()).backward()
     out = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     return out

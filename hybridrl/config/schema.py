@@ -411,10 +411,11 @@ class ActorConfig:
         "module names that get adapters",
     )
     packing: bool = _f(
-        False,
-        "pack whole sequences into rows (best-fit decreasing, rows as long as the longest "
-        "sequence, attention kept inside each sequence) instead of padding each micro-batch to "
-        "its longest row: the same log-probs and gradients with less padding",
+        True,
+        "pack whole sequences into rows (best-fit decreasing, rows of at least 128 tokens or the "
+        "longest sequence, attention kept inside each sequence) in the learner's passes, its "
+        "updates and the SFT warm start, instead of padding length-grouped micro-batches: the "
+        "same log-probs and gradients (to float rounding) with less padding",
     )
     pp_size: int = _f(
         1,

@@ -64,8 +64,6 @@ def cache_key(cfg: Config) -> dict:
         "seed": cfg.trainer.seed,
         "sft": {k: v for k, v in to_dict(cfg.sft).items() if k not in ("checkpoint", "enabled")},
     }
-    if cfg.actor.packing:  # low bits of the weights differ (other matmul shapes); absent when off
-        key["packing"] = True
     if cfg.sft.steps is None:
         key["check"] = {
             "reward_fn": to_dict(cfg.task.reward_fns()),  # a callable by its module:name

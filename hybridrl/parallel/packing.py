@@ -14,9 +14,16 @@ position ids (for it the micro-batch is laid out as one row, see :func:`packed_f
 detection needs ``use_cache=False``: with a KV cache transformers takes the position ids as plain
 offsets and the sequences of a row would attend to each other.
 
-The row capacity is the longest sequence of the micro-batch's mini-batch (at least): a longer row
-would not pad less and would make the dense attention of SDPA cost more (quadratic in the row's
-length), and a shorter one could not hold the longest sequence.
+Row width. Rows hold at least ``MIN_ROW_TOKENS`` (128, at most the token budget) or the longest
+sequence, whichever is more: short sequences (W1's are 7-18 tokens) then share rows instead of each
+being padded to the longest, and long ones (W3's reach 200) set the width themselves. The width is
+then fitted (:func:`plan_rows`): among the row counts best-fit decreasing reaches with rows up to
+``ROW_WIDEN`` (1.25) times that capacity, the one with the fewest padded tokens, each at the
+smallest width that still holds it. Rows of exactly the capacity leave about half a row of padding
+per micro-batch; a few percent wider rows leave almost none. Wider rows cost more only in the
+attention, which on CPU (SDPA with the block-diagonal mask) is dense over the row: on the tiny
+model the attention of a 256-token row is about a quarter of the cost of a token, so rows are not
+made wider than the padding they save.
 
 **Balancing.** Data-parallel ranks each take a contiguous share of the step's rows. With long-tailed
 lengths, one rank can get most of the long sequences and the others wait for it. The
@@ -36,6 +43,11 @@ import torch
 
 # attention implementations whose kernel takes variable-length sequences: the packed micro-batch
 # goes in as one row (no padding at all), the sequence starts read from the position ids
+# packed rows hold at least this many tokens (unless the token budget is smaller): short sequences
+# share rows, so the width of a micro-batch is not that of its longest sequence (see row_capacity)
+MIN_ROW_TOKENS = 128
+# rows may grow this much past the capacity when that saves padding (plan_rows)
+ROW_WIDEN = 1.25
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
 
 
@@ -129,20 +141,62 @@ class PackedMicroBatch:
     offsets: list[int]
 
 
-def row_capacity(lengths: Sequence[int]) -> int:
-    """The packed rows' capacity: the longest sequence (see the module docstring)."""
-    return max([int(n) for n in lengths] + [1])
+def row_capacity(lengths: Sequence[int], token_budget: int, min_row: int = MIN_ROW_TOKENS) -> int:
+    """The row capacity packing aims at: ``min_row`` tokens (at most the budget), or the longest
+    sequence when it is longer (see the module docstring)."""
+    return max([int(n) for n in lengths] + [min(min_row, token_budget), 1])
+
+
+def _fewest_width(lengths: Sequence[int], rows: int, lo: int, hi: int):
+    """``(bins, c)``: best-fit decreasing at the smallest capacity c in [lo, hi] that packs into at
+    most ``rows`` rows (binary search; the bin count falls as the capacity grows), or None when
+    even ``hi`` needs more."""
+    best = best_fit_decreasing(lengths, hi)
+    if len(best) > rows:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = best_fit_decreasing(lengths, mid)
+        if len(trial) <= rows:
+            best, hi = trial, mid
+        else:
+            lo = mid + 1
+    return best, hi
+
+
+def plan_rows(
+    lengths: Sequence[int], capacity: int, widen: float = ROW_WIDEN
+) -> tuple[list[list[int]], int]:
+    """``(bins, width)``: the rows of :func:`best_fit_decreasing` with the fewest padded tokens
+    (rows x width) over row counts from what ``capacity`` needs down to what ``widen`` x
+    ``capacity`` allows, each at the smallest width that fits that many rows.
+
+    Why: rows of exactly ``capacity`` leave on average half a row of padding (the last row, and
+    every row's gap when the longest sequence sets the capacity); one row fewer, each a few
+    percent wider, often packs with almost none, and a wider row only costs attention in
+    proportion."""
+    total = sum(int(n) for n in lengths)
+    longest = max([int(n) for n in lengths] + [1])
+    capacity = max(capacity, longest)  # a row holds at least the longest sequence
+    bins, width = best_fit_decreasing(lengths, capacity), capacity
+    fewest = -(-total // max(int(capacity * widen), 1))
+    best = (len(bins) * capacity, bins, width)
+    for rows in range(len(bins), max(fewest, 1) - 1, -1):
+        found = _fewest_width(lengths, rows, max(longest, -(-total // rows)), int(capacity * widen))
+        if found is not None:
+            fed = len(found[0]) * found[1]
+            best = min(best, (fed, found[0], found[1]), key=lambda x: (x[0], x[2]))
+    return best[1], best[2]
 
 
 def pack_micro_batches(
     lengths: Sequence[int], token_budget: int, capacity: int | None = None
 ) -> list[PackedMicroBatch]:
-    """Sequences of ``lengths`` packed into rows of ``capacity`` (default :func:`row_capacity`) by
-    best-fit decreasing, the rows (fullest first) cut into micro-batches of
-    ``token_budget // capacity`` rows (at least one), so that rows x capacity stays within the
-    budget."""
-    capacity = capacity or row_capacity(lengths)
-    bins = best_fit_decreasing(lengths, capacity)
+    """Sequences of ``lengths`` packed into rows by best-fit decreasing (:func:`plan_rows` from
+    ``capacity``, default :func:`row_capacity`), the rows (fullest first) cut into micro-batches of
+    ``token_budget // width`` rows (at least one), so that rows x width stays within the budget."""
+    capacity = capacity or row_capacity(lengths, token_budget)
+    bins, capacity = plan_rows(lengths, capacity)
     fill = [sum(int(lengths[i]) for i in b) for b in bins]
     bins = [bins[j] for j in sorted(range(len(bins)), key=lambda j: (-fill[j], j))]
     per_mb = max(1, token_budget // capacity)
