@@ -181,18 +181,34 @@ def _prepare(
             f"world size {env.world_size} needs fsdp.strategy 'fsdp2' (got {cfg.strategy!r})"
         )
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
+    shard_modules(model, decoder_layers(model), mesh, cfg, env.device, bf16)
+    return model
+
+
+def shard_modules(
+    model: nn.Module,
+    layers: list[nn.Module],
+    mesh,
+    cfg: FSDPConfig | None,
+    device: torch.device,
+    bf16: bool = False,
+) -> nn.Module:
+    """``fully_shard`` each of ``layers``, then ``model`` as the root, over ``mesh`` (1-D: the whole
+    group, or the data-parallel dimension of a pipeline's mesh), with gradients summed over it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+
+    cfg = cfg or FSDPConfig()
     # on a CPU-only rank everything is in CPU memory anyway
-    offload = cfg.cpu_offload and env.device.type == "cuda"
+    offload = cfg.cpu_offload and device.type == "cuda"
     common = dict(
         mesh=mesh,
-        mp_policy=mixed_precision_policy(bf16 and env.device.type == "cuda"),
+        mp_policy=mixed_precision_policy(bf16 and device.type == "cuda"),
         offload_policy=CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy(),
     )
     reshard = cfg.sharding == "full"
-    for layer in decoder_layers(model):
+    for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard, **common)
     # the root's parameters (embeddings, final norm, head) are used last in forward and first in
     # backward: keeping them gathered in between saves one all-gather (it costs the unsharded root

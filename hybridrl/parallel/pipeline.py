@@ -1,0 +1,394 @@
+"""Pipeline-parallel actor runtime: the policy update and the log-prob passes through
+``torch.distributed.pipelining``.
+
+The actor's ranks form a (dp x pp) mesh: global rank ``d * pp + s`` is pipeline rank s of data
+parallel replica d. The ranks of one replica hold the same rows and the stages of one model
+(``pipeline_stages.py``); the replicas' stages are sharded with FSDP2 over the dp dimension.
+
+A mini-batch (this replica's rows of the global mini-batch, drawn exactly as ``learner/update.py``
+draws them) is trimmed to its longest row, padded with empty rows (``response_mask`` 0) and run as
+one or more *rounds*, each one schedule step of ``n_microbatches`` equal micro-batches under the
+token budget (replicas run as many rounds as the busiest one, for FSDP2's collectives). The last
+stage computes the RL loss of each micro-batch: response log-probs under the rollout's filters from
+the logits (:func:`logits_log_probs`, as ``response_log_probs``), then the caller's objective with
+the global mini-batch totals, so the micro-batches' losses sum to the mini-batch loss; the
+schedules run with ``scale_grads=False`` (their gradients are the exact sum, not the mean). The loss
+function gets the rows of its micro-batch as its target (a tensor of indices into the round's
+batch), which holds every per-row column the loss reads.
+
+The log-prob passes run the same pipeline forward-only (``schedule.eval``) on the rounds the next
+update's first epoch would cut, and broadcast the (B, R) log-probs from the last stage to every rank
+of the replica.
+
+Idle time: every stage's forward, backward and weight-gradient actions and the loss are timed
+(:class:`ComputeClock`); a rank's idle fraction is 1 - compute / wall time of the schedule steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import pipelining as pipe
+
+from hybridrl.algorithms.masking import zero_pad
+from hybridrl.parallel import distributed
+from hybridrl.parallel.pipeline_stages import PLACEMENTS, build_stages, copy_tied_head, is_tied
+from hybridrl.protocol import Batch
+
+# schedule name -> (torch schedule class, takes a list of stages)
+SCHEDULES = {
+    "gpipe": (pipe.ScheduleGPipe, False),
+    "1f1b": (pipe.Schedule1F1B, False),
+    "interleaved_1f1b": (pipe.ScheduleInterleaved1F1B, True),
+    "zbv": (pipe.ScheduleZBVZeroBubble, True),
+    "dualpipev": (pipe.ScheduleDualPipeV, True),
+}
+
+
+@dataclass(frozen=True)
+class PipeLayout:
+    """This rank's place in the (dp x pp) mesh and the schedule's shape."""
+
+    pp: int
+    dp: int
+    rank: int
+    schedule: str = "1f1b"
+    microbatches: int = 0  # 0: twice the number of stages
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * PLACEMENTS[self.schedule].stages_per_rank
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or 2 * self.n_stages
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return PLACEMENTS[self.schedule].stages_of(pp_rank, self.pp)
+
+    def holder(self, stage: int) -> int:
+        """The pipeline rank that holds ``stage``."""
+        return next(r for r in range(self.pp) if stage in self.stages_of(r))
+
+
+def check_layout(world: int, pp: int, schedule: str, microbatches: int, n_layers: int) -> None:
+    """A clear error for a pipeline that cannot run."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"actor.pp_schedule: unknown {schedule!r} (known: {', '.join(SCHEDULES)})")
+    if world % pp:
+        raise ValueError(
+            f"actor.pp_size={pp} does not divide the actor's world size {world} "
+            "(the ranks form a data-parallel x pp_size mesh)"
+        )
+    layout = PipeLayout(pp, world // pp, 0, schedule, microbatches)
+    n = layout.n_stages
+    if n_layers < n:
+        raise ValueError(
+            f"the model has {n_layers} decoder layers, fewer than the {n} pipeline stages of "
+            f"actor.pp_size={pp} with {schedule} (every stage needs a layer)"
+        )
+    if PLACEMENTS[schedule].shape == "v" and layout.n_microbatches < n:
+        raise ValueError(
+            f"actor.pp_schedule={schedule} needs at least as many micro-batches as stages "
+            f"({n}), got actor.pp_microbatches={layout.n_microbatches}"
+        )
+
+
+def logits_log_probs(logits, mb: Batch, sampling, with_entropy: bool = False):
+    """(log_probs, entropy or None) of ``mb``'s response tokens from the full-sequence logits,
+    each (B, R), zero where ``response_mask`` is 0: the post-forward half of
+    ``learner.logprob.response_log_probs`` (same sampling filters, fp32 math)."""
+    from hybridrl.learner.logprob import _as_sampling
+    from hybridrl.rollout.sampler import filtered_log_softmax
+
+    responses, mask = mb["responses"], mb["response_mask"]
+    logits = logits[:, -responses.shape[1] - 1 : -1].float()
+    logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
+    logp = zero_pad(logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1), mask)
+    if not with_entropy:
+        return logp, None
+    ent = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+    return logp, zero_pad(ent, mask)
+
+
+class ComputeClock:
+    """Seconds this rank spent in stage compute (forward, backward, weight gradients, loss) and in
+    schedule steps (wall). Wraps the stages' compute methods, so waiting for a peer is not
+    counted."""
+
+    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self):
+        self.busy, self.wall = 0.0, 0.0
+
+    def wrap(self, stage) -> None:
+        for name in self.METHODS:
+            setattr(stage, name, self.timed(getattr(stage, name)))
+
+    def timed(self, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+
+        return run
+
+    def pop(self) -> tuple[float, float]:
+        out, (self.busy, self.wall) = (self.busy, self.wall), (0.0, 0.0)
+        return out
+
+
+class Pipeline:
+    """This rank's stages of ``model`` and the machinery to run them (see the module docstring).
+    ``mesh``: the (dp, pp) DeviceMesh (None: built here); FSDP2 shards the stages over dp when
+    dp > 1, with ``fsdp_cfg``."""
+
+    def __init__(self, model, layout: PipeLayout, device=None, mesh=None, fsdp_cfg=None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        check_layout(
+            layout.pp * layout.dp,
+            layout.pp,
+            layout.schedule,
+            layout.microbatches,
+            len(model.model.layers),
+        )
+        self.layout, self.device = layout, device or torch.device("cpu")
+        self.mesh = mesh or init_device_mesh(
+            self.device.type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp")
+        )
+        self.pp_group = self.mesh.get_group("pp")
+        self.config, self.tied = model.config, is_tied(model)
+        self.stages = build_stages(model, layout.stages_of(layout.pp_rank), layout.n_stages)
+        for stage in self.stages:
+            stage.to(self.device)
+        if layout.dp > 1:
+            from hybridrl.parallel.fsdp import shard_modules
+
+            for stage in self.stages:
+                shard_modules(stage, stage.decoder_layers(), self.mesh["dp"], fsdp_cfg, self.device)
+        self.tie_group = self._tie_group()
+        self.clock = ComputeClock()
+
+    # --- parameters ---------------------------------------------------------------------------
+    def parameters(self):
+        return [p for s in self.stages for p in s.parameters()]
+
+    def train(self, mode: bool = True):
+        for s in self.stages:
+            s.train(mode)
+
+    def _tie_group(self):
+        """The two ranks of each replica holding a tied weight's copies (the first and the last
+        stage) when they differ; every rank takes part in making every replica's group."""
+        lay = self.layout
+        first, last = lay.holder(0), lay.holder(lay.n_stages - 1)
+        if first == last or not self.tied:
+            return None
+        mine = None
+        for d in range(lay.dp):
+            group = dist.new_group([d * lay.pp + first, d * lay.pp + last])
+            mine = group if d == lay.dp_rank else mine
+        return mine
+
+    def _tied_pair(self):
+        first = next((s for s in self.stages if s.is_first), None)
+        last = next((s for s in self.stages if s.is_last and s.head_is_copy), None)
+        return (
+            first.embed_tokens.weight if first is not None else None,
+            last.head.weight if last is not None else None,
+        )
+
+    @torch.no_grad()
+    def sync_tied_grads(self) -> None:
+        """Both copies of a tied weight get the sum of their gradients (see pipeline_stages.py)."""
+        embed, head = self._tied_pair()
+        if embed is not None and head is not None:  # both on this rank (V-shaped schedules)
+            total = _local(embed.grad) + _local(head.grad)
+            _local(embed.grad).copy_(total)
+            _local(head.grad).copy_(total)
+        elif self.tie_group is not None and (embed is not None or head is not None):
+            dist.all_reduce(
+                _local((embed if embed is not None else head).grad), group=self.tie_group
+            )
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The global gradient norm (over every stage and replica; a tied weight once), then
+        every gradient scaled so it is at most ``max_norm`` (0: measure only)."""
+        _, head = self._tied_pair()
+        counted = [p.grad for p in self.parameters() if p.grad is not None and p is not head]
+        sq = torch.zeros((), dtype=torch.float64)
+        if counted:
+            norm = torch.nn.utils.get_total_norm(counted, 2.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            sq = norm.detach().double().cpu() ** 2
+        sq = sq.to(distributed._device_of_group())
+        dist.all_reduce(sq, group=self.pp_group)
+        total = float(sq.sqrt().item())
+        if max_norm and math.isfinite(total) and total > max_norm:
+            coef = max_norm / (total + 1e-6)
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return total
+
+    # --- running the schedule -----------------------------------------------------------------
+    def _schedule(self, loss_fn):
+        """A schedule over fresh stage wrappers (their activation shapes are inferred from the
+        first micro-batch, so every round may have its own width)."""
+        cls, multi = SCHEDULES[self.layout.schedule]
+        stages = []
+        for stage in self.stages:
+            ps = pipe.PipelineStage(
+                stage, stage.index, self.layout.n_stages, self.device, group=self.pp_group
+            )
+            self.clock.wrap(ps)
+            stages.append(ps)
+        n = self.layout.n_microbatches
+        return cls(stages if multi else stages[0], n, loss_fn=loss_fn, scale_grads=False)
+
+    def run_round(self, rb: Batch, loss_fn) -> None:
+        """One training schedule step over the round batch ``rb`` (rows a multiple of
+        n_microbatches); ``loss_fn(output, rows)`` on the last stage, rows indexing ``rb``.
+
+        A fresh schedule infers the shapes of the backward by calling the loss once, before the
+        micro-batches, on placeholder activations: that call is answered with a zero loss of the
+        output (no metrics, no finiteness check); the count is checked afterwards."""
+        calls = [0]
+
+        def guarded(output, rows):
+            calls[0] += 1
+            if calls[0] == 1:
+                return output.float().sum() * 0.0
+            return loss_fn(output, rows)
+
+        schedule = self._schedule(self.clock.timed(guarded))
+        args, kwargs = self._inputs(rb)
+        t0 = time.perf_counter()
+        schedule.step(*args, target=torch.arange(len(rb)), return_outputs=False, **kwargs)
+        self.clock.wall += time.perf_counter() - t0
+        if self.holds_last() and calls[0] != self.layout.n_microbatches + 1:
+            raise RuntimeError(
+                f"pipeline: the schedule called the loss {calls[0]} times for "
+                f"{self.layout.n_microbatches} micro-batches (expected one shape-inference call "
+                "first): this torch version runs the schedules differently"
+            )
+
+    def _inputs(self, rb: Batch):
+        attn = rb["attention_mask"]
+        kwargs = dict(attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0))
+        kwargs = {k: v.to(self.device) for k, v in kwargs.items()}
+        args = (rb["input_ids"].to(self.device),) if self.layout.pp_rank == 0 else ()
+        return args, kwargs
+
+    @torch.no_grad()
+    def forward_round(self, rb: Batch, consume) -> None:
+        """Forward only over ``rb`` in n_microbatches micro-batches, stage by stage, each
+        micro-batch's activations sent on as soon as they are computed (the torch schedules all
+        run backward actions, even in ``eval``, on multi-stage ranks): ``consume(logits, rows)`` on
+        the rank holding the last stage."""
+        lay, args, kwargs = self.layout, *self._inputs(rb)
+        rows = torch.arange(len(rb)).chunk(lay.n_microbatches)
+        kw = [{k: v[r.to(v.device)] for k, v in kwargs.items()} for r in rows]
+        mine = {s.index: s for s in self.stages}
+        base = lay.dp_rank * lay.pp
+        held: dict[int, torch.Tensor] = {}  # micro-batch -> activations handed to the next stage
+        sends = []
+        for s in range(lay.n_stages):
+            if s not in mine:
+                continue
+            prev = lay.holder(s - 1) if s else lay.pp_rank
+            for m, r in enumerate(rows):
+                if s == 0:
+                    x = args[0][r.to(args[0].device)]
+                elif prev == lay.pp_rank:
+                    x = held.pop(m)
+                else:
+                    shape = (len(r), rb["input_ids"].shape[1], self.config.hidden_size)
+                    x = torch.empty(shape, device=distributed._device_of_group())
+                    dist.recv(x, src=base + prev, group=self.pp_group)
+                    x = x.to(self.device)
+                y = mine[s](x, **kw[m])
+                if s == lay.n_stages - 1:
+                    consume(y, r)
+                elif lay.holder(s + 1) == lay.pp_rank:
+                    held[m] = y
+                else:
+                    out = y.float().to(distributed._device_of_group()).contiguous()
+                    sends.append(dist.isend(out, dst=base + lay.holder(s + 1), group=self.pp_group))
+        for work in sends:
+            work.wait()
+
+    def rounds(self, mini: Batch, token_budget: int, pad_from: Batch) -> list[Batch]:
+        """``mini`` (this replica's rows) as round batches: trimmed, empty rows added so that each
+        round holds ``n_microbatches`` equal micro-batches under ``token_budget`` (at least one
+        row each); replicas get as many rounds as the busiest (a collective)."""
+        from hybridrl.learner.logprob import dummy_micro_batch, trim
+
+        n = self.layout.n_microbatches
+        source = trim(mini) if len(mini) else trim(dummy_micro_batch(pad_from))
+        width = source["input_ids"].shape[1]
+        per_mb = max(1, token_budget // width)
+        count = max(1, math.ceil(len(mini) / (per_mb * n)))
+        count = int(distributed.all_reduce([count], op="max")[0].item())
+        rows = max(1, math.ceil(len(mini) / (count * n)))
+        out = []
+        for r in range(count):
+            real = torch.arange(r * rows * n, min((r + 1) * rows * n, len(mini)))
+            pad = rows * n - len(real)
+            idx = torch.cat([real, torch.zeros(pad, dtype=torch.long)])
+            rb = source.index(idx)
+            if pad:  # the added rows contribute nothing
+                keep = (torch.arange(len(idx)) < len(real)).unsqueeze(1)
+                rm = rb["response_mask"]
+                rm = torch.where(keep, rm, torch.zeros_like(rm))
+                rb = Batch(dict(rb.tensors) | {"response_mask": rm}, rb.meta)
+            out.append(rb)
+        return out
+
+    def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the rank holding the last stage has it, on every rank of the replica."""
+        src = self.layout.dp_rank * self.layout.pp + self.layout.holder(self.layout.n_stages - 1)
+        t = t.to(distributed._device_of_group())
+        dist.broadcast(t, src=src, group=self.pp_group)
+        return t.cpu()
+
+    def holds_last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+    def reload_tied_head(self) -> None:
+        copy_tied_head(self.stages)
+
+    def idle_fraction(self) -> float:
+        """1 - compute / wall time of the schedule steps since the last call, mean over ranks (a
+        collective)."""
+        busy, wall = self.clock.pop()
+        mine = 1.0 - busy / wall if wall > 0 else 0.0
+        return float(distributed.all_reduce([mine])[0].item()) / distributed.world_size()
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def sum_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Metric sums that only some ranks (the last stages) hold, summed over every rank (keys
+    lined up first)."""
+    keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
+    vals = distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()
+    return defaultdict(float, zip(keys, vals))

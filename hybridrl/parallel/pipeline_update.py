@@ -1,0 +1,175 @@
+"""The policy update and the log-prob passes over a :class:`~hybridrl.parallel.pipeline.Pipeline`,
+with the semantics of ``learner/update.py`` (same shuffle, same global mini-batches, losses
+normalised by the global mini-batch totals, non-finite steps skipped on every rank alike) and of
+``learner/logprob.py`` (log-probs under the rollout's sampling filters).
+
+Data parallel over replicas: replica d holds a contiguous chunk of the step's rows (every pipeline
+rank of the replica the same chunk); the permutation of the global batch is drawn as one process
+draws it, and a replica trains on the rows of each mini-batch that lie in its chunk. Totals are
+summed over replicas (an all-reduce over every rank, divided by pp since each replica's pp ranks
+hold the same rows); FSDP2 sums the replicas' gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from hybridrl.algorithms import AggTotals, agg_totals
+from hybridrl.parallel import distributed
+from hybridrl.parallel.pipeline import PipeLayout, Pipeline, logits_log_probs, sum_metrics
+from hybridrl.protocol import Batch
+
+# objective(logp, entropy, mb, totals) -> (micro-batch loss, metrics): the loss on the last stage
+Objective = Callable[[torch.Tensor, torch.Tensor, Batch, AggTotals], tuple[torch.Tensor, dict]]
+
+
+def replica_minibatch_rows(
+    n_local: int, generator: torch.Generator, minibatch_size: int, layout: PipeLayout
+) -> list[torch.Tensor]:
+    """This replica's rows (indices into its chunk) of each global mini-batch of one epoch; draws
+    from ``generator`` exactly as ``update.minibatch_rows`` does in one process."""
+    sizes = distributed.all_gather_ints(n_local)[:: layout.pp]  # one rank per replica
+    total, offset = sum(sizes), sum(sizes[: layout.dp_rank])
+    perm = torch.randperm(total, generator=generator)
+    out = []
+    for start in range(0, total, minibatch_size):
+        rows = perm[start : start + minibatch_size]
+        out.append(rows[(rows >= offset) & (rows < offset + n_local)] - offset)
+    return out
+
+
+def replica_totals(mini: Batch, norm_len: float, layout: PipeLayout) -> AggTotals:
+    t = agg_totals(mini["response_mask"], norm_len)
+    n_tokens, n_seqs = (distributed.all_reduce([t.n_tokens, t.n_seqs]) / layout.pp).tolist()
+    return AggTotals(n_tokens=n_tokens, n_seqs=n_seqs, norm_len=t.norm_len)
+
+
+@dataclass
+class _MiniBatch:
+    """One mini-batch's loss on the last stage: each micro-batch's objective with the global
+    totals, its metrics summed token-weighted, whether every loss was finite."""
+
+    objective: Objective
+    sampling: object
+    totals: AggTotals
+    n_tokens: float
+    ok: bool = True
+    sums: dict = field(default_factory=lambda: defaultdict(float))
+
+    def loss(self, rb: Batch, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        mb = rb.index(idx.cpu()).to(logits.device)
+        logp, entropy = logits_log_probs(logits, mb, self.sampling, with_entropy=True)
+        loss, metrics = self.objective(logp, entropy, mb, self.totals)
+        self.ok = self.ok and bool(torch.isfinite(loss.detach()).all())
+        share = float(mb["response_mask"].sum()) / self.n_tokens
+        for k, v in metrics.items():
+            self.sums[k] += v * share
+        return loss
+
+
+def run_updates(
+    pl: Pipeline,
+    optimizer,
+    batch: Batch,
+    objective: Objective,
+    section,
+    *,
+    generator: torch.Generator,
+    norm_len: float,
+    sampling,
+    prefix: str,
+    skips=None,
+) -> dict[str, float]:
+    """``update.run_updates`` through the pipeline: ``section.ppo_epochs`` passes over ``batch``
+    (this replica's rows) in global mini-batches of ``section.ppo_minibatch_size``; each mini-batch
+    in rounds of the schedule (``Pipeline.rounds``); tied gradients summed, the global norm clipped
+    at ``section.grad_clip``; metrics token-weighted over the optimizer steps taken, on every
+    rank. Adds ``perf/pipeline_idle_fraction``."""
+    from hybridrl.learner.update import SkipCounter
+
+    skips = skips or SkipCounter(3, prefix)
+    pl.train()
+    sums: dict[str, float] = defaultdict(float)
+    grad_norm, steps, skipped = 0.0, 0, 0
+    for _ in range(section.ppo_epochs):
+        for rows in replica_minibatch_rows(
+            len(batch), generator, section.ppo_minibatch_size, pl.layout
+        ):
+            mini = batch.index(rows)
+            optimizer.zero_grad(set_to_none=True)
+            totals = replica_totals(mini, norm_len, pl.layout)
+            state = _MiniBatch(objective, sampling, totals, max(totals.n_tokens, 1.0))
+            for rb in pl.rounds(mini, section.micro_batch_tokens, batch):
+                pl.run_round(rb, partial(state.loss, rb))
+            pl.sync_tied_grads()
+            norm = pl.clip_grad_norm(section.grad_clip)
+            bad = 0.0 if state.ok and math.isfinite(norm) else 1.0
+            finite = distributed.all_reduce([bad], op="max")[0].item() == 0
+            for k, v in state.sums.items():
+                sums[k] += v if finite else 0.0
+            if not finite:
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                skips.skipped()
+                continue
+            skips.stepped()
+            grad_norm += norm
+            optimizer.step()
+            steps += 1
+    sums = sum_metrics(sums)
+    out = {k: v / steps if steps else math.nan for k, v in sums.items()}
+    return out | {
+        f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
+        f"{prefix}/updates": steps,
+        f"{prefix}/skipped_updates": skipped,
+        "perf/pipeline_idle_fraction": pl.idle_fraction(),
+    }
+
+
+@torch.no_grad()
+def log_probs(
+    pl: Pipeline, minis: list[tuple[torch.Tensor, Batch]], batch: Batch, budget: int, sampling
+) -> torch.Tensor:
+    """(B, R) log-probs of ``batch``'s rows (this replica's), computed forward-only mini-batch by
+    mini-batch (``minis``: (rows, mini-batch) pairs covering the batch), on every rank."""
+    out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
+    pl.train(False)
+    for rows, mini in minis:
+        part = torch.zeros((len(mini), batch["responses"].shape[1]), dtype=torch.float32)
+        first = 0
+        for rb in pl.rounds(mini, budget, batch):
+            pl.forward_round(rb, partial(_stash, part, rb, first, len(mini), sampling))
+            first += len(rb)
+        out[rows] = part
+    pl.clock.pop()
+    return pl.broadcast_from_last(out)
+
+
+def _stash(part, rb, first, n_real, sampling, logits, idx) -> None:
+    """A forward-only micro-batch's log-probs into ``part`` at its real rows."""
+    mb = rb.index(idx.cpu()).to(logits.device)
+    logp, _ = logits_log_probs(logits, mb, sampling)
+    at = idx.cpu() + first
+    real = at < n_real
+    part[at[real], : logp.shape[1]] = logp[real.to(logp.device)].float().cpu()
+
+
+def first_epoch_log_probs(
+    pl: Pipeline, batch: Batch, generator: torch.Generator, section, sampling
+) -> torch.Tensor:
+    """Log-probs over the mini-batches and rounds the next :func:`run_updates` with ``generator``
+    cuts in its first epoch (the generator only peeked at), so that they equal that update's first
+    forward."""
+    peek = torch.Generator()
+    peek.set_state(generator.get_state())
+    minis = [
+        (rows, batch.index(rows))
+        for rows in replica_minibatch_rows(len(batch), peek, section.ppo_minibatch_size, pl.layout)
+    ]
+    return log_probs(pl, minis, batch, section.micro_batch_tokens, sampling)
