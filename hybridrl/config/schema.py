@@ -86,7 +86,11 @@ def _absolute_file_path(plugin):
 
 @dataclass
 class ModelConfig:
-    name: Literal["tiny", "small"] = _f("tiny", "built-in Qwen2 size, used when path is null")
+    name: Literal["tiny", "small", "tiny_moe"] = _f(
+        "tiny",
+        "built-in size, used when path is null: tiny and small are Qwen2; tiny_moe is a "
+        "Qwen3-MoE with 8 experts, top-2, as many active parameters as tiny (docs/moe.md)",
+    )
     path: str | None = _f(
         None,
         "local transformers checkpoint directory (model + tokenizer) instead of a built-in size",
@@ -749,6 +753,57 @@ class EnvConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts training (``hybridrl/moe/``, docs/moe.md): routing replay, load
+    balancing and routing health. Replay and balancing need an MoE model."""
+
+    routing_replay: Literal["none", "r2", "r3"] = _f(
+        "none",
+        "which expert choices the training forwards use: none (the trainer routes afresh), r2 "
+        "(the update replays the routing of the trainer's old-policy pass), r3 (every training "
+        "forward replays the routing the rollout recorded)",
+    )
+    aux_loss_coef: float = _f(
+        0.0,
+        "Switch-style load-balancing loss added to the actor's loss: coef x experts x sum of "
+        "(token fraction x mean router probability) per expert, averaged over layers (0: off)",
+        ge=0,
+    )
+    z_loss_coef: float = _f(
+        0.0, "router z-loss: coef x mean over tokens of logsumexp(router logits)^2 (0: off)", ge=0
+    )
+    bias_update_rate: float = _f(
+        0.0,
+        "auxiliary-loss-free balancing: a per-expert bias added to the router scores for "
+        "selection only, moved by this rate x sign(mean load - load) after every optimizer step "
+        "(0: off)",
+        ge=0,
+    )
+    health_max_mean_threshold: float = _f(
+        3.0,
+        "warn (and set moe/alert_imbalance) when a layer's busiest expert gets more than this "
+        "many times the mean load",
+        gt=1,
+    )
+    health_empty_steps: int = _f(
+        20,
+        "warn (and set moe/alert_dead_expert) when an expert of a layer receives no token for "
+        "this many steps in a row",
+        ge=1,
+    )
+
+    @property
+    def active(self) -> bool:
+        """Whether any setting needs a mixture-of-experts model."""
+        return (
+            self.routing_replay != "none"
+            or self.aux_loss_coef > 0
+            or self.z_loss_coef > 0
+            or self.bias_update_rate > 0
+        )
+
+
+@dataclass
 class AlertsConfig:
     """Training-health alerts on each logged step's metrics (``telemetry/alerts.py``): a warning,
     a row in ``<run>/alerts.jsonl`` and the metric ``alert/<name>`` = 1; a rule that keeps firing
@@ -886,6 +941,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
 
     def __post_init__(self):
