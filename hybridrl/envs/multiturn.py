@@ -389,7 +389,7 @@ class MultiTurnRollout(RolloutEngine):
         self.counts["trajectories"] += 1
         self.counts["turns"] += t.turns
         self.counts["truncated"] += status == "truncated"
-        if t.env is not None and hasattr(t.env, "close"):
+        if t.env is not None and hasattr(t.env, "close") and overrides(t.env, "close", Env):
             self.calls.submit(t.env.close)  # not waited for; its errors are of no consequence
 
     def _part(self, t: _Trajectory, status: str) -> Sample:

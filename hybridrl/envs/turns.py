@@ -91,7 +91,18 @@ class EnvCalls:
         return out
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Cancel the calls still waiting and stop the loop (its thread exits)."""
+
+        async def shutdown() -> None:
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+            self.loop.stop()
+
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(shutdown(), self.loop)
+            self.thread.join(5.0)
 
 
 def overrides(env, method: str, base: type) -> bool:
