@@ -13,6 +13,7 @@ def check_config(cfg: Config) -> None:
     """Every check below, in order; the first problem raises."""
     check_plugins(cfg)
     check_rollout_backend(cfg)
+    check_moe(cfg)
     check_loggers(cfg)
     check_step_memory(cfg)
     if cfg.data.train_files is not None:
@@ -65,6 +66,51 @@ def check_rollout_backend(cfg: Config) -> None:
     problem = missing_requirement(cfg.rollout.backend)
     if problem:
         raise ConfigError(f"config key 'rollout.backend': {problem}")
+
+
+# config.json keys whose positive value makes a checkpoint a mixture of experts
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def model_is_moe(cfg: Config) -> bool | None:
+    """Whether the configured model is a mixture of experts: a built-in MoE name, or a checkpoint
+    whose config.json counts experts; None when its config.json cannot be read."""
+    from hybridrl.models.factory import MOE_SIZES
+
+    if cfg.model.path is None:
+        return cfg.model.name in MOE_SIZES
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return any(int(config.get(k) or 0) > 0 for k in MOE_CONFIG_KEYS)
+
+
+def check_moe(cfg: Config) -> None:
+    """A mixture-of-experts model needs a rollout backend that serves it (the native engine does
+    not yet); routing replay and balancing need an MoE model, and no activation checkpointing (its
+    recomputed forward would route afresh)."""
+    moe = model_is_moe(cfg)
+    if moe and cfg.rollout.backend == "native":
+        raise ConfigError(
+            "config key 'rollout.backend': the native engine does not serve mixture-of-experts "
+            "models yet; use rollout.backend=hf (docs/moe.md)"
+        )
+    if moe is False and cfg.moe.active:
+        raise ConfigError(
+            "config section 'moe': routing replay and expert balancing (moe.routing_replay, "
+            "moe.aux_loss_coef, moe.z_loss_coef, moe.bias_update_rate) need a mixture-of-experts "
+            "model, and the configured model is dense; use model.name=tiny_moe or an MoE "
+            "checkpoint, or leave the moe section at its defaults"
+        )
+    if moe and cfg.moe.active and cfg.fsdp.activation_checkpointing:
+        raise ConfigError(
+            "config key 'fsdp.activation_checkpointing': not supported with routing replay or "
+            "expert balancing yet (the recomputed forward would route afresh); turn it off"
+        )
 
 
 # host bytes per token of a step's samples: ~100 B of Python lists in a Sample (token ids,

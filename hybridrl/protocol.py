@@ -235,9 +235,10 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
     """Collate samples into the training layout: ``input_ids = prompts ++ responses``.
 
     Prompts are left-padded, responses right-padded. ``response_mask`` is each sample's
-    ``loss_mask`` (all ones when None); ``rewards`` comes when every sample is scored, and each
-    ``reward_extras`` key every sample has becomes a column of its own (``reward_errors``,
-    ``baseline_rewards`` ...); ``metadata`` keys become metadata lists.
+    ``loss_mask`` (all ones when None); ``routing`` (a mixture-of-experts rollout's expert ids,
+    :func:`routing_column`) when any sample has them; ``rewards`` comes when every sample is
+    scored, and each ``reward_extras`` key every sample has becomes a column of its own
+    (``reward_errors``, ``baseline_rewards`` ...); ``metadata`` keys become metadata lists.
     """
     prompts = pad_2d([s.prompt_ids for s in samples], pad_id, torch.long, left=True)
     prompt_mask = pad_2d([[1] * len(s.prompt_ids) for s in samples], 0, torch.long, left=True)
@@ -263,6 +264,8 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
         ),
         "versions": pad_2d([s.versions for s in samples], -1, torch.long, width=width),
     }
+    if any(s.routing is not None for s in samples):
+        tensors["routing"] = routing_column(samples, prompts.shape[1], width)
     if samples and all(s.reward is not None for s in samples):
         tensors["rewards"] = torch.tensor([float(s.reward) for s in samples])
         for key in set.intersection(*(set(s.reward_extras) for s in samples)):
@@ -275,3 +278,28 @@ def samples_to_batch(samples: Sequence[Sample], pad_id: int) -> Batch:
     for key in sorted({k for s in samples for k in s.metadata}):
         meta[key] = [s.metadata.get(key) for s in samples]
     return Batch(tensors, meta)
+
+
+def routing_column(
+    samples: Sequence[Sample], prompt_width: int, response_width: int
+) -> torch.Tensor:
+    """(B, prompt_width + response_width, layers, k) int16: each sample's ``routing`` (one row per
+    prompt and response token, ``hybridrl/moe/``) placed like its tokens in ``input_ids`` (prompt
+    left-padded, response right-padded); -1 (no recorded routing: the trainer routes afresh) at
+    padding and for samples without routing."""
+    first = next(s.routing for s in samples if s.routing is not None)
+    out = torch.full(
+        (len(samples), prompt_width + response_width, *first.shape[1:]), -1, dtype=torch.int16
+    )
+    for i, s in enumerate(samples):
+        if s.routing is None:
+            continue
+        n_p, n_r = len(s.prompt_ids), len(s.response_ids)
+        if tuple(s.routing.shape) != (n_p + n_r, *first.shape[1:]):
+            raise ValueError(
+                f"sample {s.uid!r}: routing of shape {tuple(s.routing.shape)} for {n_p} prompt + "
+                f"{n_r} response tokens (expected {n_p + n_r} rows of {tuple(first.shape[1:])})"
+            )
+        out[i, prompt_width - n_p : prompt_width] = s.routing[:n_p]
+        out[i, prompt_width : prompt_width + n_r] = s.routing[n_p:]
+    return out

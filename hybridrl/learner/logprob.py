@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algorithms.masking import zero_pad
+from hybridrl.moe.training import ROUTING, moe_forward
 from hybridrl.parallel import distributed
 from hybridrl.parallel.packing import (
     gather_positions,
@@ -89,7 +90,7 @@ def trim(mb: Batch) -> Batch:
         return mb
     out = {}
     for key, t in mb.tensors.items():
-        if key in ("input_ids", "attention_mask"):
+        if key in ("input_ids", "attention_mask", ROUTING):  # routing: per input token
             out[key] = t[:, P - p : P + r]
         elif key == "prompts":
             out[key] = t[:, P - p :]
@@ -185,7 +186,8 @@ def response_outputs(model, mb: Batch) -> torch.Tensor:
     gathered back to this layout. Under the model's autocast mark (``parallel/precision.py``)."""
     input_ids, attn = mb["input_ids"], mb["attention_mask"]
     resp_len = mb["responses"].shape[1]
-    with autocast(model):  # bf16 matmuls when the model is marked for it
+    # MoE: replays the micro-batch's recorded routing when marked, notes loads and router logits
+    with autocast(model), moe_forward(model, mb):  # bf16 matmuls when the model is marked for it
         if PACK_ROW in mb:
             out, layout = packed_forward(
                 model, input_ids, attn, mb[PACK_ROW], mb[PACK_OFFSET], pad_id=0

@@ -3,6 +3,11 @@
 Built-in sizes are W1's Qwen2 configs (docs/workloads.md), randomly initialised
 from a seed (no download); ``model.path`` loads any local transformers
 causal-LM checkpoint together with its tokenizer.
+
+``tiny_moe`` is a mixture-of-experts sibling of ``tiny`` (Qwen3-MoE: 8 experts, top-2, every
+layer sparse) whose *active* parameters per token match ``tiny``'s: two experts of width 256 hold
+as many MLP weights as tiny's one MLP of width 512. It exists so that MoE training (routing replay,
+balancing, ``docs/moe.md``) runs on a laptop CPU like the dense default.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 from transformers.utils import logging as hf_logging
 
@@ -39,11 +46,44 @@ SIZES = {
     ),
 }
 
+# mixture-of-experts built-ins: (transformers config class, model class, shape)
+MOE_SIZES = {
+    "tiny_moe": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        # tiny's dense width, used by no layer (every layer is sparse) but kept for tools that
+        # read it
+        intermediate_size=512,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        # the balancing losses are ours (hybridrl/moe/balance.py), computed on the routing that
+        # was dispatched; transformers' own would recompute a fresh top-k
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+    ),
+}
+BUILDERS = {name: (Qwen2Config, Qwen2ForCausalLM) for name in SIZES} | {
+    name: (Qwen3MoeConfig, Qwen3MoeForCausalLM) for name in MOE_SIZES
+}
 
-def model_size_config(name: str, tokenizer) -> Qwen2Config:
-    if name not in SIZES:
-        raise ValueError(f"unknown model size {name!r} (built-in: {', '.join(SIZES)})")
-    return Qwen2Config(
+
+def builtin_names() -> list[str]:
+    """Every built-in model name (dense and mixture-of-experts)."""
+    return list(BUILDERS)
+
+
+def model_size_config(name: str, tokenizer):
+    """The transformers config of built-in ``name`` for ``tokenizer``'s vocabulary."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model size {name!r} (built-in: {', '.join(BUILDERS)})")
+    config_cls, _ = BUILDERS[name]
+    return config_cls(
         vocab_size=len(tokenizer),
         tie_word_embeddings=True,
         rope_theta=1e4,
@@ -52,16 +92,17 @@ def model_size_config(name: str, tokenizer) -> Qwen2Config:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         torch_dtype="float32",
-        **SIZES[name],
+        **(SIZES | MOE_SIZES)[name],
     )
 
 
 def build_model(name: str, tokenizer, seed: int) -> PreTrainedModel:
     """A randomly initialised built-in model; the same seed gives the same weights in any
     process."""
+    config = model_size_config(name, tokenizer)  # an unknown name raises here
     devnull_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(model_size_config(name, tokenizer))
+    model = BUILDERS[name][1](config)
     torch.random.set_rng_state(devnull_state)  # do not disturb the caller's RNG stream
     return model
 

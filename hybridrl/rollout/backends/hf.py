@@ -14,12 +14,20 @@ between ``generate`` calls; streaming is the interface's default (one ``generate
 ``device``: where the model generates (None: where it is). On CUDA the model is cast to
 ``rollout.dtype`` (``auto``: bf16 where the GPU has it natively, ``rollout/precision.py``); on a CPU
 it keeps its own dtype. Weights synced later are cast on load (``copy_``).
+
+Mixture-of-experts models: each sample's routing (the experts every MoE layer chose for each of its
+prompt and response tokens, ``hybridrl/moe/routing.py``) is recorded during ``generate`` and lands
+in ``Sample.routing``, a (prompt + response tokens, layers, k) int16 tensor; the response's last
+token was never fed to the model and holds -1 (not routed). The learner replays it under
+``moe.routing_replay=r3``. An expert bias sent by weight sync (``moe.bias_update_rate``) is attached
+to the routers on first receipt and steers their selection here as in the trainer.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 from transformers import (
@@ -31,6 +39,8 @@ from transformers import (
 )
 
 from hybridrl.config import RolloutConfig
+from hybridrl.moe.balance import BIAS_NAME, attach_bias
+from hybridrl.moe.routing import NOT_ROUTED, is_moe, record
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.precision import resolve_engine_dtype
@@ -85,6 +95,27 @@ class _StopStrings(StoppingCriteria):
         return done
 
 
+def sample_routing(forwards: list[torch.Tensor], rows: list[Sample], width: int):
+    """Each row's routing (prompt + generated tokens, layers, k) from the recorded forwards of one
+    ``generate``: the prefill of the (B, width) left-padded prompts, then one forward per step, of
+    one token per row (the token generated the step before). The last generated token is never fed:
+    its routing is :data:`NOT_ROUTED`."""
+    n_rows = len(rows)
+    if not forwards or forwards[0].shape[0] != n_rows * width:
+        raise RuntimeError(
+            "routing: the first forward of generate is not the prefill of the whole prompt batch "
+            f"({forwards[0].shape[0] if forwards else 0} tokens for {n_rows} x {width})"
+        )
+    prefill = forwards[0].view(n_rows, width, *forwards[0].shape[1:])
+    steps = [f.view(n_rows, 1, *f.shape[1:]) for f in forwards[1:]]
+    last = torch.full((n_rows, 1, *prefill.shape[2:]), NOT_ROUTED, dtype=prefill.dtype)
+    generated = torch.cat([*steps, last], 1)
+    return [
+        torch.cat([prefill[i, width - len(r.prompt_ids) :], generated[i]], 0)
+        for i, r in enumerate(rows)
+    ]
+
+
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout(RolloutEngine):
     takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
@@ -107,6 +138,7 @@ class HFRollout(RolloutEngine):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(model, tokenizer)  # the tokenizer's and the model's
         self.max_batch_size = cfg.max_batch_size
+        self.records_routing = is_moe(model)
         self._tokens = 0
         self._seconds = 0.0
 
@@ -115,6 +147,9 @@ class HFRollout(RolloutEngine):
         params = dict(self.model.named_parameters())
         count = 0
         for name, tensor in named_tensors:
+            if name not in params and name.endswith("." + BIAS_NAME):
+                # the trainer's expert bias (moe.bias_update_rate): the router gets one to load
+                params[name] = attach_bias(self.model.get_submodule(name.rsplit(".", 1)[0]))
             if name not in params:
                 if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
                     continue  # tied to the embedding, already loaded
@@ -179,14 +214,16 @@ class HFRollout(RolloutEngine):
         # log-probs would no longer be the ones the trainer recomputes; generate() fills unset
         # fields of a passed config from the model's, so swap it out
         own, self.model.generation_config = self.model.generation_config, gen
+        recording = record(self.model) if self.records_routing else nullcontext()
         try:
-            res = self.model.generate(
-                input_ids=ids,
-                attention_mask=attn,
-                generation_config=gen,
-                logits_processor=processors,
-                stopping_criteria=criteria,
-            )
+            with recording as recorder:
+                res = self.model.generate(
+                    input_ids=ids,
+                    attention_mask=attn,
+                    generation_config=gen,
+                    logits_processor=processors,
+                    stopping_criteria=criteria,
+                )
         finally:
             self.model.generation_config = own
         responses = res.sequences[:, width:]
@@ -196,7 +233,11 @@ class HFRollout(RolloutEngine):
         else:
             logps = torch.stack(sampler.log_probs, 1)
         stop_ends = criteria[0].ends if stops else {}
-        return self._to_samples(rows, responses, logps, stop_ends, params, t0)
+        samples = self._to_samples(rows, responses, logps, stop_ends, params, t0)
+        if recorder is not None:
+            for sample, routing in zip(samples, sample_routing(recorder.forwards(), rows, width)):
+                sample.routing = routing[: len(sample.prompt_ids) + len(sample.response_ids)]
+        return samples
 
     def _eos(self, params: SamplingParams) -> list[int]:
         return [*self.eos_token_ids, *params.stop_token_ids]

@@ -1,0 +1,2 @@
+"""Mixture-of-experts training: routing record and replay, load balancing, routing health
+(docs/moe.md)."""

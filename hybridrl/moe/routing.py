@@ -1,0 +1,160 @@
+"""Expert routing of transformers mixture-of-experts models: find the routers, record the experts
+they choose, and force given choices (routing replay).
+
+Every supported MoE block calls its router (``mlp.gate``) on the flattened tokens of the forward,
+``(N, hidden)``, and the router returns ``(router_logits, top_k_weights, top_k_ids)``; the block
+then dispatches each token to its ``top_k_ids`` with ``top_k_weights``. A forward hook on the router
+sees those three tensors, so routing is read and replaced there without touching the model's code:
+
+* :func:`record` collects each forward's ``top_k_ids`` per layer (:class:`RoutingRecorder`);
+* :func:`replay` returns, for given ids, ``(logits, weights, ids)`` where the weights come from the
+  *current* router logits at the forced ids (normalised as the family does). The output then
+  depends on the router's weights as it would with those ids chosen freshly, so the router keeps
+  its gradient; only the discrete choice is fixed.
+
+Families differ in how the top-k weights are normalised (:data:`GATE_FAMILIES`): Qwen2-MoE and
+Qwen3-MoE divide by their sum only when ``norm_topk_prob`` is set (Qwen2-MoE's default is off),
+Mixtral always does. Ids are stored as int16, with :data:`NOT_ROUTED` (-1) for a token that has no
+recorded routing (padding, a response's last token): replay leaves those tokens to the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# a token without recorded routing (padding; the last response token, never fed to the model)
+NOT_ROUTED = -1
+ROUTING_DTYPE = torch.int16
+
+
+@dataclass(frozen=True)
+class GateFamily:
+    """How one router class turns probabilities into the dispatch weights."""
+
+    # whether the top-k probabilities are divided by their sum (given the router module)
+    normalises: Callable[[nn.Module], bool]
+    # whether the weights are cast back to the logits' dtype (Qwen) or stay fp32 (Mixtral)
+    cast_to_logits: bool
+
+
+def _by_config(gate: nn.Module) -> bool:
+    return bool(gate.norm_topk_prob)
+
+
+# router class name -> family; a class not listed here is not recognised as an MoE router
+GATE_FAMILIES: dict[str, GateFamily] = {
+    "Qwen3MoeTopKRouter": GateFamily(_by_config, cast_to_logits=True),
+    "Qwen2MoeTopKRouter": GateFamily(_by_config, cast_to_logits=True),
+    "MixtralTopKRouter": GateFamily(lambda gate: True, cast_to_logits=False),
+}
+
+
+def moe_gates(model: nn.Module) -> list[nn.Module]:
+    """The model's routers in layer order (one per MoE layer; dense layers have none)."""
+    return [m for m in model.modules() if type(m).__name__ in GATE_FAMILIES]
+
+
+def is_moe(model: nn.Module) -> bool:
+    return bool(moe_gates(model))
+
+
+def routing_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(MoE layers, experts, top-k) of an MoE model."""
+    gates = moe_gates(model)
+    if not gates:
+        raise ValueError(f"{type(model).__name__} has no mixture-of-experts router")
+    return len(gates), int(gates[0].weight.shape[0]), int(gates[0].top_k)
+
+
+def gate_weights(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The dispatch weights of experts ``ids`` (N, k) under ``logits`` (N, E), as the router's
+    family computes them for its own choice: softmax probabilities at the ids, renormalised when the
+    family does. Differentiable in ``logits``."""
+    family = GATE_FAMILIES[type(gate).__name__]
+    weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
+    if family.normalises(gate):
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(logits.dtype) if family.cast_to_logits else weights
+
+
+def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per token (rows of (N, k)): whether ``a`` and ``b`` choose the same set of experts."""
+    return (a.sort(-1).values == b.sort(-1).values).all(-1)
+
+
+GateHook = Callable[[int, nn.Module, tuple], tuple | None]
+
+
+@contextmanager
+def gate_hooks(model: nn.Module, fn: GateHook) -> Iterator[list[nn.Module]]:
+    """``fn(layer, gate, (logits, weights, ids))`` as a forward hook on every router while the
+    block runs; a tuple it returns replaces the router's output (what the MoE block dispatches)."""
+    gates = moe_gates(model)
+    handles = [
+        gate.register_forward_hook(lambda mod, args, out, layer=i: fn(layer, mod, out))
+        for i, gate in enumerate(gates)
+    ]
+    try:
+        yield gates
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class RoutingRecorder:
+    """Each router call's ``top_k_ids`` (on the CPU, int16), per layer, in call order."""
+
+    def __init__(self, n_layers: int):
+        self.calls: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+
+    def __call__(self, layer: int, gate: nn.Module, out: tuple) -> None:
+        self.calls[layer].append(out[2].detach().to("cpu", ROUTING_DTYPE))
+
+    def forwards(self) -> list[torch.Tensor]:
+        """One (N, layers, k) tensor per recorded forward of the model."""
+        n = len(self.calls[0]) if self.calls else 0
+        if any(len(c) != n for c in self.calls):
+            raise RuntimeError("routing recorder: the layers recorded different numbers of calls")
+        return [torch.stack([c[i] for c in self.calls], 1) for i in range(n)]
+
+
+@contextmanager
+def record(model: nn.Module) -> Iterator[RoutingRecorder]:
+    """Record the experts every forward inside the block chooses (``.forwards()`` afterwards)."""
+    recorder = RoutingRecorder(len(moe_gates(model)))
+    with gate_hooks(model, recorder):
+        yield recorder
+
+
+class Replayer:
+    """Forces ``expert_ids`` (N, layers, k) on the next forwards; tokens whose ids hold
+    :data:`NOT_ROUTED` keep the router's own choice."""
+
+    def __init__(self, expert_ids: torch.Tensor):
+        self.expert_ids = expert_ids
+
+    def __call__(self, layer: int, gate: nn.Module, out: tuple) -> tuple:
+        logits, _, fresh = out
+        if self.expert_ids.shape[0] != logits.shape[0]:
+            raise ValueError(
+                f"routing replay: {self.expert_ids.shape[0]} tokens of routing for a forward of "
+                f"{logits.shape[0]} tokens"
+            )
+        forced = self.expert_ids[:, layer].to(fresh.device, torch.long)
+        routed = (forced >= 0).all(-1, keepdim=True)
+        ids = torch.where(routed, forced, fresh)
+        return logits, gate_weights(gate, logits, ids), ids
+
+
+@contextmanager
+def replay(model: nn.Module, expert_ids: torch.Tensor) -> Iterator[Replayer]:
+    """Every forward inside the block dispatches each token to ``expert_ids`` (N, layers, k), with
+    weights from the current router logits (the router still gets gradients)."""
+    replayer = Replayer(expert_ids)
+    with gate_hooks(model, replayer):
+        yield replayer
