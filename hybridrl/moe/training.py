@@ -216,7 +216,7 @@ class MoETraining:
         z = torch.stack([router_z_loss(lg) for lg, _ in pending]).mean()
         share = float(mb["response_mask"].sum()) / max(float(totals.n_tokens), 1.0)
         extra = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
-        metrics = metrics | {"moe/aux_loss": float(aux), "moe/z_loss": float(z)}
+        metrics = metrics | {"moe/aux_loss": aux.item(), "moe/z_loss": z.item()}
         return loss + share * extra.to(loss.dtype), metrics
 
     def update_bias(self) -> None:

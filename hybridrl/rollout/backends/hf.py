@@ -40,7 +40,7 @@ from transformers import (
 
 from hybridrl.config import RolloutConfig
 from hybridrl.moe.balance import BIAS_NAME, attach_bias
-from hybridrl.moe.routing import NOT_ROUTED, is_moe, record
+from hybridrl.moe.routing import NOT_ROUTED, is_moe, moe_gates, record
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.precision import resolve_engine_dtype
@@ -141,6 +141,12 @@ class HFRollout(RolloutEngine):
         self.records_routing = is_moe(model)
         self._tokens = 0
         self._seconds = 0.0
+
+    def _sync_aliases(self) -> set[str]:
+        """Also each router's ``expert_bias``: the trainer's balancing state, which this model gets
+        on its first sync (``_load_weights``)."""
+        names = {n for n, m in self.model.named_modules() if m in set(moe_gates(self.model))}
+        return super()._sync_aliases() | {f"{n}.{BIAS_NAME}" for n in names}
 
     @torch.no_grad()
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
