@@ -26,15 +26,20 @@ from hybridrl.learner.logprob import (
     micro_batches,
     response_log_probs,
 )
+from hybridrl.learner.update import first_epoch_minibatches
 from hybridrl.models.loading import load_model
-from hybridrl.parallel.packing import (
-    ROW_WIDEN,
+from hybridrl.parallel.balance import (
     balance_for_ranks,
     balanced_order,
-    best_fit_decreasing,
+    balanced_positions,
     chunk_sizes,
+    fill_shares,
     imbalance,
     karmarkar_karp,
+)
+from hybridrl.parallel.packing import (
+    ROW_WIDEN,
+    best_fit_decreasing,
     pack_micro_batches,
     packed_layout,
     plan_rows,
@@ -349,7 +354,42 @@ def test_balancing_leaves_one_rank_untouched():
     batch = make_batch()
     same, metrics = balance_for_ranks(batch, 1, True)
     assert all(torch.equal(same[k], batch[k]) for k in batch.tensors)
-    assert metrics == {"perf/dp_token_imbalance": 0.0}
+    assert metrics == {"perf/dp_token_imbalance": 0.0, "perf/dp_token_imbalance_minibatch": 0.0}
+
+
+def test_fill_shares_with_unequal_sizes():
+    # sizes 3 and 1: the 1-slot share misses the most per slot, so it takes the 9 (9 vs 6; the
+    # lightest-first rule would give 12 vs 3)
+    assert fill_shares([1, 9, 2, 3], [3, 1]) == [[0, 2, 3], [1]]
+    # sizes as chunk gives them: Karmarkar-Karp with equal sizes
+    assert fill_shares([8, 7, 6, 5], [2, 2]) == karmarkar_karp([8, 7, 6, 5], 2, equal_size=True)
+
+
+def test_balanced_positions_even_every_minibatch_and_keep_its_rows():
+    # W3's shape: 256 rows, mini-batches of 64 drawn at random, 2 ranks
+    lengths = long_tailed_lengths(256, seed=11)
+    minis = first_epoch_minibatches(256, torch.Generator().manual_seed(5), 64)
+    order = balanced_positions(lengths, 2, minis)
+    assert sorted(order) == list(range(256))
+    for positions in minis:
+        assert sorted(order[p] for p in positions) == sorted(positions)  # the same rows
+        shares = [
+            sum(lengths[order[p]] for p in positions if (p < 128) == (r == 0)) for r in (0, 1)
+        ]
+        before = [sum(lengths[p] for p in positions if (p < 128) == (r == 0)) for r in (0, 1)]
+        assert imbalance(shares) <= max(0.1, imbalance(before)), (shares, before)
+
+    # on average far more even than the rows as they came
+    def mean_imb(rows):
+        out = []
+        for positions in minis:
+            shares = [
+                sum(lengths[rows[p]] for p in positions if (p < 128) == (r == 0)) for r in (0, 1)
+            ]
+            out.append(imbalance(shares))
+        return sum(out) / len(out)
+
+    assert mean_imb(order) < 0.01 < 0.1 < mean_imb(list(range(256)))
 
 
 def test_balancing_two_ranks_evens_tokens():
@@ -384,11 +424,13 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 
 @pytest.mark.slow
 def test_two_rank_packed_balanced_update_equals_one_process(tmp_path):
-    batch, balance = balance_for_ranks(make_batch(n=16, seed=9), WORLD, True)
-    assert balance["perf/dp_token_imbalance"] <= 0.05
+    single = learner(True)
+    batch = make_batch(n=16, seed=9)
+    minis = first_epoch_minibatches(len(batch), single.shuffle, single.cfg.actor.ppo_minibatch_size)
+    batch, balance = balance_for_ranks(batch, WORLD, True, minis)
+    assert balance["perf/dp_token_imbalance_minibatch"] <= 0.1
     torch.save(batch.tensors, tmp_path / "batch.pt")
     procs = launch_ranks(__file__, WORLD, tmp_path)
-    single = learner(True)
     metrics = single.update_policy(update_batch(single, batch))
     ref = weights(single.model)
     wait_ranks(procs, timeout=300)

@@ -56,13 +56,19 @@ from hybridrl.learner.state import (
     load_trainable,
     save_trainable,
 )
-from hybridrl.learner.update import SkipCounter, first_epoch_map, is_single_pass, run_updates
+from hybridrl.learner.update import (
+    SkipCounter,
+    first_epoch_map,
+    first_epoch_minibatches,
+    is_single_pass,
+    run_updates,
+)
 from hybridrl.models.loading import load_model
 from hybridrl.moe import training as moe_training
 from hybridrl.parallel import distributed, shm_staging, weight_sync
+from hybridrl.parallel.balance import balance_for_ranks
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
-from hybridrl.parallel.packing import balance_for_ranks
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.rollout.buffer import REPLACING
 from hybridrl.telemetry import PhaseTimer
@@ -194,9 +200,10 @@ class Learner(Worker):
         waited = time.perf_counter() - t0
         alg, timer = self.cfg.algorithm, self.timer
         batch = samples_to_batch(samples, self.tokenizer.pad_token_id)
-        # each rank's share of the rows (on_my_rows) gets an equal token count (parallel/packing.py)
+        # each rank's share of each of the update's mini-batches gets an equal token count
+        minis = first_epoch_minibatches(len(batch), self.shuffle, self.cfg.actor.ppo_minibatch_size)
         world, balance = distributed.world_size(), self.cfg.trainer.balance_batch
-        batch, balanced = balance_for_ranks(batch, world, balance)
+        batch, balanced = balance_for_ranks(batch, world, balance, minis)  # parallel/balance.py
         reuse = reuses_old_log_probs(self.cfg, len(batch))
         batch = self.moe.mark(batch) if self.moe else batch  # which rows replay their routing
         if self.reference is not None:

@@ -101,6 +101,17 @@ def minibatch_rows(
     return out
 
 
+def first_epoch_minibatches(n: int, generator: torch.Generator, size: int) -> list[list[int]]:
+    """The global rows of each mini-batch that the next :func:`run_updates` with ``generator``
+    draws in its first epoch over ``n`` rows (as :func:`minibatch_rows`); the generator is only
+    peeked at. Data-parallel balancing (``parallel/balance.py``) evens the ranks' shares of
+    these."""
+    peek = torch.Generator()
+    peek.set_state(generator.get_state())
+    perm = torch.randperm(n, generator=peek).tolist()
+    return [perm[i : i + size] for i in range(0, n, size)]
+
+
 def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: int) -> list[Batch]:
     """This rank's part of each global mini-batch of one epoch (world size 1:
     ``batch.shuffle(g).split(m)``)."""

@@ -1,6 +1,6 @@
-"""Sequence packing and data-parallel token balancing.
+"""Sequence packing: whole sequences in rows, and the forward that keeps them apart.
 
-**Packing.** A micro-batch padded to its longest row wastes compute on padding, and long-tailed
+A micro-batch padded to its longest row wastes compute on padding, and long-tailed
 response lengths make that waste large. Packing places whole sequences (their real tokens: the
 prompt without its left padding, then the response without its right padding) one after another in
 rows of a fixed capacity, by *best-fit decreasing* (longest first, each into the row whose free
@@ -24,30 +24,26 @@ per micro-batch; a few percent wider rows leave almost none. Wider rows cost mor
 attention, which on CPU (SDPA with the block-diagonal mask) is dense over the row: on the tiny
 model the attention of a 256-token row is about a quarter of the cost of a token, so rows are not
 made wider than the padding they save.
-
-**Balancing.** Data-parallel ranks each take a contiguous share of the step's rows. With long-tailed
-lengths, one rank can get most of the long sequences and the others wait for it. The
-*Karmarkar-Karp* largest-differencing method partitions the sequences into k sets of (nearly) equal
-token sums, with equal set sizes when asked; :func:`balanced_order` turns that into a permutation
-of the rows after which each rank's contiguous chunk is one set.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-# attention implementations whose kernel takes variable-length sequences: the packed micro-batch
-# goes in as one row (no padding at all), the sequence starts read from the position ids
+# balancing lived here first; a learner that still imports it from here keeps working
+from hybridrl.parallel.balance import balance_for_ranks  # noqa: F401
+
 # packed rows hold at least this many tokens (unless the token budget is smaller): short sequences
 # share rows, so the width of a micro-batch is not that of its longest sequence (see row_capacity)
 MIN_ROW_TOKENS = 128
 # rows may grow this much past the capacity when that saves padding (plan_rows)
 ROW_WIDEN = 1.25
+# attention implementations whose kernel takes variable-length sequences: the packed micro-batch
+# goes in as one row (no padding at all), the sequence starts read from the position ids
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
 
 
@@ -71,63 +67,6 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
             if capacity > n:
                 bisect.insort(free, (capacity - n, len(bins) - 1))
     return bins
-
-
-def karmarkar_karp(lengths: Sequence[int], k: int, equal_size: bool = False) -> list[list[int]]:
-    """``k`` sets of item indices with nearly equal length sums (largest differencing method).
-
-    Each item starts as a partial solution (k sets, the item in one of them); the two partial
-    solutions with the largest spread (largest sum minus smallest) are merged by pairing the
-    largest set of one with the smallest of the other, until one remains. ``equal_size``: the
-    items are taken in sorted groups of k, one per set, so that set sizes differ by at most one
-    (zero-length fillers complete the last group and are dropped). Deterministic."""
-    if k < 1:
-        raise ValueError(f"karmarkar_karp: k must be >= 1, got {k}")
-    items = [(int(n), i) for i, n in enumerate(lengths)]
-    if equal_size:
-        items += [(0, -1)] * (-len(items) % k)
-        items.sort()
-        starts = [items[j : j + k] for j in range(0, len(items), k)]
-        states = [[(n, [i] if i >= 0 else []) for n, i in group] for group in starts]
-    else:
-        states = [[(n, [i])] + [(0, [])] * (k - 1) for n, i in items]
-    heap = []
-    for count, state in enumerate(states):
-        sums = [s for s, _ in state]
-        heapq.heappush(heap, (-(max(sums) - min(sums)), count, state))
-    count = len(heap)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        a = sorted(a, key=lambda s: -s[0])
-        b = sorted(b, key=lambda s: s[0])
-        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, b)]
-        sums = [s for s, _ in merged]
-        heapq.heappush(heap, (-(max(sums) - min(sums)), count, merged))
-        count += 1
-    final = heap[0][2] if heap else [(0, [])] * k
-    return [sorted(items_) for _, items_ in final]
-
-
-def balanced_order(lengths: Sequence[int], k: int) -> list[int]:
-    """A permutation of the rows after which ``Batch.chunk(k)`` gives every part (nearly) the same
-    token sum: a Karmarkar-Karp partition with equal set sizes, the larger sets first (``chunk``
-    gives the first ``n % k`` parts one row more), each set in its original row order."""
-    sets = karmarkar_karp(lengths, k, equal_size=True)
-    sets.sort(key=lambda s: -len(s))  # stable: among equal sizes the partition's own order
-    return [i for s in sets for i in s]
-
-
-def imbalance(tokens: Sequence[float]) -> float:
-    """max / mean - 1 of the token counts per rank (0: perfectly even, or no tokens)."""
-    mean = sum(tokens) / len(tokens) if tokens else 0.0
-    return max(tokens) / mean - 1.0 if mean > 0 else 0.0
-
-
-def chunk_sizes(n: int, k: int) -> list[int]:
-    """The part sizes of ``Batch.chunk(k)`` on ``n`` rows."""
-    size, rem = divmod(n, k)
-    return [size + (1 if r < rem else 0) for r in range(k)]
 
 
 # --- micro-batches of packed rows --------------------------------------------------------------
@@ -290,25 +229,3 @@ def gather_positions(outputs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``outputs`` (n_rows, width, D) at the flat indices ``idx`` (B, R): (B, R, D)."""
     flat = outputs.reshape(-1, outputs.shape[-1])
     return flat.index_select(0, idx.reshape(-1)).view(*idx.shape, outputs.shape[-1])
-
-
-# --- balancing the data-parallel ranks' shares ---------------------------------------------------
-def balance_for_ranks(batch, ranks: int, enabled: bool = True):
-    """``(batch, metrics)``: with ``enabled`` and more than one data-parallel rank, the batch's rows
-    reordered (:func:`balanced_order` over each row's real tokens) so that each rank's contiguous
-    chunk (``Batch.chunk(ranks)``, as the learner's per-row passes and updates cut it) holds an
-    equal token count; otherwise the batch as it is. ``perf/dp_token_imbalance``: max / mean - 1
-    of the tokens per rank, after the reordering (0 with one rank).
-
-    The reordering only decides which rank computes which rows: the update over the reordered
-    batch on k ranks equals the single-process update over the reordered batch (the mini-batch
-    shuffle is drawn over global rows), and one rank is left untouched."""
-    lengths = batch["attention_mask"].sum(-1).tolist() if len(batch) else []
-    if enabled and ranks > 1 and len(batch) > 1:
-        order = balanced_order(lengths, ranks)
-        batch, lengths = batch.index(order), [lengths[i] for i in order]
-    bounds = [0]
-    for size in chunk_sizes(len(lengths), max(ranks, 1)):
-        bounds.append(bounds[-1] + size)
-    per_rank = [float(sum(lengths[a:b])) for a, b in zip(bounds, bounds[1:])]
-    return batch, {"perf/dp_token_imbalance": imbalance(per_rank)}
