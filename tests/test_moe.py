@@ -393,3 +393,93 @@ def test_grpo_with_r3_on_tiny_moe_logs_moe_metrics(tmp_path):
     # R3 on the weights the rollout used: the training forward routes like the rollout
     assert all(m["moe/routing_changed_vs_rollout"] < 0.05 for m in steps)
     assert all("moe/layer3/load/7" in m for m in steps)
+
+
+# --- FSDP2, 2 gloo ranks --------------------------------------------------------------------------
+WORLD = 2
+
+
+def moe_learner(world: int = 1, rank: int = 0, port: int | None = None):
+    from hybridrl.controller import WorkerContext
+    from hybridrl.learner import Learner
+
+    cfg = load_config(
+        Config,
+        None,
+        [
+            "model.name=tiny_moe",
+            "rollout.backend=hf",
+            "moe.routing_replay=r3",
+            # (not the balancing losses: they are computed per micro-batch, and a rank's
+            # micro-batches are not one process's, so they are not the same loss)
+            "moe.bias_update_rate=0.01",
+            "actor.ppo_minibatch_size=8",
+            "actor.micro_batch_tokens=64",
+        ],
+    )
+    ctx = WorkerContext(
+        rank=rank, world_size=world, role="learner", pool="p", master_port=port, num_threads=1
+    )
+    return Learner(ctx, cfg, None)
+
+
+def train_part(lrn, part):
+    """Old log-probs, then one update (2 optimizer steps) on this rank's rows."""
+
+    part = part | lrn.compute_log_prob(part)
+    metrics = lrn.update_policy(part)
+    return metrics | lrn.moe.step_metrics(part)
+
+
+def rank_main(rank: int, port: int, workdir: str) -> None:
+    from pathlib import Path as P
+
+    from hybridrl.parallel.distributed import teardown_distributed
+    from hybridrl.parallel.fsdp import full_state_dict
+    from hybridrl.protocol import Batch
+
+    torch.set_num_threads(1)
+    work = P(workdir)
+    saved = torch.load(work / "batch.pt", weights_only=True)
+    batch = Batch(saved)
+    lrn = moe_learner(WORLD, rank, port)
+    metrics = train_part(lrn, batch.chunk(WORLD)[rank])
+    state = {k: v.clone() for k, v in full_state_dict(lrn.model).items()}
+    lrn.close()
+    teardown_distributed()
+    if rank == 0:
+        torch.save({"weights": state, "metrics": metrics}, work / "ranks.pt")
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_moe_update_equals_one_process(tmp_path, rollout_batch):
+    """R3 replay and the expert bias under FSDP2 at world size 2 train the same
+    weights (the bias included) as one process."""
+    from rank_processes import launch_ranks, wait_ranks
+
+    _, samples, _ = rollout_batch
+    single = moe_learner()
+    batch = samples_to_batch(samples[:8] + samples[:8], 0)
+    batch = single.moe.mark(batch)
+    g = torch.Generator().manual_seed(4)
+    batch["advantages"] = torch.randn(len(batch), 1, generator=g) * batch["response_mask"]
+    tensors = {k: v for k, v in batch.tensors.items()}
+    torch.save(tensors, tmp_path / "batch.pt")
+    procs = launch_ranks(__file__, WORLD, tmp_path)
+    metrics = train_part(single, type(batch)(tensors))
+    ref = {k: v.detach().clone() for k, v in single.model.state_dict().items()}
+    wait_ranks(procs, timeout=600)
+    got = torch.load(tmp_path / "ranks.pt", weights_only=False)
+    assert any(k.endswith(BIAS_NAME) for k in ref)
+    diffs = {k: (ref[k] - got["weights"][k]).abs().max().item() for k in ref}
+    assert max(diffs.values()) <= 1e-5, sorted(diffs.items(), key=lambda kv: -kv[1])[:5]
+    assert ref[next(k for k in ref if k.endswith(BIAS_NAME))].abs().max() > 0
+    for key in ("actor/pg_loss", "moe/max_mean", "moe/routing_changed_vs_rollout"):
+        assert abs(metrics[key] - got["metrics"][key]) <= 1e-5, key
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "rank":
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
