@@ -1,7 +1,8 @@
 """Pipeline parallelism is exact: every schedule gives the single process's loss, gradients,
 log-probs and (after two clipped SGD steps over two mini-batches) weights, within 1e-5, for the
 RL loss under every loss aggregation mode; at pp = 2, at pp = 4 with two stages per rank, and with
-FSDP2 over two data-parallel replicas of a two-stage pipeline (a 2-D mesh).
+FSDP2 over two data-parallel replicas of a pipeline of two ranks (a 2-D mesh; the zero-bubble
+schedules refuse data parallelism).
 
 The ranks are processes running ``tests/pipeline_ranks.py`` (gloo, one thread each); one launch per
 world size checks all of its cases in one process group. The default run keeps pp = 2 with 1F1B and
@@ -86,10 +87,12 @@ def test_pp2_other_schedules(tmp_path):
 @pytest.mark.slow
 def test_world4_pp4_and_fsdp(tmp_path):
     """pp = 4 with two stages per rank (8 stages of one layer each), and FSDP2 x pipeline: two
-    data-parallel replicas of a two-stage pipeline on a 2-D mesh."""
+    data-parallel replicas of a pipeline of two ranks on a 2-D mesh (1F1B, interleaved 1F1B with
+    two stages per rank, GPipe)."""
     cases = [(s, 4, 1, agg) for s in ("interleaved_1f1b", "zbv", "dualpipev") for agg in
              LOSS_AGG_MODES]  # fmt: skip
-    cases += [(s, 2, 2, agg) for s in ("1f1b", "dualpipev") for agg in LOSS_AGG_MODES]
+    cases += [(s, 2, 2, agg) for s in ("1f1b", "interleaved_1f1b") for agg in LOSS_AGG_MODES]
+    cases += [("gpipe", 2, 2, "token-mean")]
     outs, ref = run_cases(tmp_path, cases, 4)
     for case in cases:
         check_case(outs, ref, tuple(case))
@@ -105,5 +108,27 @@ def test_layout_and_errors():
         check_layout(3, 2, "1f1b", 0, 8)
     with pytest.raises(ValueError, match="fewer than the 8 pipeline stages"):
         check_layout(4, 4, "zbv", 0, 4)
+    with pytest.raises(ValueError, match="does not compose with FSDP2"):
+        check_layout(4, 2, "zbv", 0, 8)
     with pytest.raises(ValueError, match="at least as many micro-batches"):
         check_layout(2, 2, "dualpipev", 3, 8)
+
+
+def test_build_roles_refuses_a_pipeline_that_cannot_run():
+    """Before any worker starts: the learner pool's world size must be a multiple of pp_size, and
+    the built-in tiny model (4 layers) cannot fill 8 stages."""
+    from hybridrl.config import Config, load_config
+    from hybridrl.driver.placement import build_roles
+
+    base = ["controller.backend=ray", "controller.placement={learner: train, rollout: gen}"]
+    for extra, match in (
+        (["controller.pools={train: {workers_per_node: 3}, gen: {}}"], "does not divide"),
+        (
+            ["controller.pools={train: {workers_per_node: 4}, gen: {}}", "actor.pp_size=4",
+             "actor.pp_schedule=zbv"],
+            "fewer than the 8 pipeline stages",
+        ),
+    ):  # fmt: skip
+        cfg = load_config(Config, None, [*base, "actor.pp_size=2", *extra])
+        with pytest.raises(ValueError, match=match):
+            build_roles(cfg, None, None)

@@ -135,6 +135,11 @@ def build_roles(
     ``hybridrl eval``), the rollout and the reward model (with ``task.reward_model_path``); roles
     mapped to the same pool share its processes (colocation) under the ``ray`` backend."""
     c = cfg.controller
+    if learner and cfg.actor.pp_size > 1:  # the actor's ranks are a dp x pp mesh: refuse early
+        from hybridrl.learner.pipeline_policy import check_config, model_layers
+
+        p = c.pools[c.pool_of("learner")]
+        check_config(cfg, p.nodes * p.workers_per_node, model_layers(cfg, policy_path))
     if c.backend == "ray":
         init_ray(c.ray_address)
     pools = {

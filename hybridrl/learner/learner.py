@@ -45,6 +45,7 @@ from hybridrl.algorithms.rollout_correction import (
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.learner import lora as lora_lib
+from hybridrl.learner import pipeline_policy
 from hybridrl.learner.critic import Critic
 from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
@@ -65,7 +66,7 @@ from hybridrl.learner.update import (
 )
 from hybridrl.models.loading import load_model
 from hybridrl.moe import training as moe_training
-from hybridrl.parallel import distributed, shm_staging, weight_sync
+from hybridrl.parallel import distributed, pipeline_update, shm_staging, weight_sync
 from hybridrl.parallel.balance import balance_for_ranks
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
@@ -160,7 +161,12 @@ class Learner(Worker):
         if self.lora is not None:
             model = lora_lib.apply_lora(model, self.lora, seed=cfg.model.seed)
         model = moe_training.prepare(model, cfg.moe)  # MoE: expert biases, before sharding
-        self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
+        # actor.pp_size > 1: this rank's pipeline stages (learner/pipeline_policy.py)
+        self.pipeline = None
+        if cfg.actor.pp_size > 1:
+            self.pipeline, self.model = pipeline_policy.build(cfg, model, self.dist)
+        else:
+            self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
         params = self.model.parameters()
         if self.lora is not None:
             params = lora_lib.trainable_parameters(self.model)
@@ -203,6 +209,8 @@ class Learner(Worker):
         # each rank's share of each of the update's mini-batches gets an equal token count
         minis = first_epoch_minibatches(len(batch), self.shuffle, self.cfg.actor.ppo_minibatch_size)
         world, balance = distributed.world_size(), self.cfg.trainer.balance_batch
+        if self.pipeline is not None:  # the policy's rows go to the data-parallel replicas
+            world = self.pipeline.layout.dp
         batch, balanced = balance_for_ranks(batch, world, balance, minis)  # parallel/balance.py
         reuse = reuses_old_log_probs(self.cfg, len(batch))
         batch = self.moe.mark(batch) if self.moe else batch  # which rows replay their routing
@@ -213,7 +221,7 @@ class Learner(Worker):
             batch |= bypass_old_log_probs(batch)
         elif not reuse:
             with timer.phase("old_log_prob"):
-                batch |= on_my_rows(self.compute_log_prob, batch)
+                batch |= self._policy_rows(self.compute_log_prob, batch)
         batch = self.moe.after_old_pass(batch) if self.moe else batch  # r2: replay that pass
         correction = {}
         if not reuse:
@@ -228,9 +236,9 @@ class Learner(Worker):
             with timer.phase("critic_update"):
                 metrics |= on_my_rows(self.critic.update, batch)
         with timer.phase("update"):
-            metrics |= on_my_rows(partial(self.update_policy, loss_fn=self.policy_loss), batch)
+            metrics |= self._policy_rows(partial(self.update_policy), batch)
         if reuse:  # the update's first forward computed them: the gap metrics come now
-            batch |= on_my_rows(self.old_log_probs_of_last_update, batch)
+            batch |= self._policy_rows(self.old_log_probs_of_last_update, batch)
             batch, correction = rollout_correction(batch, alg)
         stale, lag = {}, []
         if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
@@ -264,13 +272,28 @@ class Learner(Worker):
             raise RuntimeError(samples)
         return samples
 
+    def _policy_rows(self, fn, batch: Batch):
+        """``on_my_rows`` for the policy's passes: with a pipeline, each data-parallel replica's
+        share (learner/pipeline_policy.py)."""
+        if self.pipeline is None:
+            return on_my_rows(fn, batch)
+        return pipeline_policy.on_replica_rows(fn, batch, self.pipeline.layout)
+
     def policy_loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
-        """One micro-batch's share of the mini-batch objective: the policy-gradient loss
-        (``algorithm.policy_loss``, reweighted by the rollout correction when on), plus ``kl_coef``
-        times the KL to the reference, minus ``entropy_coef`` times the entropy, each aggregated by
-        ``algorithm.loss_agg``."""
-        alg, mask = self.cfg.algorithm, mb["response_mask"]
+        """One micro-batch's share of the mini-batch objective (:meth:`objective`) from a forward
+        of the policy."""
         logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
+        return self.objective(logp, entropy, mb, totals)
+
+    def objective(
+        self, logp: torch.Tensor, entropy: torch.Tensor, mb: Batch, totals: AggTotals
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The policy-gradient loss (``algorithm.policy_loss``, reweighted by the rollout
+        correction when on) of the response log-probs ``logp``, plus ``kl_coef`` times the KL to the
+        reference, minus ``entropy_coef`` times the entropy, each aggregated by
+        ``algorithm.loss_agg`` with the mini-batch's ``totals``. A pipeline's last stage calls it
+        with the log-probs of its logits."""
+        alg, mask = self.cfg.algorithm, mb["response_mask"]
         if ROW in mb:
             mb = mb | Batch({"old_log_probs": self._keep_old(mb, logp)})
         pg, metrics = self.loss_fn(logp, mb, alg)
@@ -299,6 +322,11 @@ class Learner(Worker):
         def fn(model, mb):
             return response_log_probs(model, mb, self.sampling)[0]
 
+        if self.pipeline is not None:
+            old = pipeline_update.first_epoch_log_probs(
+                self.pipeline, batch, self.shuffle, self.cfg.actor, self.sampling
+            )
+            return Batch({"old_log_probs": old})
         return Batch(
             {"old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)}
         )
@@ -321,6 +349,24 @@ class Learner(Worker):
             else:
                 batch = batch | self.compute_log_prob(batch)
                 self._taken = batch["old_log_probs"]
+        if self.pipeline is not None:
+            if loss_fn is not None:
+                raise ValueError("update_policy: a pipelined policy trains on objective() only")
+            metrics = pipeline_update.run_updates(
+                self.pipeline,
+                self.optimizer,
+                batch,
+                self.objective,
+                self.cfg.actor,
+                generator=self.shuffle,
+                norm_len=self.cfg.loss_norm_len,
+                sampling=self.sampling,
+                prefix="actor",
+                skips=self.skips,
+            )
+            if reuse:  # the last stage noted them
+                self._taken = self.pipeline.broadcast_from_last(self._taken)
+            return metrics | {"actor/old_log_prob_reused": float(reuse)}
         metrics = run_updates(
             self.model,
             self.optimizer,
@@ -345,7 +391,10 @@ class Learner(Worker):
         return old
 
     def _check_single_pass(self, batch: Batch) -> None:
-        total = sum(distributed.all_gather_ints(len(batch)))
+        if self.pipeline is not None:
+            total = pipeline_policy.replica_total(len(batch), self.pipeline.layout)
+        else:
+            total = sum(distributed.all_gather_ints(len(batch)))
         if not is_single_pass(self.cfg.actor, total):
             a = self.cfg.actor
             raise ValueError(
@@ -378,7 +427,9 @@ class Learner(Worker):
         the base weights, then the adapters; ``auto``: ``base`` on the first call after the learner
         was built or loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain
         names)."""
-        if self.lora is None:
+        if self.pipeline is not None:  # every stage's weights, by transformers name
+            buckets = pipeline_policy.weight_buckets(self.pipeline, bucket_bytes)
+        elif self.lora is None:
             buckets = list(iter_weight_buckets(self.model, bucket_bytes))
         elif mode == "merged":
             merged = lora_lib.merged_weights(self.model)
@@ -430,7 +481,11 @@ class Learner(Worker):
         if marker is not None:
             self.wait_checkpoint()  # one save in flight at most
             writer = self.writer
-        if self.lora is not None:
+        if self.pipeline is not None:  # written now, whatever ``marker`` says
+            pipeline_policy.save(
+                path, self.pipeline, self.model, self.optimizer, self.shuffle, self.tokenizer
+            )
+        elif self.lora is not None:
             lora_lib.save_lora_checkpoint(
                 path,
                 self.model,
@@ -459,7 +514,9 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str, critic_path: str | None = None) -> None:
-        if self.lora is not None and lora_lib.is_lora_checkpoint(path):
+        if self.pipeline is not None:
+            pipeline_policy.load(path, self.pipeline, self.model, self.optimizer, self.shuffle)
+        elif self.lora is not None and lora_lib.is_lora_checkpoint(path):
             self.base_source = lora_lib.base_source_of(path)
             base, _ = load_model(self.cfg, self.base_source)
             lora_lib.load_lora_state(path, self.model, self.optimizer, self.shuffle, base)

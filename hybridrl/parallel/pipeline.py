@@ -37,7 +37,14 @@ from torch.distributed import pipelining as pipe
 
 from hybridrl.algorithms.masking import zero_pad
 from hybridrl.parallel import distributed
-from hybridrl.parallel.pipeline_stages import PLACEMENTS, build_stages, copy_tied_head, is_tied
+from hybridrl.parallel.pipeline_stages import (
+    PLACEMENTS,
+    build_stages,
+    copy_tied_head,
+    gather_full_weights,
+    is_tied,
+    load_full_weights,
+)
 from hybridrl.protocol import Batch
 
 # schedule name -> (torch schedule class, takes a list of stages)
@@ -99,6 +106,13 @@ def check_layout(world: int, pp: int, schedule: str, microbatches: int, n_layers
         raise ValueError(
             f"the model has {n_layers} decoder layers, fewer than the {n} pipeline stages of "
             f"actor.pp_size={pp} with {schedule} (every stage needs a layer)"
+        )
+    if PLACEMENTS[schedule].shape == "v" and world > pp:
+        raise ValueError(
+            f"actor.pp_schedule={schedule} with data parallelism (world size {world}, "
+            f"pp_size {pp}): its split backward (input gradients first, weight gradients later) "
+            "does not compose with FSDP2's gradient reduction here; use 1f1b, gpipe or "
+            "interleaved_1f1b, or pp_size equal to the world size"
         )
     if PLACEMENTS[schedule].shape == "v" and layout.n_microbatches < n:
         raise ValueError(
@@ -373,6 +387,14 @@ class Pipeline:
 
     def reload_tied_head(self) -> None:
         copy_tied_head(self.stages)
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The full model's weights by transformers name on global rank 0 (``{}`` elsewhere);
+        every rank calls."""
+        return gather_full_weights(self.stages, list(range(self.layout.pp)))
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        load_full_weights(self.stages, weights)
 
     def idle_fraction(self) -> float:
         """1 - compute / wall time of the schedule steps since the last call, mean over ranks (a

@@ -115,18 +115,23 @@ class DecoderStage(nn.Module):
                 self.head = head
 
     def forward(self, x, attention_mask, position_ids):
+        from hybridrl.parallel.precision import autocast
+
+        with autocast(self):  # bf16 matmuls when the model was marked for them
+            return self._forward(x, attention_mask, position_ids)
+
+    def _forward(self, x, attention_mask, position_ids):
         from transformers.masking_utils import create_causal_mask
 
         h = self.embed_tokens(x) if self.is_first else x
         masks = {
-            kind: create_causal_mask(
+            "full_attention": create_causal_mask(
                 config=self.config,
                 inputs_embeds=h,
                 attention_mask=attention_mask,
                 cache=None,
                 position_ids=position_ids,
             )
-            for kind in {"full_attention"}
         }
         if getattr(self.config, "sliding_window", None) and any(
             t == "sliding_attention" for t in getattr(self.config, "layer_types", []) or []
@@ -170,16 +175,30 @@ class DecoderStage(nn.Module):
         return list(self.layers.values())
 
 
+class StageModules(nn.ModuleList):
+    """A rank's stages as one module (its parameters for the optimizer, checks and moves), with
+    the full model's ``config`` (FLOPs accounting reads the model's shape)."""
+
+    def __init__(self, stages: list[DecoderStage], config):
+        super().__init__(stages)
+        self.config = config
+
+
 def build_stages(model: nn.Module, indices: list[int], n_stages: int) -> list[DecoderStage]:
     """This rank's stages (``indices``) of ``model`` cut into ``n_stages``; they share the model's
-    modules (no copy, except a tied head's own weight)."""
+    modules (no copy, except a tied head's own weight) and its autocast mark."""
+    from hybridrl.parallel.precision import autocast_device, autocast_dtype, set_autocast
+
     decoder, head = causal_lm_parts(model)
     ranges = layer_ranges(len(decoder.layers), n_stages)
     parts = (decoder, head, is_tied(model))
-    return [
+    stages = [
         DecoderStage(model.config, s, n_stages, {i: decoder.layers[i] for i in ranges[s]}, parts)
         for s in indices
     ]
+    for stage in stages:
+        set_autocast(stage, autocast_dtype(model), autocast_device(model))
+    return stages
 
 
 def split_whole(model: nn.Module, n_stages: int) -> list[DecoderStage]:
@@ -194,3 +213,53 @@ def copy_tied_head(stages: list[DecoderStage]) -> None:
     last = next((s for s in stages if s.is_last and s.head_is_copy), None)
     if first is not None and last is not None:
         last.head.weight.copy_(first.embed_tokens.weight)
+
+
+def stage_weights(stages: list[DecoderStage]) -> dict[str, torch.Tensor]:
+    """This rank's stage parameters as full CPU tensors by transformers name (a tied head copy left
+    out); under FSDP2 each is all-gathered over the data-parallel dimension (every rank calls)."""
+    out = {}
+    with torch.no_grad():
+        for stage in stages:
+            names = stage.hf_names()
+            for name, p in stage.named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if names[name] is not None:
+                    out[names[name]] = full.detach().cpu().clone()
+    return out
+
+
+def gather_full_weights(stages: list[DecoderStage], replica_ranks: list[int]) -> dict:
+    """The full model's weights by transformers name on global rank 0 (``{}`` elsewhere), from
+    the ranks of replica 0 (``replica_ranks``); every rank calls."""
+    import torch.distributed as dist
+
+    mine = stage_weights(stages)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    rank = dist.get_rank()
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine if rank in replica_ranks else None, parts, dst=0)
+    if rank != 0:
+        return {}
+    out = {}
+    for part in parts:
+        out |= part or {}
+    return out
+
+
+@torch.no_grad()
+def load_full_weights(stages: list[DecoderStage], weights: dict[str, torch.Tensor]) -> None:
+    """Each stage parameter takes the value of its transformers name in ``weights`` (a full state
+    dict; a tied head copy takes the embeddings); sharded parameters take their shard."""
+    for stage in stages:
+        names = stage.hf_names()
+        for name, p in stage.named_parameters():
+            value = weights[names[name] or "model.embed_tokens.weight"]
+            if hasattr(p, "to_local"):
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements)
+                p.to_local().copy_(value.to_local())
+            else:
+                p.copy_(value)
