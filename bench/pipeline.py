@@ -94,8 +94,14 @@ def load_measure():
     try:
         from bench.pipeline_run import measure
     except Exception as e:  # a missing or broken module leaves the simulated figures standing
-        return None, f"{type(e).__name__}: {e}"
+        return None, _reason(e)
     return measure, None
+
+
+def _reason(e: Exception) -> str:
+    """The error's type and its last line (a failed run's error carries the ranks' logs)."""
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
 def measured(measure, why: str | None, name: str, pp: int, m: int) -> dict:
@@ -112,7 +118,7 @@ def measured(measure, why: str | None, name: str, pp: int, m: int) -> dict:
         return {
             "bubble_measured": None,
             "stage_idle_measured": None,
-            "measure_error": f"{type(e).__name__}: {e}",
+            "measure_error": _reason(e),
         }
 
 

@@ -46,13 +46,13 @@ def test_json_and_png(tmp_path, capsys):
 
 def test_a_failing_real_run_is_recorded_not_raised():
     def broken(schedule, pp, n_microbatches):
-        raise RuntimeError("no process group")
+        raise RuntimeError("rank 0 log\n...\nValueError: no process group\n")
 
     row = BENCH.measured(broken, None, "1f1b", 2, 8)
     assert row == {
         "bubble_measured": None,
         "stage_idle_measured": None,
-        "measure_error": "RuntimeError: no process group",
+        "measure_error": "RuntimeError: ValueError: no process group",
     }
 
     def fine(schedule, pp, n_microbatches):
