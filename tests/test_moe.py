@@ -40,7 +40,7 @@ from hybridrl.moe.balance import (
 )
 from hybridrl.moe.health import RoutingHealth, load_stats
 from hybridrl.moe.routing import moe_gates, record, replay, same_sets
-from hybridrl.moe.training import REPLAY, ROUTING, start
+from hybridrl.moe.training import REPLAY, ROUTING, replays_routing, start
 from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout.backends.hf import HFRollout
 from hybridrl.rollout.base import SamplingParams
@@ -215,7 +215,7 @@ def test_hf_rollout_routing_lines_up_with_input_ids(rollout_batch):
 @pytest.mark.parametrize("packing", [False, True])
 def test_r3_log_probs_equal_the_rollout_time_ones(rollout_batch, packing):
     _, samples, batch = rollout_batch
-    tok_model = build_model("tiny_moe", TASKS.get("arith")(seed=0).tokenizer(), 0)
+    tok_model = replays_routing(build_model("tiny_moe", TASKS.get("arith")(seed=0).tokenizer(), 0))
     before = batch_log_probs(tok_model, batch, 64, packing=packing)
     rollout = batch["rollout_log_probs"]
     mask = batch["response_mask"].bool()
@@ -226,6 +226,9 @@ def test_r3_log_probs_equal_the_rollout_time_ones(rollout_batch, packing):
     marked = batch | type(batch)({REPLAY: torch.ones(len(batch), dtype=torch.long)})
     replayed = batch_log_probs(tok_model, marked, 64, packing=packing)
     assert (replayed - before)[mask].abs().max() < 1e-5
+    # a model not marked to replay (a critic) routes afresh
+    delattr(tok_model, "hybridrl_moe_replays")
+    assert torch.equal(batch_log_probs(tok_model, marked, 64, packing=packing), fresh)
     # the micro-batches carry the routing trimmed like input_ids
     mbs, _ = micro_batches(marked, 16, packing)
     assert len(mbs) > 1

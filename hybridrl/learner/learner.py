@@ -184,6 +184,8 @@ class Learner(Worker):
         self._taken: torch.Tensor | None = None  # old log-probs noted by the running / last update
         ref_path = reference_path or model_path
         self.reference = Reference(cfg, ref_path, self.dist) if needs_reference(cfg) else None
+        if self.reference is not None:  # MoE r3: the reference replays the rollout's routing too
+            moe_training.replays_routing(self.reference.model)
         critic_from = critic_path or ref_path
         self.critic = Critic(cfg, critic_from, self.dist) if needs_critic(cfg) else None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)

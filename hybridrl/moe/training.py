@@ -18,7 +18,8 @@ R2 equals no replay); ``none`` routes afresh everywhere.
 
 The policy model carries a :class:`MoETraining` (attribute ``hybridrl_moe``): the forward context
 finds it there, notes the router logits for the balancing losses, counts expert loads and compares
-fresh routing with the recorded one. A reference model carries none: it only replays.
+fresh routing with the recorded one. The reference carries none: it only replays
+(:func:`replays_routing`); a critic neither replays nor observes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ from hybridrl.parallel import distributed
 
 ROUTING, REPLAY, ROW = "routing", "routing_replay", "moe_row"
 RUNTIME_ATTR = "hybridrl_moe"
+# set on the models whose forwards replay a batch's routing: the policy and its reference, not a
+# critic (its routers are its own, trained apart from the policy's)
+REPLAYS_ATTR = "hybridrl_moe_replays"
 PROBE_ROWS = 8  # rows of the fixed probe batch whose routing is compared between versions
 
 
@@ -55,6 +59,12 @@ def prepare(model: nn.Module, cfg) -> nn.Module:
     return model
 
 
+def replays_routing(model: nn.Module) -> nn.Module:
+    """Mark ``model`` (the policy, the reference) as one whose forwards replay recorded routing."""
+    setattr(model, REPLAYS_ATTR, True)
+    return model
+
+
 def start(model: nn.Module, optimizer, cfg) -> MoETraining | None:
     """The policy's MoE runtime (None for a dense model), attached to ``model``; the expert bias
     moves after each of ``optimizer``'s steps."""
@@ -62,6 +72,7 @@ def start(model: nn.Module, optimizer, cfg) -> MoETraining | None:
         return None
     runtime = MoETraining(model, cfg)
     setattr(model, RUNTIME_ATTR, runtime)
+    replays_routing(model)
     if runtime.bias is not None:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: runtime.update_bias())
     return runtime
@@ -111,10 +122,12 @@ class _Forward:
 @contextmanager
 def moe_forward(model: nn.Module, mb) -> Iterator[None]:
     """Around one forward of micro-batch ``mb``: replay its ``routing`` where ``routing_replay``
-    asks, and let the model's :class:`MoETraining` (when attached) observe the routing. A no-op for
-    a dense model."""
+    asks (a model marked by :func:`replays_routing`), and let the model's :class:`MoETraining`
+    (when attached) observe the routing. A no-op for a dense model and for an unmarked one (a
+    critic)."""
     runtime = getattr(model, RUNTIME_ATTR, None)
-    if (runtime is None and ROUTING not in mb) or not is_moe(model):
+    replays = getattr(model, REPLAYS_ATTR, False)
+    if (runtime is None and not replays) or not is_moe(model):
         yield
         return
     places, n, real = _token_places(model, mb)
@@ -124,7 +137,7 @@ def moe_forward(model: nn.Module, mb) -> Iterator[None]:
         recorded = torch.full((n, *routing.shape[2:]), NOT_ROUTED, dtype=routing.dtype)
         recorded = recorded.to(routing.device)
         recorded[places] = routing[real]
-    replaying = recorded is not None and REPLAY in mb and bool(mb[REPLAY].any())
+    replaying = replays and recorded is not None and REPLAY in mb and bool(mb[REPLAY].any())
     real_flat = torch.zeros(n, dtype=torch.bool, device=places.device)
     real_flat[places] = True
     capture = None
