@@ -401,3 +401,32 @@ def test_w4_trains_in_both_modes(tmp_path, mode):
     assert len(trained) == 2
     assert all(r["env/errors"] == 0 and r["tito/extension_violations"] == 0 for r in trained)
     assert all(r["env/trajectories"] > 0 for r in trained)
+
+
+def test_explicit_reward_functions_score_the_trajectory_text():
+    """With task.reward_fn given, the reward functions score the decoded trajectory (observations
+    included) and the environment's reward is logged as reward/env."""
+    from hybridrl.rollout.scoring import Scorer
+
+    task = CalcTask()
+    p = task.prompt(0)
+    a_b = p.text.split("+")[0]
+    answer = ids(a_b.join(["<call>", "</call>"])), ids(p.answer) + [TOK.eos_token_id]
+    mt = rollout(Scripted(lambda i, ctx: answer[min(i, 1)]), CalcToolEnv, max_turns=3)
+    out = mt.generate([prompt_sample(p, TOK)], params(n=1, max_new_tokens=20))
+    cfg = load_config(
+        Config, None, ["task.name=calc", "env.name=calc_tool", "task.reward_fn=calc_answer"]
+    )
+    (s,) = EnvRewards(cfg, Scorer(cfg, TOK))(out)
+    assert s.reward == 1.0 and s.reward_extras["reward/env"] == 1.0
+    assert TOK.decode(s.response_ids, skip_special_tokens=True).endswith("</obs>" + p.answer)
+
+
+def test_env_config_errors():
+    for bad, msg in [
+        (["env.turn_stop=[x]"], "env.name is null"),
+        (["env.name=calc_tool", "env.turn_stop=['']"], "non-empty"),
+        (["env.name=calc_tool", "env.max_turns=0"], ">= 1"),
+    ]:
+        with pytest.raises(Exception, match=msg):
+            load_config(Config, None, bad)
