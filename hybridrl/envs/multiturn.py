@@ -42,6 +42,9 @@ from hybridrl.rollout.scoring import FAILURE_COUNTS
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # nothing in the engine: how long a step waits for an environment to answer
+# a batch-synchronous inner backend (one generate per step: hf, vllm, sglang): how long a step
+# waits for the environment calls in flight, so that their next turns share one generate call
+BATCH_WAIT_S = 0.05
 LOGGED_ERRORS = 5  # environment failures logged in full; later ones only counted
 
 
@@ -101,6 +104,8 @@ class MultiTurnRollout(RolloutEngine):
         self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
         self.counts: dict[str, float] = defaultdict(float)
         self.info: dict[str, list[float]] = defaultdict(list)
+        self.calls_out = 0  # environment calls submitted and not yet handled
+        self.batched = type(inner).step is RolloutEngine.step  # no continuous batching
 
     # the inner engine holds the weight version (RolloutEngine.__init__ assigns 0: ignored)
     @property
@@ -143,6 +148,9 @@ class MultiTurnRollout(RolloutEngine):
         """One step of the inner engine over the turns in it (when none is, a short wait for an
         environment), with the environments' answers that arrived handled before and after."""
         with self.lock:
+            if self.batched and self.calls_out:
+                with self.wake:
+                    self.wake.wait_for(lambda: len(self.arrived) >= self.calls_out, BATCH_WAIT_S)
             self._handle_arrivals()
             tokens = 0
             if self.in_engine:
@@ -252,6 +260,7 @@ class MultiTurnRollout(RolloutEngine):
             self._next_turn(t)
 
     def _call(self, t: _Trajectory, kind: str, fn, arg) -> None:
+        self.calls_out += 1
         future = self.calls.submit(fn, arg)
         future.add_done_callback(lambda f: self._arrive(t, kind, f))
 
@@ -266,6 +275,7 @@ class MultiTurnRollout(RolloutEngine):
                 if not self.arrived:
                     return
                 t, kind, future = self.arrived.popleft()
+            self.calls_out -= 1
             if t.status:  # aborted meanwhile
                 continue
             try:
