@@ -31,11 +31,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from hybridrl.envs.base import ENVIRONMENTS, Env, StepResult
-from hybridrl.envs.turns import ChatObservations, EnvCalls, PlainObservations, overrides
+from hybridrl.envs.turns import (
+    ChatObservations,
+    EnvCalls,
+    Group,
+    PlainObservations,
+    Trajectory,
+    overrides,
+)
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import RolloutEngine, SamplingParams
 from hybridrl.rollout.scoring import FAILURE_COUNTS
@@ -46,41 +53,6 @@ IDLE_WAIT_S = 0.005  # nothing in the engine: how long a step waits for an envir
 # waits for the environment calls in flight, so that their next turns share one generate call
 BATCH_WAIT_S = 0.05
 LOGGED_ERRORS = 5  # environment failures logged in full; later ones only counted
-
-
-@dataclass
-class _Group:
-    prompt: Sample
-    params: SamplingParams
-    trajs: list[_Trajectory] = field(default_factory=list)
-
-
-@dataclass
-class _Trajectory:
-    group: _Group
-    index: int
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    env: Any = None
-    obs: Any = None  # PlainObservations or ChatObservations
-    total: int = 0  # response tokens over all parts (observations included)
-    turns: int = 0
-    last_turn: list[int] = field(default_factory=list)
-    reward: float = 0.0
-    status: str = ""  # "" while running, then finished | truncated | aborted
-    error: str = ""  # "" or the failure counted: errors | timeouts
-    aborted: bool = False
-    request: Sample | None = None  # the turn in the inner engine
-    parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
-    messages: list[dict] | None = None  # chat prompts: the conversation so far
-    rendered: list[int] | None = None  # chat prompts: the template's tokens of it
-
-    @property
-    def uid(self) -> str:
-        return f"{self.group.prompt.uid}#{self.index}"
 
 
 class MultiTurnRollout(RolloutEngine):
@@ -97,8 +69,8 @@ class MultiTurnRollout(RolloutEngine):
         self.plain = PlainObservations(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
         self.chat = ChatObservations(tokenizer, env_cfg.observation_role) if template else None
-        self.groups: dict[str, _Group] = {}
-        self.in_engine: dict[str, _Trajectory] = {}  # turn request uid -> its trajectory
+        self.groups: dict[str, Group] = {}
+        self.in_engine: dict[str, Trajectory] = {}  # turn request uid -> its trajectory
         self.arrived: deque = deque()  # (trajectory, kind, future) of finished environment calls
         self.wake = threading.Condition()
         self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
@@ -138,9 +110,9 @@ class MultiTurnRollout(RolloutEngine):
             for p in added:
                 if p.uid in self.groups:
                     raise ValueError(f"prompt {p.uid!r} is already generating")
-                group = self.groups[p.uid] = _Group(p, params)
+                group = self.groups[p.uid] = Group(p, params)
                 for i in range(max(1, params.n)):
-                    group.trajs.append(_Trajectory(group, i, list(p.prompt_ids)))
+                    group.trajs.append(Trajectory(group, i, list(p.prompt_ids)))
                     self._begin(group.trajs[-1])
         return added
 
@@ -244,7 +216,7 @@ class MultiTurnRollout(RolloutEngine):
         self.calls.close()
 
     # --- a trajectory's life ----------------------------------------------------------------------
-    def _begin(self, t: _Trajectory) -> None:
+    def _begin(self, t: Trajectory) -> None:
         prompt = t.group.prompt.metadata.get("prompt")
         chat = self.chat is not None and isinstance(getattr(prompt, "raw", None), list)
         t.obs = self.chat if chat else self.plain
@@ -259,12 +231,12 @@ class MultiTurnRollout(RolloutEngine):
         else:
             self._next_turn(t)
 
-    def _call(self, t: _Trajectory, kind: str, fn, arg) -> None:
+    def _call(self, t: Trajectory, kind: str, fn, arg) -> None:
         self.calls_out += 1
         future = self.calls.submit(fn, arg)
         future.add_done_callback(lambda f: self._arrive(t, kind, f))
 
-    def _arrive(self, t: _Trajectory, kind: str, future) -> None:  # on the event-loop thread
+    def _arrive(self, t: Trajectory, kind: str, future) -> None:  # on the event-loop thread
         with self.wake:
             self.arrived.append((t, kind, future))
             self.wake.notify_all()
@@ -296,7 +268,7 @@ class MultiTurnRollout(RolloutEngine):
             except Exception as e:  # e.g. an observation the tokenizer cannot encode
                 self._fail(t, "errors", e)
 
-    def _next_turn(self, t: _Trajectory) -> None:
+    def _next_turn(self, t: Trajectory) -> None:
         left = self.cfg.max_total_tokens - t.total
         if left <= 0:
             self._finish(t, "truncated")
@@ -331,7 +303,7 @@ class MultiTurnRollout(RolloutEngine):
             t.request = None
             self._turn_done(t, s)
 
-    def _turn_done(self, t: _Trajectory, s: Sample) -> None:
+    def _turn_done(self, t: Trajectory, s: Sample) -> None:
         ids = list(s.response_ids)
         t.response_ids += ids
         t.log_probs += s.log_probs
@@ -347,7 +319,7 @@ class MultiTurnRollout(RolloutEngine):
         else:
             self._call(t, "step", t.env.step, self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def _stepped(self, t: _Trajectory, result: Any) -> None:
+    def _stepped(self, t: Trajectory, result: Any) -> None:
         if not isinstance(result, StepResult):
             raise TypeError(f"step returned {type(result).__name__}, not a StepResult")
         t.reward += float(result.reward)
@@ -386,7 +358,7 @@ class MultiTurnRollout(RolloutEngine):
                     return
         self._next_turn(t)
 
-    def _fail(self, t: _Trajectory, kind: str, error: BaseException) -> None:
+    def _fail(self, t: Trajectory, kind: str, error: BaseException) -> None:
         self.counts[kind] += 1
         if self.counts[kind] <= LOGGED_ERRORS:
             what = "ran past env.step_timeout_s" if kind == "timeouts" else f"raised {error!r}"
@@ -394,7 +366,7 @@ class MultiTurnRollout(RolloutEngine):
         t.error, t.reward = kind, 0.0
         self._finish(t, "truncated")
 
-    def _finish(self, t: _Trajectory, status: str) -> None:
+    def _finish(self, t: Trajectory, status: str) -> None:
         t.status = status
         self.counts["trajectories"] += 1
         self.counts["turns"] += t.turns
@@ -402,12 +374,12 @@ class MultiTurnRollout(RolloutEngine):
         if t.env is not None and hasattr(t.env, "close") and overrides(t.env, "close", Env):
             self.calls.submit(t.env.close)  # not waited for; its errors are of no consequence
 
-    def _part(self, t: _Trajectory, status: str) -> Sample:
+    def _part(self, t: Trajectory, status: str) -> Sample:
         s = t.group.prompt.with_response(t.response_ids, t.log_probs, t.versions, status)
         s.prompt_ids, s.loss_mask = list(t.prompt_ids), list(t.loss_mask)
         return s
 
-    def _samples(self, t: _Trajectory) -> list[Sample]:
+    def _samples(self, t: Trajectory) -> list[Sample]:
         """The trajectory as samples (one per part), each carrying its outcome in metadata."""
         out = t.parts + [self._part(t, t.status)]
         for i, s in enumerate(out):

@@ -1,5 +1,5 @@
-"""The two helpers of a multi-turn rollout (``envs/multiturn.py``): running environment calls off
-the engine's thread, and turning an observation into tokens.
+"""The parts of a multi-turn rollout (``envs/multiturn.py``): a trajectory's state, running
+environment calls off the engine's thread, and turning an observation into tokens.
 
 :class:`EnvCalls` runs every ``reset`` / ``step`` on one event-loop thread: an ``async def`` is
 awaited there, a plain function runs on a daemon thread of its own and is awaited as a future. So a
@@ -32,7 +32,51 @@ import inspect
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
+
+from hybridrl.protocol import Sample
+from hybridrl.rollout.base import SamplingParams
+
+
+@dataclass
+class Group:
+    """A prompt's trajectories (one per sample) and its sampling parameters."""
+
+    prompt: Sample
+    params: SamplingParams
+    trajs: list[Trajectory] = field(default_factory=list)
+
+
+@dataclass
+class Trajectory:
+    """One trajectory's state while it runs: its tokens so far (the model's, with their log-probs
+    and versions, and the observations'), its environment, turn and token counts, and outcome."""
+
+    group: Group
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    env: Any = None
+    obs: Any = None  # PlainObservations or ChatObservations
+    total: int = 0  # response tokens over all parts (observations included)
+    turns: int = 0
+    last_turn: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    status: str = ""  # "" while running, then finished | truncated | aborted
+    error: str = ""  # "" or the failure counted: errors | timeouts
+    aborted: bool = False
+    request: Sample | None = None  # the turn in the inner engine
+    parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
+    messages: list[dict] | None = None  # chat prompts: the conversation so far
+    rendered: list[int] | None = None  # chat prompts: the template's tokens of it
+
+    @property
+    def uid(self) -> str:
+        return f"{self.group.prompt.uid}#{self.index}"
 
 
 class EnvCalls:
