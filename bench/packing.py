@@ -14,9 +14,10 @@ workload's config: ppo_clip, 4 mini-batches of 64, ``actor.micro_batch_tokens`` 
   padding (every row of a mini-batch at the batch's full width).
 - ``dp_imbalance``: max / mean - 1 of the tokens per rank with 2 data-parallel ranks
   (``perf/dp_token_imbalance``), the samples in the order the rollout returns them, balanced
-  (``trainer.balance_batch``) and not; the mean over the steps. ``..._per_minibatch``: the same
-  within each mini-batch of 64 that the update draws at random from the step's 256 rows (a rank
-  trains the drawn rows in its half), which balancing the step's halves cannot even out.
+  (``trainer.balance_batch``) and not, over each rank's half of the step (``dp_imbalance_2_ranks``)
+  and over each rank's share of each mini-batch of 64 that the update draws from the step's 256
+  rows, where the ranks meet (``..._per_minibatch``: ``perf/dp_token_imbalance_minibatch``); the
+  mean over the steps.
 - ``update``: the policy update (``Learner.update_policy``) on the same batch from the same
   weights and optimizer state, the settings alternating (packed, grouped, naive, naive, grouped,
   packed, ...) ``--reps`` times; the median seconds of each, ``update_speedup_vs_unpacked`` =
@@ -45,10 +46,14 @@ sys.path.insert(0, str(ROOT))
 from hybridrl.config import Config, load_config  # noqa: E402
 from hybridrl.controller import WorkerContext  # noqa: E402
 from hybridrl.learner import Learner  # noqa: E402
-from hybridrl.learner.update import global_totals, local_minibatches  # noqa: E402
+from hybridrl.learner.update import (  # noqa: E402
+    first_epoch_minibatches,
+    global_totals,
+    local_minibatches,
+)
 from hybridrl.models.loading import make_task  # noqa: E402
+from hybridrl.parallel.balance import balance_for_ranks  # noqa: E402
 from hybridrl.parallel.fsdp import clip_grad_norm  # noqa: E402
-from hybridrl.parallel.packing import balance_for_ranks, imbalance  # noqa: E402
 from hybridrl.protocol import Batch, Sample, samples_to_batch  # noqa: E402
 
 WORKLOADS = {
@@ -99,24 +104,6 @@ def update_inputs(lrn: Learner, samples: list[Sample], pad_id: int) -> Batch:
     adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
     adv = adv.reshape(-1, 1) * batch["response_mask"]
     return batch | Batch({"old_log_probs": old, "ref_log_probs": old, "advantages": adv})
-
-
-def minibatch_imbalance(batch: Batch, minibatch_size: int, seed: int) -> float:
-    """Mean over one epoch's mini-batches of the token imbalance between 2 ranks, each training
-    the rows of the mini-batch that lie in its contiguous half of the step's batch (as
-    ``learner/update.py`` splits them)."""
-    lengths = batch["attention_mask"].sum(-1)
-    half = (len(batch) + 1) // 2
-    perm = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed))
-    out = []
-    for start in range(0, len(batch), minibatch_size):
-        rows = perm[start : start + minibatch_size]
-        per_rank = [
-            float(lengths[rows[rows < half]].sum()),
-            float(lengths[rows[rows >= half]].sum()),
-        ]
-        out.append(imbalance(per_rank))
-    return statistics.fmean(out)
 
 
 def naive_update(lrn: Learner, batch: Batch) -> dict[str, float]:
@@ -170,9 +157,10 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
         lengths += [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         batch = update_inputs(lrn, samples, tokenizer.pad_token_id)
         for key, on in (("balanced", True), ("unbalanced", False)):
-            ordered, metrics = balance_for_ranks(batch, 2, on)
+            minis = first_epoch_minibatches(len(batch), lrn.shuffle, cfg.actor.ppo_minibatch_size)
+            metrics = balance_for_ranks(batch, 2, on, minis)[1]
             imb[key].append(metrics["perf/dp_token_imbalance"])
-            per_mini[key].append(minibatch_imbalance(ordered, cfg.actor.ppo_minibatch_size, step))
+            per_mini[key].append(metrics["perf/dp_token_imbalance_minibatch"])
         after: dict[str, dict] = {}
         plan = [s for k in range(reps) for s in (SETTINGS if k % 2 == 0 else SETTINGS[::-1])]
         for setting in plan:

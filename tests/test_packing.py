@@ -250,6 +250,32 @@ def test_packed_log_probs_equal_unpacked(model):
     assert (a - b).abs().max() > 100 * TOL
 
 
+def test_one_row_layout_of_varlen_kernels_gives_the_same_outputs(model):
+    """The layout a flash-attention model gets (every sequence back to back in one row) holds each
+    sequence whole and, run here through SDPA's block-diagonal mask, gives the unpacked outputs."""
+    from hybridrl.parallel.packing import gather_positions, is_varlen, response_positions
+
+    assert not is_varlen(model)  # CPU: SDPA, several rows
+    batch = make_batch(n=8, seed=12)
+    mb = micro_batches(batch, 128, packing=True)[0][0]
+    attn = mb["attention_mask"]
+    layout = packed_layout(attn, mb[PACK_ROW], mb[PACK_OFFSET], one_row=True)
+    assert layout.n_rows == 1 and layout.width == int(attn.sum())  # no padding at all
+    ids, pos = layout.scatter(mb["input_ids"], attn, 0), layout.position_ids(attn)
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        got = gather_positions(out, response_positions(layout, attn, mb["responses"].shape[1]))
+        P = attn.shape[1] - mb["responses"].shape[1]
+        ref = model(
+            input_ids=mb["input_ids"],
+            attention_mask=attn,
+            position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+            use_cache=False,
+        ).logits[:, P - 1 : -1]
+    mask = mb["response_mask"].bool()
+    assert (got[mask] - ref[mask]).abs().max() <= TOL
+
+
 def gradients(model, batch: Batch, packing: bool) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     model.train()

@@ -42,9 +42,10 @@ from hybridrl.parallel.balance import balance_for_ranks  # noqa: F401
 MIN_ROW_TOKENS = 128
 # rows may grow this much past the capacity when that saves padding (plan_rows)
 ROW_WIDEN = 1.25
-# attention implementations whose kernel takes variable-length sequences: the packed micro-batch
-# goes in as one row (no padding at all), the sequence starts read from the position ids
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
+# attention implementations whose name holds this take variable-length sequences: the packed
+# micro-batch goes in as one row (no padding at all), the sequence starts read from the position
+# ids (flash_attention_2, flash_attention_3, kernels-community/flash-attn ...)
+VARLEN_ATTENTION = "flash"
 
 
 # --- the algorithms -------------------------------------------------------------------------------
@@ -72,8 +73,8 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 # --- micro-batches of packed rows --------------------------------------------------------------
 @dataclass
 class PackedMicroBatch:
-    """The sequences of one micro-batch (indices into the packed batch), the row each one is in and
-    its first position in that row."""
+    """The sequences of one micro-batch (indices into the packed lengths, the batch's rows), the row
+    each one is in and its first position in that row."""
 
     docs: list[int]
     rows: list[int]
@@ -155,9 +156,14 @@ def pack_micro_batches(
 
 # --- the packed forward ---------------------------------------------------------------------------
 def is_varlen(model) -> bool:
-    """Whether the model's attention kernel takes variable-length sequences in one row."""
-    config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) in VARLEN_ATTENTION
+    """Whether the model's attention kernel takes variable-length sequences in one row: the first
+    config found on the model or a wrapped module inside it (LoRA, FSDP) decides. A flash kernel
+    must get one row: given several rows and no mask it would attend across the sequences."""
+    for module in model.modules():
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if impl is not None:
+            return VARLEN_ATTENTION in str(impl)
+    return False
 
 
 @dataclass
