@@ -90,15 +90,10 @@ def model_is_moe(cfg: Config) -> bool | None:
 
 
 def check_moe(cfg: Config) -> None:
-    """A mixture-of-experts model needs a rollout backend that serves it (the native engine does
-    not yet); routing replay and balancing need an MoE model, and no activation checkpointing (its
-    recomputed forward would route afresh)."""
+    """Routing replay and balancing need an MoE model (both the hf and the native rollout serve
+    one and record its routing), and no activation checkpointing (its recomputed forward would
+    route afresh)."""
     moe = model_is_moe(cfg)
-    if moe and cfg.rollout.backend == "native":
-        raise ConfigError(
-            "config key 'rollout.backend': the native engine does not serve mixture-of-experts "
-            "models yet; use rollout.backend=hf (docs/moe.md)"
-        )
     if moe is False and cfg.moe.active:
         raise ConfigError(
             "config section 'moe': routing replay and expert balancing (moe.routing_replay, "

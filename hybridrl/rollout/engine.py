@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.moe.routing import NOT_ROUTED
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.model_runner import ModelRunner
@@ -380,7 +381,21 @@ class LLMEngine:
             child.num_computed = child.num_draft_computed = 0
             child.num_cached_prompt_tokens = 0
             self.scheduler.add(child)
+            # it may finish before it runs (one new token): keep the prompt's routing meanwhile
+            if self.runner.routing_pool is not None:
+                child.routing = self.runner.read_routing(parent.block_table, len(parent) - 1)
         return child
+
+    def _record_routing(self, seq: Sequence) -> None:
+        """A finishing sequence's routing (tokens, MoE layers, k), read from its KV slots before
+        its blocks are freed; its last token was never fed to the model: not routed."""
+        n = len(seq) - 1
+        if seq.num_computed >= n and len(seq.block_table) * self.bm.block_size >= n:
+            fed = self.runner.read_routing(seq.block_table, n)
+        else:  # a fork that finished before running: the prompt's routing from its parent
+            fed = seq.routing[:n]
+        last = torch.full((1, *fed.shape[1:]), NOT_ROUTED, dtype=fed.dtype)
+        seq.routing = torch.cat([fed, last])
 
     def append_tokens(
         self,
@@ -407,6 +422,9 @@ class LLMEngine:
             if status is not None:
                 done.append(seq)
                 statuses.append(status)
+        if done and self.runner.routing_pool is not None:
+            for s in done:
+                self._record_routing(s)
         if done:
             waiting = [s for s, st in zip(done, statuses) if s.status is Status.WAITING]
             for s in waiting:

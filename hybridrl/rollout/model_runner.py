@@ -1,4 +1,5 @@
-"""Our own forward pass for dense Qwen2 / Qwen3 / Llama models over a paged KV cache.
+"""Our own forward pass for Qwen2 / Qwen3 / Llama and their mixture-of-experts siblings
+(Qwen2-MoE, Qwen3-MoE, Mixtral: ``moe_block.py``) over a paged KV cache.
 
 Weights are plain tensors loaded by their transformers names (from a live
 state dict or a safetensors checkpoint); q/k/v and gate/up are fused into one
@@ -10,6 +11,13 @@ block * block_size + offset; attention writes the new K/V at the sequences'
 slots and gathers each sequence's context through its block table into a
 reused buffer, then computes grouped-query attention without repeating K/V. Plain torch: CPU here,
 CUDA unchanged.
+
+Mixture-of-experts models also record routing: next to the KV pool lies a routing pool of shape
+(slots, MoE layers, k), int16, and every forward writes the experts each MoE layer chose for a
+token at that token's KV slot. Routing thus lives and dies with the KV: a prompt prefix served
+from the prefix cache brings its tokens' routing in its blocks, a fork's copied block copies it,
+and a recomputed token (after a preemption or a weight update) overwrites it. ``read_routing``
+gathers a sequence's routing through its block table before its blocks are freed.
 """
 
 from __future__ import annotations
@@ -21,59 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
+from hybridrl.rollout.model_spec import ModelSpec, default_inv_freq
+from hybridrl.rollout.moe_block import MoEBlock
 from hybridrl.rollout.sequence import Sequence
-
-
-@dataclass
-class ModelSpec:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_eps: float
-    tie_word_embeddings: bool
-    attn_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    o_bias: bool
-    max_positions: int
-
-    @staticmethod
-    def from_config(cfg) -> ModelSpec:
-        mt = getattr(cfg, "model_type", "")
-        if mt not in ("qwen2", "qwen3", "llama"):
-            raise ValueError(f"native rollout supports qwen2, qwen3 and llama models, not {mt!r}")
-        heads = cfg.num_attention_heads
-        return ModelSpec(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            intermediate_size=cfg.intermediate_size,
-            rms_eps=cfg.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-            attn_bias=True if mt == "qwen2" else bool(getattr(cfg, "attention_bias", False)),
-            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=mt == "qwen3",
-            o_bias=mt != "qwen2" and bool(getattr(cfg, "attention_bias", False)),
-            max_positions=getattr(cfg, "max_position_embeddings", 4096),
-        )
-
-
-def default_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = rp.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(
-            f"rope type {rope_type!r} needs the live model's rotary embedding (pass hf_model)"
-        )
-    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
 
 
 @dataclass
@@ -122,7 +81,8 @@ class ModelRunner:
         self.q_size, self.kv_size = s.num_heads * D, KV * D
         qkv = self.q_size + 2 * self.kv_size
         self.layers = []
-        for _ in range(s.num_layers):
+        for li in range(s.num_layers):
+            sparse = s.is_sparse(li)
             self.layers.append(
                 dict(
                     ln1=torch.ones(H, **kw),
@@ -133,16 +93,25 @@ class ModelRunner:
                     kn=torch.ones(D, **kw) if s.qk_norm else None,
                     wo=torch.zeros(H, self.q_size, **kw),
                     bo=torch.zeros(H, **kw) if s.o_bias else None,
-                    wgu=torch.zeros(2 * FF, H, **kw),
-                    bgu=torch.zeros(2 * FF, **kw) if s.mlp_bias else None,
-                    wd=torch.zeros(H, FF, **kw),
-                    bd=torch.zeros(H, **kw) if s.mlp_bias else None,
+                    wgu=None if sparse else torch.zeros(2 * FF, H, **kw),
+                    bgu=torch.zeros(2 * FF, **kw) if s.mlp_bias and not sparse else None,
+                    wd=None if sparse else torch.zeros(H, FF, **kw),
+                    bd=torch.zeros(H, **kw) if s.mlp_bias and not sparse else None,
+                    moe=MoEBlock(s.moe, H, **kw) if sparse else None,
                 )
             )
         self.embed = torch.zeros(s.vocab_size, H, **kw)
         self.lm_head = self.embed if s.tie_word_embeddings else torch.zeros(s.vocab_size, H, **kw)
         self.norm = torch.ones(H, **kw)
         self._targets = self._name_map()
+        # accepted by load_weights, never required of a sync: the routers' balancing bias
+        self._optional = {
+            n: t
+            for i, L in enumerate(self.layers)
+            if L["moe"] is not None
+            for n, t in L["moe"].optional_names(f"model.layers.{i}.mlp.").items()
+        }
+        self.routing_pool: torch.Tensor | None = None  # (slots, MoE layers, k) expert ids
         rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
         if rot is not None:
             inv_freq, scaling = (
@@ -187,6 +156,9 @@ class ModelRunner:
             if s.qk_norm:
                 m[p + "self_attn.q_norm.weight"] = L["qn"]
                 m[p + "self_attn.k_norm.weight"] = L["kn"]
+            if L["moe"] is not None:
+                m.update(L["moe"].name_map(p + "mlp."))
+                continue
             for name, t in (("weight", L["wgu"]), ("bias", L["bgu"])):
                 if t is not None:
                     m[p + f"mlp.gate_proj.{name}"] = t[:ff]
@@ -195,6 +167,10 @@ class ModelRunner:
             if L["bd"] is not None:
                 m[p + "mlp.down_proj.bias"] = L["bd"]
         return m
+
+    def optional_weight_names(self) -> set[str]:
+        """Names a weight sync may carry besides :meth:`named_weights` (the routers' bias)."""
+        return set(self._optional)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The live weights by transformers name (views into the fused tensors; a tied head is the
@@ -209,6 +185,9 @@ class ModelRunner:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             target = self._targets.get(name)
+            if target is None and name in self._optional:
+                target = self._optional[name]
+                self._moe_of(name).has_bias = True  # selection now adds the bias
             if target is None:
                 raise KeyError(f"native rollout: no weight named {name!r}")
             if tuple(target.shape) != tuple(tensor.shape):
@@ -216,6 +195,9 @@ class ModelRunner:
             target.copy_(tensor)
             count += 1
         return count
+
+    def _moe_of(self, name: str) -> MoEBlock:
+        return self.layers[int(name.split(".")[2])]["moe"]
 
     def load_safetensors(self, path: str) -> int:
         from pathlib import Path
@@ -241,7 +223,8 @@ class ModelRunner:
     # --- KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         s = self.spec
-        return (
+        routing = self.block_size * self._routing_width() * torch.finfo(torch.float16).bits // 8
+        return routing + (
             2
             * s.num_layers
             * s.num_kv_heads
@@ -258,11 +241,31 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
         self.num_blocks = num_blocks
+        if s.moe is not None:
+            self.routing_pool = torch.full(
+                (num_blocks * self.block_size, s.num_moe_layers, s.moe.top_k),
+                NOT_ROUTED,
+                device=self.device,
+                dtype=ROUTING_DTYPE,
+            )
+
+    def _routing_width(self) -> int:
+        """Expert ids stored per token slot (0 for a dense model)."""
+        s = self.spec
+        return s.num_moe_layers * s.moe.top_k if s.moe is not None else 0
+
+    def read_routing(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """(num_tokens, MoE layers, k) int16 on the CPU: the routing recorded at the first
+        ``num_tokens`` positions of a sequence with ``block_table``."""
+        bs = self.block_size
+        pos = torch.arange(num_tokens)
+        slots = torch.tensor(block_table, dtype=torch.long)[pos // bs] * bs + pos % bs
+        return self.routing_pool.index_select(0, slots.to(self.device)).cpu()
 
     def free_kv(self) -> None:
         self.k_cache = self.v_cache = self._kbuf = self._vbuf = self._layer_bufs = (
             self._last_batch
-        ) = None
+        ) = self.routing_pool = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -279,6 +282,8 @@ class ModelRunner:
         )
         for cache in (self.k_cache, self.v_cache):
             cache.index_copy_(2, dst, cache.index_select(2, src))
+        if self.routing_pool is not None:
+            self.routing_pool.index_copy_(0, dst, self.routing_pool.index_select(0, src))
         self._last_batch = None
 
     # --- inputs -------------------------------------------------------------------
@@ -479,6 +484,7 @@ class ModelRunner:
         T = x.input_ids.shape[0]
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         h = F.embedding(x.input_ids, self.embed)
+        routed = []  # each MoE layer's (T, k) expert ids
         for li, L in enumerate(self.layers):
             qkv = F.linear(self._rms(h, L["ln1"]), L["wqkv"], L["bqkv"])
             qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
@@ -493,8 +499,15 @@ class ModelRunner:
             h = self._add_linear(
                 h, self._attention(li, qk[:, :H], qk[:, H:], v, x), L["wo"], L["bo"]
             )
+            if L["moe"] is not None:
+                out, ids = L["moe"](self._rms(h, L["ln2"]))
+                h = h.add_(out)
+                routed.append(ids)
+                continue
             g, u = F.linear(self._rms(h, L["ln2"]), L["wgu"], L["bgu"]).chunk(2, -1)
             h = self._add_linear(h, F.silu(g).mul_(u), L["wd"], L["bd"])
+        if routed:  # at the tokens' KV slots, next to their K/V
+            self.routing_pool.index_copy_(0, x.slots, torch.stack(routed, 1).to(ROUTING_DTYPE))
         h = h[x.last_index if logits_index is None else logits_index]
         return F.linear(self._rms(h, self.norm), self.lm_head).float()
 

@@ -94,6 +94,8 @@ class Sequence:
         self.raw_log_probs: list[float] = []
         self.versions: list[int] = []
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache or a fork
+        # mixture-of-experts models: (tokens, MoE layers, k) expert ids, set when it finishes
+        self.routing = None
 
     # --- sizes ----------------------------------------------------------------
     def __len__(self) -> int:

@@ -114,14 +114,20 @@ class NativeRollout(RolloutEngine):
     @staticmethod
     def _to_sample(prompt: Sample, s: Sequence) -> Sample:
         extra = {"raw_log_probs": list(s.raw_log_probs)} if s.raw_log_probs else {}
-        return prompt.with_response(
+        out = prompt.with_response(
             s.completion_ids, s.log_probs, s.versions, s.status.value, **extra
         )
+        out.routing = s.routing  # MoE models: (prompt + response tokens, MoE layers, k)
+        return out
 
     # --- RL controls --------------------------------------------------------------------------
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         # between steps, under the engine lock: in-flight sequences continue under the new version
         return self.engine.update_weights(named_tensors, version)
+
+    def _sync_aliases(self) -> set[str]:
+        # the routers' balancing bias (moe.bias_update_rate): accepted, not required
+        return super()._sync_aliases() | self.engine.runner.optional_weight_names()
 
     def _weight_tensors(self) -> dict[str, torch.Tensor]:
         # live views by transformers name (LoRA merge reads them)
