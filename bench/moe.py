@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -44,8 +45,12 @@ from hybridrl.tasks import REWARDS, TASKS  # noqa: E402
 
 
 def warm_start(cfg: Config, steps: int, out: str) -> str:
+    """A fixed-step SFT warm start in ``out`` (one already there with the same steps is reused)."""
     from hybridrl.driver.sft import run_sft
 
+    done = Path(out) / "sft.json"
+    if done.exists() and json.loads(done.read_text()).get("steps") == steps:
+        return out
     cfg.sft.steps = steps
     return str(run_sft(cfg, out, progress=False))
 
@@ -112,7 +117,9 @@ def main() -> None:
         params = SamplingParams.of(cfg.rollout, n=args.samples, seed=step)
         samples = rollout.generate(prompts, params)
         for s in samples:
-            s.reward = float(reward(s.metadata["prompt"], tok.decode(s.response_ids)))
+            text = tok.decode(s.response_ids, skip_special_tokens=True)  # as the scorer does
+            finished = s.status == "finished"
+            s.reward = float(reward(s.metadata["prompt"], text, finished=finished))
             s.reward_extras = {"reward_errors": 0.0}  # what the rollout scorer adds
         batch = samples_to_batch(samples, tok.pad_token_id)
         mask = batch["response_mask"].bool()
