@@ -5,8 +5,9 @@ FSDP2 over two data-parallel replicas of a pipeline of two ranks (a 2-D mesh; th
 schedules refuse data parallelism).
 
 The ranks are processes running ``tests/pipeline_ranks.py`` (gloo, one thread each); one launch per
-world size checks all of its cases in one process group. The default run keeps pp = 2 with 1F1B and
-DualPipeV (its tie is on one rank, 1F1B's across two); the rest is marked slow.
+world size checks all of its cases in one process group. The default run keeps pp = 2 with 1F1B
+(every mode) and DualPipeV (two modes; its tie is on one rank, 1F1B's across two); the rest is
+marked slow.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from hybridrl.parallel.pipeline_stages import layer_ranges
 
 SCRIPT = str(Path(__file__).with_name("pipeline_ranks.py"))
 TOL = 1e-5
-ALL = ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
+DUALPIPEV_DEFAULT = ["token-mean", "seq-mean-token-mean"]
 
 
 def run_cases(tmp_path, cases: list[tuple], world: int) -> tuple[dict, dict]:
@@ -68,9 +69,10 @@ def check_case(outs: list[dict], ref: dict, case: tuple) -> None:
 
 
 def test_pp2_default(tmp_path):
-    """pp = 2: 1F1B (tie across two ranks) and DualPipeV (V-shaped, tie on rank 0) under every
-    loss aggregation mode."""
-    cases = [(s, 2, 1, agg) for s in ("1f1b", "dualpipev") for agg in LOSS_AGG_MODES]
+    """pp = 2: 1F1B (tie across two ranks) under every loss aggregation mode, DualPipeV (V-shaped,
+    tie on rank 0, split backward) under two; the other modes are in the slow set."""
+    cases = [("1f1b", 2, 1, agg) for agg in LOSS_AGG_MODES]
+    cases += [("dualpipev", 2, 1, agg) for agg in DUALPIPEV_DEFAULT]
     outs, ref = run_cases(tmp_path, cases, 2)
     for case in cases:
         check_case(outs, ref, tuple(case))
@@ -79,6 +81,7 @@ def test_pp2_default(tmp_path):
 @pytest.mark.slow
 def test_pp2_other_schedules(tmp_path):
     cases = [(s, 2, 1, agg) for s in ("gpipe", "interleaved_1f1b", "zbv") for agg in LOSS_AGG_MODES]
+    cases += [("dualpipev", 2, 1, a) for a in LOSS_AGG_MODES if a not in DUALPIPEV_DEFAULT]
     outs, ref = run_cases(tmp_path, cases, 2)
     for case in cases:
         check_case(outs, ref, tuple(case))

@@ -10,7 +10,7 @@ draws them) is trimmed to its longest row, padded with empty rows (``response_ma
 one or more *rounds*, each one schedule step of ``n_microbatches`` equal micro-batches under the
 token budget (replicas run as many rounds as the busiest one, for FSDP2's collectives). The last
 stage computes the RL loss of each micro-batch: response log-probs under the rollout's filters from
-the logits (:func:`logits_log_probs`, as ``response_log_probs``), then the caller's objective with
+the logits (``pipeline_update.logits_log_probs``, as ``response_log_probs``), then the caller's objective with
 the global mini-batch totals, so the micro-batches' losses sum to the mini-batch loss; the
 schedules run with ``scale_grads=False`` (their gradients are the exact sum, not the mean). The loss
 function gets the rows of its micro-batch as its target (a tensor of indices into the round's
@@ -35,12 +35,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining as pipe
 
-from hybridrl.algorithms.masking import zero_pad
 from hybridrl.parallel import distributed
 from hybridrl.parallel.pipeline_stages import (
     PLACEMENTS,
     build_stages,
-    copy_tied_head,
     gather_full_weights,
     is_tied,
     load_full_weights,
@@ -119,23 +117,6 @@ def check_layout(world: int, pp: int, schedule: str, microbatches: int, n_layers
             f"actor.pp_schedule={schedule} needs at least as many micro-batches as stages "
             f"({n}), got actor.pp_microbatches={layout.n_microbatches}"
         )
-
-
-def logits_log_probs(logits, mb: Batch, sampling, with_entropy: bool = False):
-    """(log_probs, entropy or None) of ``mb``'s response tokens from the full-sequence logits,
-    each (B, R), zero where ``response_mask`` is 0: the post-forward half of
-    ``learner.logprob.response_log_probs`` (same sampling filters, fp32 math)."""
-    from hybridrl.learner.logprob import _as_sampling
-    from hybridrl.rollout.sampler import filtered_log_softmax
-
-    responses, mask = mb["responses"], mb["response_mask"]
-    logits = logits[:, -responses.shape[1] - 1 : -1].float()
-    logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
-    logp = zero_pad(logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1), mask)
-    if not with_entropy:
-        return logp, None
-    ent = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
-    return logp, zero_pad(ent, mask)
 
 
 class ComputeClock:
@@ -384,9 +365,6 @@ class Pipeline:
 
     def holds_last(self) -> bool:
         return any(s.is_last for s in self.stages)
-
-    def reload_tied_head(self) -> None:
-        copy_tied_head(self.stages)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full model's weights by transformers name on global rank 0 (``{}`` elsewhere);

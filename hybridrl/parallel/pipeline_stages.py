@@ -206,15 +206,6 @@ def split_whole(model: nn.Module, n_stages: int) -> list[DecoderStage]:
     return build_stages(model, list(range(n_stages)), n_stages)
 
 
-@torch.no_grad()
-def copy_tied_head(stages: list[DecoderStage]) -> None:
-    """After loading weights into the embeddings: the head copies take them again."""
-    first = next((s for s in stages if s.is_first), None)
-    last = next((s for s in stages if s.is_last and s.head_is_copy), None)
-    if first is not None and last is not None:
-        last.head.weight.copy_(first.embed_tokens.weight)
-
-
 def stage_weights(stages: list[DecoderStage]) -> dict[str, torch.Tensor]:
     """This rank's stage parameters as full CPU tensors by transformers name (a tied head copy left
     out); under FSDP2 each is all-gathered over the data-parallel dimension (every rank calls)."""

@@ -21,12 +21,30 @@ from functools import partial
 import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
+from hybridrl.algorithms.masking import zero_pad
 from hybridrl.parallel import distributed
-from hybridrl.parallel.pipeline import PipeLayout, Pipeline, logits_log_probs, sum_metrics
+from hybridrl.parallel.pipeline import PipeLayout, Pipeline, sum_metrics
 from hybridrl.protocol import Batch
 
 # objective(logp, entropy, mb, totals) -> (micro-batch loss, metrics): the loss on the last stage
 Objective = Callable[[torch.Tensor, torch.Tensor, Batch, AggTotals], tuple[torch.Tensor, dict]]
+
+
+def logits_log_probs(logits, mb: Batch, sampling, with_entropy: bool = False):
+    """(log_probs, entropy or None) of ``mb``'s response tokens from the full-sequence logits,
+    each (B, R), zero where ``response_mask`` is 0: the post-forward half of
+    ``learner.logprob.response_log_probs`` (same sampling filters, fp32 math)."""
+    from hybridrl.learner.logprob import _as_sampling
+    from hybridrl.rollout.sampler import filtered_log_softmax
+
+    responses, mask = mb["responses"], mb["response_mask"]
+    logits = logits[:, -responses.shape[1] - 1 : -1].float()
+    logp_all = filtered_log_softmax(logits, _as_sampling(sampling), responses)
+    logp = zero_pad(logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1), mask)
+    if not with_entropy:
+        return logp, None
+    ent = -(logp_all.exp() * logp_all.masked_fill(torch.isinf(logp_all), 0.0)).sum(-1)
+    return logp, zero_pad(ent, mask)
 
 
 def replica_minibatch_rows(
