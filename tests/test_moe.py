@@ -235,13 +235,14 @@ def test_r3_log_probs_equal_the_rollout_time_ones(rollout_batch, packing):
     assert all(mb[ROUTING].shape[:2] == mb["input_ids"].shape for mb in mbs)
 
 
-def test_r2_replays_the_old_policy_pass(rollout_batch, tok):
+@pytest.mark.parametrize("packing", [False, True])
+def test_r2_replays_the_old_policy_pass(rollout_batch, tok, packing):
     _, _, batch = rollout_batch
     model = build_model("tiny_moe", tok, 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     runtime = start(model, optimizer, moe_cfg(routing_replay="r2"))
     batch = runtime.mark(batch.index(list(range(len(batch)))))
-    old = batch_log_probs(model, batch, 64)  # the old-policy pass: captured
+    old = batch_log_probs(model, batch, 64, packing=packing)  # the old-policy pass: captured
     batch = runtime.after_old_pass(batch)
     assert batch[REPLAY].all()
     real = batch["attention_mask"].bool()
