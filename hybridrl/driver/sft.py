@@ -33,7 +33,7 @@ from tqdm import tqdm
 from hybridrl.config import Config, to_dict
 from hybridrl.learner.logprob import length_buckets
 from hybridrl.models.loading import load_model, make_task
-from hybridrl.parallel.packing import pack_micro_batches, packed_forward
+from hybridrl.parallel.packing import attention_key_cost, pack_micro_batches, packed_forward
 from hybridrl.protocol import pad_2d
 from hybridrl.rollout import SamplingParams
 
@@ -173,7 +173,8 @@ def packed(model, ids, attn, labels, micro_batch_tokens: int):
     """(logits, targets) per micro-batch of packed rows: each position's target is the next token
     of its own example (-100 at an example's last token and on padding)."""
     following = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
-    for plan in pack_micro_batches(attn.sum(-1).tolist(), micro_batch_tokens):
+    key_cost = attention_key_cost(model)
+    for plan in pack_micro_batches(attn.sum(-1).tolist(), micro_batch_tokens, key_cost=key_cost):
         docs = torch.tensor(plan.docs)
         a = attn[docs]
         rows, offsets = torch.tensor(plan.rows), torch.tensor(plan.offsets)

@@ -34,6 +34,7 @@ from hybridrl.algorithms.masking import zero_pad
 from hybridrl.moe.training import ROUTING, moe_forward
 from hybridrl.parallel import distributed
 from hybridrl.parallel.packing import (
+    attention_key_cost,
     gather_positions,
     pack_micro_batches,
     packed_forward,
@@ -103,14 +104,15 @@ def trim(mb: Batch) -> Batch:
 
 
 def micro_batches(
-    batch: Batch, token_budget: int, packing: bool = False
+    batch: Batch, token_budget: int, packing: bool = False, key_cost: float = 0.0
 ) -> tuple[list[Batch], torch.Tensor]:
     """``(micro-batches, order)``: rows grouped by length (:func:`length_buckets`) and trimmed
     (:func:`trim`), or with ``packing`` whole sequences packed into rows
-    (:func:`packed_micro_batches`); ``order`` lists the rows in the order the micro-batches hold
-    them."""
+    (:func:`packed_micro_batches`, rows chosen with the model's ``key_cost``,
+    ``parallel/packing.py``: ``attention_key_cost``); ``order`` lists the rows in the order the
+    micro-batches hold them."""
     if packing:
-        return packed_micro_batches(batch, token_budget)
+        return packed_micro_batches(batch, token_budget, key_cost)
     P = batch["prompts"].shape[1]
     # padded width bound
     lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(-1)
@@ -120,14 +122,16 @@ def micro_batches(
     )
 
 
-def packed_micro_batches(batch: Batch, token_budget: int) -> tuple[list[Batch], torch.Tensor]:
+def packed_micro_batches(
+    batch: Batch, token_budget: int, key_cost: float = 0.0
+) -> tuple[list[Batch], torch.Tensor]:
     """:func:`micro_batches` with packing: each sequence's real tokens (prompt without its left
     padding, response without its right padding) packed into rows (``parallel/packing.py``:
     ``pack_micro_batches``); each micro-batch is the batch's rows of its sequences, trimmed, with
     their ``pack_row`` and ``pack_offset``."""
     lengths = batch["attention_mask"].sum(-1).tolist()
     mbs, order = [], []
-    for plan in pack_micro_batches(lengths, token_budget):
+    for plan in pack_micro_batches(lengths, token_budget, key_cost=key_cost):
         where = Batch(
             {
                 PACK_ROW: torch.tensor(plan.rows, dtype=torch.long),
@@ -165,12 +169,16 @@ def dummy_micro_batch(batch: Batch) -> Batch:
 
 
 def dp_micro_batches(
-    batch: Batch, token_budget: int, pad_from: Batch | None = None, packing: bool = False
+    batch: Batch,
+    token_budget: int,
+    pad_from: Batch | None = None,
+    packing: bool = False,
+    key_cost: float = 0.0,
 ) -> tuple[list[Batch], int, torch.Tensor]:
     """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with
     dummies (made from ``pad_from``, default ``batch``) to the largest count over the ranks (a
     collective when the world size is > 1; world size 1: no padding)."""
-    mbs, order = micro_batches(batch, token_budget, packing) if len(batch) else ([], None)
+    mbs, order = micro_batches(batch, token_budget, packing, key_cost) if len(batch) else ([], None)
     n = len(mbs)
     if distributed.world_size() > 1:
         most = int(distributed.all_reduce([n], op="max")[0].item())
@@ -236,7 +244,8 @@ def batch_map(model, batch: Batch, token_budget: int, fn, packing: bool = False)
     micro-batches pad the shorter ranks)."""
     model.eval()
     device = model_device(model)
-    mbs, n_real, order = dp_micro_batches(batch, token_budget, packing=packing)
+    key_cost = attention_key_cost(model) if packing else 0.0
+    mbs, n_real, order = dp_micro_batches(batch, token_budget, None, packing, key_cost)
     out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
     row = 0
     for i, mb in enumerate(mbs):

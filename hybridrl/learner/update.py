@@ -46,6 +46,7 @@ from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.learner.logprob import batch_map, dp_micro_batches, fed_tokens, model_device
 from hybridrl.parallel import distributed
 from hybridrl.parallel.fsdp import clip_grad_norm
+from hybridrl.parallel.packing import attention_key_cost
 from hybridrl.protocol import Batch
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
@@ -177,6 +178,7 @@ def run_updates(
     micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
     skips = skips or SkipCounter(3, prefix)
     pack = packing_of(section, packing)
+    key_cost = attention_key_cost(model) if pack else 0.0  # how wide packed rows pay off
     fed, real = 0, 0  # token positions fed to the model, and the real tokens among them
     model.train()
     device = model_device(model)
@@ -187,7 +189,7 @@ def run_updates(
             optimizer.zero_grad(set_to_none=True)
             totals = global_totals(mini, norm_len)
             n_tokens = max(totals.n_tokens, 1.0)
-            mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, batch, pack)
+            mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, batch, pack, key_cost)
             mini_sums: dict[str, float] = defaultdict(float)
             loss_ok = torch.ones((), dtype=torch.bool, device=device)
             for i, mb in enumerate(mbs):

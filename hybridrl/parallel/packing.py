@@ -14,16 +14,16 @@ position ids (for it the micro-batch is laid out as one row, see :func:`packed_f
 detection needs ``use_cache=False``: with a KV cache transformers takes the position ids as plain
 offsets and the sequences of a row would attend to each other.
 
-Row width. Rows hold at least ``MIN_ROW_TOKENS`` (128, at most the token budget) or the longest
-sequence, whichever is more: short sequences (W1's are 7-18 tokens) then share rows instead of each
-being padded to the longest, and long ones (W3's reach 200) set the width themselves. The width is
-then fitted (:func:`plan_rows`): among the row counts best-fit decreasing reaches with rows up to
-``ROW_WIDEN`` (1.25) times that capacity, the one with the fewest padded tokens, each at the
-smallest width that still holds it. Rows of exactly the capacity leave about half a row of padding
-per micro-batch; a few percent wider rows leave almost none. Wider rows cost more only in the
-attention, which on CPU (SDPA with the block-diagonal mask) is dense over the row: on the tiny
-model the attention of a 256-token row is about a quarter of the cost of a token, so rows are not
-made wider than the padding they save.
+Row width (:func:`choose_capacity`, :func:`plan_rows`). A wide row pads little but, with a dense
+masked attention (SDPA on CPU), makes each token attend over the whole row; a row as long as the
+longest sequence keeps attention cheap but leaves short, uniform sequences padded. The capacity is
+the cheapest of the longest sequence and the powers of two above it (within the token budget),
+counting each padded position at ``1 + width x key_cost``, where ``key_cost`` is what one more
+attended key costs a token relative to its projections and MLP (about 1 / (6 x hidden); 0 with a
+variable-length kernel). Then the width is fitted: rows of exactly the capacity leave about half a
+row of padding per micro-batch, so packing also tries the fewest rows that rows up to ``ROW_WIDEN``
+(1.25) times the capacity allow, each row count at the smallest width that best-fit decreasing
+still fits, and keeps the layout with the fewest padded positions.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ import torch
 # balancing lived here first; a learner that still imports it from here keeps working
 from hybridrl.parallel.balance import balance_for_ranks  # noqa: F401
 
-# packed rows hold at least this many tokens (unless the token budget is smaller): short sequences
-# share rows, so the width of a micro-batch is not that of its longest sequence (see row_capacity)
-MIN_ROW_TOKENS = 128
+# row capacities tried above the longest sequence (within the token budget; choose_capacity)
+ROW_CANDIDATES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # rows may grow this much past the capacity when that saves padding (plan_rows)
 ROW_WIDEN = 1.25
 # attention implementations whose name holds this take variable-length sequences: the packed
@@ -81,12 +80,6 @@ class PackedMicroBatch:
     offsets: list[int]
 
 
-def row_capacity(lengths: Sequence[int], token_budget: int, min_row: int = MIN_ROW_TOKENS) -> int:
-    """The row capacity packing aims at: ``min_row`` tokens (at most the budget), or the longest
-    sequence when it is longer (see the module docstring)."""
-    return max([int(n) for n in lengths] + [min(min_row, token_budget), 1])
-
-
 def _fewest_width(lengths: Sequence[int], rows: int, lo: int, hi: int):
     """``(bins, c)``: best-fit decreasing at the smallest capacity c in [lo, hi] that packs into at
     most ``rows`` rows (binary search; the bin count falls as the capacity grows), or None when
@@ -107,9 +100,9 @@ def _fewest_width(lengths: Sequence[int], rows: int, lo: int, hi: int):
 def plan_rows(
     lengths: Sequence[int], capacity: int, widen: float = ROW_WIDEN
 ) -> tuple[list[list[int]], int]:
-    """``(bins, width)``: the rows of :func:`best_fit_decreasing` with the fewest padded tokens
-    (rows x width) over row counts from what ``capacity`` needs down to what ``widen`` x
-    ``capacity`` allows, each at the smallest width that fits that many rows.
+    """``(bins, width)``: rows of :func:`best_fit_decreasing` with the fewest padded positions
+    (rows x width): the row count ``capacity`` needs, and the fewest (and one more) that rows up
+    to ``widen`` x ``capacity`` allow, each at the smallest width that still fits that many rows.
 
     Why: rows of exactly ``capacity`` leave on average half a row of padding (the last row, and
     every row's gap when the longest sequence sets the capacity); one row fewer, each a few
@@ -118,24 +111,56 @@ def plan_rows(
     total = sum(int(n) for n in lengths)
     longest = max([int(n) for n in lengths] + [1])
     capacity = max(capacity, longest)  # a row holds at least the longest sequence
-    bins, width = best_fit_decreasing(lengths, capacity), capacity
-    fewest = -(-total // max(int(capacity * widen), 1))
-    best = (len(bins) * capacity, bins, width)
-    for rows in range(len(bins), max(fewest, 1) - 1, -1):
-        found = _fewest_width(lengths, rows, max(longest, -(-total // rows)), int(capacity * widen))
-        if found is not None:
-            fed = len(found[0]) * found[1]
-            best = min(best, (fed, found[0], found[1]), key=lambda x: (x[0], x[2]))
+    widest = max(capacity, int(capacity * widen))
+    at_capacity = len(best_fit_decreasing(lengths, capacity))
+    fewest = len(best_fit_decreasing(lengths, widest))
+    best = None
+    for rows in sorted({fewest, fewest + 1, at_capacity}):
+        top = capacity if rows >= at_capacity else widest
+        found = _fewest_width(lengths, rows, min(top, max(longest, -(-total // rows))), top)
+        if found is not None and (best is None or len(found[0]) * found[1] < best[0]):
+            best = (len(found[0]) * found[1], found[0], found[1])
     return best[1], best[2]
 
 
+def choose_capacity(lengths: Sequence[int], token_budget: int, key_cost: float) -> int:
+    """The row capacity with the least estimated cost among the longest sequence and the
+    ``ROW_CANDIDATES`` above it (within the budget): positions fed (rows x capacity of
+    best-fit decreasing) times ``1 + capacity x key_cost``, ``key_cost`` being what attending to
+    one more key costs a token relative to the rest of its forward (:func:`attention_key_cost`).
+    Wide rows pad less but, with a dense masked attention, make every token attend over the whole
+    row; short uniform sequences (W1) pad little to begin with and are best left in short rows."""
+    longest = max([int(n) for n in lengths] + [1])
+    options = [longest] + [c for c in ROW_CANDIDATES if longest < c <= token_budget]
+
+    def cost(c: int) -> float:
+        return len(best_fit_decreasing(lengths, c)) * c * (1.0 + c * key_cost)
+
+    return min(options, key=lambda c: (cost(c), c))
+
+
+def attention_key_cost(model) -> float:
+    """What one more attended key costs a token relative to the rest of its forward: about
+    2 x hidden multiply-adds against about 12 x hidden^2 for its projections and MLP, so
+    1 / (6 x hidden); 0 for a variable-length kernel (one row, no masked-out work) or a model
+    without a ``hidden_size``."""
+    if is_varlen(model):
+        return 0.0
+    for module in model.modules():
+        hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+        if hidden:
+            return 1.0 / (6.0 * hidden)
+    return 0.0
+
+
 def pack_micro_batches(
-    lengths: Sequence[int], token_budget: int, capacity: int | None = None
+    lengths: Sequence[int], token_budget: int, capacity: int | None = None, key_cost: float = 0.0
 ) -> list[PackedMicroBatch]:
     """Sequences of ``lengths`` packed into rows by best-fit decreasing (:func:`plan_rows` from
-    ``capacity``, default :func:`row_capacity`), the rows (fullest first) cut into micro-batches of
-    ``token_budget // width`` rows (at least one), so that rows x width stays within the budget."""
-    capacity = capacity or row_capacity(lengths, token_budget)
+    ``capacity``, default :func:`choose_capacity` with ``key_cost``), the rows (fullest first) cut
+    into micro-batches of ``token_budget // width`` rows (at least one), so that rows x width stays
+    within the budget."""
+    capacity = capacity or choose_capacity(lengths, token_budget, key_cost)
     bins, capacity = plan_rows(lengths, capacity)
     fill = [sum(int(lengths[i]) for i in b) for b in bins]
     bins = [bins[j] for j in sorted(range(len(bins)), key=lambda j: (-fill[j], j))]
