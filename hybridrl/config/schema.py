@@ -416,10 +416,11 @@ class ActorConfig:
     )
     packing: bool = _f(
         True,
-        "pack whole sequences into rows (best-fit decreasing, rows of at least 128 tokens or the "
-        "longest sequence, attention kept inside each sequence) in the learner's passes, its "
-        "updates and the SFT warm start, instead of padding length-grouped micro-batches: the "
-        "same log-probs and gradients (to float rounding) with less padding",
+        "pack whole sequences into rows (best-fit decreasing; each mini-batch's row width weighs "
+        "the padding it saves against the attention a wider row costs; attention kept inside "
+        "each sequence) in the learner's passes, its updates and the SFT warm start, instead of "
+        "length-grouped micro-batches: the same log-probs and gradients (to float rounding) "
+        "with less padding",
     )
     pp_size: int = _f(
         1,
