@@ -1,8 +1,9 @@
 """A pipelined actor end to end: ``train`` with the learner on two Ray ranks forming one two-stage
 pipeline (``actor.pp_size=2``, 1F1B) runs two synchronous GRPO steps on the tiny model; the update
 and the old log-prob pass go through the pipeline (``perf/pipeline_idle_fraction`` is logged),
-weight sync hands the rollout every stage's weights by name, and the checkpoint is a transformers
-directory of the whole model. Slow: Ray start-up and two learner processes."""
+weight sync hands the rollout every stage's weights by name, the checkpoint is a transformers
+directory of the whole model plus each pipeline rank's state, and a resumed run loads it and trains
+a third step. Slow: Ray start-up (twice) and two learner processes."""
 
 from __future__ import annotations
 
@@ -44,11 +45,8 @@ RUN = [
 def test_train_with_a_pipelined_actor(tmp_path):
     import ray
 
-    cfg = load_config(
-        Config,
-        None,
-        [*RUN, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}"],
-    )
+    where = [f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}"]
+    cfg = load_config(Config, None, [*RUN, *where])
     try:
         summary = train(cfg)
     finally:
