@@ -9,16 +9,17 @@ A mini-batch (this replica's rows of the global mini-batch, drawn exactly as ``l
 draws them) is trimmed to its longest row, padded with empty rows (``response_mask`` 0) and run as
 one or more *rounds*, each one schedule step of ``n_microbatches`` equal micro-batches under the
 token budget (replicas run as many rounds as the busiest one, for FSDP2's collectives). The last
-stage computes the RL loss of each micro-batch: response log-probs under the rollout's filters from
-the logits (``pipeline_update.logits_log_probs``, as ``response_log_probs``), then the caller's objective with
-the global mini-batch totals, so the micro-batches' losses sum to the mini-batch loss; the
-schedules run with ``scale_grads=False`` (their gradients are the exact sum, not the mean). The loss
-function gets the rows of its micro-batch as its target (a tensor of indices into the round's
-batch), which holds every per-row column the loss reads.
+stage computes the RL loss of each micro-batch: response log-probs under the rollout's filters
+from the logits (``pipeline_update.logits_log_probs``, as ``response_log_probs``), then the
+caller's objective with the global mini-batch totals, so the micro-batches' losses sum to the
+mini-batch loss; the schedules run with ``scale_grads=False`` (their gradients are the exact sum,
+not the mean). The loss function gets the rows of its micro-batch as its target (a tensor of indices
+into the round's batch), which holds every per-row column the loss reads.
 
-The log-prob passes run the same pipeline forward-only (``schedule.eval``) on the rounds the next
-update's first epoch would cut, and broadcast the (B, R) log-probs from the last stage to every rank
-of the replica.
+The log-prob passes run the same stages forward-only (:meth:`Pipeline.forward_round`, a wavefront
+of our own: torch's multi-stage schedules run backward actions even in ``eval``) on the rounds the
+next update's first epoch would cut, and broadcast the (B, R) log-probs from the last stage to every
+rank of the replica.
 
 Idle time: every stage's forward, backward and weight-gradient actions and the loss are timed
 (:class:`ComputeClock`); a rank's idle fraction is 1 - compute / wall time of the schedule steps.
