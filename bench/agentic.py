@@ -1,7 +1,7 @@
 """W4 (a calculator the model calls): what RL gains over the warm start, and synchronous against
 asynchronous training with a slow tool.
 
-    python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--out FILE]
+    python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--threads N] [--out FILE]
 
 One warm start (``examples/calc_tool_grpo.yaml``: supervised on tool-using traces, the observation
 masked out of the loss; trained once and cached under ``runs/bench_agentic/``), then two RL runs
@@ -38,7 +38,9 @@ EXAMPLE = ROOT / "examples" / "calc_tool_grpo.yaml"
 LATENCY = ["env.kwargs={latency_s: 0.2, latency: lognormal, sigma: 1.0}"]
 
 
-def run(mode: str, steps: int, eval_size: int, runs_dir: Path, sft_steps: int) -> dict:
+def run(
+    mode: str, steps: int, eval_size: int, runs_dir: Path, sft_steps: int, threads: int
+) -> dict:
     import torch
 
     from hybridrl.config import Config, load_config
@@ -49,6 +51,7 @@ def run(mode: str, steps: int, eval_size: int, runs_dir: Path, sft_steps: int) -
         str(EXAMPLE),
         [
             f"trainer.mode={mode}",
+            f"controller.num_threads={threads}",
             *LATENCY,
             f"sft.steps={sft_steps}",
             f"sft.checkpoint={runs_dir / f'warmstart-{sft_steps}'}",
@@ -123,13 +126,15 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=30, help="RL steps per run")
     p.add_argument("--sft-steps", type=int, default=300, help="warm-start steps")
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     runs_dir = Path("runs") / "bench_agentic"
     t0 = time.perf_counter()
-    s = run("sync", args.steps, args.eval_size, runs_dir, args.sft_steps)
-    a = run("async", args.steps, args.eval_size, runs_dir, args.sft_steps)
+    common = (args.steps, args.eval_size, runs_dir, args.sft_steps, args.threads)
+    s = run("sync", *common)
+    a = run("async", *common)
     result = {
         "command": " ".join(["python bench/agentic.py", *(sys.argv[1:] if argv is None else argv)]),
         "steps": args.steps,

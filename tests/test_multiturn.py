@@ -147,6 +147,8 @@ def test_trained_tokens_are_the_engines_tokens_plus_the_observations():
         assert s.metadata["env_reward"] == pytest.approx(1.5)
     batch = samples_to_batch(out, tok.pad_token_id)
     assert batch["response_mask"].sum().item() == sum(sum(s.loss_mask) for s in out)
+    # later turns find the trajectory so far in the native engine's prefix cache
+    assert mt.stats()["engine/prefix_hit_rate"] > 0
 
 
 def test_loss_mask_log_probs_and_versions_per_token():
