@@ -12,6 +12,9 @@ can roll out an MoE policy. Scenarios, as in ``bench/rollout.py``:
   tokens per second (each engine's faster of two runs, the prefix cache cleared in between).
 
 Both check the recorded routing's shape (prompt + response tokens, 4 layers, 2).
+``engine_dense_tiny`` is the mixed scenario on the dense ``tiny`` model (the same attention, one
+dense MLP as wide as tiny_moe's two active experts together): the reference for how much of the gap
+to the dense figures comes from the experts.
 
 Usage: ``python bench/moe_engine.py [--quick] [--threads N] [--out FILE]``.
 """
@@ -97,10 +100,12 @@ def mixed(model, n_req: int, out_hi: int) -> dict:
     dt = time.perf_counter() - t0
     seqs = [s for v in eng.engine.finished.values() for s in v]
     assert sum(len(s.completion_ids) for s in seqs) == sum(outs)
-    assert all(s.routing is not None and s.routing.shape[0] == len(s) for s in seqs)
+    moe = hasattr(model.config, "num_experts_per_tok")
+    assert all((s.routing is not None and s.routing.shape[0] == len(s)) == moe for s in seqs)
     reqs = [Sample(prompt_ids=p, uid=f"m{i}") for i, p in enumerate(prompts)]
     hf_dt, hf_out = timed(hf_engine(model), reqs, params(max(outs)))
-    check_routing(hf_out, model.config.num_hidden_layers, model.config.num_experts_per_tok)
+    if moe:
+        check_routing(hf_out, model.config.num_hidden_layers, model.config.num_experts_per_tok)
     res = {
         "native_tokens_per_s": sum(outs) / dt,
         "hf_tokens_per_s": sum(outs) / hf_dt,
@@ -155,6 +160,8 @@ def main() -> None:
     out: dict = {"quick": q, "threads": torch.get_num_threads(), "torch": torch.__version__}
     out["engine"] = mixed(model, 64 if q else 256, 64 if q else 256)
     out["fixed"] = fixed(model, *((8, 8, 32) if q else (32, 8, 128)))
+    dense = build_model("tiny", TOK, 0).eval()
+    out["engine_dense_tiny"] = mixed(dense, 64 if q else 256, 64 if q else 256)
     out["seconds"] = time.perf_counter() - t0
     text = json.dumps(out, indent=1, default=float)
     print(text)
