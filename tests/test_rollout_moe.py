@@ -181,6 +181,22 @@ def test_routing_through_prefix_cache_forks_and_preemption():
     check_routing(m, first + rest)
 
 
+def test_speculative_decoding_keeps_tokens_and_routing():
+    """Verification forwards write the routing of draft tokens that may be rejected; the rows that
+    remain are those of the tokens finally fed."""
+    target, draft = model("qwen3_moe"), model("mixtral", seed=1)
+    ps = prompts([5, 9, 3])
+    plain = NativeRollout(target, Tok(), rcfg()).generate(reqs(ps), greedy(14))
+    eng = NativeRollout(target, Tok(), rcfg(num_speculative_tokens=3), draft_model=draft)
+    spec = eng.engine.spec
+    spec.choose_k = lambda batch_size: spec.max_k  # speculate on every eligible step
+    out = eng.generate(reqs(ps), greedy(14))
+    st = eng.stats()
+    assert st["engine/spec_steps"] > 0 and st["engine/spec_acceptance"] < 1
+    assert [s.response_ids for s in out] == [s.response_ids for s in plain]
+    check_routing(target, out)
+
+
 def test_routing_has_the_hf_backend_format():
     m = model("qwen3_moe")
     p = [Sample(prompt_ids=prompts([8])[0], uid="a")]
