@@ -181,6 +181,27 @@ def test_routing_through_prefix_cache_forks_and_preemption():
     check_routing(m, first + rest)
 
 
+def test_a_fork_without_a_free_block_keeps_its_prompt_routing():
+    """A sample forked when no block is free for its copy waits to be recomputed; with one new token
+    it finishes before it ever runs, and its prompt's routing comes from its parent."""
+    m = model("qwen3_moe")
+    eng = NativeRollout(m, Tok(), rcfg())
+    engine, real = eng.engine, eng.engine.runner.execute
+
+    def execute_then_fill_the_pool(seqs, qs, all_logits=False):
+        out = real(seqs, qs, all_logits)
+        hog = Sequence("hog", [3] * (engine.bm.num_free * engine.bm.block_size), greedy(1), 0)
+        engine.bm.allocate(hog)  # memory pressure: no block left for the forks' copies
+        return out
+
+    engine.runner.execute = execute_then_fill_the_pool
+    params = greedy(1)
+    params.n = 3
+    out = eng.generate(reqs(prompts([6])), params)  # 6 tokens: a partial block to copy per fork
+    assert len(out) == 3
+    check_routing(m, out)
+
+
 def test_speculative_decoding_keeps_tokens_and_routing():
     """Verification forwards write the routing of draft tokens that may be rejected; the rows that
     remain are those of the tokens finally fed."""

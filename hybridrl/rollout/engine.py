@@ -382,8 +382,8 @@ class LLMEngine:
             child.num_cached_prompt_tokens = 0
             self.scheduler.add(child)
             # it may finish before it runs (one new token): keep the prompt's routing meanwhile
-            if self.runner.routing_pool is not None:
-                child.routing = self.runner.read_routing(parent.block_table, len(parent) - 1)
+            if self.runner.records_routing:
+                child.routing = self.runner.read_routing(parent.block_table, parent.num_computed)
         return child
 
     def _record_routing(self, seq: Sequence) -> None:
@@ -422,7 +422,7 @@ class LLMEngine:
             if status is not None:
                 done.append(seq)
                 statuses.append(status)
-        if done and self.runner.routing_pool is not None:
+        if done and self.runner.records_routing:
             for s in done:
                 self._record_routing(s)
         if done:

@@ -112,6 +112,7 @@ class ModelRunner:
             for n, t in L["moe"].optional_names(f"model.layers.{i}.mlp.").items()
         }
         self.routing_pool: torch.Tensor | None = None  # (slots, MoE layers, k) expert ids
+        self.records_routing = s.moe is not None
         rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
         if rot is not None:
             inv_freq, scaling = (
@@ -223,7 +224,7 @@ class ModelRunner:
     # --- KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         s = self.spec
-        routing = self.block_size * self._routing_width() * torch.finfo(torch.float16).bits // 8
+        routing = self.block_size * self._routing_width() * torch.iinfo(ROUTING_DTYPE).bits // 8
         return routing + (
             2
             * s.num_layers
