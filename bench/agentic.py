@@ -1,7 +1,8 @@
 """W4 (a calculator the model calls): what RL gains over the warm start, and synchronous against
 asynchronous training with a slow tool.
 
-    python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--threads N] [--out FILE]
+    python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--threads N]
+        [--max-staleness K] [--out FILE]
 
 One warm start (``examples/calc_tool_grpo.yaml``: supervised on tool-using traces, the observation
 masked out of the loss; trained once and cached under ``runs/bench_agentic/``), then two RL runs
@@ -11,7 +12,7 @@ samples and seed, and the ``calc_tool`` environment answering each call after a 
 
 * sync:  ``trainer.mode=sync``: each step generates every trajectory, waiting for the slowest call,
   then trains (the baseline);
-* async: ``trainer.mode=async`` (decoupled PPO, ``asynchronous.max_staleness`` 1): the rollout
+* async: ``trainer.mode=async`` (decoupled PPO, ``--max-staleness``, default 1): the rollout
   streams trajectories on a thread of its own while the learner trains; a trajectory waiting for
   its tool never holds up the others.
 
@@ -39,7 +40,7 @@ LATENCY = ["env.kwargs={latency_s: 0.2, latency: lognormal, sigma: 1.0}"]
 
 
 def run(
-    mode: str, steps: int, eval_size: int, runs_dir: Path, sft_steps: int, threads: int
+    mode: str, steps: int, eval_size: int, runs_dir: Path, sft_steps: int, threads: int, k: int
 ) -> dict:
     import torch
 
@@ -52,6 +53,7 @@ def run(
         [
             f"trainer.mode={mode}",
             f"controller.num_threads={threads}",
+            f"asynchronous.max_staleness={k}",
             *LATENCY,
             f"sft.steps={sft_steps}",
             f"sft.checkpoint={runs_dir / f'warmstart-{sft_steps}'}",
@@ -127,12 +129,20 @@ def main(argv=None) -> dict:
     p.add_argument("--sft-steps", type=int, default=300, help="warm-start steps")
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
+    p.add_argument("--max-staleness", type=int, default=1, help="async: asynchronous.max_staleness")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     runs_dir = Path("runs") / "bench_agentic"
     t0 = time.perf_counter()
-    common = (args.steps, args.eval_size, runs_dir, args.sft_steps, args.threads)
+    common = (
+        args.steps,
+        args.eval_size,
+        runs_dir,
+        args.sft_steps,
+        args.threads,
+        args.max_staleness,
+    )
     s = run("sync", *common)
     a = run("async", *common)
     result = {
