@@ -242,7 +242,18 @@ def test_synced_expert_bias_steers_the_selection():
     assert ((eng.generate(reqs(prompts([6])), greedy(4))[0].routing[:-1] == 3).any(-1)).all()
 
 
-@pytest.mark.slow
+def test_bf16_engine_records_routing_that_mostly_agrees_with_fp32():
+    m = model("qwen2_moe")
+    ps = reqs(prompts([7, 12]))
+    fp32 = NativeRollout(m, Tok(), rcfg()).generate(ps, greedy(8))
+    bf16 = NativeRollout(m, Tok(), rcfg(dtype="bf16")).generate(ps, greedy(8))
+    for a, b in zip(fp32, bf16):
+        assert b.routing.dtype == ROUTING_DTYPE and b.routing.shape == a.routing.shape
+        prompt = len(a.prompt_ids)  # same tokens: the routing differs only where bf16 rounds
+        same = (a.routing[:prompt].sort(-1).values == b.routing[:prompt].sort(-1).values).all(-1)
+        assert same.float().mean() > 0.8
+
+
 def test_grpo_with_r3_on_the_native_engine(tmp_path):
     import hybridrl
 
