@@ -12,10 +12,10 @@ the family does (:class:`MoEFamily`). An ``expert_bias`` sent by weight sync (th
 auxiliary-loss-free balancing, ``hybridrl/moe/balance.py``) is added to the probabilities for the
 *selection* only; the dispatch weights stay the unbiased probabilities.
 
-Dispatch groups the step's (token, slot) assignments by expert with one stable sort, runs each
-expert that got tokens as two matmuls over its contiguous slice, scales by the dispatch weights and
-adds everything back with one ``index_add_``: the flat token batch never pads to the busiest
-expert.
+Dispatch groups the step's (token, slot) assignments by expert with one stable sort and runs each
+expert that got tokens as two matmuls over its contiguous slice (the flat token batch never pads to
+the busiest expert); the results go back to (token, slot) order by the inverse permutation and each
+token sums its k weighted expert outputs in slot order, the same order on every device and run.
 """
 
 from __future__ import annotations
@@ -148,21 +148,23 @@ class MoEBlock:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output (T, H) and the chosen expert ids (T, k)."""
         ids, weights = self.route(x)
-        k = self.shape.top_k
+        T, k = ids.shape
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
-        token = order // k
-        xs = x.index_select(0, token)
-        w = weights.flatten().index_select(0, order).unsqueeze(-1)
+        xs = x.index_select(0, order // k)
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
                 g, u = F.linear(xs[start : start + n], self.gate_up[e]).chunk(2, -1)
                 outs.append(F.linear(F.silu(g) * u, self.down[e]))
                 start += n
-        ys = (torch.cat(outs) * w).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, ys)
+        # back to (token, slot) order and a sum over the k slots: a fixed summation order, where an
+        # index_add_ would add in whatever order a GPU's atomics land (not reproducible for k > 2)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        ys = torch.cat(outs).index_select(0, inverse).view(T, k, -1) * weights.unsqueeze(-1)
+        out = ys.sum(1).to(x.dtype)
         if self.shared_gu is not None:
             g, u = F.linear(x, self.shared_gu).chunk(2, -1)
             shared = F.linear(F.silu(g) * u, self.shared_down)
