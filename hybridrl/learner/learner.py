@@ -24,7 +24,6 @@ pass.
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import torch
 
@@ -238,7 +237,7 @@ class Learner(Worker):
             with timer.phase("critic_update"):
                 metrics |= on_my_rows(self.critic.update, batch)
         with timer.phase("update"):
-            metrics |= self._policy_rows(partial(self.update_policy), batch)
+            metrics |= self._policy_rows(self.update_policy, batch)
         if reuse:  # the update's first forward computed them: the gap metrics come now
             batch |= self._policy_rows(self.old_log_probs_of_last_update, batch)
             batch, correction = rollout_correction(batch, alg)
