@@ -126,7 +126,7 @@ def latency_distribution(draws: int = 10_000) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30, help="RL steps per run")
-    p.add_argument("--sft-steps", type=int, default=300, help="warm-start steps")
+    p.add_argument("--sft-steps", type=int, default=1200, help="warm-start steps")
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
     p.add_argument("--max-staleness", type=int, default=1, help="async: asynchronous.max_staleness")
