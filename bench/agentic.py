@@ -100,8 +100,8 @@ def run(
 
 def latency_distribution(draws: int = 10_000) -> dict:
     """Percentiles of calc_tool's seeded latency over ``draws`` calls (the bench's settings)."""
+    from hybridrl.envs.calc_tool import CalcToolEnv
     from hybridrl.tasks import Prompt
-    from hybridrl.tasks.calc import CalcToolEnv
 
     env = CalcToolEnv(latency_s=0.2, latency="lognormal", sigma=1.0)
     xs = []

@@ -36,8 +36,8 @@ from hybridrl.config import Config, load_config  # noqa: E402
 from hybridrl.controller import WorkerContext  # noqa: E402
 from hybridrl.learner import Learner  # noqa: E402
 from hybridrl.learner.logprob import batch_log_probs  # noqa: E402
+from hybridrl.learner.moe import REPLAY, ROUTING  # noqa: E402
 from hybridrl.moe.routing import record, same_sets  # noqa: E402
-from hybridrl.moe.training import REPLAY, ROUTING  # noqa: E402
 from hybridrl.protocol import Batch, prompt_sample, samples_to_batch  # noqa: E402
 from hybridrl.rollout.backends.hf import HFRollout  # noqa: E402
 from hybridrl.rollout.base import SamplingParams  # noqa: E402

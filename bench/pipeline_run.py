@@ -81,9 +81,9 @@ def _rank(rank: int, port: int, workdir: str, schedule: str, pp: int, n: int, st
     from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, agg_totals
     from hybridrl.config import AlgorithmConfig
     from hybridrl.controller import WorkerContext
+    from hybridrl.learner.pipeline_update import logits_log_probs
     from hybridrl.parallel import distributed
     from hybridrl.parallel.pipeline import PipeLayout, Pipeline
-    from hybridrl.parallel.pipeline_update import logits_log_probs
 
     torch.set_num_threads(1)
     ctx = WorkerContext(rank=rank, world_size=pp, role="learner", pool="p", master_port=port)

@@ -136,8 +136,8 @@ def single_process(loss_agg: str) -> dict:
 
 
 def pipelined(schedule: str, pp: int, dp: int, loss_agg: str, rank: int) -> dict:
+    from hybridrl.learner.pipeline_update import first_epoch_log_probs, run_updates
     from hybridrl.parallel.pipeline import PipeLayout, Pipeline
-    from hybridrl.parallel.pipeline_update import first_epoch_log_probs, run_updates
 
     layout = PipeLayout(pp=pp, dp=dp, rank=rank, schedule=schedule)
     batch = make_batch()

@@ -30,6 +30,7 @@ from hybridrl.algorithms import agg_totals
 from hybridrl.checks import check_moe
 from hybridrl.config import Config, ConfigError, load_config
 from hybridrl.learner.logprob import batch_log_probs, micro_batches, response_log_probs
+from hybridrl.learner.moe import REPLAY, ROUTING, replays_routing, start
 from hybridrl.models.factory import build_model
 from hybridrl.moe.balance import (
     BIAS_NAME,
@@ -40,7 +41,6 @@ from hybridrl.moe.balance import (
 )
 from hybridrl.moe.health import RoutingHealth, load_stats
 from hybridrl.moe.routing import moe_gates, record, replay, same_sets
-from hybridrl.moe.training import REPLAY, ROUTING, replays_routing, start
 from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout.backends.hf import HFRollout
 from hybridrl.rollout.base import SamplingParams

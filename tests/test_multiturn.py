@@ -13,14 +13,15 @@ from hybridrl.config import Config, load_config
 from hybridrl.config.schema import EnvConfig
 from hybridrl.driver.sft import sft_batch
 from hybridrl.envs import Env, StepResult
-from hybridrl.envs.multiturn import EnvRewards, MultiTurnRollout
+from hybridrl.envs.calc_tool import CalcToolEnv
 from hybridrl.models.loading import load_model
 from hybridrl.protocol import Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.base import RolloutEngine
+from hybridrl.rollout.multiturn import EnvRewards, MultiTurnRollout
 from hybridrl.tasks import Prompt, build_char_tokenizer
-from hybridrl.tasks.calc import CalcTask, CalcToolEnv
+from hybridrl.tasks.calc import CalcTask
 
 torch.set_num_threads(1)
 TOK = CalcTask().tokenizer()

@@ -44,7 +44,8 @@ from hybridrl.algorithms.rollout_correction import (
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.learner import lora as lora_lib
-from hybridrl.learner import pipeline_policy
+from hybridrl.learner import moe as moe_training
+from hybridrl.learner import pipeline_policy, pipeline_update
 from hybridrl.learner.critic import Critic
 from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
@@ -64,8 +65,7 @@ from hybridrl.learner.update import (
     run_updates,
 )
 from hybridrl.models.loading import load_model
-from hybridrl.moe import training as moe_training
-from hybridrl.parallel import distributed, pipeline_update, shm_staging, weight_sync
+from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.balance import balance_for_ranks
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model

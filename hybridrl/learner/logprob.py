@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.algorithms.masking import zero_pad
-from hybridrl.moe.training import ROUTING, moe_forward
+from hybridrl.learner.moe import ROUTING, moe_forward
 from hybridrl.parallel import distributed
 from hybridrl.parallel.packing import (
     attention_key_cost,

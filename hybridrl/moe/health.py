@@ -6,7 +6,7 @@ Per layer and step (``moe/layer<l>/...``): each expert's share of the (token, sl
 means every token goes to the same k experts), the entropy of the load distribution in nats
 (``load_entropy``, at most ln E) and the number of experts that got no token (``empty``). Over all
 layers: the worst ``moe/max_mean``, ``moe/empty_experts`` in total and the routing-change fractions
-(computed by the caller, :mod:`hybridrl.moe.training`).
+(computed by the caller, :mod:`hybridrl.learner.moe`).
 
 Alerts: a layer whose ``max_mean`` passes ``moe.health_max_mean_threshold``, or an expert that has
 been empty ``moe.health_empty_steps`` steps in a row, logs a warning and sets

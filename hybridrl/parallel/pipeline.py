@@ -9,12 +9,12 @@ A mini-batch (this replica's rows of the global mini-batch, drawn exactly as ``l
 draws them) is trimmed to its longest row, padded with empty rows (``response_mask`` 0) and run as
 one or more *rounds*, each one schedule step of ``n_microbatches`` equal micro-batches under the
 token budget (replicas run as many rounds as the busiest one, for FSDP2's collectives). The last
-stage computes the RL loss of each micro-batch: response log-probs under the rollout's filters
-from the logits (``pipeline_update.logits_log_probs``, as ``response_log_probs``), then the
-caller's objective with the global mini-batch totals, so the micro-batches' losses sum to the
-mini-batch loss; the schedules run with ``scale_grads=False`` (their gradients are the exact sum,
-not the mean). The loss function gets the rows of its micro-batch as its target (a tensor of indices
-into the round's batch), which holds every per-row column the loss reads.
+stage computes the RL loss of each micro-batch: response log-probs under the rollout's filters from
+the logits (``logits_log_probs`` in ``learner/pipeline_update.py``, as ``response_log_probs``),
+then the caller's objective with the global mini-batch totals, so the micro-batches' losses sum to
+the mini-batch loss; the schedules run with ``scale_grads=False`` (their gradients are the exact
+sum, not the mean). The loss function gets the rows of its micro-batch as its target (a tensor of
+indices into the round's batch), which holds every per-row column the loss reads.
 
 The log-prob passes run the same stages forward-only (:meth:`Pipeline.forward_round`, a wavefront
 of our own: torch's multi-stage schedules run backward actions even in ``eval``) on the rounds the
@@ -329,33 +329,6 @@ class Pipeline:
                     sends.append(dist.isend(out, dst=base + lay.holder(s + 1), group=self.pp_group))
         for work in sends:
             work.wait()
-
-    def rounds(self, mini: Batch, token_budget: int, pad_from: Batch) -> list[Batch]:
-        """``mini`` (this replica's rows) as round batches: trimmed, empty rows added so that each
-        round holds ``n_microbatches`` equal micro-batches under ``token_budget`` (at least one
-        row each); replicas get as many rounds as the busiest (a collective)."""
-        from hybridrl.learner.logprob import dummy_micro_batch, trim
-
-        n = self.layout.n_microbatches
-        source = trim(mini) if len(mini) else trim(dummy_micro_batch(pad_from))
-        width = source["input_ids"].shape[1]
-        per_mb = max(1, token_budget // width)
-        count = max(1, math.ceil(len(mini) / (per_mb * n)))
-        count = int(distributed.all_reduce([count], op="max")[0].item())
-        rows = max(1, math.ceil(len(mini) / (count * n)))
-        out = []
-        for r in range(count):
-            real = torch.arange(r * rows * n, min((r + 1) * rows * n, len(mini)))
-            pad = rows * n - len(real)
-            idx = torch.cat([real, torch.zeros(pad, dtype=torch.long)])
-            rb = source.index(idx)
-            if pad:  # the added rows contribute nothing
-                keep = (torch.arange(len(idx)) < len(real)).unsqueeze(1)
-                rm = rb["response_mask"]
-                rm = torch.where(keep, rm, torch.zeros_like(rm))
-                rb = Batch(dict(rb.tensors) | {"response_mask": rm}, rb.meta)
-            out.append(rb)
-        return out
 
     def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the rank holding the last stage has it, on every rank of the replica."""

@@ -7,13 +7,13 @@ from __future__ import annotations
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.controller.health import Progress
-from hybridrl.envs.multiturn import env_rewards, with_environment
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.parallel import weight_sync
 from hybridrl.parallel.distributed import compute_device
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends import make_backend
+from hybridrl.rollout.multiturn import env_rewards, with_environment
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.rollout.stream import RolloutStream
@@ -35,7 +35,7 @@ class RolloutWorker(Worker):
         self.progress = Progress()
         self.backend.step = self.progress.counting(self.backend.step)
         scorer = Scorer(cfg, self.tokenizer, eos_token_ids(model, self.tokenizer))
-        # with an environment, its reward (envs/multiturn.py)
+        # with an environment, its reward (rollout/multiturn.py)
         self.scorer = env_rewards(cfg, scorer)
         self.stream: RolloutStream | None = None
         # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)

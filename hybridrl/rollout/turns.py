@@ -1,4 +1,4 @@
-"""The parts of a multi-turn rollout (``envs/multiturn.py``): a trajectory's state, running
+"""The parts of a multi-turn rollout (``rollout/multiturn.py``): a trajectory's state, running
 environment calls off the engine's thread, and turning an observation into tokens.
 
 :class:`EnvCalls` runs every ``reset`` / ``step`` on one event-loop thread: an ``async def`` is

@@ -81,7 +81,7 @@ def start(model: nn.Module, optimizer, cfg) -> MoETraining | None:
 def _token_places(model, mb) -> tuple[torch.Tensor, int, torch.Tensor]:
     """``(places, n, real)``: where each real token of ``mb`` (``real``: its attention mask, (B, T)
     bool) sits in the forward's flattened (n,) token order, unpacked or packed."""
-    from hybridrl.learner.logprob import PACK_OFFSET, PACK_ROW  # the learner imports us
+    from hybridrl.learner.logprob import PACK_OFFSET, PACK_ROW
     from hybridrl.parallel.packing import is_varlen, packed_layout
 
     attn = mb["attention_mask"]
@@ -266,7 +266,7 @@ class MoETraining:
             rows = slice(0, min(PROBE_ROWS, len(batch)))
             self.probe = (batch["input_ids"][rows].clone(), batch["attention_mask"][rows].clone())
         ids, attn = self.probe
-        from hybridrl.learner.logprob import model_device  # the learner imports us
+        from hybridrl.learner.logprob import model_device
 
         device = model_device(self.model)
         ids, attn = ids.to(device), attn.to(device)

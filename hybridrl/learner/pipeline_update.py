@@ -22,6 +22,8 @@ import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.algorithms.masking import zero_pad
+from hybridrl.learner.logprob import _as_sampling, dummy_micro_batch, trim
+from hybridrl.learner.update import SkipCounter
 from hybridrl.parallel import distributed
 from hybridrl.parallel.pipeline import PipeLayout, Pipeline, sum_metrics
 from hybridrl.protocol import Batch
@@ -34,7 +36,6 @@ def logits_log_probs(logits, mb: Batch, sampling, with_entropy: bool = False):
     """(log_probs, entropy or None) of ``mb``'s response tokens from the full-sequence logits,
     each (B, R), zero where ``response_mask`` is 0: the post-forward half of
     ``learner.logprob.response_log_probs`` (same sampling filters, fp32 math)."""
-    from hybridrl.learner.logprob import _as_sampling
     from hybridrl.rollout.sampler import filtered_log_softmax
 
     responses, mask = mb["responses"], mb["response_mask"]
@@ -109,7 +110,6 @@ def run_updates(
     in rounds of the schedule (``Pipeline.rounds``); tied gradients summed, the global norm clipped
     at ``section.grad_clip``; metrics token-weighted over the optimizer steps taken, on every
     rank. Adds ``perf/pipeline_idle_fraction``."""
-    from hybridrl.learner.update import SkipCounter
 
     skips = skips or SkipCounter(3, prefix)
     pl.train()
@@ -123,7 +123,7 @@ def run_updates(
             optimizer.zero_grad(set_to_none=True)
             totals = replica_totals(mini, norm_len, pl.layout)
             state = _MiniBatch(objective, sampling, totals, max(totals.n_tokens, 1.0))
-            for rb in pl.rounds(mini, section.micro_batch_tokens, batch):
+            for rb in rounds(pl, mini, section.micro_batch_tokens, batch):
                 pl.run_round(rb, partial(state.loss, rb))
             pl.sync_tied_grads()
             norm = pl.clip_grad_norm(section.grad_clip)
@@ -161,7 +161,7 @@ def log_probs(
     for rows, mini in minis:
         part = torch.zeros((len(mini), batch["responses"].shape[1]), dtype=torch.float32)
         first = 0
-        for rb in pl.rounds(mini, budget, batch):
+        for rb in rounds(pl, mini, budget, batch):
             pl.forward_round(rb, partial(_stash, part, rb, first, len(mini), sampling))
             first += len(rb)
         out[rows] = part
@@ -191,3 +191,29 @@ def first_epoch_log_probs(
         for rows in replica_minibatch_rows(len(batch), peek, section.ppo_minibatch_size, pl.layout)
     ]
     return log_probs(pl, minis, batch, section.micro_batch_tokens, sampling)
+
+
+def rounds(pl, mini: Batch, token_budget: int, pad_from: Batch) -> list[Batch]:
+    """``mini`` (this replica's rows of pipeline ``pl``) as round batches: trimmed, empty rows
+    added so that each round holds ``n_microbatches`` equal micro-batches under ``token_budget``
+    (at least one row each); replicas get as many rounds as the busiest (a collective)."""
+    n = pl.layout.n_microbatches
+    source = trim(mini) if len(mini) else trim(dummy_micro_batch(pad_from))
+    width = source["input_ids"].shape[1]
+    per_mb = max(1, token_budget // width)
+    count = max(1, math.ceil(len(mini) / (per_mb * n)))
+    count = int(distributed.all_reduce([count], op="max")[0].item())
+    rows = max(1, math.ceil(len(mini) / (count * n)))
+    out = []
+    for r in range(count):
+        real = torch.arange(r * rows * n, min((r + 1) * rows * n, len(mini)))
+        pad = rows * n - len(real)
+        idx = torch.cat([real, torch.zeros(pad, dtype=torch.long)])
+        rb = source.index(idx)
+        if pad:  # the added rows contribute nothing
+            keep = (torch.arange(len(idx)) < len(real)).unsqueeze(1)
+            rm = rb["response_mask"]
+            rm = torch.where(keep, rm, torch.zeros_like(rm))
+            rb = Batch(dict(rb.tensors) | {"response_mask": rm}, rb.meta)
+        out.append(rb)
+    return out

@@ -8,7 +8,7 @@ trajectories, each with its own environment instance. A model turn is one reques
 the inner backend whose prompt is the trajectory so far (prompt, earlier turns, observations), so
 the native engine's prefix cache serves the shared part again. A turn ends at eos, at one of
 ``env.turn_stop`` (kept in the response) or at its token limit; then the environment's ``step``
-runs on :class:`~hybridrl.envs.turns.EnvCalls`, off the engine's thread, and while it waits the
+runs on :class:`~hybridrl.rollout.turns.EnvCalls`, off the engine's thread, and while it waits the
 inner engine serves the other trajectories. The observation's tokens join the response with loss
 mask 0, log-prob 0 and the weight version of the moment; then the next turn is queued.
 
@@ -35,7 +35,10 @@ from dataclasses import replace
 from typing import Any
 
 from hybridrl.envs.base import ENVIRONMENTS, Env, StepResult
-from hybridrl.envs.turns import (
+from hybridrl.protocol import Sample
+from hybridrl.rollout.base import RolloutEngine, SamplingParams
+from hybridrl.rollout.scoring import FAILURE_COUNTS
+from hybridrl.rollout.turns import (
     ChatObservations,
     EnvCalls,
     Group,
@@ -43,9 +46,6 @@ from hybridrl.envs.turns import (
     Trajectory,
     overrides,
 )
-from hybridrl.protocol import Sample
-from hybridrl.rollout.base import RolloutEngine, SamplingParams
-from hybridrl.rollout.scoring import FAILURE_COUNTS
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.005  # nothing in the engine: how long a step waits for an environment to answer
