@@ -433,3 +433,60 @@ def test_env_config_errors():
     ]:
         with pytest.raises(Exception, match=msg):
             load_config(Config, None, bad)
+
+
+# --- cross-policy sampling ------------------------------------------------------------------------
+def cross_rollout(frac: float, tokens: str):
+    main = Scripted(lambda turn, ctx: ids("11"))
+    other = Scripted(lambda turn, ctx: ids("22"))
+    env = EnvConfig(name="test", cross_policy_frac=frac, cross_policy_tokens=tokens, max_turns=8)
+    return MultiTurnRollout(main, TOK, env, env_cls=lambda: Echo(turns=3), other=other), main, other
+
+
+@pytest.mark.parametrize("tokens", ["masked", "weighted"])
+def test_cross_policy_turns_come_from_the_frozen_policy_and_enter_the_loss_as_configured(tokens):
+    mt, main, other = cross_rollout(1.0, tokens)
+    mt.update_weights([("w", torch.zeros(1))], 4)  # a sync reaches the current policy only
+    assert (main.version, other.version) == (4, 0)
+    out = mt.generate(prompts(2), params())
+    assert len(other.contexts) == 12 and not main.contexts  # 4 trajectories x 3 turns
+    for s in out:
+        model = [i for i, lp in enumerate(s.log_probs) if lp != 0]  # observations have 0
+        assert len(model) == 6 and {s.response_ids[i] for i in model} == set(ids("2"))
+        assert {s.loss_mask[i] for i in model} == {1 if tokens == "weighted" else 0}
+        assert {s.versions[i] for i in model} == {4}  # stamped now, not with the frozen version
+        assert [s.log_probs[i] for i in model[:2]] == [-0.1, -0.2]  # the other policy's
+    assert mt.stats()["env/cross_policy_turn_frac"] == 1.0
+
+
+def test_a_seeded_share_of_turns_crosses_and_the_draw_repeats():
+    def crossed(seed):
+        mt, main, other = cross_rollout(0.5, "masked")
+        mt.generate(prompts(8), params(seed=seed))
+        return len(other.contexts), len(main.contexts), mt.stats()["env/cross_policy_turn_frac"]
+
+    a = crossed(3)
+    assert a[0] + a[1] == 48 and 0.25 < a[2] < 0.75
+    assert crossed(3) == a
+    assert cross_rollout(0.0, "masked")[0]._crossed is not None  # off: nothing crosses
+    mt, main, other = cross_rollout(0.0, "masked")
+    mt.generate(prompts(2), params())
+    assert not other.contexts
+
+
+def test_cross_policy_config_errors():
+    for bad, msg in [
+        (["env.cross_policy_frac=0.3"], "set env.name"),
+        (
+            ["env.name=calc_tool", "task.name=calc", "env.cross_policy_frac=0.3",
+             "env.cross_policy_tokens=weighted"],
+            "importance weight",
+        ),
+        (["env.name=calc_tool", "env.cross_policy_frac=1.5"], "<= 1"),
+    ]:  # fmt: skip
+        with pytest.raises(Exception, match=msg):
+            load_config(Config, None, bad)
+    ok = ["env.name=calc_tool", "task.name=calc", "env.cross_policy_frac=0.3"]
+    load_config(
+        Config, None, ok + ["env.cross_policy_tokens=weighted", "algorithm.rollout_is=token"]
+    )

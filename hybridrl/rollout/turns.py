@@ -70,6 +70,7 @@ class Trajectory:
     error: str = ""  # "" or the failure counted: errors | timeouts
     aborted: bool = False
     request: Sample | None = None  # the turn in the inner engine
+    cross: bool = False  # the turn in flight is the other policy's (cross-policy sampling)
     parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
     messages: list[dict] | None = None  # chat prompts: the conversation so far
     rendered: list[int] | None = None  # chat prompts: the template's tokens of it

@@ -4,6 +4,8 @@ in both training modes."""
 
 from __future__ import annotations
 
+import copy
+
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.controller.health import Progress
@@ -27,10 +29,15 @@ class RolloutWorker(Worker):
         super().__init__(ctx)
         self.cfg = cfg
         model, self.tokenizer = load_model(cfg, model_path)
+        # cross-policy sampling: a frozen copy of the starting weights (taken before any backend
+        # owns them), never synced
+        start = copy.deepcopy(model) if cfg.env.cross_policy_frac > 0 else None
         # native / hf run on this process's GPU when it has one (the learner's rule); with an
         # environment (env.name) each trajectory alternates model turns and environment steps
-        backend = make_backend(cfg.rollout, model, self.tokenizer, compute_device())
-        self.backend = with_environment(cfg, backend, self.tokenizer)
+        device = compute_device()
+        backend = make_backend(cfg.rollout, model, self.tokenizer, device)
+        other = None if start is None else make_backend(cfg.rollout, start, self.tokenizer, device)
+        self.backend = with_environment(cfg, backend, self.tokenizer, other)
         # engine steps for the heartbeat (controller/health.py): generate and the stream step here
         self.progress = Progress()
         self.backend.step = self.progress.counting(self.backend.step)
