@@ -395,6 +395,8 @@ def test_w4_trains_in_both_modes(tmp_path, mode):
             f"trainer.mode={mode}",
             f"sft.checkpoint={tmp_path / 'ws'}",
             f"trainer.runs_dir={tmp_path / 'runs'}",
+            # async also samples some turns from the frozen starting policy
+            f"env.cross_policy_frac={0.5 if mode == 'async' else 0.0}",
         ],
     )
     summary = {"sync": sync, "async": asynchronous}[mode].train(cfg)
@@ -404,6 +406,8 @@ def test_w4_trains_in_both_modes(tmp_path, mode):
     assert len(trained) == 2
     assert all(r["env/errors"] == 0 and r["tito/extension_violations"] == 0 for r in trained)
     assert all(r["env/trajectories"] > 0 for r in trained)
+    if mode == "async":
+        assert 0 < sum(r["env/cross_policy_turn_frac"] for r in trained) / 2 < 1
 
 
 def test_explicit_reward_functions_score_the_trajectory_text():
