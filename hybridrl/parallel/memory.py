@@ -354,9 +354,9 @@ _SUFFIX = {
 def resolve_model(spec: str):
     """A built-in size name, a config.json / checkpoint directory, or a parameter count (7e9, 70B,
     1.5M)."""
-    from hybridrl.models.factory import SIZES
+    from hybridrl.models.factory import builtin_names
 
-    if spec in SIZES:
+    if spec in builtin_names():
         from hybridrl.models.factory import model_size_config
         from hybridrl.tasks import build_char_tokenizer
 
