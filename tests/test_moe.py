@@ -374,6 +374,7 @@ def test_grpo_with_r3_on_tiny_moe_logs_moe_metrics(tmp_path):
     summary = hybridrl.train(
         root / "examples" / "arith_grpo_moe.yaml",
         overrides=[
+            "rollout.backend=hf",  # the native engine's run: tests/test_rollout_moe.py
             "sft.steps=3",
             "sft.batch_size=16",
             "trainer.total_steps=2",
