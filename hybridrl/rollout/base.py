@@ -213,6 +213,16 @@ class RolloutEngine(ABC):
             self.version = version
         return count
 
+    def generate_streamed(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        """``generate`` through the streaming interface (add, step until done, take): for backends
+        whose ``step`` is their own (continuous batching), so that one path serves both modes."""
+        n = max(1, params.n)
+        pending = self.add(prompts, params)
+        while pending:
+            self.step()
+            pending = [p for p in pending if not self.done(p, n)]
+        return [s for p in prompts for s in self.take(p, n)]
+
     # --- streaming --------------------------------------------------------------------------------
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """Queue prompts for generation with ``params`` (their seeds come from ``params.seed`` and

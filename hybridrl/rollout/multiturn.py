@@ -104,12 +104,7 @@ class MultiTurnRollout(RolloutEngine):
     # --- the rollout interface --------------------------------------------------------------------
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """``params.n`` trajectories per prompt, in prompt order (more where one was split)."""
-        n = max(1, params.n)
-        pending = self.add(prompts, params)
-        while pending:
-            self.step()
-            pending = [p for p in pending if not self.done(p, n)]
-        return [s for p in prompts for s in self.take(p, n)]
+        return self.generate_streamed(prompts, params)
 
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         self.inner.check_servable()

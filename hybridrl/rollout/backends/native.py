@@ -71,12 +71,7 @@ class NativeRollout(RolloutEngine):
 
     # --- generation ---------------------------------------------------------------------
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        n = max(1, params.n)
-        pending = self.add(prompts, params)
-        while pending:
-            self.step()
-            pending = [p for p in pending if not self.done(p, n)]
-        return [s for p in prompts for s in self.take(p, n)]
+        return self.generate_streamed(prompts, params)
 
     # streaming: the engine's continuous batch (prompts finish and enter between steps)
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
