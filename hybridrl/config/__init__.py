@@ -1,4 +1,5 @@
-"""Configuration: dataclass schema (``schema.py``) + strict YAML/CLI loader (``loader.py``)."""
+"""Configuration: dataclass schema (``schema.py``, ``sections/``), typed conversion (``convert.py``)
+and the strict YAML/CLI loader (``loader.py``)."""
 
 from hybridrl.config.loader import (
     ConfigError,
