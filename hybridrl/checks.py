@@ -101,6 +101,17 @@ def check_moe(cfg: Config) -> None:
             "model, and the configured model is dense; use model.name=tiny_moe or an MoE "
             "checkpoint, or leave the moe section at its defaults"
         )
+    if moe is False and cfg.moe.ep_size > 1:
+        raise ConfigError(
+            f"config key 'moe.ep_size': {cfg.moe.ep_size} needs a mixture-of-experts model, and "
+            "the configured model is dense; leave it at 1"
+        )
+    try:  # expert parallelism: world size, experts, other layouts (hybridrl/moe/ep.py)
+        from hybridrl.moe.ep import check_config as check_ep
+
+        check_ep(cfg)
+    except ValueError as e:
+        raise ConfigError(f"config key 'moe.ep_size': {e}") from None
     if moe and cfg.moe.active and cfg.fsdp.activation_checkpointing:
         raise ConfigError(
             "config key 'fsdp.activation_checkpointing': not supported with routing replay or "

@@ -165,7 +165,9 @@ class Learner(Worker):
         if cfg.actor.pp_size > 1:
             self.pipeline, self.model = pipeline_policy.build(cfg, model, self.dist)
         else:
-            self.model = prepare_model(model, fsdp_config_of(cfg), self.dist)
+            self.model = prepare_model(
+                model, fsdp_config_of(cfg), self.dist, ep_size=cfg.moe.ep_size
+            )
         params = self.model.parameters()
         if self.lora is not None:
             params = lora_lib.trainable_parameters(self.model)

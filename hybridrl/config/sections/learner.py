@@ -283,6 +283,13 @@ class MoEConfig:
         "(0: off)",
         ge=0,
     )
+    ep_size: int = _f(
+        1,
+        "expert parallelism: the actor's ranks split each MoE layer's experts into groups of "
+        "this many ranks (each holds experts / ep_size of them; tokens travel to their experts "
+        "by all-to-all); must divide the learner's world size and the number of experts (1: off)",
+        ge=1,
+    )
     health_max_mean_threshold: float = _f(
         3.0,
         "warn (and set moe/alert_imbalance) when a layer's busiest expert gets more than this "
