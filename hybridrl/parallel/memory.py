@@ -1,8 +1,10 @@
 """Training-memory estimator: bytes per device for one training step of a causal LM.
 
 ``estimate(model, layout)`` returns the bytes each device holds for a model
-(a transformers ``PretrainedConfig`` of a dense decoder such as Qwen2/Llama,
-or only a parameter count Ψ) under a ``Layout``; ``hybridrl memory`` prints it.
+(a transformers ``PretrainedConfig`` of a decoder such as Qwen2/Llama, or a
+mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral: ``parallel/memory_moe.py`` has
+what experts and expert parallelism change), or only a parameter count Ψ) under a
+``Layout``; ``hybridrl memory`` prints it.
 
 Notation: Ψ parameters (Ψ_t of them trainable: Ψ, or the LoRA adapters),
 N = ``world_size``, p = bytes of ``param_dtype`` (4 fp32, 2 bf16), n =
@@ -36,7 +38,9 @@ padding mask, which this module was calibrated against), bytes per token:
              + a·(2h + 2h)                  q and o-input (SDPA output); k and v after repeat_kv (H
                heads)
              + 4H + a·T                     SDPA logsumexp and the (float) attention mask row
-             + 4a·I                         MLP: gate, silu(gate), up, silu(gate)·up
+             + 4a·I                         MLP: gate, silu(gate), up, silu(gate)·up (an MoE
+                                            layer: top-k routing's, parallel/memory_moe.py)
+             + (4 + a)·(H + K)·d + 4(H + K)  Qwen3's q/k norms: input, normalised, 1/rms
              + 7a·r (LoRA)                  the adapters' low-rank activations
 * head       = 4h + 2ah + 4 + a·V + 3·4V    final norm, logits, fp32 log-softmax, softmax (entropy),
   dlogits
@@ -67,11 +71,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from hybridrl.parallel.memory_moe import Experts, split_states
 
 SHARDING = ("none", "optim", "grad_op", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -89,6 +94,7 @@ class Layout:
     activation_checkpointing: bool = False
     micro_batch_tokens: int = 8192
     seq_len: int | None = None  # padded row width; default min(micro_batch_tokens, max positions)
+    ep_size: int = 1  # expert parallelism: ranks that split each MoE layer's experts
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -107,11 +113,16 @@ class Layout:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.ep_size < 1 or self.world_size % self.ep_size:
+            raise ValueError(
+                f"ep_size must be >= 1 and divide world_size {self.world_size}, got {self.ep_size}"
+            )
 
 
 @dataclass
 class Shape:
-    """The dimensions of a dense decoder-only transformer that the estimate needs."""
+    """The dimensions of a decoder-only transformer that the estimate needs (``moe``: its experts,
+    None for a dense one)."""
 
     layers: int
     hidden: int
@@ -124,6 +135,8 @@ class Shape:
     qkv_bias: bool
     o_bias: bool
     max_positions: int
+    qk_norm: bool = False  # Qwen3: RMSNorms of q and k per head (head_dim weights each)
+    moe: Experts | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Shape:
@@ -136,11 +149,6 @@ class Shape:
                 (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
             )
 
-        if get("num_experts", "num_local_experts", "n_routed_experts"):
-            raise ValueError(
-                "mixture-of-experts configs are not supported by the estimator (dense decoders "
-                "only)"
-            )
         h, L, H = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads")
         inter, V = get("intermediate_size"), get("vocab_size")
         if None in (h, L, H, inter, V):
@@ -159,12 +167,17 @@ class Shape:
             head_dim=get("head_dim", default=h // H),
             vocab=V,
             tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=bool(attn_bias) if attn_bias is not None else model_type == "qwen2",
+            qkv_bias=bool(attn_bias)
+            if attn_bias is not None
+            else bool(get("qkv_bias", default=model_type == "qwen2")),  # Qwen2-MoE's flag
             o_bias=bool(attn_bias) if attn_bias is not None else False,
             max_positions=get("max_position_embeddings", default=4096),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=Experts.from_config(get, cfg, L, inter),
         )
 
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
+        """A layer's attention and its two norms."""
         h, d = self.hidden, self.head_dim
         q, kv = self.heads * d, self.kv_heads * d
         attn = (
@@ -174,11 +187,34 @@ class Shape:
             + (q + 2 * kv if self.qkv_bias else 0)
             + (h if self.o_bias else 0)
         )
-        return attn + 3 * h * self.intermediate + 2 * h
+        return attn + 2 * h + (2 * d if self.qk_norm else 0)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.moe.moe_layers if self.moe else 0
+
+    def layer_params(self, ep_size: int = 1) -> int:
+        """The largest decoder layer's parameters (an MoE layer's with E / ``ep_size`` experts:
+        what one layer holds gathered)."""
+        dense = self.attention_params() + 3 * self.hidden * self.intermediate
+        if not self.moe_layers:
+            return dense
+        moe = self.attention_params() + self.moe.layer_params(self.hidden)
+        experts = self.moe.expert_params(self.hidden) // self.moe_layers
+        return max(
+            moe - experts + experts // ep_size, dense if self.moe_layers < self.layers else 0
+        )
 
     def params(self) -> int:
         emb = self.vocab * self.hidden
-        return emb * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
+        dense = self.attention_params() + 3 * self.hidden * self.intermediate
+        moe = self.attention_params() + self.moe.layer_params(self.hidden) if self.moe else 0
+        layers = (self.layers - self.moe_layers) * dense + self.moe_layers * moe
+        return emb * (1 if self.tied else 2) + layers + self.hidden
+
+    def expert_params(self) -> int:
+        """Ψ_e: the routed experts (0 for a dense model)."""
+        return self.moe.expert_params(self.hidden) if self.moe else 0
 
     def lora_params(self, r: int) -> int:
         h, inter = self.hidden, self.intermediate
@@ -202,15 +238,23 @@ def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
     T = lay.seq_len or min(n, s.max_positions)
     h, inter = s.hidden, s.intermediate
     norm = 4 * h + 2 * a * h + 4
-    per_layer = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * inter + 7 * a * lay.lora_rank
+    attn = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 7 * a * lay.lora_rank
+    if s.qk_norm:  # Qwen3's per-head q/k RMSNorms: their input, normalised value and 1/rms
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        attn += (4 + a) * (q + kv) + 4 * (s.heads + s.kv_heads)
+    dense, moe = attn + 4 * a * inter, attn + (s.moe.mlp_activation(h, a) if s.moe else 0)
     head = norm + a * s.vocab + 3 * 4 * s.vocab
-    backward = a * (h + inter)
-    layers = (
-        n * (s.layers * a * h + per_layer)
-        if lay.activation_checkpointing
-        else n * s.layers * per_layer
-    )
+    backward = a * (h + max(inter if s.moe_layers < s.layers else 0, _routed_width(s)))
+    if lay.activation_checkpointing:
+        layers = n * (s.layers * a * h + max(dense if s.moe_layers < s.layers else 0, moe))
+    else:
+        layers = n * ((s.layers - s.moe_layers) * dense + s.moe_layers * moe)
     return {"layers": layers, "head": n * head, "backward": n * backward}
+
+
+def _routed_width(s: Shape) -> int:
+    """The MLP intermediate width of one token in an MoE layer (k experts)."""
+    return s.moe.top_k * s.moe.inter if s.moe_layers else 0
 
 
 def estimate(model, layout: Layout | None = None) -> dict:
@@ -235,21 +279,31 @@ def estimate(model, layout: Layout | None = None) -> dict:
         raise ValueError(
             "a LoRA estimate needs a model config (the adapter sizes depend on the layer shapes)"
         )
+    psi_e = shape.expert_params() if shape is not None else 0
+    if lay.ep_size > 1:
+        if not psi_e:
+            raise ValueError("ep_size > 1 needs a mixture-of-experts config")
+        shape.moe.check_ep(lay.ep_size, lay.world_size)
+    if lay.lora_rank and psi_e:
+        raise ValueError("LoRA estimates cover dense decoders only")
     trainable = shape.lora_params(lay.lora_rank) if lay.lora_rank else psi
+    trained_e = 0 if lay.lora_rank else psi_e  # the experts' share of the trained parameters
     N, p = lay.world_size, DTYPE_BYTES[lay.param_dtype]
     mixed = lay.param_dtype != "fp32" and lay.master_fp32
     shard_w = N if lay.sharding == "full" else 1
     shard_g = N if lay.sharding in ("grad_op", "full") else 1
     shard_o = N if lay.sharding != "none" else 1
     adapters = trainable if lay.lora_rank else 0
-    weights = math.ceil((p * psi + p * adapters) / shard_w)
-    gradients = math.ceil(p * trainable / shard_g)
+    weights = split_states(p * (psi - psi_e + adapters), p * psi_e, shard_w, lay)
+    gradients = split_states(p * (trainable - trained_e), p * trained_e, shard_g, lay)
     state_bytes = 4 if mixed else p
-    opt = {
-        "master": math.ceil((4 * trainable if mixed else 0) / shard_o),
-        "m": math.ceil(state_bytes * trainable / shard_o),
-        "v": math.ceil(state_bytes * trainable / shard_o),
-    }
+
+    def optim(per_param: int) -> int:
+        return split_states(
+            per_param * (trainable - trained_e), per_param * trained_e, shard_o, lay
+        )
+
+    opt = {"master": optim(4 if mixed else 0), "m": optim(state_bytes), "v": optim(state_bytes)}
     optimizer = sum(opt.values())
     acts = workspace = None
     breakdown = {"optimizer": opt}
@@ -257,7 +311,15 @@ def estimate(model, layout: Layout | None = None) -> dict:
         parts = _activation_terms(shape, lay)
         acts = sum(parts.values())
         breakdown["activations"] = parts
-        workspace = 3 * p * shape.layer_params() if lay.sharding == "full" and N > 1 else 0
+        workspace = (
+            3 * p * shape.layer_params(lay.ep_size) if lay.sharding == "full" and N > 1 else 0
+        )
+        if psi_e:
+            breakdown["experts"] = {
+                "params": psi_e,
+                "params_per_ep_rank": psi_e // lay.ep_size,
+                "active_params_per_token": psi - psi_e + psi_e * shape.moe.top_k // shape.moe.count,
+            }
     where_states = "cpu" if lay.cpu_offload else "accelerator"
     device = {
         "weights": where_states,
@@ -275,6 +337,7 @@ def estimate(model, layout: Layout | None = None) -> dict:
     }
     return {
         "n_params": psi,
+        "expert_params": psi_e,
         "trainable_params": trainable,
         "layout": asdict(lay),
         "weights": weights,
@@ -310,6 +373,13 @@ def format_table(result: dict) -> str:
         f"AC {'on' if lay['activation_checkpointing'] else 'off'}, micro-batch "
         f"{lay['micro_batch_tokens']} tokens"
     )
+    experts = result["breakdown"].get("experts")
+    if experts:
+        head += (
+            f"\nexperts {experts['params']:,} of the params ({experts['params_per_ep_rank']:,} per "
+            f"EP rank at ep_size {lay['ep_size']}); active per token "
+            f"{experts['active_params_per_token']:,}"
+        )
     rows = [("term", "bytes/device", "where")]
     opt = result["breakdown"]["optimizer"]
     for key in ("weights", "gradients", "optimizer"):
@@ -395,7 +465,8 @@ def parse_args(argv):
     )
     p.add_argument(
         "model",
-        help="tiny | small | a config.json or checkpoint directory | a parameter count (7e9, 70B)",
+        help="tiny | small | tiny_moe | a config.json or checkpoint directory | a parameter "
+        "count (7e9, 70B)",
     )
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument(
@@ -414,6 +485,12 @@ def parse_args(argv):
         help="weights, gradients and optimizer states in host memory",
     )
     p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert parallelism (MoE): ranks splitting the experts",
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument(
@@ -441,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing,
             micro_batch_tokens=args.micro_batch_tokens,
             seq_len=args.seq_len,
+            ep_size=args.ep_size,
         )
         result = estimate(resolve_model(args.model), layout)
     except ValueError as e:
