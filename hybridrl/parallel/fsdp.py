@@ -153,7 +153,7 @@ def prepare_model(
     and an unsharded one (one GPU, or any CPU rank) is marked for bf16 autocast over its fp32
     parameters (fp32 master weights, gradients and optimizer state). One log line says which
     precision runs and why. ``ep_size`` > 1 (``moe.ep_size``): expert parallelism
-    (:func:`shard_with_experts`)."""
+    (``hybridrl/moe/ep_fsdp.py``)."""
     from hybridrl.parallel.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
@@ -175,7 +175,9 @@ def _prepare(
 ) -> nn.Module:
     if trainable and cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if ep_size > 1:
+    if ep_size > 1:  # moe.ep_size: experts split over ranks (hybridrl/moe/ep_fsdp.py)
+        from hybridrl.moe.ep_fsdp import shard_with_experts
+
         return shard_with_experts(model, cfg, env, ep_size, bf16)
     if env.backend is None or (cfg.strategy == "none" and not env.distributed):
         return model.to(env.device)
@@ -188,86 +190,6 @@ def _prepare(
     mesh = init_device_mesh(env.device.type, (env.world_size,))
     shard_modules(model, decoder_layers(model), mesh, cfg, env.device, bf16)
     return model
-
-
-# --- expert parallelism ---------------------------------------------------------------------------
-EP_DIMS = (
-    "efsdp",
-    "ep",
-)  # the experts' mesh: FSDP over the first dimension, experts over the second
-
-
-def expert_mesh(env: DistEnv, ep_size: int):
-    """The 2-D ``(world / ep_size, ep_size)`` mesh named :data:`EP_DIMS`: ranks ``r`` with the same
-    ``r // ep_size`` form an EP group (they split the experts), ranks with the same
-    ``r % ep_size`` hold the same experts and shard them further with FSDP. Its groups get the
-    run's collective timeout (``HYBRIDRL_PG_TIMEOUT_S``), like the default group."""
-    import datetime
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from hybridrl.moe.ep import check_ep_size
-
-    check_ep_size(ep_size, env.world_size, None)
-    opts = (
-        dist.ProcessGroupGloo._Options()
-        if env.backend == "gloo"
-        else dist.ProcessGroupNCCL.Options()
-    )
-    opts._timeout = datetime.timedelta(seconds=distributed.pg_timeout_s())
-    shape = (env.world_size // ep_size, ep_size)
-    override = {name: (env.backend, opts) for name in EP_DIMS}
-    return init_device_mesh(
-        env.device.type, shape, mesh_dim_names=EP_DIMS, backend_override=override
-    )
-
-
-def shard_with_experts(
-    model: nn.Module, cfg: FSDPConfig, env: DistEnv, ep_size: int, bf16: bool = False
-) -> nn.Module:
-    """Expert parallelism composed with FSDP2 (``moe.ep_size``, docs/moe.md):
-
-    * every experts module's fused weights become DTensors ``Shard(0)`` over the ``ep`` dimension
-      and its forward dispatches tokens by all-to-all (``hybridrl/moe/ep.py``);
-    * each experts module is then its own FSDP unit over the ``efsdp`` dimension (the ranks that
-      hold the same experts), sharded on dim 1 so that the layout stays two plain shardings
-      (``Shard(1)`` over ``efsdp``, ``Shard(0)`` over ``ep``);
-    * the rest (attention, norms, routers, embeddings) is sharded over all ranks as without EP.
-
-    Gradients are summed everywhere (divide factor 1, as in :func:`shard_modules`): the all-to-all's
-    backward already sums the EP group's contributions to its experts, FSDP adds the other groups'.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
-
-    from hybridrl.moe import ep as ep_lib
-
-    if env.backend is None or cfg.strategy != "fsdp2":
-        raise ValueError(
-            f"moe.ep_size={ep_size} needs a process group of several ranks and fsdp.strategy "
-            f"'fsdp2' (world size {env.world_size}, strategy {cfg.strategy!r})"
-        )
-    model.to(env.device)
-    mesh = expert_mesh(env, ep_size)
-    experts = ep_lib.install(model, mesh["ep"], ep_size)
-    for module in experts:
-        for name in ep_lib.EXPERT_PARAMS:
-            dim1 = getattr(module, name).shape[1]
-            if dim1 % mesh["efsdp"].size():
-                raise ValueError(
-                    f"moe.ep_size={ep_size}: {name} dim 1 ({dim1}) must divide by world size / "
-                    f"ep_size = {mesh['efsdp'].size()}"
-                )
-        fully_shard(
-            module,
-            mesh=mesh["efsdp"],
-            reshard_after_forward=cfg.sharding == "full",
-            shard_placement_fn=lambda p: Shard(1),
-            mp_policy=mixed_precision_policy(bf16 and env.device.type == "cuda"),
-        )
-    dense = init_device_mesh(env.device.type, (env.world_size,))
-    return shard_modules(model, decoder_layers(model), dense, cfg, env.device, bf16)
 
 
 def shard_modules(
