@@ -1,6 +1,7 @@
 """The rollout role: a rollout backend (``rollout.backend``) behind the worker interface. It
 generates and scores: every sample leaves a rollout rank with its reward (``rollout/scoring.py``),
-in both training modes."""
+in both training modes. A backend with a continuous batch of its own has each group scored as soon
+as it finishes, while the others still generate (``rollout/worker_scoring.py``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hybridrl.rollout.multiturn import env_rewards, with_environment
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.rollout.stream import RolloutStream
+from hybridrl.rollout.worker_scoring import generate_scored, steps_itself
 from hybridrl.telemetry.flops import rollout_perf
 from hybridrl.telemetry.samples import RecentSamples
 from hybridrl.telemetry.timeline import SpanLog, SpannedEngine
@@ -55,6 +57,10 @@ class RolloutWorker(Worker):
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         """``params.n`` scored samples per prompt sample
         (:func:`~hybridrl.protocol.prompt_sample`)."""
+        if steps_itself(self.backend):  # each group scored once done, while the rest generate
+            score = self.spans.wrap("rollout/score", self.scorer)
+            with self.spans.span("rollout/generate"), self.progress.busy():
+                return generate_scored(self.backend, score, prompts, params)
         with self.spans.span("rollout/generate"), self.progress.busy():
             out = self.backend.generate(prompts, params)
         with self.spans.span("rollout/score"):
