@@ -4,8 +4,9 @@ gradients of every parameter (experts gathered) and updated weights within 1e-5;
 really split (each rank holds 4 of 8 per layer) and tokens really cross ranks; weight sync
 returns full expert tensors by transformers names; an EP 2 checkpoint loads at EP 1 (2 ranks and
 one process) with equal weights; bad ``ep_size`` values fail at config time. The slow test runs 4
-ranks: EP 4, and EP 2 with FSDP over the other dimension, against the same single process, and
-loads the 2-rank EP 2 checkpoint at both.
+ranks: EP 4, and EP 2 with FSDP over the other dimension and activation checkpointing (the
+recomputed forward exchanges its tokens again), against the same single process, and loads the
+2-rank EP 2 checkpoint at both.
 
 The ranks are subprocesses running this file (``python tests/test_ep.py rank ...``), one torch
 thread each.
@@ -28,7 +29,7 @@ TOL = 1e-5
 ROWS = 8
 
 
-def make_cfg(ep_size: int = 1) -> Config:
+def make_cfg(ep_size: int = 1, checkpointing: bool = False) -> Config:
     cfg = Config()
     cfg.model.name = "tiny_moe"
     cfg.algorithm.entropy_coef = 0.01
@@ -36,6 +37,7 @@ def make_cfg(ep_size: int = 1) -> Config:
     cfg.actor.micro_batch_tokens = 40  # a few micro-batches per rank
     cfg.fsdp.mixed_precision = "fp32"
     cfg.moe.ep_size = ep_size
+    cfg.fsdp.activation_checkpointing = checkpointing
     return cfg
 
 
@@ -126,8 +128,8 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     out: dict = {}
     workers = []
     sizes = (2,) if world == 2 else (4, 2)
-    for ep in sizes:
-        learner = Learner(ctx, make_cfg(ep), None)
+    for ep in sizes:  # 4 ranks: EP 2 x FSDP 2 recomputes its layers in backward
+        learner = Learner(ctx, make_cfg(ep, checkpointing=world == 4 and ep == 2), None)
         workers.append(learner)
         out[ep] = step(learner, part) | {"shapes": expert_shapes(learner)}
     if world == 2:  # an EP 2 checkpoint, loaded at EP 1 on the same ranks
@@ -203,12 +205,20 @@ def test_weight_sync_sends_full_experts_by_transformers_name(runs):
     assert got["model.layers.0.mlp.experts.down_proj"].shape == (8, 128, 256)
 
 
-def test_ep2_checkpoint_loads_at_ep1(runs):
+def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.parallel.fsdp import export_hf
+
     trained = runs["ranks"][2]["weights"]
     assert max_diff(trained, runs["ranks"]["loaded_ep1"]) == 0.0
     learner, _ = single_process(runs["ref"]["batch"])  # one process, no group
     learner.load_state(str(runs["work"] / "ckpt"))
     assert max_diff(trained, full_weights(learner)) == 0.0
+    # the export reads the sharded checkpoint into a plain transformers model
+    out = export_hf(runs["work"] / "ckpt", tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert max_diff(trained, dict(exported.named_parameters())) == 0.0
 
 
 @pytest.mark.slow
