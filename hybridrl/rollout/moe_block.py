@@ -14,8 +14,13 @@ auxiliary-loss-free balancing, ``hybridrl/moe/balance.py``) is added to the prob
 
 Dispatch groups the step's (token, slot) assignments by expert with one stable sort and runs each
 expert that got tokens as two matmuls over its contiguous slice (the flat token batch never pads to
-the busiest expert); the results go back to (token, slot) order by the inverse permutation and each
-token sums its k weighted expert outputs in slot order, the same order on every device and run.
+the busiest expert), written straight into two step buffers, with one SiLU-and-product over all
+slices in between. The experts' matrices are stored transposed, (E, H, 2I) and (E, I, H), so each
+slice is a plain row-major product: on a CPU that runs 10 to 40 % faster than the transposed
+product ``F.linear`` does, at the few rows per expert of a decode step; the transformers-shaped
+names are views of them. Each token then sums its k weighted expert outputs with one ``index_add_``
+where that sum is reproducible (on a CPU it adds in index order; on a GPU, with k <= 2, the two
+terms added to zero commute), and otherwise in slot order after undoing the sort.
 """
 
 from __future__ import annotations
@@ -105,8 +110,11 @@ class MoEBlock:
         E, inter, S = shape.num_experts, shape.intermediate, shape.shared_intermediate
         self.shape = shape
         self.router = torch.zeros(E, hidden, **kw)
-        self.gate_up = torch.zeros(E, 2 * inter, hidden, **kw)
-        self.down = torch.zeros(E, hidden, inter, **kw)
+        # transposed for row-major products (module docstring); gate_up / down: the hf layout
+        self.gate_up_t = torch.zeros(E, hidden, 2 * inter, **kw)
+        self.down_t = torch.zeros(E, inter, hidden, **kw)
+        self.gate_up = self.gate_up_t.transpose(1, 2)  # (E, 2I, H) view
+        self.down = self.down_t.transpose(1, 2)  # (E, H, I) view
         self.bias = torch.zeros(E, device=device, dtype=torch.float32)
         self.has_bias = False  # set once weight sync sends an expert bias
         self.shared_gu = torch.zeros(2 * S, hidden, **kw) if S else None
@@ -152,21 +160,39 @@ class MoEBlock:
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
+        experts = [e for e, n in enumerate(counts) if n]
+        sizes = [counts[e] for e in experts]
         xs = x.index_select(0, order // k)
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                g, u = F.linear(xs[start : start + n], self.gate_up[e]).chunk(2, -1)
-                outs.append(F.linear(F.silu(g) * u, self.down[e]))
-                start += n
-        # back to (token, slot) order and a sum over the k slots: a fixed summation order, where an
-        # index_add_ would add in whatever order a GPU's atomics land (not reproducible for k > 2)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        ys = torch.cat(outs).index_select(0, inverse).view(T, k, -1) * weights.unsqueeze(-1)
-        out = ys.sum(1).to(x.dtype)
+        hidden = x.new_empty(T * k, self.gate_up_t.shape[2])
+        for e, rows, out in zip(experts, xs.split(sizes), hidden.split(sizes)):
+            torch.mm(rows, self.gate_up_t[e], out=out)
+        g, u = hidden.chunk(2, -1)
+        act = F.silu(g).mul_(u)
+        ys = x.new_empty(T * k, x.shape[1])
+        for e, rows, out in zip(experts, act.split(sizes), ys.split(sizes)):
+            torch.mm(rows, self.down_t[e], out=out)
+        # a reproducible sum either way (module docstring)
+        out = combine(ys, weights, order, in_slot_order=x.device.type != "cpu" and k > 2)
+        out = out.to(x.dtype)
         if self.shared_gu is not None:
             g, u = F.linear(x, self.shared_gu).chunk(2, -1)
             shared = F.linear(F.silu(g) * u, self.shared_down)
             out += torch.sigmoid(F.linear(x, self.shared_gate)) * shared
         return out, ids
+
+
+def combine(
+    ys: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, *, in_slot_order: bool
+) -> torch.Tensor:
+    """Each token's weighted sum of its k expert outputs: ``ys`` (T * k, H) in expert-sorted order
+    (``order``: the flat (token, slot) index of each row), ``weights`` (T, k). ``in_slot_order``
+    undoes the sort and sums each token's slots in slot order (fixed on any device); otherwise one
+    ``index_add_`` sums in sorted order (fixed on a CPU, and on a GPU for k <= 2)."""
+    T, k = weights.shape
+    if in_slot_order:
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return (ys.index_select(0, inverse).view(T, k, -1) * weights.unsqueeze(-1)).sum(1)
+    ys = ys * weights.flatten().index_select(0, order).unsqueeze(1)
+    out = torch.zeros(T, ys.shape[1], device=ys.device, dtype=ys.dtype)
+    return out.index_add_(0, order // k, ys)

@@ -1,0 +1,54 @@
+"""The native MoE block's dispatch against a per-token reference: both ways of summing the experts'
+outputs (one ``index_add_``, or slot order after undoing the sort) and top-k = 3, which the
+transformers comparisons in ``test_rollout_moe.py`` (top-2 configs) do not reach."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.rollout.moe_block import MoEBlock, MoEShape, combine
+
+torch.set_num_threads(1)
+
+
+def reference(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, slot by slot: the experts the router chose, weighted."""
+    ids, weights = block.route(x)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for e, w in zip(ids[t].tolist(), weights[t]):
+            g, u = F.linear(x[t], block.gate_up[e]).chunk(2, -1)
+            acc += float(w) * F.linear(F.silu(g) * u, block.down[e]).double()
+        rows.append(acc)
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_block_output_equals_the_per_token_reference(k):
+    torch.manual_seed(k)
+    shape = MoEShape(6, k, 12, 0, normalise=True, cast_weights=True, sparse_layers=(True,))
+    block = MoEBlock(shape, 16, device="cpu", dtype=torch.float32)
+    # through the transformers-shaped views, as weight sync writes them
+    for t in (block.router, block.gate_up, block.down):
+        t.copy_(torch.randn(t.shape) * 0.3)
+    x = torch.randn(40, 16)
+    out, ids = block(x)
+    assert ids.shape == (40, k)
+    assert torch.allclose(out, reference(block, x), atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_both_sums_agree(k):
+    torch.manual_seed(0)
+    T, H = 25, 8
+    ids = torch.stack([torch.randperm(5)[:k] for _ in range(T)])
+    order = torch.argsort(ids.flatten(), stable=True)
+    ys = torch.randn(T * k, H)
+    weights = torch.rand(T, k)
+    slot = combine(ys, weights, order, in_slot_order=True)
+    added = combine(ys, weights, order, in_slot_order=False)
+    expected = torch.zeros(T, H)
+    expected.index_put_((order // k,), ys * weights.flatten()[order, None], accumulate=True)
+    assert torch.allclose(slot, expected, atol=1e-6)
+    assert torch.allclose(added, expected, atol=1e-6)
