@@ -1,30 +1,45 @@
-"""Routing replay on W1 with tiny_moe: how far the trainer's log-probs are from the rollout's, with
-and without replaying the rollout's routing. Prints one JSON object.
+"""Mixture of experts on W1 with tiny_moe: routing replay's effect on the rollout-vs-training
+log-prob mismatch, and the native engine's speed against transformers. Prints one JSON object.
 
-Setup: a short SFT warm start of ``tiny_moe`` (``--sft-steps``, fixed: not the target-based one),
-then ``--steps`` GRPO steps (``moe.routing_replay=r3``) with the learner of the framework. The
-rollout is the ``hf`` backend on a **bf16 copy** of the policy (weights synced from the fp32 learner
-before every step), the training forwards run in fp32: the precision gap that makes routing differ
-between rollout and trainer in real deployments (a GPU rollout in bf16, fp32 or mixed training).
+``replay`` (GRPO with ``moe.routing_replay=r3``, the configuration of
+``examples/arith_grpo_moe.yaml`` and its cached warm start): before every step the policy's fp32
+weights are synced to the rollouts, each generates the step's prompts, and on each rollout's
+samples, with the weights that generated them, the fp32 trainer computes
 
-Per step, on the step's samples and the weights that generated them (before the update):
-
-* ``mismatch_none``: mean |log p_train - log p_rollout| over response tokens, the trainer routing
-  afresh (the baseline, measured in the same run);
-* ``mismatch_r3``: the same with the rollout's routing replayed (what R3 trains with);
+* ``mismatch_none``: mean |log p_train - log p_rollout| over response tokens, routing afresh (the
+  baseline of the same run);
+* ``mismatch_r3``: the same with the rollout's recorded routing replayed. The routing is then the
+  rollout's, so what remains is arithmetic: the **precision part** of the gap;
+* ``routing_part``: ``mismatch_none - mismatch_r3``, what replay removes;
+* ``routing_effect``: mean |log p_train(fresh routing) - log p_train(replayed)|, both in the
+  trainer, the log-prob change that the routing differences alone cause;
 * ``routing_diff_none``: the fraction of (token, layer) pairs whose fresh top-k set differs from the
-  one the rollout recorded.
+  recorded one; ``max_none`` / ``max_r3``: the largest |Δ log p| of the step (the outliers that
+  clipping and importance ratios see).
 
-Reported: the means over the steps (and over the last 10), accuracy of the samples, wall time.
+Rollouts (all the native engine, which records routing per KV slot): ``bf16`` (weights and KV cache
+in bf16: a GPU rollout against fp32 training; its samples are the ones GRPO trains on) and ``fp32``
+(the same arithmetic precision as the trainer, different kernels). ``--router-noise EPS`` adds a
+third, labelled *artificial*: the fp32 engine with every router weight multiplied by
+(1 + EPS · N(0, 1)), a rollout whose routing alone disagrees with the trainer's.
 
-    .venv/bin/python bench/moe.py --steps 60
+``engine`` (``bench/moe_engine.py``): the native engine against the ``hf`` backend on tiny_moe in
+fp32 (mixed lengths, ``engine.speedup_vs_hf``; ``fixed`` 32 x 8 x 128; dense ``tiny`` beside).
+``ep`` (``--ep``): expert parallelism, from ``bench/moe_ep.py``'s ``run_ep()`` when that file exists
+(otherwise the key says it was skipped).
+
+    .venv/bin/python bench/moe.py --threads 1                  # replay, 60 steps, and engine
+    .venv/bin/python bench/moe.py --skip-engine --steps 60     # replay only
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -32,27 +47,44 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
 from hybridrl.config import Config, load_config  # noqa: E402
 from hybridrl.controller import WorkerContext  # noqa: E402
+from hybridrl.driver.sft import ensure_warm_start, run_sft  # noqa: E402
 from hybridrl.learner import Learner  # noqa: E402
 from hybridrl.learner.logprob import batch_log_probs  # noqa: E402
 from hybridrl.learner.moe import REPLAY, ROUTING  # noqa: E402
 from hybridrl.moe.routing import record, same_sets  # noqa: E402
 from hybridrl.protocol import Batch, prompt_sample, samples_to_batch  # noqa: E402
-from hybridrl.rollout.backends.hf import HFRollout  # noqa: E402
+from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
 from hybridrl.tasks import REWARDS, TASKS  # noqa: E402
 
+EXAMPLE = BENCH.parent / "examples" / "arith_grpo_moe.yaml"
+KEYS = (
+    "mismatch_none",
+    "mismatch_r3",
+    "routing_part",
+    "routing_effect",
+    "routing_diff_none",
+    "max_none",
+    "max_r3",
+)
 
-def warm_start(cfg: Config, steps: int, out: str) -> str:
-    """A fixed-step SFT warm start in ``out`` (one already there with the same steps is reused)."""
-    from hybridrl.driver.sft import run_sft
 
-    done = Path(out) / "sft.json"
-    if done.exists() and json.loads(done.read_text()).get("steps") == steps:
-        return out
-    cfg.sft.steps = steps
-    return str(run_sft(cfg, out, progress=False))
+def warm_start(cfg: Config, sft_steps: int | None, workdir: str) -> str:
+    """The example's warm start (cached, shared with ``hybridrl train``), or a fixed-step one."""
+    if sft_steps is None:
+        return ensure_warm_start(cfg, progress=False)
+    out = Path(workdir) / f"warmstart-{sft_steps}"
+    done = out / "sft.json"
+    if done.exists() and json.loads(done.read_text()).get("steps") == sft_steps:
+        return str(out)
+    cfg.sft.steps = sft_steps
+    return str(run_sft(cfg, str(out), progress=False))
 
 
 def fresh_routing_diff(model, batch: Batch) -> float:
@@ -71,100 +103,168 @@ def fresh_routing_diff(model, batch: Batch) -> float:
     return float((~same_sets(fresh[valid], recorded[valid])).float().mean())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--sft-steps", type=int, default=300)
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workdir", default="runs/bench_moe")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def measure(learner: Learner, batch: Batch, budget: int) -> dict:
+    """The mismatch figures of one rollout's samples (module docstring)."""
+    mask = batch["response_mask"].bool()
+    logp = {}
+    for mode, flag in (("none", 0), ("r3", 1)):
+        marked = batch | Batch({REPLAY: torch.full((len(batch),), flag)})
+        logp[mode] = batch_log_probs(learner.model, marked, budget, learner.sampling)[mask]
+    rollout = batch["rollout_log_probs"][mask]
+    gap = {mode: (lp - rollout).abs() for mode, lp in logp.items()}
+    return {
+        "mismatch_none": float(gap["none"].mean()),
+        "mismatch_r3": float(gap["r3"].mean()),
+        "routing_part": float(gap["none"].mean() - gap["r3"].mean()),
+        "routing_effect": float((logp["none"] - logp["r3"]).abs().mean()),
+        "routing_diff_none": fresh_routing_diff(learner.model, batch),
+        "max_none": float(gap["none"].max()),
+        "max_r3": float(gap["r3"].max()),
+    }
+
+
+def perturbed(named: list, eps: float, gen: torch.Generator) -> list:
+    """The weights, every router's multiplied by (1 + eps * N(0, 1)) (the artificial rollout)."""
+    return [
+        (
+            n,
+            p * (1 + eps * torch.randn(p.shape, generator=gen))
+            if n.endswith("mlp.gate.weight")
+            else p,
+        )
+        for n, p in named
+    ]
+
+
+def summary(rows: list[dict]) -> dict:
+    def mean(part: list[dict], key: str) -> float:
+        return sum(r[key] for r in part) / max(len(part), 1)
+
+    out = {}
+    for name, part in (("all", rows), ("first10", rows[:10]), ("last10", rows[-10:])):
+        m = {k: mean(part, k) for k in KEYS}
+        m["max_none"] = max(r["max_none"] for r in part)
+        m["max_r3"] = max(r["max_r3"] for r in part)
+        m["cut"] = m["mismatch_none"] / max(m["mismatch_r3"], 1e-12)  # none / r3
+        m["precision_share"] = m["mismatch_r3"] / max(m["mismatch_none"], 1e-12)
+        out[name] = m
+    return out
+
+
+def replay(args) -> dict:
     t0 = time.perf_counter()
-    n = args.prompts * args.samples
-    cfg = load_config(
-        Config,
-        None,
-        [
-            "model.name=tiny_moe",
-            "rollout.backend=hf",
-            "moe.routing_replay=r3",
-            f"trainer.prompts_per_step={args.prompts}",
-            f"trainer.samples_per_prompt={args.samples}",
-            f"actor.ppo_minibatch_size={n}",
-            "actor.lr=1e-4",
-            "algorithm.kl_coef=0.001",
-        ],
-    )
-    path = warm_start(cfg, args.sft_steps, os.path.join(args.workdir, "warmstart"))
+    overrides = [
+        f"trainer.prompts_per_step={args.prompts}",
+        f"trainer.samples_per_prompt={args.samples}",
+    ]
+    cfg = load_config(Config, str(EXAMPLE), overrides)
+    path = warm_start(cfg, args.sft_steps, args.workdir)
     sft_s = time.perf_counter() - t0
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=args.threads)
     learner = Learner(ctx, cfg, path)
-    task = TASKS.get("arith")(seed=0)
-    reward = REWARDS.get("exact_match")
+    task = TASKS.get(cfg.task.name)(seed=0)
+    reward = REWARDS.get(cfg.task.reward_fn)
     tok = learner.tokenizer
-    # the rollout's own bf16 copy of the policy
-    rollout = HFRollout(
-        type(learner.model)(learner.model.config).to(torch.bfloat16), tok, cfg.rollout
-    )
-    rows = []
+    rollouts = {
+        name: NativeRollout(learner.model, tok, dataclasses.replace(cfg.rollout, dtype=dtype))
+        for name, dtype in (("bf16", "bf16"), ("fp32", "fp32"))
+    }
+    if args.router_noise > 0:
+        rollouts["fp32_router_noise"] = NativeRollout(
+            learner.model, tok, dataclasses.replace(cfg.rollout, dtype="fp32")
+        )
+    gen = torch.Generator().manual_seed(0)
+    rows: dict[str, list[dict]] = {name: [] for name in rollouts}
+    rewards = []
     for step in range(args.steps):
-        rollout.update_weights(list(learner.model.named_parameters()), version=step)
+        named = [(n, p.detach()) for n, p in learner.model.named_parameters()]
         prompts = [
             prompt_sample(task.prompt(step * args.prompts + i), tok) for i in range(args.prompts)
         ]
-        params = SamplingParams.of(cfg.rollout, n=args.samples, seed=step)
-        samples = rollout.generate(prompts, params)
-        for s in samples:
-            text = tok.decode(s.response_ids, skip_special_tokens=True)  # as the scorer does
-            finished = s.status == "finished"
-            s.reward = float(reward(s.metadata["prompt"], text, finished=finished))
-            s.reward_extras = {"reward_errors": 0.0}  # what the rollout scorer adds
-        batch = samples_to_batch(samples, tok.pad_token_id)
-        mask = batch["response_mask"].bool()
-        budget = cfg.actor.micro_batch_tokens
-        gap = {}
-        for mode, flag in (("none", 0), ("r3", 1)):
-            marked = batch | Batch({REPLAY: torch.full((len(batch),), flag)})
-            logp = batch_log_probs(learner.model, marked, budget, learner.sampling)
-            gap[mode] = float((logp - batch["rollout_log_probs"])[mask].abs().mean())
-        diff = fresh_routing_diff(learner.model, batch)
-        learner.train_step(step, samples)
-        rows.append(
-            {
-                "mismatch_none": gap["none"],
-                "mismatch_r3": gap["r3"],
-                "routing_diff_none": diff,
-                "reward": float(batch["rewards"].mean()),
-            }
-        )
+        params = SamplingParams.of(cfg, n=args.samples, seed=step)
+        trained = None
+        for name, rollout in rollouts.items():
+            noisy = name == "fp32_router_noise"
+            rollout.update_weights(
+                perturbed(named, args.router_noise, gen) if noisy else named, step
+            )
+            samples = rollout.generate(prompts, params)
+            for s in samples:
+                text = tok.decode(s.response_ids, skip_special_tokens=True)  # as the scorer does
+                finished = s.status == "finished"
+                s.reward = float(reward(s.metadata["prompt"], text, finished=finished))
+                s.reward_extras = {"reward_errors": 0.0}  # what the rollout scorer adds
+            batch = samples_to_batch(samples, tok.pad_token_id)
+            rows[name].append(measure(learner, batch, cfg.actor.micro_batch_tokens))
+            if name == "bf16":
+                trained = samples
+                rewards.append(float(batch["rewards"].mean()))
+        learner.train_step(step, trained)  # GRPO with R3 on the bf16 rollout's samples
+    return {
+        "setup": (
+            "W1 (examples/arith_grpo_moe.yaml), tiny_moe (Qwen3-MoE, 8 experts, top-2), GRPO + R3, "
+            "fp32 training; native-engine rollouts; trained on the bf16 rollout's samples"
+        ),
+        "steps": args.steps,
+        "warm_start": path,
+        "samples_per_step": args.prompts * args.samples,
+        "router_noise": args.router_noise,
+        "rollouts": {name: summary(r) for name, r in rows.items()},
+        "reward_first10": sum(rewards[:10]) / max(len(rewards[:10]), 1),
+        "reward_last10": sum(rewards[-10:]) / max(len(rewards[-10:]), 1),
+        "per_step": {name: r for name, r in rows.items()},
+        "sft_seconds": sft_s,
+        "seconds": time.perf_counter() - t0,
+    }
 
-    def mean(key, part):
-        return sum(r[key] for r in part) / max(len(part), 1)
 
-    last = rows[-10:]
-    keys = ("mismatch_none", "mismatch_r3", "routing_diff_none")
-    print(
-        json.dumps(
-            {
-                "bench": "moe_routing_replay",
-                "model": "tiny_moe (Qwen3-MoE, 8 experts, top-2), fp32 training, bf16 hf rollout",
-                "steps": args.steps,
-                "sft_steps": args.sft_steps,
-                "samples_per_step": n,
-                "replay": {k: mean(k, rows) for k in keys},
-                "replay_last10": {k: mean(k, last) for k in keys},
-                "reward_first10": mean("reward", rows[:10]),
-                "reward_last10": mean("reward", last),
-                "per_step": rows,
-                "sft_seconds": sft_s,
-                "wall_seconds": time.perf_counter() - t0,
-                "threads": args.threads,
-            },
-            indent=1,
-        )
+def engine(quick: bool) -> dict:
+    from moe_engine import run_all
+
+    return run_all(quick)
+
+
+def expert_parallel() -> dict:
+    """``bench/moe_ep.py``'s figures, or why there are none."""
+    if importlib.util.find_spec("moe_ep") is None:
+        return {"skipped": "bench/moe_ep.py is not in this checkout"}
+    from moe_ep import run_ep
+
+    return run_ep()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="a fixed-step warm start (default: the example's)",
     )
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--router-noise", type=float, default=0.0, help="the artificial rollout's EPS")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workdir", default="runs/bench_moe")
+    ap.add_argument("--quick", action="store_true", help="a smoke run of the engine scenarios")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--ep", action="store_true", help="also run bench/moe_ep.py (key 'ep')")
+    ap.add_argument("--out", default="", help="also write the JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    out: dict = {"bench": "moe", "threads": args.threads, "torch": torch.__version__}
+    if not args.skip_replay:
+        out["replay"] = replay(args)
+    if not args.skip_engine:
+        out |= engine(args.quick)
+    if args.ep:
+        out["ep"] = expert_parallel()
+    text = json.dumps(out, indent=1, default=float)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,19 @@ def fixed(model, n_prompts: int, g: int, new: int) -> dict:
     }
 
 
+def run_all(q: bool) -> dict:
+    """The three scenarios (``engine``, ``fixed``, ``engine_dense_tiny``) and their wall time."""
+    torch.manual_seed(0)
+    model = build_model("tiny_moe", TOK, 0).eval()
+    t0 = time.perf_counter()
+    out = {"engine": mixed(model, 64 if q else 256, 64 if q else 256)}
+    out["fixed"] = fixed(model, *((8, 8, 32) if q else (32, 8, 128)))
+    dense = build_model("tiny", TOK, 0).eval()
+    out["engine_dense_tiny"] = mixed(dense, 64 if q else 256, 64 if q else 256)
+    out["engine_seconds"] = time.perf_counter() - t0
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller scenarios (a smoke run)")
@@ -160,16 +173,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = build_model("tiny_moe", TOK, 0).eval()
-    q = args.quick
-    t0 = time.perf_counter()
-    out: dict = {"quick": q, "threads": torch.get_num_threads(), "torch": torch.__version__}
-    out["engine"] = mixed(model, 64 if q else 256, 64 if q else 256)
-    out["fixed"] = fixed(model, *((8, 8, 32) if q else (32, 8, 128)))
-    dense = build_model("tiny", TOK, 0).eval()
-    out["engine_dense_tiny"] = mixed(dense, 64 if q else 256, 64 if q else 256)
-    out["seconds"] = time.perf_counter() - t0
+    out = {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    out |= run_all(args.quick)
     text = json.dumps(out, indent=1, default=float)
     print(text)
     if args.out:
