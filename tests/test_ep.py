@@ -91,7 +91,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 def step(learner, part: Batch) -> dict:
     """Log-probs, then one update; what the comparison needs."""
-    from hybridrl.moe.ep import pop_traffic
+    from hybridrl.moe.ep import traffic_metrics
 
     logp = learner.compute_log_prob(part)["old_log_probs"]
     metrics = learner.update_policy(part)
@@ -100,7 +100,7 @@ def step(learner, part: Batch) -> dict:
         "metrics": metrics,
         "grads": full_grads(learner.model),
         "weights": full_weights(learner),
-        "traffic": pop_traffic(learner.model),
+        "traffic": traffic_metrics(learner.model),
     }
 
 
@@ -190,8 +190,10 @@ def test_ep2_equals_single_process(runs):
     # the experts' gradients are not trivially zero, and the step moved the weights
     experts = [k for k in ref["grads"] if "experts" in k]
     assert experts and min(ref["grads"][k].abs().max().item() for k in experts) > 1e-4
-    sent, received = got["traffic"]
-    assert sent > 0 and received > 0
+    traffic = got["traffic"]  # the step's exchanges, as the learner logs them
+    assert traffic["perf/ep_rows_sent"] > 0 and traffic["perf/ep_rows_received"] > 0
+    assert traffic["perf/ep_received_imbalance"] >= 0
+    assert ref["traffic"] == {}  # no EP: no metrics, no collective
 
 
 def test_weight_sync_sends_full_experts_by_transformers_name(runs):

@@ -65,6 +65,7 @@ from hybridrl.learner.update import (
     run_updates,
 )
 from hybridrl.models.loading import load_model
+from hybridrl.moe.ep import traffic_metrics as ep_traffic_metrics
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.balance import balance_for_ranks
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
@@ -250,6 +251,7 @@ class Learner(Worker):
         # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
         perf = learner_perf(self, timing, batch["attention_mask"]) | balanced
         perf |= self.moe.step_metrics(batch) if self.moe else {}  # moe/: loads, routing changes
+        perf |= ep_traffic_metrics(self.model)  # moe.ep_size > 1: rows exchanged, imbalance
         return {
             "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
             "uids": list(dict.fromkeys(s.uid for s in samples)),

@@ -246,3 +246,24 @@ def pop_traffic(model: nn.Module) -> tuple[int, int]:
             sent, received = sent + d.sent_rows, received + d.received_rows
             d.sent_rows = d.received_rows = 0
     return sent, received
+
+
+def traffic_metrics(model: nn.Module) -> dict[str, float]:
+    """The EP exchanges since the last call, as step metrics: ``perf/ep_rows_sent`` and
+    ``perf/ep_rows_received`` (per rank, mean over ranks; a row is one (token, expert) pair) and
+    ``perf/ep_received_imbalance`` (max / mean - 1 of the rows each rank computed: how much longer
+    the busiest rank's experts ran). ``{}`` for a model without EP; a collective otherwise (every
+    rank of the learner calls it)."""
+    from hybridrl.parallel import distributed
+
+    if not any(hasattr(m, "hybridrl_ep") for m in experts_modules(model)):
+        return {}
+    sent, received = pop_traffic(model)
+    per_rank = distributed.all_gather_object((sent, received))
+    recv = [r for _, r in per_rank]
+    mean = sum(recv) / len(recv)
+    return {
+        "perf/ep_rows_sent": sum(s for s, _ in per_rank) / len(per_rank),
+        "perf/ep_rows_received": mean,
+        "perf/ep_received_imbalance": max(recv) / mean - 1 if mean else 0.0,
+    }
