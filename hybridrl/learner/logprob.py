@@ -32,6 +32,14 @@ import torch
 
 from hybridrl.algorithms.masking import zero_pad
 from hybridrl.learner.moe import ROUTING, moe_forward
+from hybridrl.learner.prefix_share import (
+    PACK_RESP,
+    can_share,
+    shared_forward,
+    shared_plans,
+    shared_tokens,
+    worth_sharing,
+)
 from hybridrl.parallel import distributed
 from hybridrl.parallel.packing import (
     attention_key_cost,
@@ -104,13 +112,20 @@ def trim(mb: Batch) -> Batch:
 
 
 def micro_batches(
-    batch: Batch, token_budget: int, packing: bool = False, key_cost: float = 0.0
+    batch: Batch,
+    token_budget: int,
+    packing: bool = False,
+    key_cost: float = 0.0,
+    share_prompts: bool = False,
 ) -> tuple[list[Batch], torch.Tensor]:
     """``(micro-batches, order)``: rows grouped by length (:func:`length_buckets`) and trimmed
     (:func:`trim`), or with ``packing`` whole sequences packed into rows
     (:func:`packed_micro_batches`, rows chosen with the model's ``key_cost``,
-    ``parallel/packing.py``: ``attention_key_cost``); ``order`` lists the rows in the order the
-    micro-batches hold them."""
+    ``parallel/packing.py``: ``attention_key_cost``), with ``share_prompts`` a group's samples
+    sharing one copy of their prompt (``learner/prefix_share.py``); ``order`` lists the rows in the
+    order the micro-batches hold them."""
+    if packing and share_prompts and worth_sharing(batch):
+        return shared_micro_batches(batch, token_budget, key_cost)
     if packing:
         return packed_micro_batches(batch, token_budget, key_cost)
     P = batch["prompts"].shape[1]
@@ -143,11 +158,40 @@ def packed_micro_batches(
     return mbs, torch.tensor(order, dtype=torch.long)
 
 
+def shared_micro_batches(
+    batch: Batch, token_budget: int, key_cost: float = 0.0
+) -> tuple[list[Batch], torch.Tensor]:
+    """:func:`packed_micro_batches` with each group's samples sharing one copy of their prompt
+    (``learner/prefix_share.py``): the rows also carry ``pack_resp``, where each response
+    starts."""
+    mbs, order = [], []
+    for docs, rows, offsets, resp in shared_plans(batch, token_budget, key_cost):
+        where = Batch(
+            {
+                PACK_ROW: torch.tensor(rows, dtype=torch.long),
+                PACK_OFFSET: torch.tensor(offsets, dtype=torch.long),
+                PACK_RESP: torch.tensor(resp, dtype=torch.long),
+            }
+        )
+        mbs.append(trim(batch.index(docs)) | where)
+        order += docs
+    return mbs, torch.tensor(order, dtype=torch.long)
+
+
+def real_tokens(mb: Batch) -> int:
+    """The distinct real tokens a forward of ``mb`` computes (a shared prompt once)."""
+    if PACK_RESP in mb:
+        return shared_tokens(mb, mb[PACK_ROW], mb[PACK_OFFSET], mb[PACK_RESP])[1]
+    return int(mb["attention_mask"].sum())
+
+
 def fed_tokens(mb: Batch) -> int:
     """The token positions a forward of ``mb`` computes: the packed rows x their width, or the
     micro-batch's padded rectangle."""
     if PACK_ROW not in mb:
         return mb["input_ids"].numel()
+    if PACK_RESP in mb:
+        return shared_tokens(mb, mb[PACK_ROW], mb[PACK_OFFSET], mb[PACK_RESP])[0]
     lens = mb["attention_mask"].sum(-1)
     return (int(mb[PACK_ROW].max()) + 1) * int((mb[PACK_OFFSET] + lens).max())
 
@@ -174,11 +218,16 @@ def dp_micro_batches(
     pad_from: Batch | None = None,
     packing: bool = False,
     key_cost: float = 0.0,
+    share_prompts: bool = False,
 ) -> tuple[list[Batch], int, torch.Tensor]:
     """``(micro-batches, n_real, order)``: :func:`micro_batches` of this rank's rows, padded with
     dummies (made from ``pad_from``, default ``batch``) to the largest count over the ranks (a
     collective when the world size is > 1; world size 1: no padding)."""
-    mbs, order = micro_batches(batch, token_budget, packing, key_cost) if len(batch) else ([], None)
+    mbs, order = (
+        micro_batches(batch, token_budget, packing, key_cost, share_prompts)
+        if len(batch)
+        else ([], None)
+    )
     n = len(mbs)
     if distributed.world_size() > 1:
         most = int(distributed.all_reduce([n], op="max")[0].item())
@@ -196,6 +245,8 @@ def response_outputs(model, mb: Batch) -> torch.Tensor:
     resp_len = mb["responses"].shape[1]
     # MoE: replays the micro-batch's recorded routing when marked, notes loads and router logits
     with autocast(model), moe_forward(model, mb):  # bf16 matmuls when the model is marked for it
+        if PACK_RESP in mb:  # shared prompts
+            return shared_forward(model, mb, mb[PACK_ROW], mb[PACK_OFFSET], mb[PACK_RESP])
         if PACK_ROW in mb:
             out, layout = packed_forward(
                 model, input_ids, attn, mb[PACK_ROW], mb[PACK_OFFSET], pad_id=0
@@ -245,7 +296,8 @@ def batch_map(model, batch: Batch, token_budget: int, fn, packing: bool = False)
     model.eval()
     device = model_device(model)
     key_cost = attention_key_cost(model) if packing else 0.0
-    mbs, n_real, order = dp_micro_batches(batch, token_budget, None, packing, key_cost)
+    share = packing and can_share(model)
+    mbs, n_real, order = dp_micro_batches(batch, token_budget, None, packing, key_cost, share)
     out = torch.zeros(tuple(batch["responses"].shape), dtype=torch.float32)
     row = 0
     for i, mb in enumerate(mbs):

@@ -43,7 +43,14 @@ from collections.abc import Callable
 import torch
 
 from hybridrl.algorithms import AggTotals, agg_totals
-from hybridrl.learner.logprob import batch_map, dp_micro_batches, fed_tokens, model_device
+from hybridrl.learner.logprob import (
+    batch_map,
+    dp_micro_batches,
+    fed_tokens,
+    model_device,
+    real_tokens,
+)
+from hybridrl.learner.prefix_share import can_share
 from hybridrl.parallel import distributed
 from hybridrl.parallel.fsdp import clip_grad_norm
 from hybridrl.parallel.packing import attention_key_cost
@@ -179,6 +186,7 @@ def run_updates(
     skips = skips or SkipCounter(3, prefix)
     pack = packing_of(section, packing)
     key_cost = attention_key_cost(model) if pack else 0.0  # how wide packed rows pay off
+    share_prompts = pack and can_share(model)  # a group's samples share one prompt copy
     fed, real = 0, 0  # token positions fed to the model, and the real tokens among them
     model.train()
     device = model_device(model)
@@ -189,7 +197,9 @@ def run_updates(
             optimizer.zero_grad(set_to_none=True)
             totals = global_totals(mini, norm_len)
             n_tokens = max(totals.n_tokens, 1.0)
-            mbs, n_real, _ = dp_micro_batches(mini, micro_batch_tokens, batch, pack, key_cost)
+            mbs, n_real, _ = dp_micro_batches(
+                mini, micro_batch_tokens, batch, pack, key_cost, share_prompts
+            )
             mini_sums: dict[str, float] = defaultdict(float)
             loss_ok = torch.ones((), dtype=torch.bool, device=device)
             for i, mb in enumerate(mbs):
@@ -203,7 +213,7 @@ def run_updates(
                 loss.backward()
                 if i < n_real:
                     fed += fed_tokens(mb)
-                    real += int(mb["attention_mask"].sum())
+                    real += real_tokens(mb)
                     # token-weighted mean over the mini-batch
                     share = float(mb["response_mask"].sum()) / n_tokens
                     for k, v in metrics.items():
