@@ -221,6 +221,9 @@ def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
     out = export_hf(runs["work"] / "ckpt", tmp_path / "hf")
     exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     assert max_diff(trained, dict(exported.named_parameters())) == 0.0
+    # so does the transformers copy the checkpoint keeps next to its shards (for the rollout)
+    kept = AutoModelForCausalLM.from_pretrained(runs["work"] / "ckpt", local_files_only=True)
+    assert max_diff(trained, dict(kept.named_parameters())) == 0.0
 
 
 @pytest.mark.slow
