@@ -252,6 +252,14 @@ def test_bad_ep_size_fails_at_config_time():
     cfg = make_cfg(2)  # the default learner pool has one worker
     with pytest.raises(ConfigError, match=r"moe.ep_size=2 must divide the learner's world size 1"):
         check_moe(cfg)
+    cfg.controller.pools[cfg.controller.placement["learner"]].workers_per_node = 2
+    check_moe(cfg)  # 2 learner ranks, 8 experts: fine
+    for key, value in (("pp_size", 2), ("lora_rank", 4)):
+        other = make_cfg(2)
+        other.controller.pools[other.controller.placement["learner"]].workers_per_node = 2
+        setattr(other.actor, key, value)
+        with pytest.raises(ConfigError, match=f"not supported with actor.{key}={value}"):
+            check_moe(other)
     dense = make_cfg(1)
     dense.model.name = "tiny"
     dense.moe.ep_size = 2

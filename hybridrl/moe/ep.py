@@ -87,12 +87,14 @@ def check_config(cfg) -> None:
         return
     pool = cfg.controller.pools[cfg.controller.placement["learner"]]
     check_ep_size(ep, pool.nodes * pool.workers_per_node, experts_per_layer(cfg))
-    for key, value in (
-        ("actor.pp_size", cfg.actor.pp_size),
-        ("actor.lora_rank", cfg.actor.lora_rank),
-    ):
-        if value > (1 if key == "actor.pp_size" else 0):
-            raise ValueError(f"moe.ep_size={ep} is not supported with {key}={value} yet")
+    if cfg.actor.pp_size > 1:
+        raise ValueError(
+            f"moe.ep_size={ep} is not supported with actor.pp_size={cfg.actor.pp_size} yet"
+        )
+    if cfg.actor.lora_rank > 0:
+        raise ValueError(
+            f"moe.ep_size={ep} is not supported with actor.lora_rank={cfg.actor.lora_rank} yet"
+        )
 
 
 # --- the exchange -------------------------------------------------------------------------------
