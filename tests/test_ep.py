@@ -5,8 +5,9 @@ really split (each rank holds 4 of 8 per layer) and tokens really cross ranks; w
 returns full expert tensors by transformers names; an EP 2 checkpoint loads at EP 1 (2 ranks and
 one process) with equal weights; bad ``ep_size`` values fail at config time. The slow test runs 4
 ranks: EP 4, and EP 2 with FSDP over the other dimension and activation checkpointing (the
-recomputed forward exchanges its tokens again), against the same single process, and loads the
-2-rank EP 2 checkpoint at both.
+recomputed forward exchanges its tokens again), against the same single process, EP 4 with routing
+replay (R3) against the single process replaying the same routing, and loads the 2-rank EP 2
+checkpoint at EP 4 and EP 2 x FSDP 2.
 
 The ranks are subprocesses running this file (``python tests/test_ep.py rank ...``), one torch
 thread each.
@@ -71,6 +72,18 @@ def make_batch(learner, n: int = ROWS, prompt_len: int = 5, resp_len: int = 6, s
     )
 
 
+def with_replay(batch: Batch, seed: int = 1) -> Batch:
+    """``batch`` with recorded routing (R3) for every other token (two distinct random experts of 8
+    in each of the 4 layers), the others left to the router; every row replays."""
+    from hybridrl.learner.moe import REPLAY, ROUTING
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (*batch["input_ids"].shape, 4)
+    ids = torch.rand((*shape, 8), generator=g).argsort(-1)[..., :2]
+    ids[:, ::2] = -1
+    return batch | Batch({ROUTING: ids.to(torch.int16), REPLAY: torch.ones(len(batch))})
+
+
 def full_weights(learner) -> dict[str, torch.Tensor]:
     return {n: t.clone() for bucket in learner.weight_buckets(1 << 20) for n, t in bucket}
 
@@ -132,6 +145,10 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         learner = Learner(ctx, make_cfg(ep, checkpointing=world == 4 and ep == 2), None)
         workers.append(learner)
         out[ep] = step(learner, part) | {"shapes": expert_shapes(learner)}
+    if world == 4:  # routing replay (R3) in front of the exchange
+        replayed = Learner(ctx, make_cfg(4), None)
+        workers.append(replayed)
+        out["r3"] = step(replayed, with_replay(batch).chunk(world)[rank])
     if world == 2:  # an EP 2 checkpoint, loaded at EP 1 on the same ranks
         trained = workers[0]
         trained.save_checkpoint(str(work / "ckpt"))
@@ -229,8 +246,14 @@ def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
 @pytest.mark.slow
 def test_four_ranks_ep4_and_ep2_with_fsdp(runs):
     work = runs["work"]
-    wait_ranks(launch_ranks(__file__, 4, work), timeout=600)
+    procs = launch_ranks(__file__, 4, work)
+    learner, _ = single_process(runs["ref"]["batch"])
+    replayed = with_replay(runs["ref"]["batch"])
+    ref_r3 = step(learner, replayed) | {"batch": replayed}
+    wait_ranks(procs, timeout=600)
     got = torch.load(work / "ranks4.pt", weights_only=False)
+    check_equal(ref_r3, got["r3"], 4)
+    assert max_diff(ref_r3["weights"], runs["ref"]["weights"]) > 10 * TOL  # replay changed it
     assert got[4]["shapes"] == {(2, 512, 128)}
     assert got[2]["shapes"] == {(4, 256, 128)}  # 4 experts per EP rank, halved again by FSDP
     for ep in (4, 2):
