@@ -3,7 +3,8 @@ the real Learner on ``tiny_moe``: EP 2 on 2 ranks gives the single process's log
 gradients of every parameter (experts gathered) and updated weights within 1e-5; the experts are
 really split (each rank holds 4 of 8 per layer) and tokens really cross ranks; weight sync
 returns full expert tensors by transformers names; an EP 2 checkpoint loads at EP 1 (2 ranks and
-one process) with equal weights; bad ``ep_size`` values fail at config time. The slow test runs 4
+one process) with equal weights, and its export and transformers copy hold them too; bad
+``ep_size`` values fail at config time. The slow test runs 4
 ranks: EP 4, and EP 2 with FSDP over the other dimension and activation checkpointing (the
 recomputed forward exchanges its tokens again), against the same single process, EP 4 with routing
 replay (R3) against the single process replaying the same routing, and loads the 2-rank EP 2
