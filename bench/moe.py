@@ -14,14 +14,21 @@ samples, with the weights that generated them, the fp32 trainer computes
 * ``routing_effect``: mean |log p_train(fresh routing) - log p_train(replayed)|, both in the
   trainer, the log-prob change that the routing differences alone cause;
 * ``routing_diff_none``: the fraction of (token, layer) pairs whose fresh top-k set differs from the
-  recorded one; ``max_none`` / ``max_r3``: the largest |Δ log p| of the step (the outliers that
-  clipping and importance ratios see).
+  recorded one; ``max_none`` / ``max_r3``: the largest |Δ log p| of the step;
+* ``outside_clip_none`` / ``outside_clip_r3``: the fraction of response tokens whose ratio
+  p_train / p_rollout alone leaves the clip range [1 - clip_ratio_low, 1 + clip_ratio_high]: the
+  outliers that clipping and importance ratios see before the policy has moved at all.
 
 Rollouts (all the native engine, which records routing per KV slot): ``bf16`` (weights and KV cache
 in bf16: a GPU rollout against fp32 training; its samples are the ones GRPO trains on) and ``fp32``
-(the same arithmetic precision as the trainer, different kernels). ``--router-noise EPS`` adds a
-third, labelled *artificial*: the fp32 engine with every router weight multiplied by
-(1 + EPS · N(0, 1)), a rollout whose routing alone disagrees with the trainer's.
+(the same arithmetic precision as the trainer, different kernels). ``--bias-noise EPS`` adds a
+third, labelled *artificial*: the fp32 engine with a fixed random expert bias, N(0, EPS) per expert
+and layer, that shifts the *selection* only (the dispatch weights stay the router's, as with
+``moe.bias_update_rate``): a rollout that differs from the trainer in routing and in nothing else,
+so its ``mismatch_none`` is all routing part.
+
+``--policy DIR`` starts from a given transformers checkpoint (e.g. ``hybridrl export`` of the MoE
+example's final step) instead of the example's warm start.
 
 ``engine`` (``bench/moe_engine.py``): the native engine against the ``hf`` backend on tiny_moe in
 fp32 (mixed lengths, ``engine.speedup_vs_hf``; ``fixed`` 32 x 8 x 128; dense ``tiny`` beside).
@@ -38,6 +45,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -72,6 +80,8 @@ KEYS = (
     "routing_diff_none",
     "max_none",
     "max_r3",
+    "outside_clip_none",
+    "outside_clip_r3",
 )
 
 
@@ -103,8 +113,9 @@ def fresh_routing_diff(model, batch: Batch) -> float:
     return float((~same_sets(fresh[valid], recorded[valid])).float().mean())
 
 
-def measure(learner: Learner, batch: Batch, budget: int) -> dict:
-    """The mismatch figures of one rollout's samples (module docstring)."""
+def measure(learner: Learner, batch: Batch, budget: int, clip: tuple[float, float]) -> dict:
+    """The mismatch figures of one rollout's samples (module docstring); ``clip``: the ratio range
+    in log space."""
     mask = batch["response_mask"].bool()
     logp = {}
     for mode, flag in (("none", 0), ("r3", 1)):
@@ -112,6 +123,9 @@ def measure(learner: Learner, batch: Batch, budget: int) -> dict:
         logp[mode] = batch_log_probs(learner.model, marked, budget, learner.sampling)[mask]
     rollout = batch["rollout_log_probs"][mask]
     gap = {mode: (lp - rollout).abs() for mode, lp in logp.items()}
+    outside = {
+        mode: ((lp - rollout < clip[0]) | (lp - rollout > clip[1])) for mode, lp in logp.items()
+    }
     return {
         "mismatch_none": float(gap["none"].mean()),
         "mismatch_r3": float(gap["r3"].mean()),
@@ -120,19 +134,19 @@ def measure(learner: Learner, batch: Batch, budget: int) -> dict:
         "routing_diff_none": fresh_routing_diff(learner.model, batch),
         "max_none": float(gap["none"].max()),
         "max_r3": float(gap["r3"].max()),
+        "outside_clip_none": float(outside["none"].float().mean()),
+        "outside_clip_r3": float(outside["r3"].float().mean()),
     }
 
 
-def perturbed(named: list, eps: float, gen: torch.Generator) -> list:
-    """The weights, every router's multiplied by (1 + eps * N(0, 1)) (the artificial rollout)."""
+def expert_biases(named: list, eps: float) -> list:
+    """A fixed random expert bias N(0, eps) for every router (the artificial rollout): sent by
+    weight sync like the trainer's balancing bias, it moves the selection only."""
+    gen = torch.Generator().manual_seed(0)
     return [
-        (
-            n,
-            p * (1 + eps * torch.randn(p.shape, generator=gen))
-            if n.endswith("mlp.gate.weight")
-            else p,
-        )
+        (n.removesuffix("weight") + "expert_bias", eps * torch.randn(p.shape[0], generator=gen))
         for n, p in named
+        if n.endswith("mlp.gate.weight")
     ]
 
 
@@ -145,6 +159,7 @@ def summary(rows: list[dict]) -> dict:
         m = {k: mean(part, k) for k in KEYS}
         m["max_none"] = max(r["max_none"] for r in part)
         m["max_r3"] = max(r["max_r3"] for r in part)
+        m["outside_clip_cut"] = m["outside_clip_none"] / max(m["outside_clip_r3"], 1e-12)
         m["cut"] = m["mismatch_none"] / max(m["mismatch_r3"], 1e-12)  # none / r3
         m["precision_share"] = m["mismatch_r3"] / max(m["mismatch_none"], 1e-12)
         out[name] = m
@@ -158,7 +173,7 @@ def replay(args) -> dict:
         f"trainer.samples_per_prompt={args.samples}",
     ]
     cfg = load_config(Config, str(EXAMPLE), overrides)
-    path = warm_start(cfg, args.sft_steps, args.workdir)
+    path = args.policy or warm_start(cfg, args.sft_steps, args.workdir)
     sft_s = time.perf_counter() - t0
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=args.threads)
     learner = Learner(ctx, cfg, path)
@@ -169,25 +184,24 @@ def replay(args) -> dict:
         name: NativeRollout(learner.model, tok, dataclasses.replace(cfg.rollout, dtype=dtype))
         for name, dtype in (("bf16", "bf16"), ("fp32", "fp32"))
     }
-    if args.router_noise > 0:
-        rollouts["fp32_router_noise"] = NativeRollout(
+    if args.bias_noise > 0:
+        rollouts["fp32_bias_noise"] = NativeRollout(
             learner.model, tok, dataclasses.replace(cfg.rollout, dtype="fp32")
         )
-    gen = torch.Generator().manual_seed(0)
+    a = cfg.algorithm
+    clip = (math.log(1 - a.clip_ratio_low), math.log(1 + a.clip_ratio_high))
     rows: dict[str, list[dict]] = {name: [] for name in rollouts}
     rewards = []
     for step in range(args.steps):
         named = [(n, p.detach()) for n, p in learner.model.named_parameters()]
+        biased = named + expert_biases(named, args.bias_noise)
         prompts = [
             prompt_sample(task.prompt(step * args.prompts + i), tok) for i in range(args.prompts)
         ]
         params = SamplingParams.of(cfg, n=args.samples, seed=step)
         trained = None
         for name, rollout in rollouts.items():
-            noisy = name == "fp32_router_noise"
-            rollout.update_weights(
-                perturbed(named, args.router_noise, gen) if noisy else named, step
-            )
+            rollout.update_weights(biased if name == "fp32_bias_noise" else named, step)
             samples = rollout.generate(prompts, params)
             for s in samples:
                 text = tok.decode(s.response_ids, skip_special_tokens=True)  # as the scorer does
@@ -195,7 +209,7 @@ def replay(args) -> dict:
                 s.reward = float(reward(s.metadata["prompt"], text, finished=finished))
                 s.reward_extras = {"reward_errors": 0.0}  # what the rollout scorer adds
             batch = samples_to_batch(samples, tok.pad_token_id)
-            rows[name].append(measure(learner, batch, cfg.actor.micro_batch_tokens))
+            rows[name].append(measure(learner, batch, cfg.actor.micro_batch_tokens, clip))
             if name == "bf16":
                 trained = samples
                 rewards.append(float(batch["rewards"].mean()))
@@ -208,7 +222,7 @@ def replay(args) -> dict:
         "steps": args.steps,
         "warm_start": path,
         "samples_per_step": args.prompts * args.samples,
-        "router_noise": args.router_noise,
+        "bias_noise": args.bias_noise,
         "rollouts": {name: summary(r) for name, r in rows.items()},
         "reward_first10": sum(rewards[:10]) / max(len(rewards[:10]), 1),
         "reward_last10": sum(rewards[-10:]) / max(len(rewards[-10:]), 1),
@@ -244,7 +258,8 @@ def main() -> None:
     )
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt")
-    ap.add_argument("--router-noise", type=float, default=0.0, help="the artificial rollout's EPS")
+    ap.add_argument("--bias-noise", type=float, default=0.0, help="the artificial rollout's EPS")
+    ap.add_argument("--policy", default="", help="start from this checkpoint (default: warm start)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workdir", default="runs/bench_moe")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the engine scenarios")
