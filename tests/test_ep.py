@@ -1,5 +1,6 @@
 """Expert parallelism (``moe.ep_size``, ``hybridrl/moe/ep.py``) on gloo ranks (CPU, fp32), with
-the real Learner on ``tiny_moe``: EP 2 on 2 ranks gives the single process's log-probs, loss,
+the real Learner on ``tiny_moe``: EP 2 on 2 ranks gives the single process's log-probs (the
+policy's and the reference's, whose experts are split too), loss,
 gradients of every parameter (experts gathered) and updated weights within 1e-5; the experts are
 really split (each rank holds 4 of 8 per layer) and tokens really cross ranks; weight sync
 returns full expert tensors by transformers names; an EP 2 checkpoint loads at EP 1 (2 ranks and
@@ -108,9 +109,11 @@ def step(learner, part: Batch) -> dict:
     from hybridrl.moe.ep import traffic_metrics
 
     logp = learner.compute_log_prob(part)["old_log_probs"]
+    ref_logp = learner.reference.log_probs(part)["ref_log_probs"]  # the frozen initial policy
     metrics = learner.update_policy(part)
     return {
         "logp": logp,
+        "ref_logp": ref_logp,
         "metrics": metrics,
         "grads": full_grads(learner.model),
         "weights": full_weights(learner),
@@ -119,9 +122,11 @@ def step(learner, part: Batch) -> dict:
 
 
 def expert_shapes(learner) -> set:
+    """This rank's shapes of the policy's and the reference's ``gate_up_proj``."""
     return {
         tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
-        for n, p in learner.model.named_parameters()
+        for model in (learner.model, learner.reference.model)
+        for n, p in model.named_parameters()
         if n.endswith("experts.gate_up_proj")
     }
 
@@ -194,6 +199,7 @@ def runs(tmp_path_factory):
 def check_equal(ref: dict, got: dict, world: int) -> None:
     n0 = len(ref["batch"].chunk(world)[0])  # rank 0's rows
     assert (got["logp"] - ref["logp"][:n0]).abs().max().item() <= TOL
+    assert (got["ref_logp"] - ref["ref_logp"][:n0]).abs().max().item() <= TOL
     for k in ("actor/pg_loss", "actor/kl_ref", "actor/entropy", "actor/grad_norm"):
         assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), k
     assert max_diff(ref["grads"], got["grads"]) <= TOL

@@ -1,6 +1,6 @@
 """The reference policy: a frozen copy of the initial policy, giving log-probs for the KL terms.
 Part of the learner (``learner/learner.py``), sharded with FSDP2 like the policy when there is more
-than one rank."""
+than one rank (and its experts split over ranks like the policy's with ``moe.ep_size``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ class Reference:
         self.cfg = cfg
         model, _ = load_model(cfg, model_path)
         model.requires_grad_(False).eval()
-        self.model = prepare_model(model, fsdp_config_of(cfg), dist, trainable=False)
+        self.model = prepare_model(
+            model, fsdp_config_of(cfg), dist, trainable=False, ep_size=cfg.moe.ep_size
+        )
         # the same filtered distribution as the policy's: KL to the reference is 0 at equal weights
         self.sampling = sampling_of(cfg.rollout)
 
