@@ -285,9 +285,10 @@ class MoEConfig:
     )
     ep_size: int = _f(
         1,
-        "expert parallelism: the actor's ranks split each MoE layer's experts into groups of "
-        "this many ranks (each holds experts / ep_size of them; tokens travel to their experts "
-        "by all-to-all); must divide the learner's world size and the number of experts (1: off)",
+        "expert parallelism: the learner's ranks split each MoE layer's experts (policy and "
+        "reference) in groups of this many ranks, each holding experts / ep_size of them; tokens "
+        "travel to their experts by all-to-all. Must divide the learner's world size and the "
+        "number of experts (1: off)",
         ge=1,
     )
     health_max_mean_threshold: float = _f(
