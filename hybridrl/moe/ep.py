@@ -256,12 +256,10 @@ def traffic_metrics(model: nn.Module) -> dict[str, float]:
     ``perf/ep_received_imbalance`` (max / mean - 1 of the rows each rank computed: how much longer
     the busiest rank's experts ran). ``{}`` for a model without EP; a collective otherwise (every
     rank of the learner calls it)."""
-    from hybridrl.parallel import distributed
-
     if not any(hasattr(m, "hybridrl_ep") for m in experts_modules(model)):
         return {}
-    sent, received = pop_traffic(model)
-    per_rank = distributed.all_gather_object((sent, received))
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, pop_traffic(model))
     recv = [r for _, r in per_rank]
     mean = sum(recv) / len(recv)
     return {

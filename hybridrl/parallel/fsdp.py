@@ -153,7 +153,7 @@ def prepare_model(
     and an unsharded one (one GPU, or any CPU rank) is marked for bf16 autocast over its fp32
     parameters (fp32 master weights, gradients and optimizer state). One log line says which
     precision runs and why. ``ep_size`` > 1 (``moe.ep_size``): expert parallelism
-    (``hybridrl/moe/ep_fsdp.py``)."""
+    (``parallel/ep_fsdp.py``)."""
     from hybridrl.parallel.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
@@ -175,8 +175,8 @@ def _prepare(
 ) -> nn.Module:
     if trainable and cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if ep_size > 1:  # moe.ep_size: experts split over ranks (hybridrl/moe/ep_fsdp.py)
-        from hybridrl.moe.ep_fsdp import shard_with_experts
+    if ep_size > 1:  # moe.ep_size: experts split over ranks (parallel/ep_fsdp.py)
+        from hybridrl.parallel.ep_fsdp import shard_with_experts
 
         return shard_with_experts(model, cfg, env, ep_size, bf16)
     if env.backend is None or (cfg.strategy == "none" and not env.distributed):
