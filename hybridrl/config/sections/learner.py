@@ -14,6 +14,12 @@ from hybridrl.config.sections.common import (
 @dataclass
 class ActorConfig:
     lr: float = _f(1e-4, "AdamW learning rate", gt=0)
+    lr_warmup_steps: int = _f(
+        0,
+        "optimizer steps over which the learning rate rises linearly to lr (0: off): a fresh "
+        "AdamW's first steps move every weight by about lr, noise included",
+        ge=0,
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
     ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
