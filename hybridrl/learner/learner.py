@@ -64,6 +64,7 @@ from hybridrl.learner.update import (
     is_single_pass,
     run_updates,
 )
+from hybridrl.learner.warmup import add_warmup
 from hybridrl.models.loading import load_model
 from hybridrl.moe.ep import traffic_metrics as ep_traffic_metrics
 from hybridrl.parallel import distributed, shm_staging, weight_sync
@@ -175,6 +176,7 @@ class Learner(Worker):
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
         )
+        add_warmup(self.optimizer, cfg.actor.lr_warmup_steps)  # actor.lr_warmup_steps
         # MoE (docs/moe.md): routing replay, balancing, health; None for a dense model
         self.moe = moe_training.start(self.model, self.optimizer, cfg.moe)
         self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
