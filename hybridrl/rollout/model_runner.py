@@ -340,11 +340,13 @@ class ModelRunner(StepPreparation):
                 .permute(2, 0, 3, 1, 4)
                 .reshape(KV, B, G * qmax, D)
             )
-        scores = torch.matmul(Q, K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))
-        Bq = scores.shape[1]
-        scores.view(KV, Bq, G, qmax, kmax).add_(x.bias.view(1, Bq, 1, qmax, kmax))
-        probs = torch.softmax(scores, -1, dtype=torch.float32).to(self.dtype)
-        out = torch.matmul(probs, V)  # (KV, B or R, G*qmax, D)
+        if x.q_pad_index is None:  # decode: the row's mask serves all its heads, one fused kernel
+            out = F.scaled_dot_product_attention(Q, K, V, attn_mask=x.bias.view(1, -1, 1, kmax))
+        else:
+            scores = torch.matmul(Q, K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))
+            scores.view(KV, B, G, qmax, kmax).add_(x.bias.view(1, B, 1, qmax, kmax))
+            probs = torch.softmax(scores, -1, dtype=torch.float32).to(self.dtype)
+            out = torch.matmul(probs, V)  # (KV, B, G*qmax, D)
         if x.q_pad_index is None:
             if x.rows is not None:
                 out = out.index_select(1, x.rows)
