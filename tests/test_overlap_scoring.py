@@ -70,15 +70,17 @@ def test_overlapped_scoring_equals_scoring_after_generation():
     engine.step = counted
     scorer = Scorer(cfg, tok)
 
-    def score(group):
-        scored_at.append(steps[0])
-        return scorer(group)
+    def score(groups):
+        scored_at.append((steps[0], len(groups)))
+        return scorer(groups)
 
     got = generate_scored(engine, score, prompts, params)
     assert summary(got) == summary(want)
     assert [s.uid for s in got] == [p.uid for p in prompts for _ in range(N)]
-    assert len(scored_at) == PROMPTS  # one call per group
-    assert min(scored_at) < steps[0]  # a group was scored before generation ended
+    # whole groups, each scored once, the first call before generation ended
+    assert sum(size for _, size in scored_at) == PROMPTS * N
+    assert all(size % N == 0 for _, size in scored_at)
+    assert len(scored_at) >= 2 and scored_at[0][0] < steps[0]
     assert len({s.reward for s in got}) > 3  # the rewards tell the samples apart
 
 

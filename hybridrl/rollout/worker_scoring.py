@@ -6,8 +6,9 @@ early, the longest response sets the end), so scoring the whole batch after the 
 the reward functions' time, a slow tool or a remote judge, on the step's critical path. Here the
 rollout worker drives the backend's streaming interface itself (``add`` / ``step`` / ``done`` /
 ``take``, the loop of :meth:`~hybridrl.rollout.base.RolloutEngine.generate_streamed`) and hands
-every finished group to a scoring thread. Only what is left of the last groups' scoring remains
-after generation.
+the finished groups to a scoring thread: while it scores one call, the groups that finish wait,
+and when it is free they all go in its next call. Only what is left of the last groups' scoring
+remains after generation.
 
 What stays the same as scoring after generation:
 
@@ -15,13 +16,13 @@ What stays the same as scoring after generation:
   calling thread, and a prompt's tokens depend on its own seed, never on when it was taken);
 - the batch order: samples come back in prompt order, each group's as ``take`` returned it;
 - the rewards: a per-sample reward function sees the same inputs. A batched function (TRL-style,
-  a reward model added with ``Scorer.add_scorer``) is called once per group instead of once per
-  batch, as in asynchronous training, which also scores group by group;
-- async reward functions stay concurrent: groups that finish together are scored on different
-  threads, each group's calls awaited concurrently as before (the scorer's helper pools are
-  thread-safe);
-- a reward function that hangs past its budget still stops the run: the first failed group's
-  error is raised as soon as it is seen.
+  a reward model added with ``Scorer.add_scorer``) is called once per scorer call, on the whole
+  groups that call holds, instead of once on the batch (asynchronous training scores group by
+  group too);
+- async reward functions stay concurrent: one scorer call awaits all its samples' calls together,
+  as before, and the groups that finish while a call runs are scored together in the next one;
+- a reward function that hangs past its budget still stops the run: a failed call's error is
+  raised at the next engine step.
 
 Which backends: those whose ``step`` is their own (the native engine's continuous batch, the
 multi-turn rollout). A backend whose ``step`` is the base class's default (one ``generate`` over
@@ -37,9 +38,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import RolloutEngine, SamplingParams
 
-# scoring threads per generate call at most (a thread is only started when a group waits for one)
-MAX_SCORING_THREADS = 32
-
 
 def steps_itself(backend) -> bool:
     """Whether ``backend`` steps a continuous batch of its own (its groups can finish at
@@ -48,45 +46,79 @@ def steps_itself(backend) -> bool:
     return isinstance(backend, RolloutEngine) and step is not RolloutEngine.step
 
 
+class _Scoring:
+    """One scoring thread fed between engine steps: while it scores, finished groups wait; when it
+    is free, every group waiting goes in one scorer call (so the calls and thread hand-offs stay
+    few, and an async function's calls for all those groups are awaited together)."""
+
+    def __init__(self, score: Callable[[list[Sample]], list[Sample]]):
+        self.score = score
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
+        self.waiting: list[tuple[int, list[Sample]]] = []  # (prompt index, its samples)
+        self.flight: tuple[Future, list[tuple[int, int]]] | None = None  # (call, (index, size))
+        self.scored: dict[int, list[Sample]] = {}
+
+    def add(self, index: int, group: list[Sample]) -> None:
+        self.waiting.append((index, group))
+
+    def pump(self) -> None:
+        """Collect the call in flight if it is done (raising its error), then start the next."""
+        if self.flight is not None and self.flight[0].done():
+            self._collect()
+        if self.flight is None and self.waiting:
+            samples = [s for _, group in self.waiting for s in group]
+            sizes = [(i, len(group)) for i, group in self.waiting]
+            self.flight, self.waiting = (self.pool.submit(self.score, samples), sizes), []
+
+    def finish(self) -> dict[int, list[Sample]]:
+        """Wait for the call in flight, score what still waits; every group's scored samples."""
+        if self.flight is not None:
+            self._collect()
+        self.pump()
+        if self.flight is not None:
+            self._collect()
+        return self.scored
+
+    def _collect(self) -> None:
+        future, sizes = self.flight
+        self.flight = None
+        out, at = future.result(), 0
+        for i, n in sizes:
+            self.scored[i], at = out[at : at + n], at + n
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 def generate_scored(
     backend: RolloutEngine,
     score: Callable[[list[Sample]], list[Sample]],
     prompts: list[Sample],
     params: SamplingParams,
-    threads: int = MAX_SCORING_THREADS,
 ) -> list[Sample]:
-    """``score(backend.generate(prompts, params))`` with each prompt's group scored on a helper
-    thread as soon as it is done (see the module docstring): ``params.n`` scored samples per prompt,
-    in prompt order. A prompt the backend did not queue (aborted) comes back as its aborted
-    samples, scored after generation as the plain path scores them."""
+    """``score(backend.generate(prompts, params))`` with the groups scored on a helper thread as
+    they finish (see the module docstring): ``params.n`` scored samples per prompt, in prompt
+    order. A prompt the backend did not queue (aborted) comes back as its aborted samples, scored
+    after generation as the plain path scores them."""
     n = max(1, params.n)
     queued = {id(p) for p in backend.add(prompts, params)}
     pending = [i for i, p in enumerate(prompts) if id(p) in queued]
-    scored: dict[int, Future] = {}
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="score") as pool:
-        try:
-            while pending:
-                backend.step()
-                waiting = []
-                for i in pending:
-                    if backend.done(prompts[i], n):
-                        scored[i] = pool.submit(score, backend.take(prompts[i], n))
-                    else:
-                        waiting.append(i)
-                pending = waiting
-                _raise_failed(scored)
-        except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        out: list[Sample] = []
+    scoring = _Scoring(score)
+    try:
+        while pending:
+            backend.step()
+            waiting = []
+            for i in pending:
+                if backend.done(prompts[i], n):
+                    scoring.add(i, backend.take(prompts[i], n))
+                else:
+                    waiting.append(i)
+            pending = waiting
+            scoring.pump()
         for i, p in enumerate(prompts):
-            out += scored[i].result() if i in scored else score(backend.take(p, n))
-    return out
-
-
-def _raise_failed(scored: dict[int, Future]) -> None:
-    """Re-raise the first error of a finished scoring call (a hung reward function stops the run
-    now, not after generation)."""
-    for future in scored.values():
-        if future.done() and future.exception() is not None:
-            raise future.exception()
+            if id(p) not in queued:
+                scoring.add(i, backend.take(p, n))
+        scored = scoring.finish()
+    finally:
+        scoring.close()
+    return [s for i in range(len(prompts)) for s in scored[i]]
