@@ -232,10 +232,10 @@ def replay(args) -> dict:
     }
 
 
-def engine(quick: bool) -> dict:
+def engine(quick: bool, repeats: int) -> dict:
     from moe_engine import run_all
 
-    return run_all(quick)
+    return run_all(quick, repeats)
 
 
 def expert_parallel() -> dict:
@@ -263,6 +263,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workdir", default="runs/bench_moe")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the engine scenarios")
+    ap.add_argument("--repeats", type=int, default=2, help="engine runs per scenario (fastest)")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--ep", action="store_true", help="also run bench/moe_ep.py (key 'ep')")
@@ -273,7 +274,7 @@ def main() -> None:
     if not args.skip_replay:
         out["replay"] = replay(args)
     if not args.skip_engine:
-        out |= engine(args.quick)
+        out |= engine(args.quick, args.repeats)
     if args.ep:
         out["ep"] = expert_parallel()
     text = json.dumps(out, indent=1, default=float)

@@ -7,8 +7,9 @@ can roll out an MoE policy. Scenarios, as in ``bench/rollout.py``:
 - ``engine`` (mixed lengths): 256 requests, prompt lengths uniform in 8..64, output lengths uniform
   in 16..256, eos ignored. The native engine gets each request's own max-tokens limit (continuous
   batching); the hf backend runs them as one padded batch to the longest, and only the useful tokens
-  count. ``engine.speedup_vs_hf`` is the ratio of useful tokens per second (each engine's faster of
-  two interleaved runs).
+  count. ``engine.speedup_vs_hf`` is the ratio of useful tokens per second (each engine's fastest of
+  ``--repeats`` interleaved runs); ``speedup_vs_hf_cpu_time`` the ratio of process CPU time, which
+  other jobs on a shared machine disturb less.
 - ``fixed``: 32 prompts x 8 samples x 128 new tokens (W1 prompts), eos ignored; the ratio of
   tokens per second (each engine's faster of two runs, the prefix cache cleared in between).
 
@@ -73,10 +74,11 @@ def hf_engine(model) -> HFRollout:
     return eng
 
 
-def timed(eng, reqs: list[Sample], p: SamplingParams) -> tuple[float, list[Sample]]:
-    t0 = time.perf_counter()
+def timed(eng, reqs: list[Sample], p: SamplingParams) -> tuple[float, list[Sample], float]:
+    """Wall seconds, the samples, CPU seconds of the process."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = eng.generate(reqs, p)
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, out, time.process_time() - c0
 
 
 def check_routing(samples: list[Sample], layers: int, k: int) -> None:
@@ -85,7 +87,7 @@ def check_routing(samples: list[Sample], layers: int, k: int) -> None:
         assert s.routing is not None and tuple(s.routing.shape) == shape, (s.uid, shape)
 
 
-def mixed(model, n_req: int, out_hi: int) -> dict:
+def mixed(model, n_req: int, out_hi: int, repeats: int = 2) -> dict:
     rng = random.Random(1)
     prompts = [
         [TOK.bos_token_id] + [rng.randint(3, 16) for _ in range(rng.randint(8, 64) - 1)]
@@ -96,23 +98,24 @@ def mixed(model, n_req: int, out_hi: int) -> dict:
     reqs = [Sample(prompt_ids=p, uid=f"m{i}") for i, p in enumerate(prompts)]
     native, hf = native_engine(model), hf_engine(model)
     native_runs, hf_runs = [], []
-    for _ in range(2):  # each engine twice, interleaved: the faster run counts (a shared machine)
+    for _ in range(repeats):  # each engine in turn: the faster run counts (a shared machine)
         native.engine.bm.invalidate()
         native.engine.finished.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i, (pr, o) in enumerate(zip(prompts, outs)):
             native.engine.add_request(f"m{i}", pr, params(o), seed=i)
         while native.engine.has_unfinished():
             native.engine.step()
-        native_runs.append(time.perf_counter() - t0)
+        native_runs.append((time.perf_counter() - t0, time.process_time() - c0))
         seqs = [s for v in native.engine.finished.values() for s in v]
         assert sum(len(s.completion_ids) for s in seqs) == sum(outs)
         assert all((s.routing is not None and s.routing.shape[0] == len(s)) == moe for s in seqs)
-        hf_dt, hf_out = timed(hf, reqs, params(max(outs)))
-        hf_runs.append(hf_dt)
+        hf_dt, hf_out, hf_cpu = timed(hf, reqs, params(max(outs)))
+        hf_runs.append((hf_dt, hf_cpu))
     if moe:
         check_routing(hf_out, model.config.num_hidden_layers, model.config.num_experts_per_tok)
-    dt, hf_dt = min(native_runs), min(hf_runs)
+    dt, hf_dt = min(r[0] for r in native_runs), min(r[0] for r in hf_runs)
+    cpu, hf_cpu = min(r[1] for r in native_runs), min(r[1] for r in hf_runs)
     res = {
         "native_tokens_per_s": sum(outs) / dt,
         "hf_tokens_per_s": sum(outs) / hf_dt,
@@ -120,12 +123,15 @@ def mixed(model, n_req: int, out_hi: int) -> dict:
         "hf_s": hf_dt,
         "requests": n_req,
         "useful_tokens": sum(outs),
+        "speedup_vs_hf_cpu_time": hf_cpu / cpu,  # less sensitive to other jobs on the machine
+        "native_runs_s": [r[0] for r in native_runs],
+        "hf_runs_s": [r[0] for r in hf_runs],
     }
     res["speedup_vs_hf"] = res["native_tokens_per_s"] / res["hf_tokens_per_s"]
     return res
 
 
-def fixed(model, n_prompts: int, g: int, new: int) -> dict:
+def fixed(model, n_prompts: int, g: int, new: int, repeats: int = 2) -> dict:
     rng = random.Random(0)
     prompts = [
         TOK(f"{rng.randint(0, 999)}+{rng.randint(0, 999)}=")["input_ids"] for _ in range(n_prompts)
@@ -133,8 +139,8 @@ def fixed(model, n_prompts: int, g: int, new: int) -> dict:
     reqs = [Sample(prompt_ids=p, uid=f"f{i}") for i, p in enumerate(prompts)]
     native, hf = native_engine(model), hf_engine(model)
     native_runs, hf_runs = [], []
-    for _ in range(2):
-        native.engine.bm.invalidate()  # the second run computes its prompts again
+    for _ in range(repeats):
+        native.engine.bm.invalidate()  # a later run computes its prompts again
         native_runs.append(timed(native, reqs, params(new, n=g)))
         hf_runs.append(timed(hf, reqs, params(new, n=g)))
     layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
@@ -142,6 +148,7 @@ def fixed(model, n_prompts: int, g: int, new: int) -> dict:
     check_routing(hf_runs[0][1], layers, k)
     tokens = n_prompts * g * new
     dt, hf_dt = min(r[0] for r in native_runs), min(r[0] for r in hf_runs)
+    cpu, hf_cpu = min(r[2] for r in native_runs), min(r[2] for r in hf_runs)
     return {
         "shape": f"{n_prompts}x{g}x{new}",
         "native_tokens_per_s": tokens / dt,
@@ -149,18 +156,19 @@ def fixed(model, n_prompts: int, g: int, new: int) -> dict:
         "native_s": dt,
         "hf_s": hf_dt,
         "speedup_vs_hf": hf_dt / dt,
+        "speedup_vs_hf_cpu_time": hf_cpu / cpu,
     }
 
 
-def run_all(q: bool) -> dict:
+def run_all(q: bool, repeats: int = 2) -> dict:
     """The three scenarios (``engine``, ``fixed``, ``engine_dense_tiny``) and their wall time."""
     torch.manual_seed(0)
     model = build_model("tiny_moe", TOK, 0).eval()
     t0 = time.perf_counter()
-    out = {"engine": mixed(model, 64 if q else 256, 64 if q else 256)}
-    out["fixed"] = fixed(model, *((8, 8, 32) if q else (32, 8, 128)))
+    out = {"engine": mixed(model, 64 if q else 256, 64 if q else 256, repeats)}
+    out["fixed"] = fixed(model, *((8, 8, 32) if q else (32, 8, 128)), repeats)
     dense = build_model("tiny", TOK, 0).eval()
-    out["engine_dense_tiny"] = mixed(dense, 64 if q else 256, 64 if q else 256)
+    out["engine_dense_tiny"] = mixed(dense, 64 if q else 256, 64 if q else 256, repeats)
     out["engine_seconds"] = time.perf_counter() - t0
     return out
 
@@ -169,12 +177,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller scenarios (a smoke run)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per engine (the fastest counts)")
     ap.add_argument("--out", default="", help="also write the JSON here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     out = {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__}
-    out |= run_all(args.quick)
+    out |= run_all(args.quick, args.repeats)
     text = json.dumps(out, indent=1, default=float)
     print(text)
     if args.out:
