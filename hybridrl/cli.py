@@ -70,7 +70,7 @@ def export(argv: list[str]) -> int:
     )
     p.add_argument("out_dir")
     args = p.parse_args(argv)
-    from hybridrl.parallel.fsdp import export_hf
+    from hybridrl.parallel.sharded_checkpoint import export_hf
 
     ckpt = Path(args.checkpoint)
     ckpt = ckpt / "model" if (ckpt / "model").is_dir() else ckpt

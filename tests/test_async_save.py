@@ -308,7 +308,7 @@ def test_sharded_async_save_equals_the_synchronous_one(tmp_path):
     from test_resume import assert_bitwise_equal
 
     from hybridrl.controller.worker import find_free_port
-    from hybridrl.parallel.fsdp import is_complete
+    from hybridrl.parallel.sharded_checkpoint import is_complete
 
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
@@ -343,7 +343,7 @@ def test_two_sharded_learner_ranks_under_ray_save_in_the_background(tmp_path):
     checkpoints (``dcp/`` of both ranks, the gathered weights) equal to synchronous saves."""
     import ray
 
-    from hybridrl.parallel.fsdp import is_complete
+    from hybridrl.parallel.sharded_checkpoint import is_complete
 
     example = ROOT / "examples" / "arith_grpo_fsdp_disaggregated.yaml"
     try:

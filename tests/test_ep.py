@@ -234,7 +234,7 @@ def test_weight_sync_sends_full_experts_by_transformers_name(runs):
 def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.parallel.fsdp import export_hf
+    from hybridrl.parallel.sharded_checkpoint import export_hf
 
     trained = runs["ranks"][2]["weights"]
     assert max_diff(trained, runs["ranks"]["loaded_ep1"]) == 0.0

@@ -21,7 +21,8 @@ from rank_processes import launch_ranks, rank_env, wait_ranks
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
-from hybridrl.parallel.fsdp import FSDPConfig, export_hf, is_complete, load_sharded, save_sharded
+from hybridrl.parallel.fsdp import FSDPConfig
+from hybridrl.parallel.sharded_checkpoint import export_hf, is_complete, load_sharded, save_sharded
 from hybridrl.protocol import Batch
 
 WORLD = 2

@@ -20,7 +20,8 @@ from hybridrl.controller import WorkerContext
 from hybridrl.learner import Learner
 from hybridrl.learner import lora as lora_lib
 from hybridrl.models.loading import load_model
-from hybridrl.parallel.fsdp import export_hf, iter_weight_buckets
+from hybridrl.parallel.fsdp import iter_weight_buckets
+from hybridrl.parallel.sharded_checkpoint import export_hf
 from hybridrl.protocol import Batch
 from hybridrl.rollout import ROLLOUT_BACKENDS
 

@@ -283,7 +283,7 @@ def critic_dcp_main(workdir: str, port: int) -> None:
 
 def test_critic_rebuilt_from_a_sharded_checkpoint_is_the_saved_one(tmp_path):
     from hybridrl.controller.worker import find_free_port
-    from hybridrl.parallel.fsdp import is_complete
+    from hybridrl.parallel.sharded_checkpoint import is_complete
 
     env = os.environ | {
         "OMP_NUM_THREADS": "1",

@@ -252,7 +252,7 @@ def save_lora_checkpoint(
         get_optimizer_state_dict,
     )
 
-    from hybridrl.parallel.fsdp import _quiet_single_process, _replace_dir
+    from hybridrl.parallel.sharded_checkpoint import quiet_single_process, replace_dir
 
     path = Path(path)
     merged = merged_weights(model)  # collective
@@ -281,13 +281,13 @@ def save_lora_checkpoint(
         "adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     if distributed.rank() == 0:
         torch.save({"shuffle_rng": generator.get_state()}, tmp / "extra.pt")
     distributed.barrier()
     if distributed.rank() == 0:
-        _replace_dir(tmp, path / STATE_DIR)
+        replace_dir(tmp, path / STATE_DIR)
     distributed.barrier()
 
 
@@ -316,7 +316,7 @@ def load_lora_state(
         set_optimizer_state_dict,
     )
 
-    from hybridrl.parallel.fsdp import _quiet_single_process
+    from hybridrl.parallel.sharded_checkpoint import quiet_single_process
 
     path = Path(path)
     if not is_lora_checkpoint(path):
@@ -333,7 +333,7 @@ def load_lora_state(
         "adapter": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(path / STATE_DIR))
     set_model_state_dict(model, state["adapter"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])

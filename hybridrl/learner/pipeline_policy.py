@@ -116,10 +116,10 @@ def save(path, pl: Pipeline, modules: StageModules, optimizer, shuffle, tokenize
     path = Path(path)
     weights = pl.full_weights()
     if distributed.rank() == 0:
-        from hybridrl.parallel.fsdp import _model_class
+        from hybridrl.parallel.sharded_checkpoint import model_class
 
         with torch.device("meta"):
-            model = _model_class(pl.config)._from_config(pl.config)
+            model = model_class(pl.config)._from_config(pl.config)
         model.to_empty(device="cpu")
         model.load_state_dict(weights, strict=False, assign=True)
         model.tie_weights()

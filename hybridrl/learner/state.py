@@ -3,17 +3,18 @@
 A role checkpoint directory ``path``::
 
     path/config.json, model.safetensors ...   transformers format (rank 0; weights only when
-    ``hf_weights``) path/tokenizer*                            the tokenizer, when the role has one
-    path/dcp/                                  sharded layout: model + optimizer shards (every rank)
-    and the
-                                               extra state (shuffle RNG) -- see ``parallel/fsdp.py``
+                                               ``hf_weights``)
+    path/tokenizer*                            the tokenizer, when the role has one
+    path/dcp/                                  sharded layout: model + optimizer shards (every
+                                               rank) and the extra state (shuffle RNG), see
+                                               ``parallel/sharded_checkpoint.py``
     path/train_state.pt                        single-process layout: optimizer + shuffle RNG
 
 ``layout="auto"`` writes the sharded layout for an FSDP-wrapped model and the single-process one
 otherwise (``"dcp"`` forces the sharded layout, which also works in one process). Every rank of the
 role calls :func:`save_trainable` / :func:`load_trainable` (the sharded parts are collectives);
-either layout loads. ``hybridrl.parallel.fsdp.export_hf(path, out)`` rebuilds a transformers
-directory from ``path/dcp`` alone.
+either layout loads. ``hybridrl.parallel.sharded_checkpoint.export_hf(path, out)`` rebuilds a
+transformers directory from ``path/dcp`` alone.
 
 Background saves (``trainer.async_save``): given a :class:`BackgroundWriter`,
 :func:`save_trainable` takes a consistent snapshot now (every tensor copied to host memory, tied
@@ -33,10 +34,9 @@ from pathlib import Path
 import torch
 
 from hybridrl.parallel import distributed
-from hybridrl.parallel.fsdp import (
-    full_state_dict,
+from hybridrl.parallel.fsdp import full_state_dict, is_sharded
+from hybridrl.parallel.sharded_checkpoint import (
     is_complete,
-    is_sharded,
     load_sharded,
     save_sharded,
     stage_sharded,
