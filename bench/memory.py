@@ -238,7 +238,8 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, ROOT)
-    from hybridrl.parallel.memory import Layout, estimate, human, resolve_model
+    from hybridrl.parallel.memory import Layout, estimate
+    from hybridrl.parallel.memory_cli import human, resolve_model
 
     cfg = resolve_model(args.model)
     env = dict(

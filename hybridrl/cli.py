@@ -158,7 +158,7 @@ def distill_draft(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "memory":
-        from hybridrl.parallel.memory import main as memory_main
+        from hybridrl.parallel.memory_cli import main as memory_main
 
         return memory_main(argv[1:])
     if argv and argv[0] == "export":

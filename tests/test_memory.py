@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.parallel.memory import Layout, Shape, estimate, format_table, main, resolve_model
+from hybridrl.parallel.memory import Layout, Shape, estimate
+from hybridrl.parallel.memory_cli import format_table, main, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9

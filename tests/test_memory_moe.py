@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from hybridrl.parallel.memory import Layout, estimate, main, resolve_model
+from hybridrl.parallel.memory import Layout, estimate
+from hybridrl.parallel.memory_cli import main, resolve_model
 
 SMALL = dict(
     vocab_size=64,
