@@ -6,12 +6,12 @@ samples the sequences whose KV is now complete (``sampler.py``), forks the
 ``n`` samples of a freshly prefilled prompt, and retires finished sequences at
 once. With a draft model, decode-only steps at small batch run speculatively
 (``spec_decode.py``). Every step holds ``lock``, so weight updates, aborts and
-memory release from other threads land between steps.
+memory release from other threads land between steps. How many KV blocks the pool gets, and
+whether a request can ever fit it, is ``kv_capacity.py``.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import defaultdict
@@ -23,14 +23,13 @@ import torch
 from hybridrl.moe.routing import NOT_ROUTED
 from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
+from hybridrl.rollout.kv_capacity import check_fits, pool_blocks
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.precision import resolve_engine_dtype
 from hybridrl.rollout.sampler import SamplingTensors, sample
 from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 from hybridrl.rollout.stop import as_tuple, stop_hit
-
-log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -79,18 +78,7 @@ class LLMEngine:
                 spec_max_batch = cfg.spec_max_batch
             self.spec = SpecDecoder(self, draft_runner, cfg.num_speculative_tokens, spec_max_batch)
             per_block += draft_runner.bytes_per_block()
-        budget = cfg.kv_cache_bytes
-        fraction = cfg.kv_cache_memory_fraction  # GPU: a share of the free device memory
-        if fraction and self.device.type == "cuda":
-            budget = int(fraction * torch.cuda.mem_get_info(self.device)[0])
-        elif fraction:
-            log.warning(
-                "rollout.kv_cache_memory_fraction applies on CUDA only; on %s the KV pool takes "
-                "rollout.kv_cache_bytes = %d",
-                self.device.type,
-                budget,
-            )
-        self.num_blocks = num_blocks or max(2, budget // per_block)
+        self.num_blocks = pool_blocks(cfg, self.device, per_block, num_blocks)
         self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, cfg.max_batch_size, cfg.max_num_batched_tokens)
         self._allocate()
@@ -126,52 +114,17 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------
     def check_fits(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Raise ``ValueError`` if the request can never run: its prompt leaves no room below the
-        model's positions, or the KV pool cannot hold one of its sequences grown to the token limit
-        (nor the prompt with one block per sample it forks at once, which admission reserves).
-        Returns the token limit (``max_new_tokens``, capped by the positions left)."""
-        limit = self.runner.spec.max_positions
-        max_tokens = min(params.max_new_tokens, limit - len(prompt_ids))
-        if max_tokens <= 0:
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens leaves no room "
-                f"below {limit} positions"
-            )
-        bs, total = self.bm.block_size, self.num_blocks
-        # the last token is sampled, never written to the KV; a speculative step reserves k more
-        # slots for each decoding sequence
-        lookahead = self.spec.max_k if self.spec is not None else 0
-        need = self.bm.blocks_for(len(prompt_ids) + max_tokens - 1 + lookahead)
-        forks = min(self.scheduler.max_num_seqs, max(1, params.n)) - 1
-        need_forks = self.bm.blocks_for(len(prompt_ids)) + forks
-        if need <= total and need_forks <= total:
-            return max_tokens
-        capped = (
-            f" (capped at {max_tokens} by the model's {limit} positions)"
-            if max_tokens < params.max_new_tokens
-            else ""
-        )
-        spec = f" plus {lookahead} speculative tokens" if lookahead else ""
-        group = forks > 0 and need_forks > total  # only a group has forks to reserve for
-        fixes = ["a larger rollout.kv_cache_bytes (or rollout.kv_cache_memory_fraction on CUDA)"]
-        if need > total:
-            fixes.append("a shorter rollout.max_new_tokens")
-        fixes.append("shorter prompts")
-        if group:
-            fixes.append("a smaller rollout.max_batch_size or trainer.samples_per_prompt")
-        raise ValueError(
-            f"request {request_id!r} cannot fit the KV pool: one sequence of its "
-            f"{len(prompt_ids)}-token prompt and max_new_tokens {params.max_new_tokens}{capped}"
-            f"{spec} needs {need} blocks"
-            + (
-                f", and admitting its group of {forks + 1} samples reserves {need_forks} (the "
-                "prompt's blocks plus one per forked sample)"
-                if group
-                else ""
-            )
-            + f", but the pool has {total} blocks of {bs} tokens; use "
-            + ", ".join(fixes[:-1])
-            + f" or {fixes[-1]}"
+        """Raise ``ValueError`` if the request can never run in this engine's KV pool
+        (``rollout/kv_capacity.py``); returns its token limit."""
+        return check_fits(
+            request_id,
+            prompt_ids,
+            params,
+            bm=self.bm,
+            max_positions=self.runner.spec.max_positions,
+            max_seqs=self.scheduler.max_num_seqs,
+            # a speculative step reserves k more slots for each decoding sequence
+            lookahead=self.spec.max_k if self.spec is not None else 0,
         )
 
     def add_request(
