@@ -2,24 +2,27 @@
 asynchronous training with a slow tool.
 
     python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--threads N]
-        [--max-staleness K] [--out FILE]
+        [--latency-steps N] [--latency-prompts B] [--max-staleness K] [--sigma S] [--out FILE]
 
 One warm start (``examples/calc_tool_grpo.yaml``: supervised on tool-using traces, the observation
-masked out of the loss; trained once and cached under ``runs/bench_agentic/``), then two RL runs
-from it in this process, one after the other, with the same model, batch shape, number of trained
-samples and seed, and the ``calc_tool`` environment answering each call after a lognormal latency
-(median 200 ms, shape 1: a long tail):
+masked out of the loss; trained once and cached under ``runs/bench_agentic/``), then three RL runs
+from it in this process, one after the other, all with the example's seed and learning settings:
 
-* sync:  ``trainer.mode=sync``: each step generates every trajectory, waiting for the slowest call,
-  then trains (the baseline);
-* async: ``trainer.mode=async`` (decoupled PPO, ``--max-staleness``, default 1): the rollout
-  streams trajectories on a thread of its own while the learner trains; a trajectory waiting for
-  its tool never holds up the others.
+* gain: ``trainer.mode=sync`` with the example's batch (32 prompts x 8 trajectories), ``--steps``
+  steps, the tool answering at once (its latency plays no part in what is learned). Sampled (T = 1)
+  and greedy held-out accuracy of full multi-turn trajectories before and after:
+  ``w4.accuracy_before`` / ``w4.accuracy_after``.
+* latency, sync and async: the shape of a user with a slow tool, ``--latency-prompts`` prompts x 8
+  trajectories per step (small steps: the wait for a step's slowest call is most of a synchronous
+  step), ``--latency-steps`` steps each, the same number of trained samples, and ``calc_tool``
+  answering each call after a lognormal latency (median 200 ms, shape ``--sigma``: a long tail).
+  sync waits for every trajectory's chain of calls, then trains; async (``trainer.mode=async``,
+  decoupled PPO, ``--max-staleness``) keeps admitting prompts while trajectories wait on the tool,
+  and trains on what has finished. ``latency.speedup`` = async / sync trained samples per second
+  (trained samples / the steps' wall time, evaluation excluded); the held-out accuracy of both
+  after their runs is reported next to it.
 
-samples/s = trained samples / the steps' wall time (evaluation excluded). Accuracy is the sampled
-(T = 1) held-out accuracy of full multi-turn trajectories: ``w4.accuracy_before`` after the warm
-start, ``w4.accuracy_after`` after the synchronous run (both runs' in ``latency``). The latency
-distribution is the environment's own (its seeded draws) and what the runs measured
+The latency distribution is the environment's own (its seeded draws) and what the runs measured
 (``env/step_s_*``). ``tito.extension_violations`` sums the runs' counts (0 expected: W4's
 observations are plain text). Prints one JSON object.
 """
@@ -36,12 +39,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calc_tool_grpo.yaml"
-LATENCY = ["env.kwargs={latency_s: 0.2, latency: lognormal, sigma: 1.0}"]
+MEDIAN_S = 0.2
 
 
-def run(
-    mode: str, steps: int, eval_size: int, runs_dir: Path, sft_steps: int, threads: int, k: int
-) -> dict:
+def run(name: str, mode: str, steps: int, overrides: list[str], common: list[str]) -> dict:
+    """One RL run from the cached warm start; its throughput, accuracy and environment figures."""
     import torch
 
     from hybridrl.config import Config, load_config
@@ -51,20 +53,15 @@ def run(
         Config,
         str(EXAMPLE),
         [
+            *common,
             f"trainer.mode={mode}",
-            f"controller.num_threads={threads}",
-            f"asynchronous.max_staleness={k}",
-            *LATENCY,
-            f"sft.steps={sft_steps}",
-            f"sft.checkpoint={runs_dir / f'warmstart-{sft_steps}'}",
             f"trainer.total_steps={steps}",
             "trainer.eval_every=0",
             f"trainer.save_every={steps}",
-            f"task.eval_size={eval_size}",
-            f"trainer.runs_dir={runs_dir}",
-            f"trainer.name=w4_{mode}",
+            f"trainer.name=w4_{name}",
             "trainer.progress=false",
             "trainer.loggers=[jsonl]",
+            *overrides,
         ],
     )
     torch.set_num_threads(cfg.controller.num_threads)
@@ -81,29 +78,38 @@ def run(
         return sum(r.get(key, 0.0) for r in trained) / len(trained)
 
     return {
+        "samples": samples,
         "samples_per_s": samples / seconds,
         "seconds": seconds,
         "accuracy_before": summary["accuracy_before"],
         "accuracy": summary["accuracy_after"],
         "greedy_accuracy_before": summary["greedy_accuracy_before"],
         "greedy_accuracy": summary["greedy_accuracy_after"],
-        "reward_mean": mean("reward/mean"),
+        "reward_first_5": sum(r.get("reward/mean", 0.0) for r in trained[:5]) / 5,
+        "reward_last_5": sum(r.get("reward/mean", 0.0) for r in trained[-5:]) / 5,
         "env_step_s_mean": mean("env/step_s_mean"),
         "env_step_s_max": max(r.get("env/step_s_max", 0.0) for r in rows),
         "env_turns_mean": mean("env/turns_mean"),
         "env_errors": sum(r.get("env/errors", 0.0) for r in rows),
         "env_timeouts": sum(r.get("env/timeouts", 0.0) for r in rows),
         "extension_violations": sum(r.get("tito/extension_violations", 0.0) for r in rows),
-        **({"staleness_mean": mean("async/staleness_mean")} if mode == "async" else {}),
+        **(
+            {
+                "staleness_mean": mean("async/staleness_mean"),
+                "trainer_idle_frac": mean("async/trainer_idle_frac"),
+            }
+            if mode == "async"
+            else {}
+        ),
     }
 
 
-def latency_distribution(draws: int = 10_000) -> dict:
+def latency_distribution(sigma: float, draws: int = 10_000) -> dict:
     """Percentiles of calc_tool's seeded latency over ``draws`` calls (the bench's settings)."""
     from hybridrl.envs.calc_tool import CalcToolEnv
     from hybridrl.tasks import Prompt
 
-    env = CalcToolEnv(latency_s=0.2, latency="lognormal", sigma=1.0)
+    env = CalcToolEnv(latency_s=MEDIAN_S, latency="lognormal", sigma=sigma)
     xs = []
     for i in range(draws):
         env.prompt = Prompt(uid=f"calc-{i:06d}", text="", answer="", task_id="calc")
@@ -114,7 +120,7 @@ def latency_distribution(draws: int = 10_000) -> dict:
         return round(xs[min(len(xs) - 1, math.floor(p * len(xs)))], 4)
 
     return {
-        "kind": "lognormal, median 0.2 s, sigma 1.0",
+        "kind": f"lognormal, median {MEDIAN_S} s, sigma {sigma}",
         "mean_s": round(sum(xs) / len(xs), 4),
         "p50_s": q(0.5),
         "p90_s": q(0.9),
@@ -125,50 +131,65 @@ def latency_distribution(draws: int = 10_000) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="RL steps per run")
-    p.add_argument("--sft-steps", type=int, default=1200, help="warm-start steps")
+    p.add_argument("--steps", type=int, default=40, help="RL steps of the gain run")
+    p.add_argument("--sft-steps", type=int, default=800, help="warm-start steps")
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
-    p.add_argument("--max-staleness", type=int, default=1, help="async: asynchronous.max_staleness")
+    p.add_argument("--latency-steps", type=int, default=60, help="steps of each latency run")
+    p.add_argument("--latency-prompts", type=int, default=8, help="prompts per latency-run step")
+    p.add_argument("--max-staleness", type=int, default=2, help="async: asynchronous.max_staleness")
+    p.add_argument("--sigma", type=float, default=1.0, help="the tool latency's lognormal shape")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     runs_dir = Path("runs") / "bench_agentic"
+    common = [
+        f"controller.num_threads={args.threads}",
+        f"sft.steps={args.sft_steps}",
+        f"sft.checkpoint={runs_dir / f'warmstart-{args.sft_steps}'}",
+        f"task.eval_size={args.eval_size}",
+        f"trainer.runs_dir={runs_dir}",
+    ]
+    slow = [
+        f"env.kwargs={{latency_s: {MEDIAN_S}, latency: lognormal, sigma: {args.sigma}}}",
+        f"trainer.prompts_per_step={args.latency_prompts}",
+        f"asynchronous.max_staleness={args.max_staleness}",
+    ]
     t0 = time.perf_counter()
-    common = (
-        args.steps,
-        args.eval_size,
-        runs_dir,
-        args.sft_steps,
-        args.threads,
-        args.max_staleness,
-    )
-    s = run("sync", *common)
-    a = run("async", *common)
+    g = run("gain", "sync", args.steps, ["env.kwargs={latency_s: 0.0}"], common)
+    s = run("sync", "sync", args.latency_steps, slow, common)
+    a = run("async", "async", args.latency_steps, slow, common)
     result = {
         "command": " ".join(["python bench/agentic.py", *(sys.argv[1:] if argv is None else argv)]),
         "steps": args.steps,
         "sft_steps": args.sft_steps,
         "eval_size": args.eval_size,
         "w4": {
-            "accuracy_before": s["accuracy_before"],
-            "accuracy_after": s["accuracy"],
-            "gain_points": 100 * (s["accuracy"] - s["accuracy_before"]),
-            "greedy_accuracy_before": s["greedy_accuracy_before"],
-            "greedy_accuracy_after": s["greedy_accuracy"],
+            "accuracy_before": g["accuracy_before"],
+            "accuracy_after": g["accuracy"],
+            "gain_points": 100 * (g["accuracy"] - g["accuracy_before"]),
+            "greedy_accuracy_before": g["greedy_accuracy_before"],
+            "greedy_accuracy_after": g["greedy_accuracy"],
+            "greedy_gain_points": 100 * (g["greedy_accuracy"] - g["greedy_accuracy_before"]),
+            "run": g,
         },
         "latency": {
+            "steps": args.latency_steps,
+            "prompts_per_step": args.latency_prompts,
+            "max_staleness": args.max_staleness,
             "sync_samples_per_s": s["samples_per_s"],
             "async_samples_per_s": a["samples_per_s"],
             "speedup": a["samples_per_s"] / s["samples_per_s"],
             "accuracy_sync": s["accuracy"],
             "accuracy_async": a["accuracy"],
             "accuracy_gap_points": 100 * abs(s["accuracy"] - a["accuracy"]),
-            "tool_latency": latency_distribution(),
+            "tool_latency": latency_distribution(args.sigma),
             "sync": s,
             "async": a,
         },
-        "tito": {"extension_violations": s["extension_violations"] + a["extension_violations"]},
+        "tito": {
+            "extension_violations": sum(x["extension_violations"] for x in (g, s, a)),
+        },
         "wall_seconds": time.perf_counter() - t0,
     }
     text = json.dumps(result, indent=1)
