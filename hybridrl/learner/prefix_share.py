@@ -12,10 +12,12 @@ per sample (to float rounding: other matmul shapes); the prompt's activations re
 the gradients of all the responses that read them.
 
 Units: a group whose responses do not fit one row is split into units (best-fit decreasing of the
-response lengths under the row capacity the plain packing would choose, each unit with its own copy
-of the prompt), so rows are no wider than without sharing and the masked attention costs no more.
-The units are then packed into rows and micro-batches like single sequences
-(``parallel/packing.py``: ``pack_micro_batches``).
+response lengths under a row capacity, each unit with its own copy of the prompt), then the units
+are packed into rows and micro-batches like single sequences (``parallel/packing.py``:
+``pack_micro_batches``). The capacity is the cheapest, by the plain packing's cost model (positions
+fed times ``1 + width x key_cost``), of the one plain packing would choose and the wider
+``ROW_CANDIDATES``: short sequences (W1: a 9-token prompt, 5-token answers) share only in rows wider
+than the longest sample, while long ones already share within it.
 
 Not used (the plain packed layout instead) with a variable-length attention kernel (it takes the
 sequence boundaries from position ids, one sequence per start), or a mixture-of-experts model
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from hybridrl.parallel.packing import (
+    ROW_CANDIDATES,
     PackedLayout,
     best_fit_decreasing,
     choose_capacity,
@@ -73,14 +76,18 @@ def shared_plans(
     P = batch["prompts"].shape[1]
     plens = attn[:, :P].sum(-1).tolist()
     rlens = attn[:, P:].sum(-1).tolist()
-    cap = choose_capacity([p + r for p, r in zip(plens, rlens)], token_budget, key_cost)
-    units: list[list[int]] = []
-    for g in prompt_groups(batch):
-        room = max(cap - plens[g[0]], 1)
-        units += [[g[i] for i in b] for b in best_fit_decreasing([rlens[r] for r in g], room)]
-    lengths = [plens[u[0]] + sum(rlens[r] for r in u) for u in units]
+    groups = prompt_groups(batch)
+    plain = choose_capacity([p + r for p, r in zip(plens, rlens)], token_budget, key_cost)
+    best = None
+    for cap in [plain] + [c for c in ROW_CANDIDATES if plain < c <= token_budget]:
+        units = _units(groups, plens, rlens, cap)
+        lengths = [plens[u[0]] + sum(rlens[r] for r in u) for u in units]
+        cost = len(best_fit_decreasing(lengths, cap)) * cap * (1.0 + cap * key_cost)
+        if best is None or cost < best[0]:
+            best = (cost, cap, units, lengths)
+    _, cap, units, lengths = best
     out = []
-    for plan in pack_micro_batches(lengths, token_budget, key_cost=key_cost):
+    for plan in pack_micro_batches(lengths, token_budget, capacity=cap, key_cost=key_cost):
         docs, rows, offsets, resp = [], [], [], []
         for u, row, offset in zip(plan.docs, plan.rows, plan.offsets):
             start = offset + plens[units[u][0]]
@@ -92,6 +99,18 @@ def shared_plans(
                 start += rlens[r]
         out.append((docs, rows, offsets, resp))
     return out
+
+
+def _units(
+    groups: list[list[int]], plens: list[int], rlens: list[int], cap: int
+) -> list[list[int]]:
+    """Each group's rows split into units of one prompt copy and the responses that fit ``cap``
+    with it (best-fit decreasing of the response lengths)."""
+    units: list[list[int]] = []
+    for g in groups:
+        room = max(cap - plens[g[0]], 1)
+        units += [[g[i] for i in b] for b in best_fit_decreasing([rlens[r] for r in g], room)]
+    return units
 
 
 def shared_layout(
