@@ -135,7 +135,7 @@ def main(argv=None) -> dict:
     p.add_argument("--sft-steps", type=int, default=800, help="warm-start steps")
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
-    p.add_argument("--latency-steps", type=int, default=60, help="steps of each latency run")
+    p.add_argument("--latency-steps", type=int, default=40, help="steps of each latency run")
     p.add_argument("--latency-prompts", type=int, default=8, help="prompts per latency-run step")
     p.add_argument("--max-staleness", type=int, default=2, help="async: asynchronous.max_staleness")
     p.add_argument("--sigma", type=float, default=1.0, help="the tool latency's lognormal shape")
