@@ -37,7 +37,8 @@ Differences that remain (each framework's own way of doing the same step):
 - old log-probs: with one optimizer step per batch TRL skips the old-policy forward (the ratio is 1
   by construction); hybridrl skips it too where the checkout has ``actor.reuse_old_log_probs``
   (``auto``), and otherwise runs it (then ``old_log_prob`` appears in ``hybridrl.phases``);
-- micro-batches: hybridrl packs samples by length within ``actor.micro_batch_tokens`` (8192); TRL
+- micro-batches: hybridrl packs samples into rows within ``actor.micro_batch_tokens`` (8192), a
+  group's samples sharing one copy of their prompt (``learner/prefix_share.py``); TRL
   takes ``--trl-micro-batch`` samples per forward (default: the largest power of two whose padded
   worst case, (prompt + max new tokens) x batch, fits the same 8192 tokens: 256 at 16 tokens, 32 at
   128), with gradient accumulation up to 256;
