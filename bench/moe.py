@@ -54,6 +54,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from transformers import Qwen3MoeForCausalLM  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
@@ -65,6 +66,8 @@ from hybridrl.driver.sft import ensure_warm_start, run_sft  # noqa: E402
 from hybridrl.learner import Learner  # noqa: E402
 from hybridrl.learner.logprob import batch_log_probs  # noqa: E402
 from hybridrl.learner.moe import REPLAY, ROUTING  # noqa: E402
+from hybridrl.models.factory import model_size_config  # noqa: E402
+from hybridrl.models.loading import make_task  # noqa: E402
 from hybridrl.moe.routing import record, same_sets  # noqa: E402
 from hybridrl.protocol import Batch, prompt_sample, samples_to_batch  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
@@ -89,12 +92,46 @@ def warm_start(cfg: Config, sft_steps: int | None, workdir: str) -> str:
     """The example's warm start (cached, shared with ``hybridrl train``), or a fixed-step one."""
     if sft_steps is None:
         return ensure_warm_start(cfg, progress=False)
-    out = Path(workdir) / f"warmstart-{sft_steps}"
+    variant = f"{Path(cfg.model.path).name}-" if cfg.model.path else ""
+    out = Path(workdir) / f"warmstart-{variant}{sft_steps}"
     done = out / "sft.json"
     if done.exists() and json.loads(done.read_text()).get("steps") == sft_steps:
         return str(out)
     cfg.sft.steps = sft_steps
     return str(run_sft(cfg, str(out), progress=False))
+
+
+def fine_grained(cfg: Config, args) -> dict | None:
+    """Point ``cfg.model.path`` at a fine-grained variant of tiny_moe (``--experts``, ``--top-k``),
+    or leave it alone. Same hidden size, layers and attention; the expert width defaults to
+    tiny_moe's active MLP width (2 x 256) divided by k, so active parameters stay the same while the
+    router picks k of many experts, as Qwen3-MoE-30B-A3B (128, top-8) and OLMoE (64, top-8) do. The
+    random init (``model.seed``) is saved in the workdir; the warm start is then the framework's
+    own, cached under its path like any ``model.path``."""
+    if not args.experts:
+        return None
+    base = model_size_config("tiny_moe", make_task(cfg).tokenizer())
+    k = args.top_k
+    width = args.moe_intermediate or base.num_experts_per_tok * base.moe_intermediate_size // k
+    shape = {"num_experts": args.experts, "num_experts_per_tok": k, "moe_intermediate_size": width}
+    out = Path(args.workdir).resolve() / f"tiny_moe-e{args.experts}-k{k}-i{width}-s{cfg.model.seed}"
+    if not (out / "config.json").is_file():
+        config = base.__class__(**(base.to_dict() | shape))
+        state = torch.random.get_rng_state()
+        torch.manual_seed(cfg.model.seed)
+        model = Qwen3MoeForCausalLM(config)
+        torch.random.set_rng_state(state)
+        model.save_pretrained(out)  # no tokenizer: the task's is used, as for tiny_moe
+    cfg.model.path = str(out)
+    return shape | {"norm_topk_prob": base.norm_topk_prob, "init": str(out)}
+
+
+def warm_record(path: str) -> dict | None:
+    """The warm start's ``sft.json`` (steps taken, accuracy reached), when it has one."""
+    record = Path(path) / "sft.json"
+    if not record.is_file():
+        return None
+    return {k: v for k, v in json.loads(record.read_text()).items() if k != "checks"}
 
 
 def fresh_routing_diff(model, batch: Batch) -> float:
@@ -173,6 +210,7 @@ def replay(args) -> dict:
         f"trainer.samples_per_prompt={args.samples}",
     ]
     cfg = load_config(Config, str(EXAMPLE), overrides)
+    variant = None if args.policy else fine_grained(cfg, args)
     path = args.policy or warm_start(cfg, args.sft_steps, args.workdir)
     sft_s = time.perf_counter() - t0
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=args.threads)
@@ -188,6 +226,12 @@ def replay(args) -> dict:
         rollouts["fp32_bias_noise"] = NativeRollout(
             learner.model, tok, dataclasses.replace(cfg.rollout, dtype="fp32")
         )
+    model = (
+        "tiny_moe (Qwen3-MoE, 8 experts, top-2)"
+        if variant is None
+        else f"tiny_moe's fine-grained variant (Qwen3-MoE, {variant['num_experts']} experts, "
+        f"top-{variant['num_experts_per_tok']}, width {variant['moe_intermediate_size']})"
+    )
     a = cfg.algorithm
     clip = (math.log(1 - a.clip_ratio_low), math.log(1 + a.clip_ratio_high))
     rows: dict[str, list[dict]] = {name: [] for name in rollouts}
@@ -216,11 +260,13 @@ def replay(args) -> dict:
         learner.train_step(step, trained)  # GRPO with R3 on the bf16 rollout's samples
     return {
         "setup": (
-            "W1 (examples/arith_grpo_moe.yaml), tiny_moe (Qwen3-MoE, 8 experts, top-2), GRPO + R3, "
+            f"W1 (examples/arith_grpo_moe.yaml), {model}, GRPO + R3, "
             "fp32 training; native-engine rollouts; trained on the bf16 rollout's samples"
         ),
         "steps": args.steps,
+        "fine_grained": variant,
         "warm_start": path,
+        "warm_start_record": warm_record(path),
         "samples_per_step": args.prompts * args.samples,
         "bias_noise": args.bias_noise,
         "rollouts": {name: summary(r) for name, r in rows.items()},
@@ -261,6 +307,19 @@ def main() -> None:
     ap.add_argument("--bias-noise", type=float, default=0.0, help="the artificial rollout's EPS")
     ap.add_argument("--policy", default="", help="start from this checkpoint (default: warm start)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="replay on a fine-grained variant of tiny_moe with this many experts (0: tiny_moe)",
+    )
+    ap.add_argument("--top-k", type=int, default=8, help="the variant's experts per token")
+    ap.add_argument(
+        "--moe-intermediate",
+        type=int,
+        default=0,
+        help="the variant's expert width (0: tiny_moe's active width 512 / k)",
+    )
     ap.add_argument("--workdir", default="runs/bench_moe")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the engine scenarios")
     ap.add_argument("--repeats", type=int, default=2, help="engine runs per scenario (fastest)")
