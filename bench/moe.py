@@ -116,7 +116,9 @@ def fine_grained(cfg: Config, args) -> dict | None:
     shape = {"num_experts": args.experts, "num_experts_per_tok": k, "moe_intermediate_size": width}
     out = Path(args.workdir).resolve() / f"tiny_moe-e{args.experts}-k{k}-i{width}-s{cfg.model.seed}"
     if not (out / "config.json").is_file():
-        config = base.__class__(**(base.to_dict() | shape))
+        config = base  # a fresh object; setattr goes through the config's attribute map
+        for key, value in shape.items():
+            setattr(config, key, value)
         state = torch.random.get_rng_state()
         torch.manual_seed(cfg.model.seed)
         model = Qwen3MoeForCausalLM(config)
