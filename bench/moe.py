@@ -260,6 +260,13 @@ def replay(args) -> dict:
                 trained = samples
                 rewards.append(float(batch["rewards"].mean()))
         learner.train_step(step, trained)  # GRPO with R3 on the bf16 rollout's samples
+        bf16 = rows["bf16"][-1]
+        print(  # progress on stderr; the JSON on stdout
+            f"step {step + 1}/{args.steps} {time.perf_counter() - t0:.0f}s bf16 mismatch "
+            f"{bf16['mismatch_none']:.5f} -> {bf16['mismatch_r3']:.5f}",
+            file=sys.stderr,
+            flush=True,
+        )
     return {
         "setup": (
             f"W1 (examples/arith_grpo_moe.yaml), {model}, GRPO + R3, "
