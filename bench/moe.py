@@ -30,6 +30,13 @@ so its ``mismatch_none`` is all routing part.
 ``--policy DIR`` starts from a given transformers checkpoint (e.g. ``hybridrl export`` of the MoE
 example's final step) instead of the example's warm start.
 
+``--experts E --top-k K`` measures replay on a *fine-grained* variant of tiny_moe instead, the shape
+of real MoE models (Qwen3-MoE-30B-A3B: 128 experts, top-8; OLMoE: 64, top-8): same hidden size,
+layers and attention, E experts of width 512 / K (``--moe-intermediate``), so the active MLP width
+stays tiny_moe's. With many experts and k = 8 the k-th and (k+1)-th router scores lie closer, so
+bf16 rounding may flip the selection more often. Its random init is saved in ``--workdir`` and its
+warm start is the example's SFT run on that checkpoint (same target, cached the same way).
+
 ``engine`` (``bench/moe_engine.py``): the native engine against the ``hf`` backend on tiny_moe in
 fp32 (mixed lengths, ``engine.speedup_vs_hf``; ``fixed`` 32 x 8 x 128; dense ``tiny`` beside).
 ``ep`` (``--ep``): expert parallelism, from ``bench/moe_ep.py``'s ``run_ep()`` when that file exists
@@ -37,6 +44,7 @@ fp32 (mixed lengths, ``engine.speedup_vs_hf``; ``fixed`` 32 x 8 x 128; dense ``t
 
     .venv/bin/python bench/moe.py --threads 1                  # replay, 60 steps, and engine
     .venv/bin/python bench/moe.py --skip-engine --steps 60     # replay only
+    .venv/bin/python bench/moe.py --skip-engine --experts 64 --top-k 8   # fine-grained variant
 """
 
 from __future__ import annotations
