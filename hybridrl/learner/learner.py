@@ -252,8 +252,8 @@ class Learner(Worker):
         timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
         # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
         perf = learner_perf(self, timing, batch["attention_mask"]) | balanced
-        perf |= self.moe.step_metrics(batch) if self.moe else {}  # moe/: loads, routing changes
-        perf |= ep_traffic_metrics(self.model)  # moe.ep_size > 1: rows exchanged, imbalance
+        if self.moe:  # moe/: loads, routing changes; with moe.ep_size > 1 the rows exchanged
+            perf |= self.moe.step_metrics(batch) | ep_traffic_metrics(self.model)
         return {
             "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
             "uids": list(dict.fromkeys(s.uid for s in samples)),
