@@ -23,8 +23,8 @@ from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
 from hybridrl.driver.sync import train
 from hybridrl.learner import Learner
-from hybridrl.learner.learner import reuses_old_log_probs
 from hybridrl.learner.logprob import batch_log_probs, response_log_probs
+from hybridrl.learner.passes import reuses_old_log_probs
 from hybridrl.protocol import Batch
 
 INDICATOR = "actor/old_log_prob_reused"

@@ -6,7 +6,7 @@ from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
 from hybridrl.driver.collect import informative
 from hybridrl.learner import Learner
-from hybridrl.learner.learner import needs_critic
+from hybridrl.learner.passes import needs_critic
 from hybridrl.learner.shaping import RewardShaper, overlong_penalty
 from hybridrl.models.loading import make_task
 from hybridrl.protocol import Batch, Sample, prompt_sample, samples_to_batch

@@ -28,7 +28,6 @@ import time
 import torch
 
 from hybridrl.algorithms import (
-    ADVANTAGES,
     LOSS_AGG,
     POLICY_LOSSES,
     AggTotals,
@@ -45,16 +44,21 @@ from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.learner import lora as lora_lib
 from hybridrl.learner import moe as moe_training
-from hybridrl.learner import pipeline_policy, pipeline_update
+from hybridrl.learner import pipeline_policy, pipeline_update, policy_io
 from hybridrl.learner.critic import Critic
 from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
+from hybridrl.learner.passes import (
+    dropout_in_training,
+    needs_critic,
+    needs_reference,
+    reuses_old_log_probs,
+)
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import (
     BackgroundWriter,
     check_finite,
-    load_trainable,
     save_trainable,
 )
 from hybridrl.learner.update import (
@@ -69,8 +73,8 @@ from hybridrl.models.loading import load_model
 from hybridrl.moe.ep import traffic_metrics as ep_traffic_metrics
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.balance import balance_for_ranks
-from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
-from hybridrl.parallel.fsdp import fsdp_config_of, iter_weight_buckets, prepare_model
+from hybridrl.parallel.buckets import BUCKET_BYTES
+from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
 from hybridrl.protocol import Batch, Sample, samples_to_batch
 from hybridrl.rollout.buffer import REPLACING
 from hybridrl.telemetry import PhaseTimer
@@ -79,44 +83,6 @@ from hybridrl.telemetry.timeline import SpanLog
 
 # a batch column: each row's index, so the update's forward can note its old log-probs
 ROW = "update_row"
-
-
-def needs_reference(cfg: Config) -> bool:
-    """A KL term reads the reference: the loss's (``kl_coef``) or the reward's
-    (``kl_reward_coef``)."""
-    return cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
-
-
-def needs_critic(cfg: Config) -> bool:
-    return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_values", False)
-
-
-def reuses_old_log_probs(cfg: Config, batch_size: int) -> bool:
-    """Whether the update takes the old log-probs from its own first forward, not a separate pass.
-
-    On-policy (one epoch over one mini-batch of the whole batch) that forward computes the same
-    numbers as the pass. The pass still runs when something reads them before the update: the KL
-    penalty in the reward (it shapes the advantages) and the rollout correction's weights (an input
-    of the loss); the train-rollout gap metrics read them after the update. ``rollout_bypass`` has
-    no pass to skip; ``actor.reuse_old_log_probs: never`` keeps the pass (A/B tests)."""
-    alg = cfg.algorithm
-    return (
-        cfg.actor.reuse_old_log_probs == "auto"
-        and is_single_pass(cfg.actor, batch_size)
-        and alg.kl_reward_coef == 0
-        and alg.rollout_is is None
-        and not alg.rollout_bypass
-    )
-
-
-def dropout_in_training(model) -> bool:
-    """Whether a training-mode forward is random (a dropout layer, or attention dropout in the
-    config)."""
-    config = getattr(model, "config", None)
-    return (
-        any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
-        or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
-    )
 
 
 @torch.no_grad()
@@ -434,23 +400,7 @@ class Learner(Worker):
         the base weights, then the adapters; ``auto``: ``base`` on the first call after the learner
         was built or loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain
         names)."""
-        if self.pipeline is not None:  # every stage's weights, by transformers name
-            buckets = pipeline_policy.weight_buckets(self.pipeline, bucket_bytes)
-        elif self.lora is None:
-            buckets = list(iter_weight_buckets(self.model, bucket_bytes))
-        elif mode == "merged":
-            merged = lora_lib.merged_weights(self.model)
-            buckets = list(bucketed(merged.items(), bucket_bytes))
-        else:
-            if mode not in ("auto", "adapter", "base"):
-                raise ValueError(
-                    f"weight_buckets: mode must be auto, adapter, base or merged, got {mode!r}"
-                )
-            with_base = mode == "base" or (mode == "auto" and not self._base_synced)
-            buckets = list(
-                lora_lib.lora_weight_buckets(self.model, bucket_bytes, with_base=with_base)
-            )
-            self._base_synced |= with_base
+        buckets = policy_io.weight_buckets(self, bucket_bytes, mode)
         return buckets if self.rank == 0 else []
 
     @register(Dispatch.ALL_FIRST)
@@ -488,23 +438,7 @@ class Learner(Worker):
         if marker is not None:
             self.wait_checkpoint()  # one save in flight at most
             writer = self.writer
-        if self.pipeline is not None:  # written now, whatever ``marker`` says
-            pipeline_policy.save(
-                path, self.pipeline, self.model, self.optimizer, self.shuffle, self.tokenizer
-            )
-        elif self.lora is not None:
-            lora_lib.save_lora_checkpoint(
-                path,
-                self.model,
-                self.optimizer,
-                self.shuffle,
-                self.tokenizer,
-                base_source=self.base_source,
-            )
-        else:
-            save_trainable(
-                path, self.model, self.optimizer, self.shuffle, self.tokenizer, background=writer
-            )
+        policy_io.save(self, path, writer)
         if self.critic is not None and critic_path is not None:
             c = self.critic
             save_trainable(critic_path, c.model, c.optimizer, c.shuffle, background=writer)
@@ -521,15 +455,7 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str, critic_path: str | None = None) -> None:
-        if self.pipeline is not None:
-            pipeline_policy.load(path, self.pipeline, self.model, self.optimizer, self.shuffle)
-        elif self.lora is not None and lora_lib.is_lora_checkpoint(path):
-            self.base_source = lora_lib.base_source_of(path)
-            base, _ = load_model(self.cfg, self.base_source)
-            lora_lib.load_lora_state(path, self.model, self.optimizer, self.shuffle, base)
-            self._base_synced = False
-        else:
-            load_trainable(path, self.model, self.optimizer, self.shuffle)
+        policy_io.load(self, path)
         if self.critic is not None and critic_path is not None:
             self.critic.load(critic_path)
 
