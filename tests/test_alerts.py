@@ -244,6 +244,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     torch.save(out, Path(workdir) / f"rank{rank}.pt")
 
 
+@pytest.mark.slow  # two gloo ranks (~25 s); the single-rank skip and stop run by default
 def test_two_ranks_skip_and_stop_alike(tmp_path):
     logs = wait_ranks(launch_ranks(__file__, WORLD, tmp_path), timeout=300)
     assert len(logs) == WORLD

@@ -231,7 +231,10 @@ def trace(tmp_path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("k,slow", [(1, "trainer"), (1, "rollout"), (2, "rollout")])
+@pytest.mark.parametrize(
+    "k,slow",
+    [(1, "trainer"), (1, "rollout"), pytest.param(2, "rollout", marks=pytest.mark.slow)],
+)
 def test_staleness_bound_holds_on_the_stamps(tmp_path, k, slow):
     tilt = (
         ["actor.ppo_epochs=6", "asynchronous.max_concurrent_prompts=16"]

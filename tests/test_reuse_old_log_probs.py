@@ -398,6 +398,7 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
     torch.save(out, work / f"rank{rank}.pt")
 
 
+@pytest.mark.slow  # two gloo ranks (~15 s); one rank is checked bit for bit by default
 def test_two_ranks_without_the_pass_equal_two_ranks_with_it(tmp_path):
 
     vocab = make_learner(actor_cfg()).model.config.vocab_size
