@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from batches import prompt_response_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, kl_penalty
@@ -53,20 +54,11 @@ def make_batch(seed: int = 0) -> Batch:
     """Left-padded prompts ++ right-padded responses of ragged lengths, with the columns the loss
     reads."""
     g = torch.Generator().manual_seed(seed)
-    p_len = torch.randint(2, PROMPT + 1, (ROWS,), generator=g)
-    r_len = torch.randint(1, RESP + 1, (ROWS,), generator=g)
-    pmask = (torch.arange(PROMPT) >= PROMPT - p_len[:, None]).long()
-    rmask = (torch.arange(RESP) < r_len[:, None]).long()
-    prompts = torch.randint(3, VOCAB, (ROWS, PROMPT), generator=g) * pmask
-    responses = torch.randint(3, VOCAB, (ROWS, RESP), generator=g) * rmask
+    batch = prompt_response_batch(g, VOCAB, ROWS, PROMPT, RESP)
+    rmask = batch["response_mask"]
     noise = torch.randn(ROWS, RESP, generator=g)
-    return Batch(
+    return batch | Batch(
         {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": torch.cat([pmask, rmask], 1),
-            "response_mask": rmask.float(),
             "old_log_probs": (-4.0 + 0.3 * noise) * rmask,
             "ref_log_probs": (-4.2 + 0.3 * noise.flip(0)) * rmask,
             "advantages": (torch.randn(ROWS, 1, generator=g) * rmask).contiguous(),

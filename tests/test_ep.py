@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import prompt_response_batch
 from rank_processes import launch_ranks, wait_ranks
 
 from hybridrl.config import Config, ConfigError
@@ -47,21 +48,8 @@ def make_cfg(ep_size: int = 1, checkpointing: bool = False) -> Config:
 def make_batch(learner, n: int = ROWS, prompt_len: int = 5, resp_len: int = 6, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     vocab = learner.model.config.vocab_size
-    p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
-    r_len = torch.randint(1, resp_len + 1, (n,), generator=g)
-    pmask = (torch.arange(prompt_len) >= prompt_len - p_len[:, None]).long()
-    rmask = (torch.arange(resp_len) < r_len[:, None]).long()
-    prompts = torch.randint(3, vocab, (n, prompt_len), generator=g) * pmask
-    responses = torch.randint(3, vocab, (n, resp_len), generator=g) * rmask
-    batch = Batch(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": torch.cat([pmask, rmask], 1),
-            "response_mask": rmask.float(),
-        }
-    )
+    batch = prompt_response_batch(g, vocab, n, prompt_len, resp_len)
+    rmask = batch["response_mask"]
     old = learner.compute_log_prob(batch)["old_log_probs"]
     adv = torch.randn(n, 1, generator=g).expand(n, resp_len) * rmask
     return batch | Batch(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batches import prompt_response_batch
 from rank_processes import launch_ranks, wait_ranks
 from test_train_e2e import TINY_RUN
 
@@ -42,21 +43,7 @@ def make_batch(
     vocab: int, n: int = 8, prompt_len: int = 5, resp_len: int = 6, seed: int = 0
 ) -> Batch:
     g = torch.Generator().manual_seed(seed)
-    p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
-    r_len = torch.randint(1, resp_len + 1, (n,), generator=g)
-    pmask = (torch.arange(prompt_len) >= prompt_len - p_len[:, None]).long()
-    rmask = (torch.arange(resp_len) < r_len[:, None]).long()
-    prompts = torch.randint(3, vocab, (n, prompt_len), generator=g) * pmask
-    responses = torch.randint(3, vocab, (n, resp_len), generator=g) * rmask
-    return Batch(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": torch.cat([pmask, rmask], 1),
-            "response_mask": rmask.float(),
-        }
-    )
+    return prompt_response_batch(g, vocab, n, prompt_len, resp_len)
 
 
 def rl_batch(actor: Learner, seed: int = 0) -> Batch:

@@ -16,6 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
 import torch
+from batches import prompt_response_batch
 from rank_processes import launch_ranks, wait_ranks
 from safetensors.torch import load_file
 
@@ -107,21 +108,12 @@ def ragged_batch(
     vocab: int, n: int = ROWS, prompt_len: int = 8, resp_len: int = 12, seed: int = 0
 ) -> Batch:
     g = torch.Generator().manual_seed(seed)
-    p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
-    r_len = torch.randint(1, resp_len + 1, (n,), generator=g)
-    pmask = (torch.arange(prompt_len) >= prompt_len - p_len[:, None]).long()
-    rmask = (torch.arange(resp_len) < r_len[:, None]).long()
-    prompts = torch.randint(3, vocab, (n, prompt_len), generator=g) * pmask
-    responses = torch.randint(3, vocab, (n, resp_len), generator=g) * rmask
+    batch = prompt_response_batch(g, vocab, n, prompt_len, resp_len)
+    rmask = batch["response_mask"]
     adv = torch.randn(n, 1, generator=g).expand(n, resp_len) * rmask
     behaviour = -torch.rand(n, resp_len, generator=g) * rmask
-    return Batch(
+    return batch | Batch(
         {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": torch.cat([pmask, rmask], 1),
-            "response_mask": rmask.float(),
             "advantages": adv.contiguous(),
             "ref_log_probs": behaviour - 0.1 * rmask,
             "rollout_log_probs": behaviour,
