@@ -77,7 +77,7 @@ def one_pass(model, batch, budget: int, share: bool):
 
 
 def measure(model, batch, budget: int, reps: int) -> dict:
-    from hybridrl.learner.logprob import fed_tokens, real_tokens
+    from hybridrl.learner.logprob import token_counts
 
     cpu: dict[bool, list[float]] = {False: [], True: []}
     outs, tokens = {}, {}
@@ -86,10 +86,8 @@ def measure(model, batch, budget: int, reps: int) -> dict:
             t0 = time.process_time()
             mbs, outs[share] = one_pass(model, batch, budget, share)
             cpu[share].append(time.process_time() - t0)
-            tokens[share] = (
-                sum(fed_tokens(mb) for mb in mbs),
-                sum(real_tokens(mb) for mb in mbs),
-            )
+            counts = [token_counts(mb) for mb in mbs]
+            tokens[share] = (sum(f for f, _ in counts), sum(r for _, r in counts))
     mask = batch["response_mask"].bool()
     plain, shared = statistics.median(cpu[False]), statistics.median(cpu[True])
     return {

@@ -11,10 +11,9 @@ import torch
 
 from hybridrl.config import Config
 from hybridrl.learner.logprob import (
-    fed_tokens,
     micro_batches,
-    real_tokens,
     response_log_probs,
+    token_counts,
 )
 from hybridrl.learner.prefix_share import PACK_RESP, can_share, prompt_groups, shared_plans
 from hybridrl.models.loading import load_model
@@ -89,9 +88,11 @@ def test_shared_prompts_give_the_plain_outputs_and_gradients(model):
     assert scale > 1e-2
     assert max((g1[k] - g0[k]).abs().max().item() for k in g0) <= TOL * scale
     # each group's prompt is fed fewer times: fewer positions, fewer distinct real tokens
-    assert sum(fed_tokens(mb) for mb in shared) < sum(fed_tokens(mb) for mb in plain)
-    assert sum(real_tokens(mb) for mb in shared) < int(batch["attention_mask"].sum())
-    assert sum(real_tokens(mb) for mb in plain) == int(batch["attention_mask"].sum())
+    shared_counts = [token_counts(mb) for mb in shared]  # (fed, real) per micro-batch
+    plain_counts = [token_counts(mb) for mb in plain]
+    assert sum(f for f, _ in shared_counts) < sum(f for f, _ in plain_counts)
+    assert sum(r for _, r in shared_counts) < int(batch["attention_mask"].sum())
+    assert sum(r for _, r in plain_counts) == int(batch["attention_mask"].sum())
 
 
 def test_a_group_too_long_for_one_row_is_split(model):

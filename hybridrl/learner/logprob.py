@@ -178,22 +178,17 @@ def shared_micro_batches(
     return mbs, torch.tensor(order, dtype=torch.long)
 
 
-def real_tokens(mb: Batch) -> int:
-    """The distinct real tokens a forward of ``mb`` computes (a shared prompt once)."""
+def token_counts(mb: Batch) -> tuple[int, int]:
+    """``(fed, real)``: the token positions a forward of ``mb`` computes (the packed rows x their
+    width, or the micro-batch's padded rectangle) and the distinct real tokens among them (a
+    shared prompt once)."""
     if PACK_RESP in mb:
-        return shared_tokens(mb, mb[PACK_ROW], mb[PACK_OFFSET], mb[PACK_RESP])[1]
-    return int(mb["attention_mask"].sum())
-
-
-def fed_tokens(mb: Batch) -> int:
-    """The token positions a forward of ``mb`` computes: the packed rows x their width, or the
-    micro-batch's padded rectangle."""
+        return shared_tokens(mb, mb[PACK_ROW], mb[PACK_OFFSET], mb[PACK_RESP])
+    real = int(mb["attention_mask"].sum())
     if PACK_ROW not in mb:
-        return mb["input_ids"].numel()
-    if PACK_RESP in mb:
-        return shared_tokens(mb, mb[PACK_ROW], mb[PACK_OFFSET], mb[PACK_RESP])[0]
+        return mb["input_ids"].numel(), real
     lens = mb["attention_mask"].sum(-1)
-    return (int(mb[PACK_ROW].max()) + 1) * int((mb[PACK_OFFSET] + lens).max())
+    return (int(mb[PACK_ROW].max()) + 1) * int((mb[PACK_OFFSET] + lens).max()), real
 
 
 def dummy_micro_batch(batch: Batch) -> Batch:

@@ -46,9 +46,8 @@ from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.learner.logprob import (
     batch_map,
     dp_micro_batches,
-    fed_tokens,
     model_device,
-    real_tokens,
+    token_counts,
 )
 from hybridrl.learner.prefix_share import can_share
 from hybridrl.parallel import distributed
@@ -212,8 +211,8 @@ def run_updates(
                     loss_ok &= torch.isfinite(loss.detach()).all()
                 loss.backward()
                 if i < n_real:
-                    fed += fed_tokens(mb)
-                    real += real_tokens(mb)
+                    fed_mb, real_mb = token_counts(mb)
+                    fed, real = fed + fed_mb, real + real_mb
                     # token-weighted mean over the mini-batch
                     share = float(mb["response_mask"].sum()) / n_tokens
                     for k, v in metrics.items():

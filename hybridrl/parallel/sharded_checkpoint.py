@@ -74,6 +74,17 @@ def _states(model: nn.Module, optimizer) -> dict:
     return state
 
 
+def _fresh_staging_dir(path: Path) -> Path:
+    """``.<name>.tmp`` beside ``path``, emptied by rank 0 (every rank waits for it): where a save
+    writes before the directory is renamed into place."""
+    tmp = path.parent / f".{path.name}.tmp"
+    if distributed.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    distributed.barrier()
+    return tmp
+
+
 def save_sharded(
     path: str | Path, model: nn.Module, optimizer=None, extra: dict | None = None
 ) -> Path:
@@ -87,11 +98,7 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp"
-    if distributed.rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    distributed.barrier()
+    tmp = _fresh_staging_dir(path)
     with quiet_single_process():
         dcp.save(_states(model, optimizer), storage_writer=dcp.FileSystemWriter(tmp))
     if distributed.rank() == 0:
@@ -113,11 +120,7 @@ def stage_sharded(path: str | Path, model: nn.Module, optimizer, extra: dict, wr
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp"
-    if distributed.rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    distributed.barrier()
+    tmp = _fresh_staging_dir(path)
     grouped = dist.is_available() and dist.is_initialized()
     if grouped and writer.group is None:
         writer.group = dist.new_group(backend="gloo")
