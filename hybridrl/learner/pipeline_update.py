@@ -23,7 +23,7 @@ import torch
 from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.algorithms.masking import zero_pad
 from hybridrl.learner.logprob import _as_sampling, dummy_micro_batch, trim
-from hybridrl.learner.update import SkipCounter
+from hybridrl.learner.update import SkipCounter, chunk_minibatch_rows
 from hybridrl.parallel import distributed
 from hybridrl.parallel.pipeline import PipeLayout, Pipeline, sum_metrics
 from hybridrl.protocol import Batch
@@ -54,13 +54,7 @@ def replica_minibatch_rows(
     """This replica's rows (indices into its chunk) of each global mini-batch of one epoch; draws
     from ``generator`` exactly as ``update.minibatch_rows`` does in one process."""
     sizes = distributed.all_gather_ints(n_local)[:: layout.pp]  # one rank per replica
-    total, offset = sum(sizes), sum(sizes[: layout.dp_rank])
-    perm = torch.randperm(total, generator=generator)
-    out = []
-    for start in range(0, total, minibatch_size):
-        rows = perm[start : start + minibatch_size]
-        out.append(rows[(rows >= offset) & (rows < offset + n_local)] - offset)
-    return out
+    return chunk_minibatch_rows(sizes, layout.dp_rank, generator, minibatch_size)
 
 
 def replica_totals(mini: Batch, norm_len: float, layout: PipeLayout) -> AggTotals:
@@ -131,15 +125,10 @@ def run_updates(
             finite = distributed.all_reduce([bad], op="max")[0].item() == 0
             for k, v in state.sums.items():
                 sums[k] += v if finite else 0.0
-            if not finite:
-                optimizer.zero_grad(set_to_none=True)
+            if skips.step(optimizer, finite):
+                grad_norm, steps = grad_norm + norm, steps + 1
+            else:
                 skipped += 1
-                skips.skipped()
-                continue
-            skips.stepped()
-            grad_norm += norm
-            optimizer.step()
-            steps += 1
     sums = sum_metrics(sums)
     out = {k: v / steps if steps else math.nan for k, v in sums.items()}
     return out | {

@@ -88,6 +88,17 @@ class SkipCounter:
     def stepped(self) -> None:
         self.in_a_row = 0
 
+    def step(self, optimizer, finite: bool) -> bool:
+        """The optimizer steps when ``finite``, else its gradients are dropped and the skip counted
+        (raising at the limit); returns ``finite``."""
+        if finite:
+            self.stepped()
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            self.skipped()
+        return finite
+
 
 def minibatch_rows(
     n_local: int, generator: torch.Generator, minibatch_size: int
@@ -99,7 +110,15 @@ def minibatch_rows(
     contiguous, in rank order). Consumes the generator exactly as the single-process shuffle does.
     """
     sizes = distributed.all_gather_ints(n_local)
-    total, offset = sum(sizes), sum(sizes[: distributed.rank()])
+    return chunk_minibatch_rows(sizes, distributed.rank(), generator, minibatch_size)
+
+
+def chunk_minibatch_rows(
+    sizes: list[int], position: int, generator: torch.Generator, minibatch_size: int
+) -> list[torch.Tensor]:
+    """The rows of chunk ``position`` (of contiguous chunks of ``sizes`` rows, indices into it) in
+    each mini-batch of one shuffled epoch over all of them."""
+    total, offset, n_local = sum(sizes), sum(sizes[:position]), sizes[position]
     perm = torch.randperm(total, generator=generator)
     out = []
     for start in range(0, total, minibatch_size):
@@ -226,15 +245,10 @@ def run_updates(
                 finite = distributed.all_reduce([0.0 if finite else 1.0], op="max").item() == 0
             for k, v in mini_sums.items():  # the keys line up across ranks even when skipped
                 sums[k] += v if finite else 0.0
-            if not finite:
-                optimizer.zero_grad(set_to_none=True)
+            if skips.step(optimizer, finite):
+                grad_norm, steps = grad_norm + norm, steps + 1
+            else:
                 skipped += 1
-                skips.skipped()
-                continue
-            skips.stepped()
-            grad_norm += norm
-            optimizer.step()
-            steps += 1
     # each rank summed its tokens' shares: the sum over ranks is the global mean
     if distributed.world_size() > 1:
         fed, real = distributed.all_reduce([fed, real]).tolist()
