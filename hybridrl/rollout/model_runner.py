@@ -1,15 +1,13 @@
-"""Our own forward pass for Qwen2 / Qwen3 / Llama and their mixture-of-experts siblings
-(Qwen2-MoE, Qwen3-MoE, Mixtral: ``moe_block.py``) over a paged KV cache.
+"""The native engine's runner: the model (``decoder.py``), its KV and routing pools, and one step's
+execution, for Qwen2 / Qwen3 / Llama and their mixture-of-experts siblings (Qwen2-MoE, Qwen3-MoE,
+Mixtral).
 
-Weights are plain tensors loaded by their transformers names (from a live
-state dict or a safetensors checkpoint); q/k/v and gate/up are fused into one
-matrix each, so a layer is four matmuls. The step's tokens of all sequences are
-packed into one flat (T, hidden) batch with no padding for every matmul; only
-attention pads, to the step's longest query and context. The KV pool is one
-tensor per K and V of shape (layers, kv_heads, slots, head_dim), slot =
-block * block_size + offset; attention writes the new K/V at the sequences'
-slots and gathers each sequence's context through its block table into a
-reused buffer, then computes grouped-query attention without repeating K/V. Plain torch: CPU here,
+The model is an ``nn.Module`` whose parameters load by their transformers names (``weights.py``),
+from a live state dict or a safetensors checkpoint; q/k/v and gate/up are packed into one matrix
+each, so a layer is four matmuls. The step's tokens of all sequences are packed into one flat
+(T, hidden) batch with no padding for every matmul; only attention pads, to the step's longest
+query and context (``paged_attention.py``). The KV pool is one tensor per K and V of shape
+(layers, kv_heads, slots, head_dim), slot = block * block_size + offset. Plain torch: CPU here,
 CUDA unchanged.
 
 Mixture-of-experts models also record routing: next to the KV pool lies a routing pool of shape
@@ -22,17 +20,33 @@ gathers a sequence's routing through its block table before its blocks are freed
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
+from hybridrl.rollout.decoder import CausalLM
+from hybridrl.rollout.layers import rope_tables
 from hybridrl.rollout.model_spec import ModelSpec, default_inv_freq
-from hybridrl.rollout.moe_block import MoEBlock
 from hybridrl.rollout.sequence import Sequence
 from hybridrl.rollout.step_inputs import StepInputs, StepPreparation
+from hybridrl.rollout.weights import WeightMap
+
+# the fused tensors of a decoder layer by short name (``ModelRunner.layers``)
+_LAYER_TENSORS = {
+    "ln1": "input_layernorm.weight",
+    "ln2": "post_attention_layernorm.weight",
+    "wqkv": "self_attn.qkv_proj.weight",
+    "bqkv": "self_attn.qkv_proj.bias",
+    "qn": "self_attn.q_norm.weight",
+    "kn": "self_attn.k_norm.weight",
+    "wo": "self_attn.o_proj.weight",
+    "bo": "self_attn.o_proj.bias",
+    "wgu": "mlp.gate_up_proj.weight",
+    "bgu": "mlp.gate_up_proj.bias",
+    "wd": "mlp.down_proj.weight",
+    "bd": "mlp.down_proj.bias",
+}
 
 
 class ModelRunner(StepPreparation):
@@ -51,41 +65,8 @@ class ModelRunner(StepPreparation):
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
-        kw = dict(device=self.device, dtype=dtype)
-        H, D, KV, FF = s.hidden_size, s.head_dim, s.num_kv_heads, s.intermediate_size
-        self.q_size, self.kv_size = s.num_heads * D, KV * D
-        qkv = self.q_size + 2 * self.kv_size
-        self.layers = []
-        for li in range(s.num_layers):
-            sparse = s.is_sparse(li)
-            self.layers.append(
-                dict(
-                    ln1=torch.ones(H, **kw),
-                    ln2=torch.ones(H, **kw),
-                    wqkv=torch.zeros(qkv, H, **kw),
-                    bqkv=torch.zeros(qkv, **kw) if s.attn_bias else None,
-                    qn=torch.ones(D, **kw) if s.qk_norm else None,
-                    kn=torch.ones(D, **kw) if s.qk_norm else None,
-                    wo=torch.zeros(H, self.q_size, **kw),
-                    bo=torch.zeros(H, **kw) if s.o_bias else None,
-                    wgu=None if sparse else torch.zeros(2 * FF, H, **kw),
-                    bgu=torch.zeros(2 * FF, **kw) if s.mlp_bias and not sparse else None,
-                    wd=None if sparse else torch.zeros(H, FF, **kw),
-                    bd=torch.zeros(H, **kw) if s.mlp_bias and not sparse else None,
-                    moe=MoEBlock(s.moe, H, **kw) if sparse else None,
-                )
-            )
-        self.embed = torch.zeros(s.vocab_size, H, **kw)
-        self.lm_head = self.embed if s.tie_word_embeddings else torch.zeros(s.vocab_size, H, **kw)
-        self.norm = torch.ones(H, **kw)
-        self._targets = self._name_map()
-        # accepted by load_weights, never required of a sync: the routers' balancing bias
-        self._optional = {
-            n: t
-            for i, L in enumerate(self.layers)
-            if L["moe"] is not None
-            for n, t in L["moe"].optional_names(f"model.layers.{i}.mlp.").items()
-        }
+        self.model = CausalLM(s, device=self.device, dtype=dtype)
+        self.weights = WeightMap(self.model)
         self.routing_pool: torch.Tensor | None = None  # (slots, MoE layers, k) expert ids
         self.records_routing = s.moe is not None
         rot = getattr(getattr(hf_model, "model", None), "rotary_emb", None)
@@ -95,9 +76,11 @@ class ModelRunner(StepPreparation):
                 float(getattr(rot, "attention_scaling", 1.0)),
             )
         else:
-            inv_freq, scaling = default_inv_freq(config, D)
+            inv_freq, scaling = default_inv_freq(config, s.head_dim)
         # + room for speculative lookahead
-        self._build_rope(inv_freq, scaling, s.max_positions + 64)
+        self.cos_table, self.sin_table = rope_tables(
+            inv_freq, scaling, s.max_positions + 64, device=self.device, dtype=dtype
+        )
         self.k_cache = self.v_cache = None
         self.num_blocks = 0
         self._kbuf = self._vbuf = None
@@ -108,74 +91,43 @@ class ModelRunner(StepPreparation):
         self._layer_bufs: list | None = None
         self._last_batch: tuple | None = None  # (blocks per row, {seq_id: row}) of the kept buffers
         if hf_model is not None:
-            self.load_weights(hf_model.state_dict().items())
+            self.load_weights(hf_model.state_dict().items(), strict=True)
 
     # --- weights ----------------------------------------------------------------
-    def _name_map(self) -> dict[str, torch.Tensor]:
-        s, m = self.spec, {}
-        q, kv, ff = self.q_size, self.kv_size, s.intermediate_size
-        m["model.embed_tokens.weight"] = self.embed
-        m["lm_head.weight"] = self.lm_head
-        m["model.norm.weight"] = self.norm
-        for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            m[p + "input_layernorm.weight"] = L["ln1"]
-            m[p + "post_attention_layernorm.weight"] = L["ln2"]
-            for name, t in (("weight", L["wqkv"]), ("bias", L["bqkv"])):
-                if t is not None:
-                    m[p + f"self_attn.q_proj.{name}"] = t[:q]
-                    m[p + f"self_attn.k_proj.{name}"] = t[q : q + kv]
-                    m[p + f"self_attn.v_proj.{name}"] = t[q + kv :]
-            m[p + "self_attn.o_proj.weight"] = L["wo"]
-            if L["bo"] is not None:
-                m[p + "self_attn.o_proj.bias"] = L["bo"]
-            if s.qk_norm:
-                m[p + "self_attn.q_norm.weight"] = L["qn"]
-                m[p + "self_attn.k_norm.weight"] = L["kn"]
-            if L["moe"] is not None:
-                m.update(L["moe"].name_map(p + "mlp."))
-                continue
-            for name, t in (("weight", L["wgu"]), ("bias", L["bgu"])):
-                if t is not None:
-                    m[p + f"mlp.gate_proj.{name}"] = t[:ff]
-                    m[p + f"mlp.up_proj.{name}"] = t[ff:]
-            m[p + "mlp.down_proj.weight"] = L["wd"]
-            if L["bd"] is not None:
-                m[p + "mlp.down_proj.bias"] = L["bd"]
-        return m
+    @property
+    def embed(self) -> torch.Tensor:
+        """The embedding matrix (the head too when tied)."""
+        return self.model.model.embed_tokens.weight
+
+    @property
+    def layers(self) -> list[dict[str, torch.Tensor | None]]:
+        """Each decoder layer's fused tensors by short name (``wqkv``, ``wgu``, ``wd``, ...; None
+        where the layer has none), for tools and tests that look inside."""
+        out = []
+        for layer in self.model.model.layers:
+            get = dict(layer.named_parameters())
+            out.append({short: get.get(name) for short, name in _LAYER_TENSORS.items()})
+        return out
 
     def optional_weight_names(self) -> set[str]:
         """Names a weight sync may carry besides :meth:`named_weights` (the routers' bias)."""
-        return set(self._optional)
+        return self.weights.optional_names()
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """The live weights by transformers name (views into the fused tensors; a tied head is the
-        embedding)."""
-        return dict(self._targets)
+        """The live weights by transformers name (views into the packed parameters; a tied head is
+        the embedding)."""
+        return self.weights.named_weights()
 
-    @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors (transformers names) into the live weights in place; the number loaded."""
-        count = 0
-        for name, tensor in named_tensors:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            target = self._targets.get(name)
-            if target is None and name in self._optional:
-                target = self._optional[name]
-                self._moe_of(name).has_bias = True  # selection now adds the bias
-            if target is None:
-                raise KeyError(f"native rollout: no weight named {name!r}")
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-            target.copy_(tensor)
-            count += 1
-        return count
-
-    def _moe_of(self, name: str) -> MoEBlock:
-        return self.layers[int(name.split(".")[2])]["moe"]
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = False
+    ) -> int:
+        """Copy tensors (transformers names) into the live weights in place; the number loaded.
+        ``strict``: all of the model's weights must come (a KeyError names the missing ones)."""
+        return self.weights.load(named_tensors, strict=strict)
 
     def load_safetensors(self, path: str) -> int:
+        """Load a whole checkpoint (every ``*.safetensors`` under ``path``); a KeyError names any
+        weight it lacks or the model does not have."""
         from pathlib import Path
 
         from safetensors.torch import load_file
@@ -183,18 +135,8 @@ class ModelRunner(StepPreparation):
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors under {path!r}")
-        return sum(self.load_weights(load_file(str(f)).items()) for f in files)
-
-    def _build_rope(self, inv_freq: torch.Tensor, scaling: float, max_pos: int) -> None:
-        self._rope_args = (inv_freq, scaling)
-        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], -1)
-        self.cos_table = (emb.cos() * scaling).to(self.device, self.dtype)
-        # sin_table holds (-sin, sin) over the halves: the sign of rotate_half
-        half = inv_freq.shape[0]
-        self.sin_table = (
-            emb.sin() * scaling * torch.cat([-torch.ones(half), torch.ones(half)])
-        ).to(self.device, self.dtype)
+        tensors = (item for f in files for item in load_file(str(f)).items())
+        return self.load_weights(tensors, strict=True)
 
     # --- KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -262,14 +204,7 @@ class ModelRunner(StepPreparation):
             self.routing_pool.index_copy_(0, dst, self.routing_pool.index_select(0, src))
         self._last_batch = None
 
-    # --- forward ------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_eps)
-        return w * xf.to(x.dtype)
-
+    # --- gather buffers (paged_attention.py) ------------------------------------------
     def _gather_buf(self, name: str, numel: int) -> torch.Tensor:
         buf = getattr(self, name)
         if buf is None or buf.numel() < numel:
@@ -277,7 +212,7 @@ class ModelRunner(StepPreparation):
             setattr(self, name, buf)
         return buf[:numel]
 
-    def _gather_targets(
+    def gather_targets(
         self, li: int, numel: int, persistent: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where layer ``li`` gathers its K/V context: its own kept buffers, or the shared scratch
@@ -295,106 +230,14 @@ class ModelRunner(StepPreparation):
         kb, vb = self._layer_bufs[li]
         return kb[:numel], vb[:numel]
 
-    def _attention(
-        self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: StepInputs
-    ) -> torch.Tensor:
-        s = self.spec
-        KV, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
-        kc, vc = self.k_cache[li], self.v_cache[li]  # (KV, slots, D)
-        kc.index_copy_(1, x.slots, k.transpose(0, 1))
-        vc.index_copy_(1, x.slots, v.transpose(0, 1))
-        B, qmax, kmax = x.batch, x.qmax, x.kmax
-        R = x.num_rows if x.pos is not None else B
-        n, nb, bsd = KV * R * kmax * D, B * kmax // self.block_size, self.block_size * D
-        kbuf, vbuf = self._gather_targets(li, n, x.pos is not None and self.keep_gathered)
-        if x.reuse:  # decode over the kept batch: its gathered context only lacks the new token
-            rows = (torch.arange(B, device=k.device) if x.rows is None else x.rows) * kmax + x.pos
-            K = (
-                kbuf.view(KV, R * kmax, D)
-                .index_copy_(1, rows, k.transpose(0, 1))
-                .view(KV, R, kmax, D)
-            )
-            V = (
-                vbuf.view(KV, R * kmax, D)
-                .index_copy_(1, rows, v.transpose(0, 1))
-                .view(KV, R, kmax, D)
-            )
-        else:
-            kb, vb = kc.view(KV, -1, bsd), vc.view(KV, -1, bsd)  # (KV, blocks, block_size * D)
-            K = torch.index_select(kb, 1, x.kv_blocks, out=kbuf.view(KV, nb, bsd)).view(
-                KV, B, kmax, D
-            )
-            V = torch.index_select(vb, 1, x.kv_blocks, out=vbuf.view(KV, nb, bsd)).view(
-                KV, B, kmax, D
-            )
-        if x.q_pad_index is None:  # decode: one query per sequence
-            Q = q.view(B, KV, G, D).transpose(0, 1)
-            if x.rows is not None:  # scatter into the kept rows
-                Q = torch.zeros(KV, R, G, D, device=q.device, dtype=q.dtype).index_copy_(
-                    1, x.rows, Q
-                )
-        else:
-            Q = (
-                q[x.q_pad_index]
-                .view(B, qmax, KV, G, D)
-                .permute(2, 0, 3, 1, 4)
-                .reshape(KV, B, G * qmax, D)
-            )
-        if x.q_pad_index is None:  # decode: the row's mask serves all its heads, one fused kernel
-            out = F.scaled_dot_product_attention(Q, K, V, attn_mask=x.bias.view(1, -1, 1, kmax))
-        else:
-            scores = torch.matmul(Q, K.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))
-            scores.view(KV, B, G, qmax, kmax).add_(x.bias.view(1, B, 1, qmax, kmax))
-            probs = torch.softmax(scores, -1, dtype=torch.float32).to(self.dtype)
-            out = torch.matmul(probs, V)  # (KV, B, G*qmax, D)
-        if x.q_pad_index is None:
-            if x.rows is not None:
-                out = out.index_select(1, x.rows)
-            return out.transpose(0, 1).reshape(B, KV * G * D)
-        out = out.view(KV, B, G, qmax, D).permute(1, 3, 0, 2, 4).reshape(B * qmax, KV * G * D)
-        return out[x.out_index]
-
+    # --- forward ------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, x: StepInputs, logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) at ``logits_index`` (default: each sequence's last new token)."""
-        s = self.spec
-        T = x.input_ids.shape[0]
-        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
-        h = F.embedding(x.input_ids, self.embed)
-        routed = []  # each MoE layer's (T, k) expert ids
-        for li, L in enumerate(self.layers):
-            qkv = F.linear(self._rms(h, L["ln1"]), L["wqkv"], L["bqkv"])
-            qk = qkv[:, : (H + KV) * D].view(T, H + KV, D)
-            v = qkv[:, (H + KV) * D :].view(T, KV, D)
-            if s.qk_norm:
-                qk = torch.cat([self._rms(qk[:, :H], L["qn"]), self._rms(qk[:, H:], L["kn"])], 1)
-            # RoPE: x * cos + rotate_half(x) * sin, where
-            # rotate_half(x) = (-x2, x1) = flip of the halves times (-1, 1)
-            qk = torch.addcmul(
-                qk * x.cos, qk.view(T, H + KV, 2, D // 2).flip(2).view(T, H + KV, D), x.sin
-            )
-            h = self._add_linear(
-                h, self._attention(li, qk[:, :H], qk[:, H:], v, x), L["wo"], L["bo"]
-            )
-            if L["moe"] is not None:
-                out, ids = L["moe"](self._rms(h, L["ln2"]))
-                h = h.add_(out)
-                routed.append(ids)
-                continue
-            g, u = F.linear(self._rms(h, L["ln2"]), L["wgu"], L["bgu"]).chunk(2, -1)
-            h = self._add_linear(h, F.silu(g).mul_(u), L["wd"], L["bd"])
+        logits, routed = self.model(x, self, x.last_index if logits_index is None else logits_index)
         if routed:  # at the tokens' KV slots, next to their K/V
             self.routing_pool.index_copy_(0, x.slots, torch.stack(routed, 1).to(ROUTING_DTYPE))
-        h = h[x.last_index if logits_index is None else logits_index]
-        return F.linear(self._rms(h, self.norm), self.lm_head).float()
-
-    @staticmethod
-    def _add_linear(
-        h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The residual update h + a @ w^T (+ b), the addition fused into the matmul."""
-        out = torch.addmm(h, a, w.t())
-        return out if b is None else out.add_(b)
+        return logits
 
     def execute(
         self, seqs: list[Sequence], num_tokens: list[int], all_logits: bool = False

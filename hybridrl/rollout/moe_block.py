@@ -1,10 +1,9 @@
 """The native engine's mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
-A block holds its weights as plain tensors under their transformers names, like the rest of the
-runner: the router ``mlp.gate.weight`` (E, H), the fused experts ``mlp.experts.gate_up_proj``
-(E, 2I, H) and ``mlp.experts.down_proj`` (E, H, I), and, for Qwen2-MoE, a shared expert (gate and
-up fused into one (2S, H) matrix, as in the dense MLP) whose output is scaled by
-``sigmoid(shared_expert_gate(x))``.
+A block is an ``nn.Module`` whose parameters carry their transformers names (``layers.py``): the
+router ``mlp.gate.weight`` (E, H), the fused experts ``mlp.experts.gate_up_proj`` (E, 2I, H) and
+``mlp.experts.down_proj`` (E, H, I), and, for Qwen2-MoE, a shared expert (the dense MLP, gate and
+up packed into one projection) whose output is scaled by ``sigmoid(shared_expert_gate(x))``.
 
 Routing follows each family's router exactly (so the recorded ids are the ones transformers would
 pick): softmax over the router logits in fp32, top-k, the top-k weights renormalised to sum 1 when
@@ -18,9 +17,10 @@ the busiest expert), written straight into two step buffers, with one SiLU-and-p
 slices in between. The experts' matrices are stored transposed, (E, H, 2I) and (E, I, H), so each
 slice is a plain row-major product: on a CPU that runs 10 to 40 % faster than the transposed
 product ``F.linear`` does, at the few rows per expert of a decode step; the transformers-shaped
-names are views of them. Each token then sums its k weighted expert outputs with one ``index_add_``
-where that sum is reproducible (on a CPU it adds in index order; on a GPU, with k <= 2, the two
-terms added to zero commute), and otherwise in slot order after undoing the sort.
+weights are transposed views of them (``hf_transposed``). Each token then sums its k weighted
+expert outputs with one ``index_add_`` where that sum is reproducible (on a CPU it adds in index
+order; on a GPU, with k <= 2, the two terms added to zero commute), and otherwise in slot order
+after undoing the sort.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from hybridrl.rollout.layers import MLP, Linear, frozen, hf_view
 
 BIAS_NAME = "expert_bias"
 
@@ -102,50 +105,29 @@ MOE_FAMILIES: dict[str, Callable[[object], MoEShape]] = {
 }
 
 
-class MoEBlock:
-    """One decoder layer's sparse MLP over a flat (T, H) batch of normalised hidden states."""
+class Router(nn.Module):
+    """The family's router: ``weight`` (E, H) under ``mlp.gate.weight``, and the balancing bias
+    ``expert_bias`` (fp32, zero) that a weight sync may send; once it has, selection adds it."""
 
     def __init__(self, shape: MoEShape, hidden: int, *, device, dtype):
-        kw = dict(device=device, dtype=dtype)
-        E, inter, S = shape.num_experts, shape.intermediate, shape.shared_intermediate
+        super().__init__()
         self.shape = shape
-        self.router = torch.zeros(E, hidden, **kw)
-        # transposed for row-major products (module docstring); gate_up / down: the hf layout
-        self.gate_up_t = torch.zeros(E, hidden, 2 * inter, **kw)
-        self.down_t = torch.zeros(E, inter, hidden, **kw)
-        self.gate_up = self.gate_up_t.transpose(1, 2)  # (E, 2I, H) view
-        self.down = self.down_t.transpose(1, 2)  # (E, H, I) view
-        self.bias = torch.zeros(E, device=device, dtype=torch.float32)
+        self.weight = frozen(shape.num_experts, hidden, fill=0.0, device=device, dtype=dtype)
+        self.register_buffer(BIAS_NAME, torch.zeros(shape.num_experts, device=device))
+        getattr(self, BIAS_NAME).weight_loader = self._load_bias
         self.has_bias = False  # set once weight sync sends an expert bias
-        self.shared_gu = torch.zeros(2 * S, hidden, **kw) if S else None
-        self.shared_down = torch.zeros(hidden, S, **kw) if S else None
-        self.shared_gate = torch.zeros(1, hidden, **kw) if S else None
 
-    def name_map(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Live tensors by transformers name under ``prefix`` (``model.layers.{i}.mlp.``)."""
-        m = {
-            prefix + "gate.weight": self.router,
-            prefix + "experts.gate_up_proj": self.gate_up,
-            prefix + "experts.down_proj": self.down,
-        }
-        S = self.shape.shared_intermediate
-        if S:
-            m[prefix + "shared_expert.gate_proj.weight"] = self.shared_gu[:S]
-            m[prefix + "shared_expert.up_proj.weight"] = self.shared_gu[S:]
-            m[prefix + "shared_expert.down_proj.weight"] = self.shared_down
-            m[prefix + "shared_expert_gate.weight"] = self.shared_gate
-        return m
+    def _load_bias(self, buf: torch.Tensor, tensor: torch.Tensor, shard, name: str) -> None:
+        if tuple(buf.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(buf.shape)}")
+        buf.copy_(tensor)
+        self.has_bias = True  # selection now adds the bias
 
-    def optional_names(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Weights a sync may carry but need not: the balancing bias (zero until it comes)."""
-        return {prefix + "gate." + BIAS_NAME: self.bias}
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) expert ids and dispatch weights, as the family's router chooses them."""
-        logits = F.linear(x, self.router)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
         if self.has_bias:
-            ids = (probs + self.bias).topk(self.shape.top_k, dim=-1).indices
+            ids = (probs + getattr(self, BIAS_NAME)).topk(self.shape.top_k, dim=-1).indices
             weights = probs.gather(-1, ids)
         else:
             weights, ids = probs.topk(self.shape.top_k, dim=-1)
@@ -153,31 +135,83 @@ class MoEBlock:
             weights = weights / weights.sum(-1, keepdim=True)
         return ids, weights.to(x.dtype) if self.shape.cast_weights else weights
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's output (T, H) and the chosen expert ids (T, k)."""
-        ids, weights = self.route(x)
+
+class Experts(nn.Module):
+    """The routed experts' matrices, stored transposed (module docstring): ``gate_up_t``
+    (E, H, 2I) and ``down_t`` (E, I, H), named ``experts.gate_up_proj`` (E, 2I, H) and
+    ``experts.down_proj`` (E, H, I) by transformers."""
+
+    def __init__(self, shape: MoEShape, hidden: int, *, device, dtype):
+        super().__init__()
+        kw = dict(fill=0.0, device=device, dtype=dtype)
+        E, inter = shape.num_experts, shape.intermediate
+        self.gate_up_proj = frozen(E, hidden, 2 * inter, **kw)
+        self.down_proj = frozen(E, inter, hidden, **kw)
+        self.gate_up_proj.hf_transposed = self.down_proj.hf_transposed = True
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every (token, slot) assignment's expert output (T * k, H), grouped by expert, and the
+        flat assignment index of each row."""
         T, k = ids.shape
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
         experts = [e for e, n in enumerate(counts) if n]
         sizes = [counts[e] for e in experts]
         xs = x.index_select(0, order // k)
-        hidden = x.new_empty(T * k, self.gate_up_t.shape[2])
+        hidden = x.new_empty(T * k, self.gate_up_proj.shape[2])
         for e, rows, out in zip(experts, xs.split(sizes), hidden.split(sizes)):
-            torch.mm(rows, self.gate_up_t[e], out=out)
+            torch.mm(rows, self.gate_up_proj[e], out=out)
         g, u = hidden.chunk(2, -1)
         act = F.silu(g).mul_(u)
         ys = x.new_empty(T * k, x.shape[1])
         for e, rows, out in zip(experts, act.split(sizes), ys.split(sizes)):
-            torch.mm(rows, self.down_t[e], out=out)
+            torch.mm(rows, self.down_proj[e], out=out)
+        return ys, order
+
+
+class MoEBlock(nn.Module):
+    """One decoder layer's sparse MLP over a flat (T, H) batch of normalised hidden states."""
+
+    def __init__(self, shape: MoEShape, hidden: int, *, device, dtype):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        S = shape.shared_intermediate
+        self.shape = shape
+        self.gate = Router(shape, hidden, **kw)
+        self.experts = Experts(shape, hidden, **kw)
+        self.shared_expert = MLP(hidden, S, bias=False, **kw) if S else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False, **kw) if S else None
+
+    # the transformers-shaped tensors (views of the parameters)
+    @property
+    def router(self) -> torch.Tensor:
+        return self.gate.weight
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return hf_view(self.experts.gate_up_proj)
+
+    @property
+    def down(self) -> torch.Tensor:
+        return hf_view(self.experts.down_proj)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, k) expert ids and dispatch weights, as the family's router chooses them."""
+        return self.gate(x)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output (T, H) and the chosen expert ids (T, k)."""
+        ids, weights = self.gate(x)
+        ys, order = self.experts(x, ids)
         # a reproducible sum either way (module docstring)
+        k = ids.shape[1]
         out = combine(ys, weights, order, in_slot_order=x.device.type != "cpu" and k > 2)
         out = out.to(x.dtype)
-        if self.shared_gu is not None:
-            g, u = F.linear(x, self.shared_gu).chunk(2, -1)
-            shared = F.linear(F.silu(g) * u, self.shared_down)
-            out += torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out, ids
 
 
