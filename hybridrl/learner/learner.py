@@ -45,8 +45,9 @@ from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.learner import lora as lora_lib
 from hybridrl.learner import moe as moe_training
 from hybridrl.learner import pipeline_policy, pipeline_update, policy_io
+from hybridrl.learner.compile import maybe_compile
 from hybridrl.learner.critic import Critic
-from hybridrl.learner.logprob import response_log_probs, sampling_of
+from hybridrl.learner.logprob import model_device, response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
 from hybridrl.learner.passes import (
     dropout_in_training,
@@ -135,6 +136,10 @@ class Learner(Worker):
         else:
             self.model = prepare_model(
                 model, fsdp_config_of(cfg), self.dist, ep_size=cfg.moe.ep_size
+            )
+            # actor.compile: the decoder layers compiled in place (learner/compile.py)
+            self.model = maybe_compile(
+                cfg.actor.compile, self.model, model_device(self.model), "policy"
             )
         params = self.model.parameters()
         if self.lora is not None:

@@ -5,7 +5,8 @@ than one rank (and its experts split over ranks like the policy's with ``moe.ep_
 from __future__ import annotations
 
 from hybridrl.config import Config
-from hybridrl.learner.logprob import batch_log_probs, sampling_of
+from hybridrl.learner.compile import maybe_compile
+from hybridrl.learner.logprob import batch_log_probs, model_device, sampling_of
 from hybridrl.models.loading import load_model
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
 from hybridrl.protocol import Batch
@@ -18,6 +19,10 @@ class Reference:
         model.requires_grad_(False).eval()
         self.model = prepare_model(
             model, fsdp_config_of(cfg), dist, trainable=False, ep_size=cfg.moe.ep_size
+        )
+        # actor.compile: the same choice as the policy's (learner/compile.py)
+        self.model = maybe_compile(
+            cfg.actor.compile, self.model, model_device(self.model), "reference"
         )
         # the same filtered distribution as the policy's: KL to the reference is 0 at equal weights
         self.sampling = sampling_of(cfg.rollout)

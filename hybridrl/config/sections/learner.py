@@ -49,6 +49,13 @@ class ActorConfig:
         "length-grouped micro-batches: the same log-probs and gradients (to float rounding) "
         "with less padding",
     )
+    compile: Literal["auto", "on", "off"] = _f(
+        "auto",
+        "torch.compile each decoder layer of the policy and the reference (inductor, dynamic "
+        "shapes; same results to fp32 rounding; learner/compile.py): on, off, or auto = on where "
+        "it measured faster (a CPU in fp32, hidden size >= 512, a tested family, not sharded, "
+        "no LoRA); the first step pays the compile",
+    )
     pp_size: int = _f(
         1,
         "pipeline stages: the actor's ranks form a (data parallel x pp_size) mesh, each rank "

@@ -1,0 +1,120 @@
+"""Regional ``torch.compile`` of the learner's decoder layers (``actor.compile``).
+
+Why: on a CPU in fp32 the learner's forwards and backwards are mostly matmuls (MKL, already near
+the core's peak), and about a quarter of the rest is elementwise work between them (SwiGLU's silu
+and product, RMSNorm, rotary, their backward) that eager PyTorch runs as one memory pass per op.
+Inductor fuses those passes; the matmuls stay MKL calls, so the results are the same to fp32
+rounding (the fused kernels round in another order; bf16 is never introduced).
+
+Regional: each decoder layer is compiled in place (``nn.Module.compile``), not the whole model.
+The layers share one code object, so one graph serves all of them (a train graph and a no-grad
+graph); the model keeps its modules, names and state dict (checkpoints, weight sync, LoRA names are
+unchanged). Shapes are dynamic from the first compile, so packed micro-batches of other widths and
+row counts reuse the graph; sizes 0 and 1 are not specialised (``backed_size_oblivious``), so a
+one-row micro-batch does not recompile either.
+
+Where it runs: only layer classes listed in :data:`TESTED_LAYERS` (the families whose compiled
+forward and backward we checked against eager), never on a model sharded with FSDP2 (the per-layer
+FSDP hooks would have to be compiled with it: not measured), a pipeline stage, a LoRA policy or a
+mixture-of-experts model (routing replay records inside the layer). ``auto`` adds what was measured
+to pay: fp32 on a CPU, hidden size at least :data:`AUTO_MIN_HIDDEN` (the built-in ``small``:
+docs/performance.md), and a C++ compiler on the path. The first step pays the compile (minutes on
+two cores), which a run of hundreds of steps amortises. One log line says what runs and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# decoder-layer classes whose compiled forward and backward were checked against eager
+# (tests/test_compile_layers.py): transformers' class name is the key
+TESTED_LAYERS = ("Qwen2DecoderLayer",)
+# auto: the smallest hidden size where compiling measured faster (bench/learner_speed.py)
+AUTO_MIN_HIDDEN = 512
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    on: bool
+    reason: str
+
+    def describe(self, what: str) -> str:
+        return f"{what} decoder layers: {'compiled' if self.on else 'eager'} ({self.reason})"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (``model.model.layers`` of a transformers causal LM), or []."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+    layers = getattr(base, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def _has_compiler() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+
+
+def _blocker(model: nn.Module) -> str | None:
+    """Why ``model``'s layers are not compiled even when asked (None: nothing blocks)."""
+    from hybridrl.learner.moe import is_moe
+    from hybridrl.parallel.fsdp import is_sharded
+
+    layers = decoder_layers(model)
+    if not layers:
+        return "no decoder layers found"
+    name = type(layers[0]).__name__
+    if name not in TESTED_LAYERS:
+        return f"{name} is not a tested family ({', '.join(TESTED_LAYERS)})"
+    if is_sharded(model):
+        return "sharded with FSDP2 (compiled per-layer hooks not measured)"
+    if is_moe(model):
+        return "mixture-of-experts routing is recorded inside the layers"
+    if any("lora" in n for n, _ in model.named_modules()):
+        return "LoRA adapters (not measured)"
+    return None
+
+
+def decide(setting: str, model: nn.Module, device: torch.device) -> CompileChoice:
+    """Whether ``model``'s decoder layers are compiled under ``actor.compile`` = ``setting``."""
+    from hybridrl.parallel.precision import autocast_dtype
+
+    if setting == "off":
+        return CompileChoice(False, "actor.compile=off")
+    blocked = _blocker(model)
+    if blocked is not None:
+        return CompileChoice(False, blocked)
+    if not _has_compiler():
+        return CompileChoice(False, "no C++ compiler for inductor")
+    if setting == "on":
+        return CompileChoice(True, "actor.compile=on")
+    hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+    if device.type != "cpu" or autocast_dtype(model) is not None:
+        return CompileChoice(False, "auto: measured faster on a CPU in fp32 only")
+    if hidden < AUTO_MIN_HIDDEN:
+        return CompileChoice(False, f"auto: hidden size {hidden} < {AUTO_MIN_HIDDEN}")
+    return CompileChoice(True, f"auto: CPU fp32, hidden size {hidden} >= {AUTO_MIN_HIDDEN}")
+
+
+def compile_layers(model: nn.Module) -> nn.Module:
+    """Compile each decoder layer in place (inductor, dynamic shapes, sizes 0/1 not
+    specialised); returns ``model``."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.backed_size_oblivious = True  # a 1-row micro-batch reuses the dynamic graph
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+    return model
+
+
+def maybe_compile(setting: str, model: nn.Module, device: torch.device, what: str) -> nn.Module:
+    """``model`` with its layers compiled when :func:`decide` says so; logs the choice."""
+    choice = decide(setting, model, device)
+    log.info(choice.describe(what))
+    return compile_layers(model) if choice.on else model
