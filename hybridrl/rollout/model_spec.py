@@ -2,7 +2,8 @@
 
 Decoder families differ only in a few switches (biases on the attention projections, a norm on q
 and k) and in their MLP: dense, or a mixture of experts (``moe_block.py``). Each supported
-``model_type`` is one entry of :data:`DECODER_FAMILIES`; adding a family is adding an entry.
+``model_type`` is one entry of :data:`DECODER_FAMILIES`; adding a family is adding an entry. The
+engine's one model definition (``decoder.py``) reads only the :class:`ModelSpec` built here.
 """
 
 from __future__ import annotations

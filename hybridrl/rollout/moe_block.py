@@ -113,7 +113,9 @@ class Router(nn.Module):
         super().__init__()
         self.shape = shape
         self.weight = frozen(shape.num_experts, hidden, fill=0.0, device=device, dtype=dtype)
-        self.register_buffer(BIAS_NAME, torch.zeros(shape.num_experts, device=device))
+        self.register_buffer(
+            BIAS_NAME, torch.zeros(shape.num_experts, device=device, dtype=torch.float32)
+        )
         getattr(self, BIAS_NAME).weight_loader = self._load_bias
         self.has_bias = False  # set once weight sync sends an expert bias
 
