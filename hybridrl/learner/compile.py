@@ -10,8 +10,8 @@ Regional: each decoder layer is compiled in place (``nn.Module.compile``), not t
 The layers share one code object, so one graph serves all of them (a train graph and a no-grad
 graph); the model keeps its modules, names and state dict (checkpoints, weight sync, LoRA names are
 unchanged). Shapes are dynamic from the first compile, so packed micro-batches of other widths and
-row counts reuse the graph; sizes 0 and 1 are not specialised (``backed_size_oblivious``), so a
-one-row micro-batch does not recompile either.
+row counts reuse the graph. A one-row micro-batch compiles once more (a dimension of size 1 is
+specialised; marking it unspecialised breaks the attention mask's broadcast head dimension).
 
 Where it runs: only layer classes listed in :data:`TESTED_LAYERS` (the families whose compiled
 forward and backward we checked against eager), never on a model sharded with FSDP2 (the per-layer
@@ -103,11 +103,7 @@ def decide(setting: str, model: nn.Module, device: torch.device) -> CompileChoic
 
 
 def compile_layers(model: nn.Module) -> nn.Module:
-    """Compile each decoder layer in place (inductor, dynamic shapes, sizes 0/1 not
-    specialised); returns ``model``."""
-    import torch.fx.experimental._config as fx_config
-
-    fx_config.backed_size_oblivious = True  # a 1-row micro-batch reuses the dynamic graph
+    """Compile each decoder layer in place (inductor, dynamic shapes); returns ``model``."""
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
     return model
