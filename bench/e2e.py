@@ -309,11 +309,14 @@ def run_hybridrl(spec: dict) -> dict:
     )
     cfg = load_config(Config, str(ROOT / "examples" / "arith_grpo.yaml"), overrides)
     notes: list[str] = []
+    compile_notes: list[str] = []
 
-    class Notes(logging.Handler):  # the roles' one-line precision reports
+    class Notes(logging.Handler):  # the roles' one-line precision and compile reports
         def emit(self, record):
             if "precision" in record.getMessage():
                 notes.append(record.getMessage())
+            elif "decoder layers:" in record.getMessage():  # actor.compile (learner/compile.py)
+                compile_notes.append(record.getMessage())
 
     logging.getLogger("hybridrl").addHandler(Notes(logging.INFO))
     logging.getLogger("hybridrl").setLevel(logging.INFO)
@@ -343,6 +346,7 @@ def run_hybridrl(spec: dict) -> dict:
         "steps": steps,
         "prompt_ids": seen[: spec["steps"] * PROMPTS],
         "precision_notes": sorted(set(notes)),
+        "compile_notes": sorted(set(compile_notes)),
         "dropped_overrides": dropped,
     }
 
@@ -505,7 +509,8 @@ def workload(name: str, index: int, args, work: Path) -> dict:
         and len(raw["trl"]["prompt_ids"]) == steps * PROMPTS
     )
     h |= {
-        k: raw["hybridrl"][k] for k in ("precision_notes", "dropped_overrides", "process_seconds")
+        k: raw["hybridrl"].get(k)
+        for k in ("precision_notes", "compile_notes", "dropped_overrides", "process_seconds")
     }
     t |= {k: raw["trl"][k] for k in ("micro_batch", "precision_note", "process_seconds")}
     return {

@@ -40,8 +40,8 @@ def qwen2(hidden: int, layers: int = 1) -> Qwen2ForCausalLM:
 def test_auto_compiles_a_mid_size_fp32_cpu_model_only():
     assert decide("auto", qwen2(512), CPU).on
     assert not decide("auto", qwen2(128), CPU).on  # tiny: the compile does not pay
-    assert decide("on", qwen2(128), CPU).on
-    assert not decide("off", qwen2(512), CPU).on
+    assert decide(True, qwen2(128), CPU).on
+    assert not decide(False, qwen2(512), CPU).on
     bf16 = set_autocast(qwen2(512), torch.bfloat16, "cpu")
     assert not decide("auto", bf16, CPU).on  # measured in fp32 only
     assert not decide("auto", qwen2(512), torch.device("cuda")).on
@@ -49,9 +49,9 @@ def test_auto_compiles_a_mid_size_fp32_cpu_model_only():
 
 def test_untested_families_are_never_compiled():
     moe = build_model("tiny_moe", build_char_tokenizer(), 0)
-    choice = decide("on", moe, CPU)
+    choice = decide(True, moe, CPU)
     assert not choice.on and "tested family" in choice.reason
-    assert not decide("on", torch.nn.Linear(2, 2), CPU).on  # no decoder layers
+    assert not decide(True, torch.nn.Linear(2, 2), CPU).on  # no decoder layers
 
 
 def group_batch(seed: int, groups: int, longest: int):

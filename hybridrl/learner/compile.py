@@ -81,19 +81,19 @@ def _blocker(model: nn.Module) -> str | None:
     return None
 
 
-def decide(setting: str, model: nn.Module, device: torch.device) -> CompileChoice:
+def decide(setting: bool | str, model: nn.Module, device: torch.device) -> CompileChoice:
     """Whether ``model``'s decoder layers are compiled under ``actor.compile`` = ``setting``."""
     from hybridrl.parallel.precision import autocast_dtype
 
-    if setting == "off":
-        return CompileChoice(False, "actor.compile=off")
+    if setting is False:
+        return CompileChoice(False, "actor.compile=false")
     blocked = _blocker(model)
     if blocked is not None:
         return CompileChoice(False, blocked)
     if not _has_compiler():
         return CompileChoice(False, "no C++ compiler for inductor")
-    if setting == "on":
-        return CompileChoice(True, "actor.compile=on")
+    if setting is True:
+        return CompileChoice(True, "actor.compile=true")
     hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
     if device.type != "cpu" or autocast_dtype(model) is not None:
         return CompileChoice(False, "auto: measured faster on a CPU in fp32 only")
@@ -109,7 +109,9 @@ def compile_layers(model: nn.Module) -> nn.Module:
     return model
 
 
-def maybe_compile(setting: str, model: nn.Module, device: torch.device, what: str) -> nn.Module:
+def maybe_compile(
+    setting: bool | str, model: nn.Module, device: torch.device, what: str
+) -> nn.Module:
     """``model`` with its layers compiled when :func:`decide` says so; logs the choice."""
     choice = decide(setting, model, device)
     log.info(choice.describe(what))

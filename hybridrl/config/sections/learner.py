@@ -49,12 +49,12 @@ class ActorConfig:
         "length-grouped micro-batches: the same log-probs and gradients (to float rounding) "
         "with less padding",
     )
-    compile: Literal["auto", "on", "off"] = _f(
+    compile: bool | Literal["auto"] = _f(
         "auto",
         "torch.compile each decoder layer of the policy and the reference (inductor, dynamic "
-        "shapes; same results to fp32 rounding; learner/compile.py): on, off, or auto = on where "
-        "it measured faster (a CPU in fp32, hidden size >= 512, a tested family, not sharded, "
-        "no LoRA); the first step pays the compile",
+        "shapes; same results to fp32 rounding; learner/compile.py): true, false, or auto = on "
+        "where it measured faster (a CPU in fp32, hidden size >= 512, a tested family, not "
+        "sharded, no LoRA); the first step pays the compile",
     )
     pp_size: int = _f(
         1,
