@@ -1,34 +1,39 @@
 """W4 (a calculator the model calls): what RL gains over the warm start, and synchronous against
 asynchronous training with a slow tool.
 
-    python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--threads N]
+    python bench/agentic.py [--steps N] [--sft-steps N] [--eval-size N] [--threads N] [--seed S]
         [--latency-steps N] [--latency-prompts B] [--max-staleness K] [--sigma S]
-        [--only gain|latency] [--out FILE]
+        [--tool-timeout SECONDS] [--only gain|latency] [--out FILE]
 
 One warm start (``examples/calc_tool_grpo.yaml``: supervised on tool-using traces, the observation
 masked out of the loss; trained once and cached under ``runs/bench_agentic/``), then three RL runs
-from it in this process, one after the other, all with the example's seed and learning settings:
+from it in this process, one after the other, all with the example's learning settings:
 
-* gain: ``trainer.mode=sync`` with the example's batch (32 prompts x 8 trajectories), ``--steps``
-  steps, the tool answering at once (its latency plays no part in what is learned). Sampled (T = 1)
-  and greedy held-out accuracy of full multi-turn trajectories before and after:
-  ``w4.accuracy_before`` / ``w4.accuracy_after``.
+* gain: ``trainer.mode=sync`` with the example's batch (32 prompts x 8 trajectories, groups whose
+  rewards are all equal dropped and more prompts sampled), ``--steps`` steps, the tool answering at
+  once (its latency plays no part in what is learned). Sampled (T = 1) and greedy held-out
+  accuracy of full multi-turn trajectories before and after: ``w4.accuracy_before`` /
+  ``w4.accuracy_after``.
 * latency, sync and async: the shape of a user with a slow tool, ``--latency-prompts`` prompts x 8
   trajectories per step (small steps: the wait for a step's slowest call is most of a synchronous
-  step), ``--latency-steps`` steps each, the same number of trained samples, and ``calc_tool``
-  answering each call after a lognormal latency (median 200 ms, shape ``--sigma``, default 1.5: a
-  long tail; ``env.step_timeout_s`` 60 so that the tail is waited for, not failed).
-  sync waits for every trajectory's chain of calls, then trains; async (``trainer.mode=async``,
-  decoupled PPO, ``--max-staleness``) keeps admitting prompts while trajectories wait on the tool,
-  and trains on what has finished. ``latency.speedup`` = async / sync trained samples per second
-  (trained samples / the steps' wall time, evaluation excluded); the held-out accuracy of both
-  after their runs is reported next to it.
+  step), ``--latency-steps`` steps each, the same number of trained samples (every group trained:
+  no group filtering in either), and ``calc_tool`` answering each call after a lognormal latency
+  (median 200 ms, shape ``--sigma``, default 1.5: a long tail). Each call has a deadline,
+  ``env.step_timeout_s`` = ``--tool-timeout`` (5 s, 25 medians, as a client of a search API sets
+  one): a call past it ends its trajectory with reward 0 (``env/timeouts``), the same calls in both
+  runs since the latencies are seeded by prompt and call. sync waits for every trajectory's chain
+  of calls, then trains; async (``trainer.mode=async``, decoupled PPO, ``--max-staleness``) keeps
+  admitting prompts while trajectories wait on the tool, and trains on what has finished.
+  ``latency.speedup`` = async / sync trained samples per second (trained samples / the steps' wall
+  time, evaluation excluded); the held-out accuracy of both after their runs is reported next to
+  it (their evaluations call the slow tool too, under the same deadline).
 
 ``--only`` runs one of the two parts (the other's figures are then null).
 
-The latency distribution is the environment's own (its seeded draws) and what the runs measured
-(``env/step_s_*``). ``tito.extension_violations`` sums the runs' counts (0 expected: W4's
-observations are plain text). Prints one JSON object.
+The latency distribution is the environment's own (its seeded draws, with the share past the
+deadline) and what the runs measured (``env/step_s_*``, ``env/timeouts``).
+``tito.extension_violations`` sums the runs' counts (0 expected: W4's observations are plain text).
+Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -108,8 +113,11 @@ def run(name: str, mode: str, steps: int, overrides: list[str], common: list[str
     }
 
 
-def latency_distribution(sigma: float, draws: int = 10_000) -> dict:
-    """Percentiles of calc_tool's seeded latency over ``draws`` calls (the bench's settings)."""
+def latency_distribution(
+    sigma: float, draws: int = 10_000, deadline_s: float | None = None
+) -> dict:
+    """Percentiles of calc_tool's seeded latency over ``draws`` calls (the bench's settings), and
+    the share of calls past ``deadline_s``."""
     from hybridrl.envs.calc_tool import CalcToolEnv
     from hybridrl.tasks import Prompt
 
@@ -130,19 +138,27 @@ def latency_distribution(sigma: float, draws: int = 10_000) -> dict:
         "p90_s": q(0.9),
         "p99_s": q(0.99),
         "max_s": round(xs[-1], 4),
+        "deadline_s": deadline_s,
+        "past_deadline_frac": None
+        if deadline_s is None
+        else round(sum(x > deadline_s for x in xs) / len(xs), 4),
     }
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=40, help="RL steps of the gain run")
-    p.add_argument("--sft-steps", type=int, default=1200, help="warm-start steps")
+    p.add_argument("--steps", type=int, default=80, help="RL steps of the gain run")
+    p.add_argument("--sft-steps", type=int, default=800, help="warm-start steps")
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
+    p.add_argument("--seed", type=int, default=0, help="trainer.seed of the RL runs")
     p.add_argument("--latency-steps", type=int, default=40, help="steps of each latency run")
     p.add_argument("--latency-prompts", type=int, default=8, help="prompts per latency-run step")
     p.add_argument("--max-staleness", type=int, default=2, help="async: asynchronous.max_staleness")
     p.add_argument("--sigma", type=float, default=1.5, help="the tool latency's lognormal shape")
+    p.add_argument(
+        "--tool-timeout", type=float, default=5.0, help="latency runs: env.step_timeout_s, seconds"
+    )
     p.add_argument("--only", choices=["gain", "latency"], help="run one part only")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
@@ -154,12 +170,14 @@ def main(argv=None) -> dict:
         f"sft.checkpoint={runs_dir / f'warmstart-{args.sft_steps}'}",
         f"task.eval_size={args.eval_size}",
         f"trainer.runs_dir={runs_dir}",
+        f"trainer.seed={args.seed}",
     ]
     slow = [
         f"env.kwargs={{latency_s: {MEDIAN_S}, latency: lognormal, sigma: {args.sigma}}}",
         f"trainer.prompts_per_step={args.latency_prompts}",
         f"asynchronous.max_staleness={args.max_staleness}",
-        "env.step_timeout_s=60",  # the tail is the point: a slow call is waited for, not failed
+        f"env.step_timeout_s={args.tool_timeout}",  # the per-call deadline, the same in both
+        "algorithm.filter_groups=false",  # the async stream trains every group: so does sync
     ]
     t0 = time.perf_counter()
     g = s = a = None
@@ -171,6 +189,7 @@ def main(argv=None) -> dict:
     result = {
         "command": " ".join(["python bench/agentic.py", *(sys.argv[1:] if argv is None else argv)]),
         "steps": args.steps,
+        "seed": args.seed,
         "sft_steps": args.sft_steps,
         "eval_size": args.eval_size,
         "w4": None
@@ -196,7 +215,7 @@ def main(argv=None) -> dict:
             "accuracy_sync": s["accuracy"],
             "accuracy_async": a["accuracy"],
             "accuracy_gap_points": 100 * abs(s["accuracy"] - a["accuracy"]),
-            "tool_latency": latency_distribution(args.sigma),
+            "tool_latency": latency_distribution(args.sigma, deadline_s=args.tool_timeout),
             "sync": s,
             "async": a,
         },

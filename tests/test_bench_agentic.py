@@ -27,3 +27,10 @@ def test_latency_distribution_is_lognormal_around_the_median():
 def test_sigma_zero_is_a_fixed_latency():
     d = _bench().latency_distribution(sigma=0.0, draws=100)
     assert d["p50_s"] == d["max_s"] == pytest.approx(0.2)
+
+
+def test_share_past_the_deadline_matches_the_lognormal_tail():
+    # P(latency > 5 s) = P(z > ln(25) / 1.5) = 1.6 % at median 0.2 s, shape 1.5
+    d = _bench().latency_distribution(sigma=1.5, draws=4000, deadline_s=5.0)
+    assert d["past_deadline_frac"] == pytest.approx(0.016, abs=0.006)
+    assert _bench().latency_distribution(sigma=1.5, draws=100)["past_deadline_frac"] is None
