@@ -17,12 +17,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridrl.rollout.layers import MLP, Attention, Embedding, Linear, RMSNorm
+from hybridrl.rollout.layers import (
+    MLP,
+    Attention,
+    Embedding,
+    EngineModule,
+    Linear,
+    RMSNorm,
+    mirror_attributes,
+)
 from hybridrl.rollout.model_spec import ModelSpec
 from hybridrl.rollout.moe_block import MoEBlock
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(EngineModule):
     def __init__(self, spec: ModelSpec, index: int, *, device, dtype):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
@@ -46,7 +54,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h), h), None
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(EngineModule):
     def __init__(self, spec: ModelSpec, *, device, dtype):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
@@ -55,7 +63,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_eps, **kw)
 
 
-class CausalLM(nn.Module):
+class CausalLM(EngineModule):
     """Decoder and head; ``forward`` runs one engine step over the runner's paged KV pool."""
 
     def __init__(self, spec: ModelSpec, *, device, dtype):
@@ -67,6 +75,7 @@ class CausalLM(nn.Module):
         )
         if spec.tie_word_embeddings:  # one parameter under both names
             self.lm_head.weight = self.model.embed_tokens.weight
+        mirror_attributes(self)
 
     def forward(
         self, x, pool, logits_index: torch.Tensor

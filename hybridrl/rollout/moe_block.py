@@ -30,9 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from hybridrl.rollout.layers import MLP, Linear, frozen, hf_view
+from hybridrl.rollout.layers import MLP, EngineModule, Linear, frozen, hf_view
 
 BIAS_NAME = "expert_bias"
 
@@ -105,7 +104,7 @@ MOE_FAMILIES: dict[str, Callable[[object], MoEShape]] = {
 }
 
 
-class Router(nn.Module):
+class Router(EngineModule):
     """The family's router: ``weight`` (E, H) under ``mlp.gate.weight``, and the balancing bias
     ``expert_bias`` (fp32, zero) that a weight sync may send; once it has, selection adds it."""
 
@@ -138,7 +137,7 @@ class Router(nn.Module):
         return ids, weights.to(x.dtype) if self.shape.cast_weights else weights
 
 
-class Experts(nn.Module):
+class Experts(EngineModule):
     """The routed experts' matrices, stored transposed (module docstring): ``gate_up_t``
     (E, H, 2I) and ``down_t`` (E, I, H), named ``experts.gate_up_proj`` (E, 2I, H) and
     ``experts.down_proj`` (E, H, I) by transformers."""
@@ -174,7 +173,7 @@ class Experts(nn.Module):
         return ys, order
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(EngineModule):
     """One decoder layer's sparse MLP over a flat (T, H) batch of normalised hidden states."""
 
     def __init__(self, shape: MoEShape, hidden: int, *, device, dtype):
