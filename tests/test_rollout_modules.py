@@ -5,6 +5,7 @@ the forward reads (an in-place update is seen by the next step)."""
 
 import pytest
 import torch
+from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -22,6 +23,7 @@ from transformers import (
 
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
+from hybridrl.rollout.layers import Linear, mirror_attributes
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.sequence import Sequence
 
@@ -132,3 +134,13 @@ def test_an_in_place_update_through_named_weights_is_seen_by_the_next_forward(fa
         ref2 = m(torch.tensor([ids])).logits[0]
     assert (ref2 - ref).abs().max() > 1e-3  # the update matters
     assert (logits(runner, ids) - ref2).abs().max() < 1e-4
+
+
+def test_a_mirrored_attribute_follows_a_reassigned_parameter():
+    lin = Linear(4, 3, bias=False, device="cpu", dtype=torch.float32)
+    mirror_attributes(lin)
+    assert lin.__dict__["weight"] is lin.weight  # found without nn.Module.__getattr__
+    new = nn.Parameter(torch.ones(3, 4), requires_grad=False)
+    lin.weight = new  # nn.Module.__setattr__ drops the mirror
+    assert lin.weight is new and "weight" not in lin.__dict__
+    assert torch.equal(lin(torch.ones(1, 4)), torch.full((1, 3), 4.0))
