@@ -45,6 +45,11 @@ Differences that remain (each framework's own way of doing the same step):
 - sampled tokens differ (each side's own random streams), so response lengths, and with them the
   work, vary from step to step; ``response_length`` records each side's mean;
 - hybridrl's PPO loss has a dual clip (3.0) that never binds on-policy; TRL has none;
+- compiled layers: hybridrl's ``actor.compile=auto`` compiles the decoder layers of the policy and
+  the reference where that measured faster (``small`` in fp32: ``learner/compile.py``), during the
+  warm-up step (``--warmup``), whose time ``step_times`` shows; ``hybridrl.compile_notes`` records
+  the choice. TRL runs eager (its ``torch_compile`` is off by default); its warm-up step is excluded
+  the same way;
 - bf16 (``--precision bf16``): TRL ``bf16=True``, bf16 autocast over fp32 weights for every forward,
   generation included; hybridrl ``fsdp.mixed_precision=bf16`` (on a CPU: bf16 autocast over fp32
   weights for the actor and the reference) and ``rollout.dtype=bf16`` (the engine's weights and KV
