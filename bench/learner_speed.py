@@ -1,7 +1,8 @@
 """The learner's reference forward and update forward+backward, eager against faster variants.
 
     OMP_NUM_THREADS=1 python bench/learner_speed.py [--size small] [--max-new 128] [--reps 3]
-                                                     [--variants eager,compiled] [--profile]
+                                                     [--variants eager,compiled] [--profile NAME]
+                                                     [--optimizer-reps 5]
 
 Generates one W1-long step's batch (32 W1 prompts x 8 samples, temperature 1, at most
 ``--max-new`` new tokens) with the native engine from the random-init built-in model, as
@@ -15,8 +16,11 @@ each variant (a fresh copy of the same weights), it times what the learner does 
 The variants run alternately, ``--reps`` times each after one untimed warm-up pass whose wall time
 is the variant's first-use cost (the compile, for ``compiled``); medians are reported in CPU
 seconds (one torch thread: steady on a busy machine). Each variant's log-probs and gradients are
-compared with ``eager``'s (largest relative difference). ``--profile`` adds the eager update's
-top operators (torch.profiler). Prints one JSON object.
+compared with ``eager``'s (largest relative difference). ``--profile NAME`` adds that variant's
+update's top operators (torch.profiler). The ``optimizer`` block times one AdamW step over the
+model's 23.6M parameters (for ``small``) per flavour, PyTorch's CPU default (the single-tensor
+loop), ``foreach`` and ``fused``, alternately on the same gradients, and compares the weights
+after the steps with the default's. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def rel_diff(a, b) -> float:
 
 
 def profile_top(model, mbs, rows: int = 12) -> list[dict]:
-    """The eager update's operators with the most self CPU time, as shares."""
+    """``model``'s update's operators with the most self CPU time, as shares."""
     from torch.profiler import profile
 
     with profile() as p:
@@ -94,6 +98,47 @@ def profile_top(model, mbs, rows: int = 12) -> list[dict]:
     ]
 
 
+# AdamW flavour -> its keyword arguments (the default: the single-tensor loop on a CPU)
+ADAMW_FLAVOURS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def optimizer_steps(base, grads, reps: int) -> dict:
+    """CPU seconds of one AdamW step (and of the grad-norm clip before it) per flavour, the
+    flavours alternating on fresh copies of ``base`` fed the same ``grads``; the weights after
+    ``reps`` steps compared with the default flavour's."""
+    import torch
+
+    models = {n: copy.deepcopy(base) for n in ADAMW_FLAVOURS}
+    opts = {
+        n: torch.optim.AdamW(models[n].parameters(), lr=1e-4, weight_decay=0.0, **kw)
+        for n, kw in ADAMW_FLAVOURS.items()
+    }
+    step_s: dict[str, list[float]] = {n: [] for n in ADAMW_FLAVOURS}
+    clip_s: dict[str, list[float]] = {n: [] for n in ADAMW_FLAVOURS}
+    for rep in range(reps + 1):  # the first step (state allocation) untimed
+        for n, m in models.items():
+            for p, g in zip(m.parameters(), grads):
+                p.grad = g * (1.0 + rep)
+            t0 = time.process_time()
+            torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
+            t1 = time.process_time()
+            opts[n].step()
+            t2 = time.process_time()
+            m.zero_grad(set_to_none=True)
+            if rep:
+                clip_s[n].append(t1 - t0)
+                step_s[n].append(t2 - t1)
+    ref = [p.detach() for p in models["default"].parameters()]
+    out: dict = {"parameters": sum(p.numel() for p in base.parameters()), "steps": reps}
+    for n, m in models.items():
+        out[n] = {
+            "step_cpu_s": statistics.median(step_s[n]),
+            "clip_cpu_s": statistics.median(clip_s[n]),
+            "weight_rel_diff": rel_diff([p.detach() for p in m.parameters()], ref),
+        }
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small", help="built-in model size")
@@ -101,7 +146,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=3, help="timed passes per variant")
     ap.add_argument("--budget", type=int, default=8192, help="micro-batch token budget")
     ap.add_argument("--variants", default="eager,compiled", help=f"of {','.join(VARIANTS)}")
-    ap.add_argument("--profile", action="store_true", help="top operators of the eager update")
+    ap.add_argument("--profile", default="", help="a variant whose update's top ops to list")
+    ap.add_argument("--optimizer-reps", type=int, default=5, help="AdamW steps per flavour")
     args = ap.parse_args(argv)
     import torch
     from shared_prompts import make_batch
@@ -169,7 +215,9 @@ def main(argv=None) -> dict:
                 "grad_rel_diff": rel_diff(upd_out[n][1], upd_out["eager"][1]),
             }
     if args.profile:
-        out["eager_update_profile"] = profile_top(models["eager"], mbs)
+        out[f"{args.profile}_update_profile"] = profile_top(models[args.profile], mbs, 25)
+    if args.optimizer_reps:
+        out["optimizer"] = optimizer_steps(base, upd_out["eager"][1], args.optimizer_reps)
     out["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
     return out

@@ -49,6 +49,7 @@ from hybridrl.learner.compile import maybe_compile
 from hybridrl.learner.critic import Critic
 from hybridrl.learner.logprob import model_device, response_log_probs, sampling_of
 from hybridrl.learner.metrics import batch_metrics, mean_over_ranks, staleness_metrics
+from hybridrl.learner.optim import make_adamw
 from hybridrl.learner.passes import (
     dropout_in_training,
     needs_critic,
@@ -144,9 +145,8 @@ class Learner(Worker):
         params = self.model.parameters()
         if self.lora is not None:
             params = lora_lib.trainable_parameters(self.model)
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay
-        )
+        # fused where it applies (learner/optim.py: one pass per parameter, same AdamW math)
+        self.optimizer = make_adamw(params, cfg.actor.lr, cfg.actor.weight_decay, "policy")
         add_warmup(self.optimizer, cfg.actor.lr_warmup_steps)  # actor.lr_warmup_steps
         # MoE (docs/moe.md): routing replay, balancing, health; None for a dense model
         self.moe = moe_training.start(self.model, self.optimizer, cfg.moe)
