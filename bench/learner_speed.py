@@ -49,8 +49,14 @@ def _compiled(model):
     return compile_layers(model)
 
 
+def _autotune(model):
+    from hybridrl.learner.compile import compile_layers
+
+    return compile_layers(model, mode="max-autotune-no-cudagraphs")
+
+
 # name -> how a fresh copy of the model is prepared
-VARIANTS = {"eager": _eager, "compiled": _compiled}
+VARIANTS = {"eager": _eager, "compiled": _compiled, "autotune": _autotune}
 
 
 def update_pass(model, mbs):

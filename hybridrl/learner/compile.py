@@ -102,10 +102,12 @@ def decide(setting: bool | str, model: nn.Module, device: torch.device) -> Compi
     return CompileChoice(True, f"auto: CPU fp32, hidden size {hidden} >= {AUTO_MIN_HIDDEN}")
 
 
-def compile_layers(model: nn.Module) -> nn.Module:
-    """Compile each decoder layer in place (inductor, dynamic shapes); returns ``model``."""
+def compile_layers(model: nn.Module, mode: str | None = None) -> nn.Module:
+    """Compile each decoder layer in place (inductor, dynamic shapes, ``mode``: torch.compile's,
+    None its default); returns ``model``. The learner uses the default mode: ``max-autotune``
+    measured no faster on a CPU (docs/performance.md)."""
     for layer in decoder_layers(model):
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, mode=mode)
     return model
 
 
