@@ -625,3 +625,14 @@ def test_property_unknown_keys_always_rejected(key):
         msg.startswith(f"unknown config key 'trainer.{key}'")
         and "(keys of trainer: total_steps," in msg
     )
+
+
+def test_async_refuses_dynamic_sampling():
+    """Dynamic sampling lives in the synchronous loop: asking for it in async mode is an error
+    naming both settings, not a silently ignored option."""
+    from hybridrl.config import Config, ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"filter_groups=true with trainer.mode=async"):
+        load_config(Config, None, ["algorithm.filter_groups=true", "trainer.mode=async"])
+    cfg = load_config(Config, None, ["algorithm.filter_groups=false", "trainer.mode=async"])
+    assert cfg.trainer.mode == "async"

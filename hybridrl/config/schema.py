@@ -210,6 +210,12 @@ class Config:
             )
 
     def _validate_async(self) -> None:
+        if self.algorithm.filter_groups:
+            raise ValueError(
+                "algorithm.filter_groups=true with trainer.mode=async: dynamic sampling (drop "
+                "groups whose rewards are all equal, sample more prompts) runs in the synchronous "
+                "loop only; set algorithm.filter_groups=false or use trainer.mode=sync"
+            )
         place = self.controller.placement
         if self.controller.backend == "ray" and place["rollout"] == place["learner"]:
             raise ValueError(
