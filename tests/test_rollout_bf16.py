@@ -46,7 +46,8 @@ def test_bf16_engine_logits_are_as_close_to_fp32_as_transformers_bf16(arch, devi
     runner = ModelRunner(
         m.config, device=device, dtype=torch.bfloat16, block_size=4, hf_model=m
     )  # cast on load
-    assert runner.embed.dtype == runner.layers[0]["wqkv"].dtype == torch.bfloat16
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj.weight
+    assert runner.embed.dtype == qkv.dtype == torch.bfloat16
     runner.allocate_kv(16)
     assert runner.k_cache.dtype == torch.bfloat16
     bm = BlockManager(16, 4)
@@ -89,7 +90,7 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
     eng = NativeRollout(old, Tok(), rcfg(dtype="bf16"))
     eng.update_weights(iter(new.state_dict().items()), version=1)  # an fp32 actor's weights
     want = new.state_dict()["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16)
-    assert torch.equal(eng.engine.runner.layers[1]["wd"], want)
+    assert torch.equal(eng.engine.runner.model.model.layers[1].mlp.down_proj.weight, want)
     # auto: bf16 when the CPU has it and the measurement says it pays (both
     # injected here), logged with why
     monkeypatch.delenv(precision.ENV_OVERRIDE, raising=False)

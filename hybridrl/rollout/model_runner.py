@@ -32,22 +32,6 @@ from hybridrl.rollout.sequence import Sequence
 from hybridrl.rollout.step_inputs import StepInputs, StepPreparation
 from hybridrl.rollout.weights import WeightMap
 
-# the fused tensors of a decoder layer by short name (``ModelRunner.layers``)
-_LAYER_TENSORS = {
-    "ln1": "input_layernorm.weight",
-    "ln2": "post_attention_layernorm.weight",
-    "wqkv": "self_attn.qkv_proj.weight",
-    "bqkv": "self_attn.qkv_proj.bias",
-    "qn": "self_attn.q_norm.weight",
-    "kn": "self_attn.k_norm.weight",
-    "wo": "self_attn.o_proj.weight",
-    "bo": "self_attn.o_proj.bias",
-    "wgu": "mlp.gate_up_proj.weight",
-    "bgu": "mlp.gate_up_proj.bias",
-    "wd": "mlp.down_proj.weight",
-    "bd": "mlp.down_proj.bias",
-}
-
 
 class ModelRunner(StepPreparation):
     def __init__(
@@ -98,16 +82,6 @@ class ModelRunner(StepPreparation):
     def embed(self) -> torch.Tensor:
         """The embedding matrix (the head too when tied)."""
         return self.model.model.embed_tokens.weight
-
-    @property
-    def layers(self) -> list[dict[str, torch.Tensor | None]]:
-        """Each decoder layer's fused tensors by short name (``wqkv``, ``wgu``, ``wd``, ...; None
-        where the layer has none), for tools and tests that look inside."""
-        out = []
-        for layer in self.model.model.layers:
-            get = dict(layer.named_parameters())
-            out.append({short: get.get(name) for short, name in _LAYER_TENSORS.items()})
-        return out
 
     def optional_weight_names(self) -> set[str]:
         """Names a weight sync may carry besides :meth:`named_weights` (the routers' bias)."""
