@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridrl.rollout.layers import hf_view
 from hybridrl.rollout.moe_block import MoEBlock, MoEShape, combine
 
 torch.set_num_threads(1)
@@ -13,13 +14,14 @@ torch.set_num_threads(1)
 
 def reference(block: MoEBlock, x: torch.Tensor) -> torch.Tensor:
     """Token by token, slot by slot: the experts the router chose, weighted."""
-    ids, weights = block.route(x)
+    ids, weights = block.gate(x)
+    gate_up, down = hf_view(block.experts.gate_up_proj), hf_view(block.experts.down_proj)
     rows = []
     for t in range(x.shape[0]):
         acc = torch.zeros(x.shape[1], dtype=torch.float64)
         for e, w in zip(ids[t].tolist(), weights[t]):
-            g, u = F.linear(x[t], block.gate_up[e]).chunk(2, -1)
-            acc += float(w) * F.linear(F.silu(g) * u, block.down[e]).double()
+            g, u = F.linear(x[t], gate_up[e]).chunk(2, -1)
+            acc += float(w) * F.linear(F.silu(g) * u, down[e]).double()
         rows.append(acc)
     return torch.stack(rows).float()
 
@@ -30,7 +32,8 @@ def test_block_output_equals_the_per_token_reference(k):
     shape = MoEShape(6, k, 12, 0, normalise=True, cast_weights=True, sparse_layers=(True,))
     block = MoEBlock(shape, 16, device="cpu", dtype=torch.float32)
     # through the transformers-shaped views, as weight sync writes them
-    for t in (block.router, block.gate_up, block.down):
+    experts = block.experts
+    for t in (block.gate.weight, hf_view(experts.gate_up_proj), hf_view(experts.down_proj)):
         t.copy_(torch.randn(t.shape) * 0.3)
     x = torch.randn(40, 16)
     out, ids = block(x)

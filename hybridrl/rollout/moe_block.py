@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridrl.rollout.layers import MLP, EngineModule, Linear, frozen, hf_view
+from hybridrl.rollout.layers import MLP, EngineModule, Linear, frozen
 
 BIAS_NAME = "expert_bias"
 
@@ -185,23 +185,6 @@ class MoEBlock(EngineModule):
         self.experts = Experts(shape, hidden, **kw)
         self.shared_expert = MLP(hidden, S, bias=False, **kw) if S else None
         self.shared_expert_gate = Linear(hidden, 1, bias=False, **kw) if S else None
-
-    # the transformers-shaped tensors (views of the parameters)
-    @property
-    def router(self) -> torch.Tensor:
-        return self.gate.weight
-
-    @property
-    def gate_up(self) -> torch.Tensor:
-        return hf_view(self.experts.gate_up_proj)
-
-    @property
-    def down(self) -> torch.Tensor:
-        return hf_view(self.experts.down_proj)
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, k) expert ids and dispatch weights, as the family's router chooses them."""
-        return self.gate(x)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output (T, H) and the chosen expert ids (T, k)."""
