@@ -138,12 +138,6 @@ class StubLearner:
         self.tokenizer = SimpleNamespace(pad_token_id=0)
         self.shuffle, self.pipeline, self.moe, self.rank = torch.Generator(), None, None, 0
 
-    def _policy_rows(self, fn, batch):
-        return Learner._policy_rows(self, fn, batch)
-
-    def _samples(self, source, version):
-        return source
-
     def compute_log_prob(self, batch):
         self.calls.append("old")
         return Batch({"old_log_probs": OLD})
