@@ -19,7 +19,8 @@ from hybridrl.protocol import Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.base import RolloutEngine
-from hybridrl.rollout.multiturn import EnvRewards, MultiTurnRollout
+from hybridrl.rollout.env_rewards import EnvRewards
+from hybridrl.rollout.multiturn import MultiTurnRollout
 from hybridrl.tasks import Prompt, build_char_tokenizer
 from hybridrl.tasks.calc import CalcTask
 

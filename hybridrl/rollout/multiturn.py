@@ -26,10 +26,9 @@ the current policy. Its tokens keep its own log-probs as their behaviour log-pro
 weight version; ``env.cross_policy_tokens`` says whether they are context only (loss mask 0) or
 trained on through the importance weight of ``decoupled_ppo`` or the rollout correction.
 
-Rewards (:class:`EnvRewards`): with ``task.reward_fn`` null the reward is the sum of the
-environment's per-turn rewards; with reward functions given, they score the decoded response
-(observations included) as in single-turn training, and the environment's sum is logged as
-``reward/env``. A trajectory whose environment failed scores 0 either way.
+A trajectory's state and its token bookkeeping, the environment calls and the observations' tokens
+are ``rollout/turns.py``; its rewards, from the outcome each sample carries in its metadata,
+``rollout/env_rewards.py``.
 """
 
 from __future__ import annotations
@@ -44,7 +43,6 @@ from typing import Any
 from hybridrl.envs.base import ENVIRONMENTS, Env, StepResult
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import RolloutEngine, SamplingParams
-from hybridrl.rollout.scoring import FAILURE_COUNTS
 from hybridrl.rollout.turns import (
     ChatObservations,
     EnvCalls,
@@ -150,7 +148,7 @@ class MultiTurnRollout(RolloutEngine):
             group = self.groups.pop(prompt.uid, None)
         if group is None:
             return [prompt.aborted() for _ in range(n)]
-        return [s for t in group.trajs for s in self._samples(t)]
+        return [s for t in group.trajs for s in t.samples()]
 
     # --- controls: the inner engine's -------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> int:
@@ -313,17 +311,14 @@ class MultiTurnRollout(RolloutEngine):
 
     def _turn_done(self, t: Trajectory, s: Sample) -> None:
         ids = list(s.response_ids)
-        t.response_ids += ids
-        t.log_probs += s.log_probs
         if t.cross:  # sampled now, by the frozen policy: its log-probs say how off-policy it is
-            t.versions += [self.inner.version] * len(ids)
-            t.loss_mask += [int(self.cfg.cross_policy_tokens == "weighted")] * len(ids)
+            versions = [self.inner.version] * len(ids)
+            mask = [int(self.cfg.cross_policy_tokens == "weighted")] * len(ids)
         else:
-            t.versions += s.versions
-            t.loss_mask += [1] * len(ids)
+            versions, mask = s.versions, [1] * len(ids)
+        t.extend(ids, s.log_probs, versions, mask)
         self.counts["all_turns"] += 1
         self.counts["cross_turns"] += t.cross
-        t.total += len(ids)
         t.turns += 1
         t.last_turn = ids
         if s.status == "aborted" or t.aborted:
@@ -362,23 +357,12 @@ class MultiTurnRollout(RolloutEngine):
             ids, rendered = t.obs.step(t, t.last_turn, str(result.observation))
             if rendered is not None:  # the template rewrote the conversation: a new part
                 self.counts["extension_violations"] += 1
-                t.parts.append(self._part(t, "finished"))
-                t.prompt_ids, t.response_ids, t.log_probs, t.versions, t.loss_mask = (
-                    list(rendered),
-                    [],
-                    [],
-                    [],
-                    [],
-                )
+                t.split(rendered)
                 t.total += len(ids)
             else:
-                left = self.cfg.max_total_tokens - t.total
-                kept = ids[:left]
-                t.response_ids += kept
-                t.log_probs += [0.0] * len(kept)
-                t.versions += [self.inner.version] * len(kept)
-                t.loss_mask += [0] * len(kept)
-                t.total += len(kept)
+                kept = ids[: self.cfg.max_total_tokens - t.total]
+                n = len(kept)
+                t.extend(kept, [0.0] * n, [self.inner.version] * n, [0] * n)
                 if len(kept) < len(ids):
                     self._finish(t, "truncated")
                     return
@@ -400,50 +384,6 @@ class MultiTurnRollout(RolloutEngine):
         if t.env is not None and hasattr(t.env, "close") and overrides(t.env, "close", Env):
             self.calls.submit(t.env.close)  # not waited for; its errors are of no consequence
 
-    def _part(self, t: Trajectory, status: str) -> Sample:
-        s = t.group.prompt.with_response(t.response_ids, t.log_probs, t.versions, status)
-        s.prompt_ids, s.loss_mask = list(t.prompt_ids), list(t.loss_mask)
-        return s
-
-    def _samples(self, t: Trajectory) -> list[Sample]:
-        """The trajectory as samples (one per part), each carrying its outcome in metadata."""
-        out = t.parts + [self._part(t, t.status)]
-        for i, s in enumerate(out):
-            s.metadata = s.metadata | {
-                "env_reward": t.reward,
-                "env_turns": t.turns,
-                "env_error": t.error,
-                "env_part": i,
-            }
-        return out
-
-
-class EnvRewards:
-    """The scorer of a multi-turn rollout (module docstring): the environment's reward, or the
-    configured reward functions when ``task.reward_fn`` names any."""
-
-    def __init__(self, cfg, scorer):
-        self.scorer, self.use_functions = scorer, bool(cfg.task.reward_fns())
-
-    def __call__(self, samples: list[Sample]) -> list[Sample]:
-        if self.use_functions:
-            self.scorer(samples)
-        for s in samples:
-            env_reward = float(s.metadata.get("env_reward", 0.0))
-            if self.use_functions:
-                s.reward_extras["reward/env"] = env_reward
-            else:
-                s.reward_extras.update(FAILURE_COUNTS)
-                s.reward = env_reward
-            if s.metadata.get("env_error") or s.status == "aborted" and not s.response_ids:
-                s.reward = 0.0
-        return samples
-
-    def __getattr__(self, name: str):
-        if name == "scorer":
-            raise AttributeError(name)
-        return getattr(self.scorer, name)
-
 
 def with_environment(cfg, backend: RolloutEngine, tokenizer, other=None) -> RolloutEngine:
     """``backend`` as it is (``env.name`` null), or wrapped for multi-turn rollouts; ``other``:
@@ -451,8 +391,3 @@ def with_environment(cfg, backend: RolloutEngine, tokenizer, other=None) -> Roll
     if cfg.env.name is None:
         return backend
     return MultiTurnRollout(backend, tokenizer, cfg.env, other=other)
-
-
-def env_rewards(cfg, scorer):
-    """``scorer`` as it is (``env.name`` null), or :class:`EnvRewards` around it."""
-    return scorer if cfg.env.name is None else EnvRewards(cfg, scorer)

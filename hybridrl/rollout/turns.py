@@ -1,4 +1,5 @@
-"""The parts of a multi-turn rollout (``rollout/multiturn.py``): a trajectory's state, running
+"""The parts of a multi-turn rollout (``rollout/multiturn.py``): a trajectory's state and its
+token bookkeeping (appending turns and observations, splitting, the samples it becomes), running
 environment calls off the engine's thread, and turning an observation into tokens.
 
 :class:`EnvCalls` runs every ``reset`` / ``step`` on one event-loop thread: an ``async def`` is
@@ -78,6 +79,44 @@ class Trajectory:
     @property
     def uid(self) -> str:
         return f"{self.group.prompt.uid}#{self.index}"
+
+    def extend(
+        self, ids: list[int], log_probs: list[float], versions: list[int], loss_mask: list[int]
+    ) -> None:
+        """Tokens appended to the response (a model turn's, or an observation's), each with its
+        log-prob, weight version and loss mask; they count towards ``total``."""
+        self.response_ids += ids
+        self.log_probs += log_probs
+        self.versions += versions
+        self.loss_mask += loss_mask
+        self.total += len(ids)
+
+    def split(self, rendered: list[int]) -> None:
+        """The template rewrote the conversation: the tokens so far become a finished part, and the
+        next part starts from the template's rendering ``rendered`` as its prompt."""
+        self.parts.append(self.part("finished"))
+        self.prompt_ids = list(rendered)
+        self.response_ids, self.log_probs, self.versions, self.loss_mask = [], [], [], []
+
+    def part(self, status: str) -> Sample:
+        """The current part as a sample of the prompt with ``status``."""
+        s = self.group.prompt.with_response(
+            self.response_ids, self.log_probs, self.versions, status
+        )
+        s.prompt_ids, s.loss_mask = list(self.prompt_ids), list(self.loss_mask)
+        return s
+
+    def samples(self) -> list[Sample]:
+        """The trajectory as samples (one per part), each carrying its outcome in metadata."""
+        out = self.parts + [self.part(self.status)]
+        for i, s in enumerate(out):
+            s.metadata = s.metadata | {
+                "env_reward": self.reward,
+                "env_turns": self.turns,
+                "env_error": self.error,
+                "env_part": i,
+            }
+        return out
 
 
 class EnvCalls:

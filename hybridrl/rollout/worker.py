@@ -16,7 +16,8 @@ from hybridrl.parallel.distributed import compute_device
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends import make_backend
-from hybridrl.rollout.multiturn import env_rewards, with_environment
+from hybridrl.rollout.env_rewards import env_rewards
+from hybridrl.rollout.multiturn import with_environment
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.rollout.stream import RolloutStream
@@ -44,7 +45,7 @@ class RolloutWorker(Worker):
         self.progress = Progress()
         self.backend.step = self.progress.counting(self.backend.step)
         scorer = Scorer(cfg, self.tokenizer, eos_token_ids(model, self.tokenizer))
-        # with an environment, its reward (rollout/multiturn.py)
+        # with an environment, its reward (rollout/env_rewards.py)
         self.scorer = env_rewards(cfg, scorer)
         self.stream: RolloutStream | None = None
         # the latest scored groups of the stream, for the sample tables (telemetry/samples.py)
