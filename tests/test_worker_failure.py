@@ -25,7 +25,7 @@ from controller_workers import (  # noqa: F401 (fixture)
 from ray.util import placement_group_table
 
 from hybridrl.controller import ResourcePool, WorkerDiedError, WorkerError, WorkerGroup
-from hybridrl.controller.ray_backend import exit_cause
+from hybridrl.controller.ray_deaths import exit_cause
 from hybridrl.driver.placement import Roles
 
 

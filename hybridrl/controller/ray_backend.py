@@ -12,10 +12,10 @@ a loose script or test module either start Ray with ``PYTHONPATH`` in
 Stack dumps (``controller/stacks.py``): every host registers :mod:`faulthandler` for ``SIGUSR1``
 at startup, writing into an unlinked temporary file (nothing is left behind).
 :meth:`RayBackend.dump_stacks` (the driver's watchdog, on a step past ``trainer.step_timeout_s``)
-signals each rank's process and copies what it wrote into the run directory: from the driver for
-ranks on its own node, through a zero-CPU Ray task pinned to the node for the others. faulthandler
-writes from its C signal handler, so a rank stuck in a C call (a collective, a CUDA sync) still
-reports its Python stacks.
+has each rank's process write its stacks and copies them into the run directory.
+
+Deaths (``controller/ray_deaths.py``): a rank whose actor died is reported as soon as Ray knows,
+as a ``WorkerDiedError`` saying where it ran, why it died and what its peers did meanwhile.
 
 Health (``controller/health.py``): every host answers ``heartbeat()`` on a thread of its own (the
 Ray concurrency group ``health``), and a call of a method bounded by
@@ -28,19 +28,17 @@ import dataclasses
 import faulthandler
 import logging
 import os
-import re
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from hybridrl.controller.dispatch import RankCall
 from hybridrl.controller.health import HEALTH_GROUP, refusal, timed_out
+from hybridrl.controller.ray_deaths import died_error
 from hybridrl.controller.resource_pool import ResourcePool
-from hybridrl.controller.stacks import STACKS_SIGNAL, read_stacks
+from hybridrl.controller.stacks import STACKS_SIGNAL, dump_stacks
 from hybridrl.controller.worker import (
     WorkerContext,
-    WorkerDiedError,
     WorkerError,
     describe_exception,
     find_free_port,
@@ -56,8 +54,6 @@ DEATH_GRACE_S = 10.0
 # driver's environment): the torch.distributed timeout read by parallel/distributed.py
 FORWARDED_ENV = ("HYBRIDRL_PG_TIMEOUT_S",)
 _PLAIN = (int, float, bool, str, bytes, type(None))
-# seconds to wait for a remote node's stack-reading task
-STACKS_REMOTE_TIMEOUT_S = 20.0
 
 
 def init_ray(
@@ -250,7 +246,11 @@ class RayBackend:
             try:
                 results[ref] = ray.get(ref)
             except ray.exceptions.RayActorError as err:
-                self.dead = self._died(rank_of[ref], method, err, failed, waiting, rank_of)
+                rank = rank_of[ref]
+                where = self.where[rank] if rank < len(self.where) else None
+                unawaited = [rank_of[r] for r in waiting]
+                role = self.contexts[rank].role
+                self.dead = died_error(role, rank, method, err, where, failed, unawaited)
                 raise self.dead from err
             except ray.exceptions.RayError as err:
                 failed[rank_of[ref]] = err
@@ -268,77 +268,11 @@ class RayBackend:
             self.contexts[rank].role, rank, method, describe_exception(cause)
         ) from err
 
-    def _died(
-        self, rank: int, method: str, err: BaseException, failed: dict, waiting: list, rank_of: dict
-    ) -> WorkerDiedError:
-        """The error naming dead ``rank``: where it ran, why it died, what its peers did
-        meanwhile."""
-        report = str(getattr(err, "error_msg", "") or err)
-        if rank < len(self.where):
-            node_id, ip, _, pid = self.where[rank]
-        else:  # died before it could say where it runs: Ray's report names pid and ip
-            node_id, found = "?", dict(re.findall(r"^\t(pid|ip): (\S+)$", report, re.M))
-            pid, ip = found.get("pid", "?"), found.get("ip", "?")
-        lines = [
-            f"  rank {r} failed too, most likely because its peer died: "
-            f"{_first_line(describe_exception(_cause(e)))}"
-            for r, e in sorted(failed.items())
-        ]
-        lines += [
-            f"  rank {rank_of[ref]}: not awaited (it may be blocked in a collective with the dead "
-            "rank)"
-            for ref in waiting
-        ]
-        lines += [
-            f"  node id {node_id}; Ray's report:",
-            *("    " + line.strip() for line in report.splitlines() if line.strip()),
-        ]
-        return WorkerDiedError(
-            self.contexts[rank].role,
-            rank,
-            method,
-            exit_cause(report),
-            f"pid {pid} on node {ip}, node id {node_id[:12]}",
-            "\n".join(lines),
-        )
-
     def dump_stacks(self, directory) -> list[str]:
-        """Every rank's Python stacks into ``<directory>/<role>-rank<r>.txt`` (see the module
-        docstring); a rank whose stacks could not be had gets a file saying why. The paths."""
-        ray = self._ray
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        here = ray.get_runtime_context().get_node_id()
-        by_node: dict[str, list[int]] = {}
-        for rank, (node, _, _, _) in enumerate(self.where):
-            by_node.setdefault(node, []).append(rank)
-        texts: dict[int, str] = {}
-        remote = {}
-        for node, ranks in by_node.items():
-            procs = [(self.where[r][3], self.stack_fds[r]) for r in ranks]
-            if node == here:
-                texts |= dict(zip(ranks, read_stacks(procs)))
-                continue
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            task = ray.remote(read_stacks).options(
-                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            )
-            remote[node] = (ranks, task.remote(procs))
-        for node, (ranks, ref) in remote.items():
-            try:
-                found = ray.get(ref, timeout=STACKS_REMOTE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - a lost node must not stop the other dumps
-                found = [f"(no stacks: the task on node {node[:12]} failed: {exc!r})"] * len(ranks)
-            texts |= dict(zip(ranks, found))
-        paths = []
-        for rank, ctx in enumerate(self.contexts):
-            node, ip, _, pid = self.where[rank]
-            path = directory / f"{ctx.role}-rank{rank}.txt"
-            head = f"# role {ctx.role} rank {rank}: pid {pid} on node {ip} ({node[:12]})\n"
-            path.write_text(head + texts.get(rank, "(no stacks)\n"))
-            paths.append(str(path))
-        return paths
+        """Every rank's Python stacks into ``<directory>/<role>-rank<r>.txt``
+        (:func:`~hybridrl.controller.stacks.dump_stacks`); a rank whose stacks could not be had gets
+        a file saying why. The paths."""
+        return dump_stacks(self.where, self.stack_fds, self.contexts, directory)
 
     def _share(self, calls: list[RankCall]) -> list[RankCall]:
         if len(calls) < 2:
@@ -372,42 +306,3 @@ class RayBackend:
                 first = first or exc
         if first is not None:
             raise first
-
-
-def _cause(err: BaseException) -> BaseException:
-    cause = getattr(err, "cause", None)
-    return cause if isinstance(cause, BaseException) else err
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def exit_cause(report: str) -> str:
-    """A short cause of an actor's death from Ray's report (``ActorDiedError`` text), in plain words
-    first. Ray cannot name a signal: a process that vanished shows as a dropped connection."""
-    text = " ".join(
-        line.strip() for line in report.splitlines() if line.strip() and not line.startswith("\t")
-    )
-    text = re.split(r" (?:Some common causes|There are some potential root causes)", text)[0]
-    text = text.replace("The actor died unexpectedly before finishing this task. ", "")
-    found = re.search(r"Worker exit type: (\w+) Worker exit detail: (.*)", text)
-    ray_says = f"{found.group(1)}: {found.group(2)}" if found else text
-    low = text.lower()
-    if "memory" in low:
-        plain = "out of memory"
-    elif "ray.kill" in low:
-        plain = "killed by ray.kill"
-    elif "node" in low and (
-        "has died" in low or "node died" in low or "is dead because its node" in low
-    ):
-        plain = "its node was lost"
-    elif "connection error" in low or "end of file" in low:
-        plain = (
-            "its process vanished "
-            "(killed by a signal such as SIGKILL or the OOM killer, or crashed)"
-        )
-    else:
-        plain = "its process exited"
-    return f"{plain} [Ray: {ray_says}]"

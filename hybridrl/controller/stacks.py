@@ -2,7 +2,9 @@
 ``RayBackend.dump_stacks``): each rank registers :mod:`faulthandler` for :data:`STACKS_SIGNAL` at
 startup, writing into an unlinked temporary file; :func:`read_stacks` signals the processes of one
 node and reads what they wrote (plus ``py-spy``'s view when it is installed). It runs on the driver
-for its own node and in a Ray task pinned to each other node."""
+for its own node and in a Ray task pinned to each other node; :func:`dump_stacks` does that for a
+whole group and writes each rank's file. faulthandler writes from its C signal handler, so a rank
+stuck in a C call (a collective, a CUDA sync) still reports its Python stacks."""
 
 from __future__ import annotations
 
@@ -11,11 +13,56 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 # signal that makes a rank's process write its Python stacks (faulthandler)
 STACKS_SIGNAL = signal.SIGUSR1
 # seconds to wait for the stacks of the signalled processes (of one node)
 STACKS_WAIT_S = 3.0
+# seconds to wait for a remote node's stack-reading task
+STACKS_REMOTE_TIMEOUT_S = 20.0
+
+
+def dump_stacks(where: list[tuple], stack_fds: list[int], contexts: list, directory) -> list[str]:
+    """Every rank's Python stacks into ``<directory>/<role>-rank<r>.txt``; a rank whose stacks could
+    not be had gets a file saying why. ``where``: each rank's ``(node id, ip, port, pid)``;
+    ``stack_fds``: the fd each rank's stacks are written to; ``contexts``: the ranks'
+    ``WorkerContext``. Ranks on the driver's node are read from here, the others through a zero-CPU
+    Ray task pinned to their node. The paths."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    here = ray.get_runtime_context().get_node_id()
+    by_node: dict[str, list[int]] = {}
+    for rank, (node, _, _, _) in enumerate(where):
+        by_node.setdefault(node, []).append(rank)
+    texts: dict[int, str] = {}
+    remote = {}
+    for node, ranks in by_node.items():
+        procs = [(where[r][3], stack_fds[r]) for r in ranks]
+        if node == here:
+            texts |= dict(zip(ranks, read_stacks(procs)))
+            continue
+        task = ray.remote(read_stacks).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        )
+        remote[node] = (ranks, task.remote(procs))
+    for node, (ranks, ref) in remote.items():
+        try:
+            found = ray.get(ref, timeout=STACKS_REMOTE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a lost node must not stop the other dumps
+            found = [f"(no stacks: the task on node {node[:12]} failed: {exc!r})"] * len(ranks)
+        texts |= dict(zip(ranks, found))
+    paths = []
+    for rank, ctx in enumerate(contexts):
+        node, ip, _, pid = where[rank]
+        path = directory / f"{ctx.role}-rank{rank}.txt"
+        head = f"# role {ctx.role} rank {rank}: pid {pid} on node {ip} ({node[:12]})\n"
+        path.write_text(head + texts.get(rank, "(no stacks)\n"))
+        paths.append(str(path))
+    return paths
 
 
 def read_stacks(procs: list[tuple[int, int]], wait_s: float = STACKS_WAIT_S) -> list[str]:
