@@ -1,15 +1,15 @@
-"""Expert parallelism (``moe.ep_size``, ``hybridrl/moe/ep.py``) on gloo ranks (CPU, fp32), with
-the real Learner on ``tiny_moe``: EP 2 on 2 ranks gives the single process's log-probs (the
-policy's and the reference's, whose experts are split too), loss,
-gradients of every parameter (experts gathered) and updated weights within 1e-5; the experts are
-really split (each rank holds 4 of 8 per layer) and tokens really cross ranks; weight sync
-returns full expert tensors by transformers names; an EP 2 checkpoint loads at EP 1 (2 ranks and
-one process) with equal weights, and its export and transformers copy hold them too; bad
-``ep_size`` values fail at config time. The slow test runs 4
-ranks: EP 4, and EP 2 with FSDP over the other dimension and activation checkpointing (the
-recomputed forward exchanges its tokens again), against the same single process, EP 4 with routing
-replay (R3) against the single process replaying the same routing, and loads the 2-rank EP 2
-checkpoint at EP 4 and EP 2 x FSDP 2.
+"""Expert parallelism (``moe.ep_size``, ``hybridrl/moe/ep.py``) on gloo ranks (CPU, fp32), with the
+real Learner on ``tiny_moe``: EP 2 on 2 ranks gives the single process's log-probs (the policy's
+and the reference's, whose experts are split too), loss, gradients of every parameter (experts
+gathered) and updated weights within 1e-5; the experts are really split (each rank holds 4 of 8 per
+layer) and tokens really cross ranks; weight sync returns full expert tensors by transformers
+names; an EP 2 checkpoint loads at EP 1 (2 ranks and one process) with equal weights, and its
+export and transformers copy hold them too; EP 2 with a LoRA actor (adapters on attention, experts
+frozen and split) equals the single-process LoRA learner and its checkpoint reloads in one process;
+bad ``ep_size`` values fail at config time. The slow test runs 4 ranks: EP 4, and EP 2 with FSDP
+over the other dimension and activation checkpointing (the recomputed forward exchanges its tokens
+again), against the same single process, EP 4 with routing replay (R3) against the single process
+replaying the same routing, and loads the 2-rank EP 2 checkpoint at EP 4 and EP 2 x FSDP 2.
 
 The ranks are subprocesses running this file (``python tests/test_ep.py rank ...``), one torch
 thread each.
@@ -33,8 +33,10 @@ TOL = 1e-5
 ROWS = 8
 
 
-def make_cfg(ep_size: int = 1, checkpointing: bool = False) -> Config:
+def make_cfg(ep_size: int = 1, checkpointing: bool = False, lora: bool = False) -> Config:
     cfg = Config()
+    if lora:  # adapters on the attention projections; the experts (fused tensors) stay frozen
+        cfg.actor.lora_rank = 4
     cfg.model.name = "tiny_moe"
     cfg.algorithm.entropy_coef = 0.01
     cfg.actor.ppo_minibatch_size = ROWS  # one mini-batch: the gradients left are the step's
@@ -83,6 +85,8 @@ def full_grads(model) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
+        if g is None:  # frozen (LoRA's base weights)
+            continue
         out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
     return out
 
@@ -150,6 +154,10 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         plain.load_state(str(work / "ckpt"))
         workers.append(plain)
         out["loaded_ep1"] = full_weights(plain)
+        lora = Learner(ctx, make_cfg(2, lora=True), None)  # LoRA on the EP 2 model
+        workers.append(lora)
+        out["lora"] = step(lora, part) | {"shapes": expert_shapes(lora)}
+        lora.save_checkpoint(str(work / "lora_ckpt"))
     else:  # the 2-rank EP 2 checkpoint at EP 4 and at EP 2 x FSDP 2
         for ep in sizes:
             fresh = Learner(ctx, make_cfg(ep), None)
@@ -164,11 +172,11 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 
 
 # --- the tests ------------------------------------------------------------------------------------
-def single_process(batch: Batch | None = None):
+def single_process(batch: Batch | None = None, lora: bool = False):
     from hybridrl.learner import Learner
 
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
-    learner = Learner(ctx, make_cfg(), None)
+    learner = Learner(ctx, make_cfg(lora=lora), None)
     return learner, (make_batch(learner) if batch is None else batch)
 
 
@@ -180,8 +188,11 @@ def runs(tmp_path_factory):
     torch.save(batch.tensors, work / "batch.pt")
     procs = launch_ranks(__file__, 2, work)
     ref = step(learner, batch) | {"batch": batch}
+    lora, _ = single_process(batch, lora=True)
+    ref_lora = step(lora, batch) | {"batch": batch}
     wait_ranks(procs, timeout=300)
-    return {"work": work, "ref": ref, "ranks": torch.load(work / "ranks2.pt", weights_only=False)}
+    ranks = torch.load(work / "ranks2.pt", weights_only=False)
+    return {"work": work, "ref": ref, "ref_lora": ref_lora, "ranks": ranks}
 
 
 def check_equal(ref: dict, got: dict, world: int) -> None:
@@ -238,6 +249,23 @@ def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
     assert max_diff(trained, dict(kept.named_parameters())) == 0.0
 
 
+def test_ep2_with_lora_equals_single_process_and_reloads_at_ep1(runs):
+    ref, got = runs["ref_lora"], runs["ranks"]["lora"]
+    assert got["shapes"] == {(4, 512, 128)}  # the frozen experts are split as without LoRA
+    check_equal(ref, got, 2)
+    # only the adapters learn (attention's; the experts stay frozen); B starts at zero, so at the
+    # first step only the B matrices have a gradient, and each of them has one
+    assert ref["grads"] and all("lora_" in k and "experts" not in k for k in ref["grads"])
+    assert min(g.abs().max().item() for k, g in ref["grads"].items() if "lora_B" in k) > 0.0
+    # the first weight sync sends the base too: the experts whole, gathered from the EP shards
+    assert got["weights"]["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 512, 128)
+    assert set(got["grads"]) == set(ref["grads"])
+    # the LoRA checkpoint written at EP 2 reloads in one process: the same adapters and base
+    learner, _ = single_process(runs["ref"]["batch"], lora=True)
+    learner.load_state(str(runs["work"] / "lora_ckpt"))
+    assert max_diff(got["weights"], full_weights(learner)) == 0.0
+
+
 @pytest.mark.slow
 def test_four_ranks_ep4_and_ep2_with_fsdp(runs):
     work = runs["work"]
@@ -272,7 +300,7 @@ def test_bad_ep_size_fails_at_config_time():
         check_moe(cfg)
     cfg.controller.pools[cfg.controller.placement["learner"]].workers_per_node = 2
     check_moe(cfg)  # 2 learner ranks, 8 experts: fine
-    for key, value in (("pp_size", 2), ("lora_rank", 4)):
+    for key, value in (("pp_size", 2),):
         other = make_cfg(2)
         other.controller.pools[other.controller.placement["learner"]].workers_per_node = 2
         setattr(other.actor, key, value)

@@ -91,7 +91,7 @@ def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
         r=s.rank,
         lora_alpha=s.alpha,
         lora_dropout=s.dropout,
-        target_modules=list(s.targets),
+        target_modules=linear_targets(model, s.targets),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -106,6 +106,21 @@ def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
             "LoRA on Conv1D (fan_in_fan_out) layers is not supported: target nn.Linear modules"
         )
     return peft_model
+
+
+def linear_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
+    """The names of ``model``'s Linear modules that ``targets`` name (a name or its dotted suffix,
+    as PEFT matches), spelled out. Given the short names, PEFT would also put 3-D adapters on a
+    mixture-of-experts model's fused expert tensors (``mlp.experts.gate_up_proj`` / ``down_proj``),
+    which neither the merged weights, the weight sync nor the native engine's merge handle: on an
+    MoE model LoRA adapts attention (and any dense or shared-expert MLP) and the routed experts stay
+    frozen (docs/moe.md)."""
+    targets = tuple(targets)
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and any(name.endswith("." + t) for t in targets)
+    ]
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -80,8 +80,8 @@ def experts_per_layer(cfg) -> int | None:
 
 def check_config(cfg) -> None:
     """``moe.ep_size`` against the rest of the config (before any work): the learner's world size
-    and the model's experts must divide by it; the pipeline-parallel and LoRA actors do not support
-    it. Raises ValueError."""
+    and the model's experts must divide by it; the pipeline-parallel actor does not support it.
+    Raises ValueError."""
     ep = cfg.moe.ep_size
     if ep <= 1:
         return
@@ -90,10 +90,6 @@ def check_config(cfg) -> None:
     if cfg.actor.pp_size > 1:
         raise ValueError(
             f"moe.ep_size={ep} is not supported with actor.pp_size={cfg.actor.pp_size} yet"
-        )
-    if cfg.actor.lora_rank > 0:
-        raise ValueError(
-            f"moe.ep_size={ep} is not supported with actor.lora_rank={cfg.actor.lora_rank} yet"
         )
 
 
