@@ -182,7 +182,7 @@ class DeathWatch:
                 except ray.exceptions.RayActorError as err:
                     if self._stop.is_set():
                         return
-                    self.error = backend._died(rank, "heartbeat", err, {}, [], {})
+                    self.error = backend._died(rank, "heartbeat", err, {}, [])
                     message = str(self.error).splitlines()[0]
                     log.warning("%s", message)
                     try:

@@ -39,6 +39,7 @@ from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.controller.stacks import STACKS_SIGNAL, dump_stacks
 from hybridrl.controller.worker import (
     WorkerContext,
+    WorkerDiedError,
     WorkerError,
     describe_exception,
     find_free_port,
@@ -246,11 +247,8 @@ class RayBackend:
             try:
                 results[ref] = ray.get(ref)
             except ray.exceptions.RayActorError as err:
-                rank = rank_of[ref]
-                where = self.where[rank] if rank < len(self.where) else None
                 unawaited = [rank_of[r] for r in waiting]
-                role = self.contexts[rank].role
-                self.dead = died_error(role, rank, method, err, where, failed, unawaited)
+                self.dead = self._died(rank_of[ref], method, err, failed, unawaited)
                 raise self.dead from err
             except ray.exceptions.RayError as err:
                 failed[rank_of[ref]] = err
@@ -267,6 +265,16 @@ class RayBackend:
         raise WorkerError(
             self.contexts[rank].role, rank, method, describe_exception(cause)
         ) from err
+
+    def _died(
+        self, rank: int, method: str, err: BaseException, failed: dict, unawaited: list[int]
+    ) -> WorkerDiedError:
+        """The error naming dead ``rank`` (``controller/ray_deaths.py``): where it ran, why it
+        died, what its peers did meanwhile (``failed``: the ranks that raised; ``unawaited``: those
+        still running). Also the heartbeat watch's (``controller/health.py``)."""
+        where = self.where[rank] if rank < len(self.where) else None
+        role = self.contexts[rank].role
+        return died_error(role, rank, method, err, where, failed, unawaited)
 
     def dump_stacks(self, directory) -> list[str]:
         """Every rank's Python stacks into ``<directory>/<role>-rank<r>.txt``
