@@ -6,8 +6,9 @@ layer) and tokens really cross ranks; weight sync returns full expert tensors by
 names; an EP 2 checkpoint loads at EP 1 (2 ranks and one process) with equal weights, and its
 export and transformers copy hold them too; EP 2 with a LoRA actor (adapters on attention, experts
 frozen and split) equals the single-process LoRA learner and its checkpoint reloads in one process;
-bad ``ep_size`` values fail at config time. The slow test runs 4 ranks: EP 4, and EP 2 with FSDP
-over the other dimension and activation checkpointing (the recomputed forward exchanges its tokens
+a critic (GAE) on the EP 2 trunk equals the single-process critic after two updates; bad
+``ep_size`` values fail at config time. The slow test runs 4 ranks: EP 4, and EP 2 with FSDP over
+the other dimension and activation checkpointing (the recomputed forward exchanges its tokens
 again), against the same single process, EP 4 with routing replay (R3) against the single process
 replaying the same routing, and loads the 2-rank EP 2 checkpoint at EP 4 and EP 2 x FSDP 2.
 
@@ -33,8 +34,13 @@ TOL = 1e-5
 ROWS = 8
 
 
-def make_cfg(ep_size: int = 1, checkpointing: bool = False, lora: bool = False) -> Config:
+def make_cfg(
+    ep_size: int = 1, checkpointing: bool = False, lora: bool = False, critic: bool = False
+) -> Config:
     cfg = Config()
+    if critic:  # GAE: a value model on the MoE trunk, one mini-batch of a few micro-batches
+        cfg.algorithm.advantage = "gae"
+        cfg.critic.ppo_minibatch_size, cfg.critic.micro_batch_tokens = ROWS, 40
     if lora:  # adapters on the attention projections; the experts (fused tensors) stay frozen
         cfg.actor.lora_rank = 4
     cfg.model.name = "tiny_moe"
@@ -60,6 +66,7 @@ def make_batch(learner, n: int = ROWS, prompt_len: int = 5, resp_len: int = 6, s
             "ref_log_probs": (old + 0.05 * torch.randn(old.shape, generator=g)) * rmask,
             "advantages": adv.contiguous(),
             "rollout_log_probs": old,
+            "returns": torch.randn(old.shape, generator=g) * rmask,  # for a critic
         }
     )
 
@@ -113,6 +120,31 @@ def step(learner, part: Batch) -> dict:
     }
 
 
+def critic_step(learner, part: Batch) -> dict:
+    """The critic's values, two updates towards the batch's returns (the value head starts at zero,
+    so only the second update's gradient reaches the trunk and its experts), the values after."""
+    critic = learner.critic
+    before = critic.values(part)["values"]
+    data = part | Batch({"values": before})
+    metrics = [critic.update(data) for _ in range(2)][-1]
+    weights = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in critic.model.named_parameters()
+    }
+    grads = full_grads(critic.model)  # before the next forward: FSDP2's root forward drops them
+    return {
+        "after": critic.values(part)["values"],
+        "metrics": metrics,
+        "grads": grads,
+        "weights": weights,
+        "shapes": {
+            tuple(p.to_local().shape) if hasattr(p, "to_local") else tuple(p.shape)
+            for n, p in critic.model.named_parameters()
+            if n.endswith("experts.gate_up_proj")
+        },
+    }
+
+
 def expert_shapes(learner) -> set:
     """This rank's shapes of the policy's and the reference's ``gate_up_proj``."""
     return {
@@ -158,6 +190,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         workers.append(lora)
         out["lora"] = step(lora, part) | {"shapes": expert_shapes(lora)}
         lora.save_checkpoint(str(work / "lora_ckpt"))
+        critic = Learner(ctx, make_cfg(2, critic=True), None)  # a critic on the EP 2 trunk
+        workers.append(critic)
+        out["critic"] = critic_step(critic, part)
     else:  # the 2-rank EP 2 checkpoint at EP 4 and at EP 2 x FSDP 2
         for ep in sizes:
             fresh = Learner(ctx, make_cfg(ep), None)
@@ -172,11 +207,11 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 
 
 # --- the tests ------------------------------------------------------------------------------------
-def single_process(batch: Batch | None = None, lora: bool = False):
+def single_process(batch: Batch | None = None, lora: bool = False, critic: bool = False):
     from hybridrl.learner import Learner
 
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
-    learner = Learner(ctx, make_cfg(lora=lora), None)
+    learner = Learner(ctx, make_cfg(lora=lora, critic=critic), None)
     return learner, (make_batch(learner) if batch is None else batch)
 
 
@@ -190,9 +225,16 @@ def runs(tmp_path_factory):
     ref = step(learner, batch) | {"batch": batch}
     lora, _ = single_process(batch, lora=True)
     ref_lora = step(lora, batch) | {"batch": batch}
+    ref_critic = critic_step(single_process(batch, critic=True)[0], batch)
     wait_ranks(procs, timeout=300)
     ranks = torch.load(work / "ranks2.pt", weights_only=False)
-    return {"work": work, "ref": ref, "ref_lora": ref_lora, "ranks": ranks}
+    return {
+        "work": work,
+        "ref": ref,
+        "ref_lora": ref_lora,
+        "ref_critic": ref_critic,
+        "ranks": ranks,
+    }
 
 
 def check_equal(ref: dict, got: dict, world: int) -> None:
@@ -264,6 +306,20 @@ def test_ep2_with_lora_equals_single_process_and_reloads_at_ep1(runs):
     learner, _ = single_process(runs["ref"]["batch"], lora=True)
     learner.load_state(str(runs["work"] / "lora_ckpt"))
     assert max_diff(got["weights"], full_weights(learner)) == 0.0
+
+
+def test_critic_on_an_ep2_trunk_equals_single_process(runs):
+    ref, got = runs["ref_critic"], runs["ranks"]["critic"]
+    assert got["shapes"] == {(4, 512, 128)}  # the value model's experts are split too
+    n0 = len(runs["ref"]["batch"].chunk(2)[0])
+    assert (got["after"] - ref["after"][:n0]).abs().max().item() <= TOL
+    assert ref["after"].abs().max().item() > 1e-3  # the updates moved the values
+    for k in ("critic/vf_loss", "critic/grad_norm"):
+        assert got["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-6), k
+    experts = [k for k in ref["grads"] if "experts" in k]
+    assert experts and min(ref["grads"][k].abs().max().item() for k in experts) > 0.0
+    assert max_diff(ref["grads"], got["grads"]) <= TOL
+    assert max_diff(ref["weights"], got["weights"]) <= TOL
 
 
 @pytest.mark.slow

@@ -66,7 +66,10 @@ class Critic:
 
     def __init__(self, cfg: Config, model_path: str | None, dist):
         self.cfg = cfg
-        self.model = prepare_model(build_value_model(cfg, model_path), fsdp_config_of(cfg), dist)
+        # an MoE trunk splits its experts over ranks like the policy's (moe.ep_size)
+        self.model = prepare_model(
+            build_value_model(cfg, model_path), fsdp_config_of(cfg), dist, ep_size=cfg.moe.ep_size
+        )
         # AdamW's default weight decay (0.01), fused where it applies (learner/optim.py)
         self.optimizer = make_adamw(self.model.parameters(), cfg.critic.lr, 0.01, "critic")
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
