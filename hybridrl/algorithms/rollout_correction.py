@@ -17,7 +17,7 @@ The weight is detached and multiplies the per-token policy loss (``learner/learn
 tokens still count in the aggregation's denominators, as ``decoupled_ppo``'s cap does. The
 train-rollout gap metrics are logged whenever both log-probs exist, with the correction on or off
 (after the update on a step that takes the old log-probs from the update's own forward,
-``learner/learner.py``; the weights, an input of the loss, keep the separate pass).
+``learner/step.py``; the weights, an input of the loss, keep the separate pass).
 """
 
 from __future__ import annotations
