@@ -28,14 +28,15 @@ def real_counts(model) -> tuple[int, int]:
     return total, experts
 
 
-@pytest.mark.parametrize("kind", ["tiny_moe", "qwen2_moe", "mixtral"])
-def test_parameter_counts_match_the_real_models(kind):
+def real_model(kind: str):
+    """(config, model) of tiny_moe, a Qwen2-MoE with a shared expert and a dense first layer, or
+    a Mixtral."""
     if kind == "tiny_moe":
         config = resolve_model("tiny_moe")
         from transformers import Qwen3MoeForCausalLM
 
-        model = Qwen3MoeForCausalLM(config)
-    elif kind == "qwen2_moe":  # a shared expert and a dense first layer
+        return config, Qwen3MoeForCausalLM(config)
+    if kind == "qwen2_moe":
         config = Qwen2MoeConfig(
             **SMALL,
             num_experts=4,
@@ -44,12 +45,30 @@ def test_parameter_counts_match_the_real_models(kind):
             intermediate_size=48,
             mlp_only_layers=[0],
         )
-        model = Qwen2MoeForCausalLM(config)
-    else:
-        config = MixtralConfig(**SMALL, num_local_experts=4, intermediate_size=16)
-        model = MixtralForCausalLM(config)
+        return config, Qwen2MoeForCausalLM(config)
+    config = MixtralConfig(**SMALL, num_local_experts=4, intermediate_size=16)
+    return config, MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ["tiny_moe", "qwen2_moe", "mixtral"])
+def test_parameter_counts_match_the_real_models(kind):
+    config, model = real_model(kind)
     r = estimate(config)
     assert (r["n_params"], r["expert_params"]) == real_counts(model)
+
+
+@pytest.mark.parametrize("kind", ["tiny_moe", "qwen2_moe", "mixtral"])
+def test_lora_on_moe_counts_the_adapters_peft_adds(kind):
+    """LoRA on an MoE model adapts attention, dense MLPs and a shared expert, never the routed
+    experts: the estimate's trainable parameters equal those of the real PEFT-wrapped model."""
+    from hybridrl.learner.lora import LoraSettings, apply_lora, trainable_parameters
+
+    config, model = real_model(kind)
+    model = apply_lora(model, LoraSettings(rank=4))
+    real = sum(p.numel() for p in trainable_parameters(model))
+    est = estimate(config, Layout(lora_rank=4))
+    assert est["trainable_params"] == real
+    assert est["optimizer"] == 8 * real  # fp32 m and v of the adapters only
 
 
 def test_tiny_moe_active_parameters_are_about_tiny():
@@ -115,7 +134,6 @@ def test_expert_parallelism_per_device():
         ("tiny_moe", dict(world_size=4, ep_size=3), "divide world_size 4"),
         ("tiny", dict(world_size=2, ep_size=2), "needs a mixture-of-experts config"),
         (1e9, dict(world_size=2, ep_size=2), "needs a mixture-of-experts config"),
-        ("tiny_moe", dict(lora_rank=4), "LoRA estimates cover dense decoders only"),
     ],
 )
 def test_bad_layouts(model, layout, match):

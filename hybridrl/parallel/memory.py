@@ -25,7 +25,9 @@ the parameter dtype (pΨ_t each).
 so mixed-precision Adam is 2Ψ + 2Ψ + 12Ψ = 16Ψ per replica, and per device
 ZeRO-1 (``optim``) 4Ψ + 12Ψ/N, ZeRO-2 (``grad_op``) 2Ψ + 14Ψ/N, ZeRO-3
 (``full``) 16Ψ/N. With LoRA (``lora_rank`` r > 0) Ψ_t = Σ_layers r·(in+out)
-over q, k, v, o, gate, up, down; the frozen base keeps only its weights.
+over q, k, v, o, gate, up, down (an MoE layer: over its shared expert's gate, up,
+down, if any; the routed experts stay frozen); the frozen base keeps only its
+weights.
 With ``cpu_offload`` the (sharded) weights, gradients and optimizer states
 live in host memory (their device is "cpu"), as FSDP2's CPUOffloadPolicy does.
 
@@ -212,18 +214,19 @@ class Shape:
         return self.moe.expert_params(self.hidden) if self.moe else 0
 
     def lora_params(self, r: int) -> int:
-        h, inter = self.hidden, self.intermediate
+        """Σ r·(in+out) over the Linear modules LoRA adapts: q, k, v, o in every layer; gate, up
+        and down in a dense layer's MLP and in an MoE layer's shared expert (width I_s). The routed
+        experts are fused tensors, not Linear modules, and stay frozen."""
+        h = self.hidden
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        dims = {
-            "q": (h, q),
-            "k": (h, kv),
-            "v": (h, kv),
-            "o": (q, h),
-            "gate": (h, inter),
-            "up": (h, inter),
-            "down": (inter, h),
-        }
-        return self.layers * sum(r * (i + o) for i, o in (dims[t] for t in LORA_TARGETS))
+        attn = r * ((h + q) + 2 * (h + kv) + (q + h))
+        shared = self.moe.shared_inter if self.moe else 0
+        dense_mlp, moe_mlp = 3 * r * (h + self.intermediate), 3 * r * (h + shared) if shared else 0
+        return (
+            self.layers * attn
+            + (self.layers - self.moe_layers) * dense_mlp
+            + self.moe_layers * moe_mlp
+        )
 
 
 def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
@@ -233,11 +236,15 @@ def _activation_terms(s: Shape, lay: Layout) -> dict[str, int]:
     T = lay.seq_len or min(n, s.max_positions)
     h, inter = s.hidden, s.intermediate
     norm = 4 * h + 2 * a * h + 4
-    attn = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 7 * a * lay.lora_rank
+    attn = 2 * norm + a * 4 * h + 4 * s.heads + a * T + 4 * a * lay.lora_rank
     if s.qk_norm:  # Qwen3's per-head q/k RMSNorms: their input, normalised value and 1/rms
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         attn += (4 + a) * (q + kv) + 4 * (s.heads + s.kv_heads)
-    dense, moe = attn + 4 * a * inter, attn + (s.moe.mlp_activation(h, a) if s.moe else 0)
+    lora_mlp = 3 * a * lay.lora_rank  # the adapters' r-wide activations of gate, up, down
+    dense = attn + 4 * a * inter + lora_mlp
+    moe = attn
+    if s.moe:  # the routed experts' activations; adapters only on a shared expert
+        moe += s.moe.mlp_activation(h, a) + (lora_mlp if s.moe.shared_inter else 0)
     head = norm + a * s.vocab + 3 * 4 * s.vocab
     backward = a * (h + max(inter if s.moe_layers < s.layers else 0, _routed_width(s)))
     if lay.activation_checkpointing:
@@ -279,8 +286,6 @@ def estimate(model, layout: Layout | None = None) -> dict:
         if not psi_e:
             raise ValueError("ep_size > 1 needs a mixture-of-experts config")
         shape.moe.check_ep(lay.ep_size, lay.world_size)
-    if lay.lora_rank and psi_e:
-        raise ValueError("LoRA estimates cover dense decoders only")
     trainable = shape.lora_params(lay.lora_rank) if lay.lora_rank else psi
     trained_e = 0 if lay.lora_rank else psi_e  # the experts' share of the trained parameters
     N, p = lay.world_size, DTYPE_BYTES[lay.param_dtype]
