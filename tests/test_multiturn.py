@@ -153,6 +153,32 @@ def test_trained_tokens_are_the_engines_tokens_plus_the_observations():
     assert mt.stats()["engine/prefix_hit_rate"] > 0
 
 
+def test_an_moe_engine_records_each_trajectorys_routing_for_replay():
+    """On a mixture-of-experts policy every trajectory carries the routing the engine recorded
+    (for routing replay): one row per token of prompt, turns and observations, equal to
+    transformers' top-k over the whole trajectory (the same fp32 weights: computed turn by turn
+    through the prefix cache, or at once, the experts chosen are the same), the last token never
+    fed; the batch the trainer gets holds it."""
+    from hybridrl.models.factory import build_model
+    from hybridrl.moe.routing import NOT_ROUTED, record
+
+    cfg = load_config(Config, None, ["task.name=calc", "rollout.dtype=fp32"])
+    model = build_model("tiny_moe", TOK, 0)
+    mt = rollout(NativeRollout(model, TOK, cfg.rollout), Echo, max_turns=3, kwargs={"turns": 3})
+    out = mt.generate(prompts(2), params(max_new_tokens=6))
+    assert len(out) == 4
+    for s in out:
+        full = s.prompt_ids + s.response_ids
+        assert 0 in s.loss_mask  # observations inside the trajectory
+        assert s.routing.shape == (len(full), 4, 2)
+        assert (s.routing[-1] == NOT_ROUTED).all()
+        with torch.no_grad(), record(model) as rec:
+            model(torch.tensor([full[:-1]]))
+        assert torch.equal(s.routing[:-1], rec.forwards()[0])
+    batch = samples_to_batch(out, TOK.pad_token_id)
+    assert batch["routing"].shape[:2] == batch["input_ids"].shape
+
+
 def test_loss_mask_log_probs_and_versions_per_token():
     turn = ids("<call>1*2</call>")
     mt = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"turns": 3})

@@ -317,6 +317,7 @@ class MultiTurnRollout(RolloutEngine):
         else:
             versions, mask = s.versions, [1] * len(ids)
         t.extend(ids, s.log_probs, versions, mask)
+        t.add_routing(s.routing)  # MoE engines: what routing replay (R3) trains on
         self.counts["all_turns"] += 1
         self.counts["cross_turns"] += t.cross
         t.turns += 1

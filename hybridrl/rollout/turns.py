@@ -36,6 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import SamplingParams
 
@@ -75,6 +78,9 @@ class Trajectory:
     parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
     messages: list[dict] | None = None  # chat prompts: the conversation so far
     rendered: list[int] | None = None  # chat prompts: the template's tokens of it
+    # a mixture-of-experts engine's recorded routing of the part's first tokens (tokens, layers,
+    # k); None: nothing recorded (a dense model)
+    routing: torch.Tensor | None = None
 
     @property
     def uid(self) -> str:
@@ -91,12 +97,29 @@ class Trajectory:
         self.loss_mask += loss_mask
         self.total += len(ids)
 
+    def add_routing(self, turn: torch.Tensor | None) -> None:
+        """A turn's recorded routing (its request's tokens, the trajectory so far, then its new
+        tokens): each token keeps the routing of the forward that first computed it (the prompt and
+        earlier turns as their own requests recorded them, observations and a turn's last token as
+        the next request's prefill did), which is the routing its KV had when later tokens were
+        sampled."""
+        if turn is None:
+            return
+        if self.routing is None:
+            self.routing = turn.clone()
+            return
+        merged, old = turn.clone(), self.routing
+        kept = (old != NOT_ROUTED).all(-1)
+        merged[: len(old)][kept] = old[kept]
+        self.routing = merged
+
     def split(self, rendered: list[int]) -> None:
         """The template rewrote the conversation: the tokens so far become a finished part, and the
         next part starts from the template's rendering ``rendered`` as its prompt."""
         self.parts.append(self.part("finished"))
         self.prompt_ids = list(rendered)
         self.response_ids, self.log_probs, self.versions, self.loss_mask = [], [], [], []
+        self.routing = None  # the next part's prompt is prefilled afresh
 
     def part(self, status: str) -> Sample:
         """The current part as a sample of the prompt with ``status``."""
@@ -104,6 +127,10 @@ class Trajectory:
             self.response_ids, self.log_probs, self.versions, status
         )
         s.prompt_ids, s.loss_mask = list(self.prompt_ids), list(self.loss_mask)
+        if self.routing is not None:  # tokens never fed (observations after the last turn): -1
+            n = len(s.prompt_ids) + len(s.response_ids)
+            s.routing = torch.full((n, *self.routing.shape[1:]), NOT_ROUTED, dtype=ROUTING_DTYPE)
+            s.routing[: len(self.routing)] = self.routing[:n]
         return s
 
     def samples(self) -> list[Sample]:
