@@ -27,6 +27,10 @@ and layer, that shifts the *selection* only (the dispatch weights stay the route
 ``moe.bias_update_rate``): a rollout that differs from the trainer in routing and in nothing else,
 so its ``mismatch_none`` is all routing part.
 
+``--trainer-precision bf16`` runs the trainer's forwards under bf16 autocast over its fp32 weights
+(``fsdp.mixed_precision=bf16``, what mixed-precision trainers do), so that both sides round the
+same weights to bf16 and differ in kernels and in where activations are rounded.
+
 ``--policy DIR`` starts from a given transformers checkpoint (e.g. ``hybridrl export`` of the MoE
 example's final step) instead of the example's warm start.
 
@@ -77,6 +81,7 @@ from hybridrl.learner.moe import REPLAY, ROUTING  # noqa: E402
 from hybridrl.models.factory import model_size_config  # noqa: E402
 from hybridrl.models.loading import make_task  # noqa: E402
 from hybridrl.moe.routing import record, same_sets  # noqa: E402
+from hybridrl.parallel.precision import autocast  # noqa: E402
 from hybridrl.protocol import Batch, prompt_sample, samples_to_batch  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
 from hybridrl.rollout.base import SamplingParams  # noqa: E402
@@ -147,7 +152,7 @@ def warm_record(path: str) -> dict | None:
 def fresh_routing_diff(model, batch: Batch) -> float:
     """The fraction of (real token, layer) pairs whose fresh top-k set differs from the recorded."""
     attn = batch["attention_mask"]
-    with record(model) as rec, torch.no_grad():
+    with record(model) as rec, torch.no_grad(), autocast(model):  # as the trainer's forwards
         model(
             input_ids=batch["input_ids"],
             attention_mask=attn,
@@ -218,6 +223,7 @@ def replay(args) -> dict:
     overrides = [
         f"trainer.prompts_per_step={args.prompts}",
         f"trainer.samples_per_prompt={args.samples}",
+        f"fsdp.mixed_precision={args.trainer_precision}",
     ]
     cfg = load_config(Config, str(EXAMPLE), overrides)
     variant = None if args.policy else fine_grained(cfg, args)
@@ -278,7 +284,8 @@ def replay(args) -> dict:
     return {
         "setup": (
             f"W1 (examples/arith_grpo_moe.yaml), {model}, GRPO + R3, "
-            "fp32 training; native-engine rollouts; trained on the bf16 rollout's samples"
+            f"{args.trainer_precision} training forwards; native-engine rollouts; trained on the "
+            "bf16 rollout's samples"
         ),
         "steps": args.steps,
         "fine_grained": variant,
@@ -336,6 +343,12 @@ def main() -> None:
         type=int,
         default=0,
         help="the variant's expert width (0: tiny_moe's active width 512 / k)",
+    )
+    ap.add_argument(
+        "--trainer-precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the trainer's forwards: fp32, or bf16 autocast (fsdp.mixed_precision)",
     )
     ap.add_argument("--workdir", default="runs/bench_moe")
     ap.add_argument("--quick", action="store_true", help="a smoke run of the engine scenarios")
