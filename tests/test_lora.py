@@ -348,3 +348,17 @@ if __name__ == "__main__" and sys.argv[1] == "rank":
     # leave without that exit.
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)
+
+
+def test_targets_are_spelled_out_as_linear_modules_and_a_miss_is_named():
+    """PEFT gets the Linear modules the targets name (a name or a dotted suffix of one), never a
+    fused 3-D expert tensor; targets that name no Linear module fail naming what the model has."""
+    from hybridrl.models.factory import build_model
+    from hybridrl.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    moe = build_model("tiny_moe", tok, 0)
+    names = lora_lib.linear_targets(moe, ("self_attn.q_proj", "up_proj"))
+    assert names == [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]  # no expert tensor
+    with pytest.raises(ValueError, match=r"\['qkv'\] names no Linear module.*: down_proj, "):
+        lora_lib.linear_targets(build_model("tiny", tok, 0), ("qkv",))

@@ -116,11 +116,15 @@ def linear_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
     MoE model LoRA adapts attention (and any dense or shared-expert MLP) and the routed experts stay
     frozen (docs/moe.md)."""
     targets = tuple(targets)
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and any(name.endswith("." + t) for t in targets)
-    ]
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    names = [name for name in linear if any(name.endswith("." + t) for t in targets)]
+    if not names:
+        known = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        raise ValueError(
+            f"actor.lora_target_modules {list(targets)} names no Linear module of the model; "
+            f"its Linear modules end in: {', '.join(known)}"
+        )
+    return names
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
