@@ -362,3 +362,21 @@ def test_targets_are_spelled_out_as_linear_modules_and_a_miss_is_named():
     assert names == [f"model.layers.{i}.self_attn.q_proj" for i in range(4)]  # no expert tensor
     with pytest.raises(ValueError, match=r"\['qkv'\] names no Linear module.*: down_proj, "):
         lora_lib.linear_targets(build_model("tiny", tok, 0), ("qkv",))
+
+
+def test_mlp_targets_that_peft_maps_onto_the_experts_are_refused():
+    """A Qwen3-MoE with a dense first layer: PEFT maps the MLP names onto the routed experts'
+    fused tensors, so those targets are refused with the names to leave out; attention works."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from hybridrl.models.factory import MOE_SIZES
+
+    config = Qwen3MoeConfig(vocab_size=64, **(MOE_SIZES["tiny_moe"] | {"mlp_only_layers": [0]}))
+    with pytest.raises(ValueError, match=r"MLP names \['down_proj', 'gate_proj', 'up_proj'\]"):
+        lora_lib.apply_lora(Qwen3MoeForCausalLM(config), lora_lib.LoraSettings(rank=4))
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    model = lora_lib.apply_lora(
+        Qwen3MoeForCausalLM(config), lora_lib.LoraSettings(4, targets=attention)
+    )
+    adapted = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted and all(".self_attn." in n for n in adapted)

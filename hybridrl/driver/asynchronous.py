@@ -2,7 +2,7 @@
 
 Rollout ranks generate without pause (``rollout/stream.py``) and put scored groups into the
 trajectory buffer (``rollout/buffer.py``), which admits new prompts only within the staleness
-bound ``asynchronous.max_staleness``. The learner (``learner/learner.py``) takes each batch from
+bound ``asynchronous.max_staleness``. The learner (``learner/step.py``) takes each batch from
 the buffer itself (``Learner.train_step``, the same call the synchronous driver makes with the
 step's samples). The driver schedules and monitors: train version v, sync the weights (the rollout
 is interrupted between two engine steps and continues every sequence), log, evaluate, checkpoint.

@@ -48,6 +48,7 @@ from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.rollout.base import LORA_A, LORA_B, LORA_SCALING
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ADAPTER_DIR, STATE_DIR = "adapter", "lora_dcp"
 _PEFT_PREFIX = "base_model.model."
 
@@ -101,9 +102,13 @@ def apply_lora(model: nn.Module, s: LoraSettings, seed: int = 0) -> nn.Module:
         )
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
-    if any(getattr(m, "fan_in_fan_out", False) for m in peft_model.modules()):
-        raise NotImplementedError(
-            "LoRA on Conv1D (fan_in_fan_out) layers is not supported: target nn.Linear modules"
+    remapped = peft_model.peft_config["default"].target_parameters
+    if remapped:  # PEFT turned some MLP names into the fused experts' tensors (see linear_targets)
+        mlp = sorted({t for t in s.targets if t.rsplit(".", 1)[-1] in MLP_TARGETS})
+        raise ValueError(
+            f"LoRA on {model.config.model_type}: PEFT maps the MLP names {mlp} onto the routed "
+            f"experts' fused tensors {sorted(remapped)}, which hybridrl's LoRA does not adapt; "
+            "leave them out of actor.lora_target_modules, e.g. [q_proj, k_proj, v_proj, o_proj]"
         )
     return peft_model
 
@@ -114,10 +119,12 @@ def linear_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
     mixture-of-experts model's fused expert tensors (``mlp.experts.gate_up_proj`` / ``down_proj``),
     which neither the merged weights, the weight sync nor the native engine's merge handle: on an
     MoE model LoRA adapts attention (and any dense or shared-expert MLP) and the routed experts stay
-    frozen (docs/moe.md)."""
+    frozen (docs/moe.md). For some MoE families (Qwen3-MoE, Mixtral) PEFT maps any target named
+    like an MLP projection onto the experts, even a dense layer's: :func:`apply_lora` then
+    refuses, naming the names to leave out."""
     targets = tuple(targets)
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    names = [name for name in linear if any(name.endswith("." + t) for t in targets)]
+    names = [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
     if not names:
         known = sorted({name.rsplit(".", 1)[-1] for name in linear})
         raise ValueError(

@@ -317,7 +317,8 @@ class MultiTurnRollout(RolloutEngine):
         else:
             versions, mask = s.versions, [1] * len(ids)
         t.extend(ids, s.log_probs, versions, mask)
-        t.add_routing(s.routing)  # MoE engines: what routing replay (R3) trains on
+        if not t.cross:  # MoE: the trained policy's routing (R3); the next turn's prefill routes
+            t.add_routing(s.routing)  # a frozen policy's tokens
         self.counts["all_turns"] += 1
         self.counts["cross_turns"] += t.cross
         t.turns += 1

@@ -101,17 +101,19 @@ class Trajectory:
         """A turn's recorded routing (its request's tokens, the trajectory so far, then its new
         tokens): each token keeps the routing of the forward that first computed it (the prompt and
         earlier turns as their own requests recorded them, observations and a turn's last token as
-        the next request's prefill did), which is the routing its KV had when later tokens were
-        sampled."""
+        the next request's prefill did). Between weight updates that is the routing the engine's
+        KV holds (prefix-cache hits keep it); across an update, which clears the prefix cache, an
+        earlier token keeps the routing of the version that sampled after it."""
         if turn is None:
             return
         if self.routing is None:
             self.routing = turn.clone()
             return
         merged, old = turn.clone(), self.routing
-        kept = (old != NOT_ROUTED).all(-1)
-        merged[: len(old)][kept] = old[kept]
-        self.routing = merged
+        n = min(len(old), len(merged))
+        kept = (old[:n] != NOT_ROUTED).all(-1)
+        merged[:n][kept] = old[:n][kept]
+        self.routing = merged if len(merged) >= len(old) else torch.cat([merged, old[n:]])
 
     def split(self, rendered: list[int]) -> None:
         """The template rewrote the conversation: the tokens so far become a finished part, and the
