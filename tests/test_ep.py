@@ -193,6 +193,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         critic = Learner(ctx, make_cfg(2, critic=True), None)  # a critic on the EP 2 trunk
         workers.append(critic)
         out["critic"] = critic_step(critic, part)
+        critic.save_checkpoint(str(work / "critic_policy"), str(work / "critic_ckpt"))
     else:  # the 2-rank EP 2 checkpoint at EP 4 and at EP 2 x FSDP 2
         for ep in sizes:
             fresh = Learner(ctx, make_cfg(ep), None)
@@ -320,6 +321,11 @@ def test_critic_on_an_ep2_trunk_equals_single_process(runs):
     assert experts and min(ref["grads"][k].abs().max().item() for k in experts) > 0.0
     assert max_diff(ref["grads"], got["grads"]) <= TOL
     assert max_diff(ref["weights"], got["weights"]) <= TOL
+    # the critic saved at EP 2 reloads in one process with the same weights
+    learner, _ = single_process(runs["ref"]["batch"], critic=True)
+    learner.load_state(str(runs["work"] / "critic_policy"), str(runs["work"] / "critic_ckpt"))
+    loaded = {n: p.detach() for n, p in learner.critic.model.named_parameters()}
+    assert max_diff(got["weights"], loaded) == 0.0
 
 
 @pytest.mark.slow
