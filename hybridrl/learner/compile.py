@@ -4,7 +4,9 @@ Why: on a CPU in fp32 the learner's forwards and backwards are mostly matmuls (M
 the core's peak), and about a quarter of the rest is elementwise work between them (SwiGLU's silu
 and product, RMSNorm, rotary, their backward) that eager PyTorch runs as one memory pass per op.
 Inductor fuses those passes; the matmuls stay MKL calls, so the results are the same to fp32
-rounding (the fused kernels round in another order; bf16 is never introduced).
+rounding (the fused kernels round in another order; bf16 is never introduced). Under bf16
+autocast the matmuls take a fraction of the time (AMX), so the elementwise passes weigh more and
+fusing them pays more; the compiled layers are then as close to fp32 as the eager ones.
 
 Regional: each decoder layer is compiled in place (``nn.Module.compile``), not the whole model.
 The layers share one code object, so one graph serves all of them (a train graph and a no-grad
@@ -17,9 +19,11 @@ Where it runs: only layer classes listed in :data:`TESTED_LAYERS` (the families 
 forward and backward we checked against eager), never on a model sharded with FSDP2 (the per-layer
 FSDP hooks would have to be compiled with it: not measured), a pipeline stage, a LoRA policy or a
 mixture-of-experts model (routing replay records inside the layer). ``auto`` adds what was measured
-to pay: fp32 on a CPU, hidden size at least :data:`AUTO_MIN_HIDDEN` (the built-in ``small``:
-docs/performance.md), and a C++ compiler on the path. The first step pays the compile (minutes on
-two cores), which a run of hundreds of steps amortises. One log line says what runs and why.
+to pay: a CPU (fp32, or bf16 autocast, where the matmuls are fast and the elementwise passes
+between them are most of the rest), hidden size at least :data:`AUTO_MIN_HIDDEN` (the built-in
+``small``: docs/performance.md), and a C++ compiler on the path. The first step pays the compile
+(minutes on two cores), which a run of hundreds of steps amortises. One log line says what runs
+and why.
 """
 
 from __future__ import annotations
@@ -95,11 +99,12 @@ def decide(setting: bool | str, model: nn.Module, device: torch.device) -> Compi
     if setting is True:
         return CompileChoice(True, "actor.compile=true")
     hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
-    if device.type != "cpu" or autocast_dtype(model) is not None:
-        return CompileChoice(False, "auto: measured faster on a CPU in fp32 only")
+    if device.type != "cpu":
+        return CompileChoice(False, "auto: measured faster on a CPU only")
+    precision = "fp32" if autocast_dtype(model) is None else "bf16 autocast"
     if hidden < AUTO_MIN_HIDDEN:
         return CompileChoice(False, f"auto: hidden size {hidden} < {AUTO_MIN_HIDDEN}")
-    return CompileChoice(True, f"auto: CPU fp32, hidden size {hidden} >= {AUTO_MIN_HIDDEN}")
+    return CompileChoice(True, f"auto: CPU {precision}, hidden size {hidden} >= {AUTO_MIN_HIDDEN}")
 
 
 def compile_layers(model: nn.Module, mode: str | None = None) -> nn.Module:
