@@ -60,7 +60,9 @@ s/step: the median over the timed steps (warm-up steps excluded) of each step's 
 hybridrl's ``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin`` and
 ``on_step_end`` of a ``TrainerCallback``. ``cpu_s_per_step`` / ``speedup_vs_trl_cpu_time``: the same
 with the process's CPU seconds, steadier than wall time on a shared machine when each side has one
-thread. Phases: hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
+thread. ``speedup_vs_trl_per_token``: the ratio of seconds per generated token (s/step over the
+mean response length), since each side samples its own tokens and one may answer longer. Phases:
+hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
 wrapping the trainer's own methods, ``update`` is the rest of the step.
 """
 
@@ -523,6 +525,10 @@ def workload(name: str, index: int, args, work: Path) -> dict:
         "max_new_tokens": max_new,
         "speedup_vs_trl": t["s_per_step"] / h["s_per_step"],
         "speedup_vs_trl_cpu_time": t["cpu_s_per_step"] / h["cpu_s_per_step"],
+        # each side samples its own tokens: the ratio of seconds per generated token (median
+        # s/step over median mean response length) corrects for one side's longer responses
+        "speedup_vs_trl_per_token": (t["s_per_step"] / t["response_length"])
+        / (h["s_per_step"] / h["response_length"]),
         "hybridrl_s_per_step": h["s_per_step"],
         "trl_s_per_step": t["s_per_step"],
         "order": order,

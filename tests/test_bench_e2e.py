@@ -141,6 +141,8 @@ def test_one_step_per_side_against_trl(tmp_path):
     assert r["speedup_vs_trl_cpu_time"] == pytest.approx(
         r["trl"]["cpu_s_per_step"] / r["hybridrl"]["cpu_s_per_step"]
     )
+    lengths = r["trl"]["response_length"] / r["hybridrl"]["response_length"]
+    assert r["speedup_vs_trl_per_token"] == pytest.approx(r["speedup_vs_trl"] / lengths)
     assert {"precision", "threads", "commit", "machine", "trl"} <= set(out) and out[
         "trl"
     ] == sys.modules["trl"].__version__
