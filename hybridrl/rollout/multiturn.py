@@ -317,8 +317,10 @@ class MultiTurnRollout(RolloutEngine):
         else:
             versions, mask = s.versions, [1] * len(ids)
         t.extend(ids, s.log_probs, versions, mask)
-        if not t.cross:  # MoE: the trained policy's routing (R3); the next turn's prefill routes
-            t.add_routing(s.routing)  # a frozen policy's tokens
+        # MoE: the trained policy's routing for replay (R3); a frozen policy's turn records none,
+        # its tokens are routed by the next turn's prefill
+        if not t.cross:
+            t.add_routing(s.routing)
         self.counts["all_turns"] += 1
         self.counts["cross_turns"] += t.cross
         t.turns += 1
