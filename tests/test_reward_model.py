@@ -247,8 +247,11 @@ def test_ray_colocated_with_the_rollout_scores_in_memory(tmp_path, rm_path, ray_
         want = roles.reward_model.score(pairs)
     finally:
         roles.shutdown()
+    # the rollout scores each group as it finishes, the check scores all pairs in one batch: the
+    # same model on other batch shapes, equal to float rounding
     assert [s.reward for s in samples] == pytest.approx(want, abs=1e-5)
-    assert [s.reward_extras["reward/reward_model"] for s in samples] == pytest.approx(want)
+    logged = [s.reward_extras["reward/reward_model"] for s in samples]
+    assert logged == pytest.approx(want, abs=1e-5)
 
 
 @pytest.mark.slow  # a Ray run on two pools (~17 s); the colocated Ray test stays fast
