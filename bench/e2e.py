@@ -61,7 +61,13 @@ hybridrl's ``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin
 ``on_step_end`` of a ``TrainerCallback``. ``cpu_s_per_step`` / ``speedup_vs_trl_cpu_time``: the same
 with the process's CPU seconds, steadier than wall time on a shared machine when each side has one
 thread. ``speedup_vs_trl_per_token``: the ratio of seconds per generated token (s/step over the
-mean response length), since each side samples its own tokens and one may answer longer. Phases:
+mean response length), since each side samples its own tokens and one may answer longer.
+``work_ratio``: TRL's work per step over hybridrl's (medians), where a step's work is the token
+positions it pushed through the model in forward-pass equivalents (:func:`work`: generation and
+the reference once, the update three times; TRL's from its padded widths, hybridrl's from the
+engine's token counts and the update's ``perf/tokens_fed``). Both sides run the same model, so at
+equal speed per position the speed-up would equal the work ratio; ``speedup_per_work`` (speed-up
+over work ratio) says how much faster hybridrl runs each position. Phases:
 hybridrl's ``timing/*``; TRL's generation, reward and reference forward are timed by
 wrapping the trainer's own methods, ``update`` is the rest of the step.
 """
@@ -92,6 +98,7 @@ WORKLOADS = {
 QUICK = ("w1_tiny", "w1_long_tiny")
 PROMPTS, G, BETA, LR, CLIP, MICRO_TOKENS = 32, 8, 0.04, 1e-5, 0.2, 8192
 PROMPT_LEN = 8  # longest W1 prompt: <bos> + "999+999="
+POSITIONS, PASSES = "positions/", ("generation", "reference", "update")  # a step's rows: work
 
 
 # --- pure helpers (tested without TRL) ------------------------------------------------------------
@@ -218,15 +225,36 @@ def summarise(steps: list[dict], warmup: int) -> dict:
     """s/step (median of the timed steps) and each phase's median, from per-step rows {"step": s,
     phase: s, ...}."""
     timed = steps[warmup:]
-    phases = sorted({k for r in timed for k in r} - {"step", "cpu", "response_length"})
+    keys = {k for r in timed for k in r} - {"step", "cpu", "response_length"}
+    phases = sorted(k for k in keys if not k.startswith(POSITIONS))
+    counted = [r for r in timed if all(POSITIONS + p in r for p in PASSES)]
     return {
         "s_per_step": median([r["step"] for r in timed]),
         "step_times": [r["step"] for r in steps],
         "cpu_s_per_step": median([r["cpu"] for r in timed if "cpu" in r]),
         "phases": {k: median([r.get(k, 0.0) for r in timed]) for k in phases},
         "response_length": median([r["response_length"] for r in timed if "response_length" in r]),
+        "positions": {p: median([r[POSITIONS + p] for r in counted]) for p in PASSES},
+        "work": median([work(r) for r in counted]),
         "timed_steps": len(timed),
     }
+
+
+def work(row: dict) -> float:
+    """The token positions one step pushed through the model, in forward-pass equivalents: each
+    generated or prefilled position and each reference position once, each position of the update
+    three times (its forward and backward). The two sides run the same model, so this is their
+    matmul work up to a common factor (attention, a few percent at W1's lengths, left out)."""
+    p = {k: row[POSITIONS + k] for k in PASSES}
+    return p["generation"] + p["reference"] + 3 * p["update"]
+
+
+def trl_positions(rows: int, prompt_width: int, longest: int) -> dict[str, float]:
+    """What TRL feeds the model in one step: ``rows`` sequences of the batch's longest prompt
+    (left-padded) and longest completion (right-padded), in generation (a finished row keeps
+    decoding padding until the last one ends), the reference forward and the update."""
+    n = float(rows * (prompt_width + longest))
+    return {POSITIONS + p: n for p in PASSES}
 
 
 def machine() -> dict:
@@ -342,6 +370,10 @@ def run_hybridrl(spec: dict) -> dict:
         }
         row["step"] = r["timing/step"] - r.get("timing/eval", 0.0)
         row["response_length"] = r["response/length_mean"]
+        if "perf/tokens_fed" in r:  # what the step fed the model (older checkouts: not logged)
+            fed = r["perf/tokens_fed"]  # the reference pass packs the same micro-batches
+            gen = r["engine/generated_tokens"] + r["engine/prompt_tokens_computed"]
+            row |= dict(zip((POSITIONS + p for p in PASSES), (gen, fed, fed)))
         steps.append(row)
     if spec["precision"] == "bf16" and not any("bf16" in n for n in notes):
         notes.append(
@@ -393,6 +425,7 @@ def run_trl(spec: dict) -> dict:
     )
     phases: dict[str, float] = {}
     seen: list[list[int]] = []
+    width = [0]  # the step's padded prompt width
 
     def timed(name, fn, pick=None):
         def wrapper(*a, **kw):
@@ -403,6 +436,7 @@ def run_trl(spec: dict) -> dict:
                 phases[key] = phases.get(key, 0.0) + time.perf_counter() - t0
             if name == "tokenize":
                 seen.extend(out[0][::G])  # each prompt arrives G times in a row
+                width[0] = max(len(ids) for ids in out[0])  # left-padded to the longest
             return out
 
         return wrapper
@@ -423,6 +457,7 @@ def run_trl(spec: dict) -> dict:
     )
     steps: list[dict] = []
     lengths = trainer._metrics["train"]["completions/mean_length"]
+    longest = trainer._metrics["train"]["completions/max_length"]
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_, **__):
@@ -438,6 +473,7 @@ def run_trl(spec: dict) -> dict:
             row["update"] = row["step"] - row.get("generate_and_score", 0.0)
             if lengths:
                 row["response_length"] = lengths[-1]
+                row |= trl_positions(PROMPTS * G, width[0], int(longest[-1]))
             steps.append(row)
 
     trainer.add_callback(StepTimer())
@@ -529,6 +565,10 @@ def workload(name: str, index: int, args, work: Path) -> dict:
         # s/step over median mean response length) corrects for one side's longer responses
         "speedup_vs_trl_per_token": (t["s_per_step"] / t["response_length"])
         / (h["s_per_step"] / h["response_length"]),
+        # how much less TRL's step would take if each side's work ran at the same rate, and how
+        # much faster than TRL's hybridrl runs the same work (speed-up over work ratio)
+        "work_ratio": t["work"] / h["work"],
+        "speedup_per_work": t["s_per_step"] / h["s_per_step"] / (t["work"] / h["work"]),
         "hybridrl_s_per_step": h["s_per_step"],
         "trl_s_per_step": t["s_per_step"],
         "order": order,
@@ -616,7 +656,7 @@ def main(argv=None) -> dict:
         Path(args.out).write_text(text)
     print(
         f"\n{'workload':15} {'TRL s/step':>10} {'hybridrl s/step':>15} {'speed-up':>8} "
-        f"{'(CPU time)':>10}  same prompt ids",
+        f"{'(CPU time)':>10} {'work ratio':>10} {'per work':>8}  same prompt ids",
         file=sys.stderr,
     )
     for name in names:
@@ -624,7 +664,8 @@ def main(argv=None) -> dict:
         print(
             f"{name:15} {r['trl_s_per_step']:10.2f} {r['hybridrl_s_per_step']:15.2f} "
             f"{r['speedup_vs_trl']:7.2f}x "
-            f"{r['speedup_vs_trl_cpu_time']:9.2f}x  {r['identical_prompt_ids']}",
+            f"{r['speedup_vs_trl_cpu_time']:9.2f}x {r['work_ratio']:9.2f}x "
+            f"{r['speedup_per_work']:7.2f}x  {r['identical_prompt_ids']}",
             file=sys.stderr,
         )
     return out

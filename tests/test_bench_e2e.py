@@ -96,6 +96,12 @@ def test_both_configs_describe_the_same_step(tmp_path):
     assert E2E.trl_config_kwargs(16, 1, "bf16", str(tmp_path))["bf16"]
 
 
+def test_trl_positions_are_the_padded_batch():
+    p = E2E.trl_positions(256, 8, 128)
+    assert p == {f"positions/{k}": 256.0 * 136 for k in ("generation", "reference", "update")}
+    assert E2E.work(p) == 5 * 256 * 136
+
+
 def test_summarise_drops_warmup_and_takes_medians():
     rows = [
         {"step": 9.0, "cpu": 8.0, "rollout": 5.0, "response_length": 3.0},
@@ -103,8 +109,12 @@ def test_summarise_drops_warmup_and_takes_medians():
         {"step": 3.0, "cpu": 2.5, "rollout": 0.7, "response_length": 6.0},
         {"step": 2.0, "cpu": 1.5, "rollout": 0.6, "response_length": 5.0},
     ]
+    for r, n in zip(rows, (9, 1, 3, 2)):
+        r |= {"positions/generation": 10.0 * n, "positions/reference": n, "positions/update": n}
     s = E2E.summarise(rows, warmup=1)
     assert s["s_per_step"] == 2.0 and s["cpu_s_per_step"] == 1.5 and s["phases"] == {"rollout": 0.6}
+    assert s["positions"] == {"generation": 20.0, "reference": 2.0, "update": 2.0}
+    assert s["work"] == 2 * (10 + 1 + 3)  # the median step's: generation + reference + 3 x update
     assert s["response_length"] == 5.0
     assert s["timed_steps"] == 3 and s["step_times"] == [9.0, 1.0, 3.0, 2.0]
 
@@ -143,6 +153,10 @@ def test_one_step_per_side_against_trl(tmp_path):
     )
     lengths = r["trl"]["response_length"] / r["hybridrl"]["response_length"]
     assert r["speedup_vs_trl_per_token"] == pytest.approx(r["speedup_vs_trl"] / lengths)
+    # TRL pads every row to the longest prompt and completion: never less work than hybridrl's
+    assert r["work_ratio"] >= 1.0
+    assert r["speedup_per_work"] == pytest.approx(r["speedup_vs_trl"] / r["work_ratio"])
+    assert r["trl"]["positions"]["update"] % 256 == 0  # 256 rows of one padded width
     assert {"precision", "threads", "commit", "machine", "trl"} <= set(out) and out[
         "trl"
     ] == sys.modules["trl"].__version__

@@ -332,6 +332,10 @@ def test_packed_update_trains_the_same_weights():
     assert m0["actor/updates"] == m1["actor/updates"] == 2
     assert abs(m0["actor/pg_loss"] - m1["actor/pg_loss"]) <= TOL
     assert m1["perf/padding_fraction"] < m0["perf/padding_fraction"]
+    # the same real tokens, fewer positions fed
+    real = [m["perf/tokens_fed"] * (1 - m["perf/padding_fraction"]) for m in (m0, m1)]
+    assert real[0] == pytest.approx(real[1]) and real[0] > 0
+    assert m1["perf/tokens_fed"] < m0["perf/tokens_fed"]
 
 
 def test_packed_critic_values_equal_unpacked():

@@ -21,9 +21,11 @@ mini-batch, identical on every rank.
 Packing (``packing``, default the section's ``packing`` field, ``actor.packing``): the micro-batches
 hold whole sequences packed into rows (``learner/logprob.py``, ``parallel/packing.py``) instead of
 length groups; the loss functions see the same ``(rows, R)`` tensors either way. The share of the
-token positions fed to the model that are padding is reported as ``perf/padding_fraction`` (the
-actor's; ``perf/<prefix>_padding_fraction`` for another role), over the real micro-batches of every
-rank (a dummy micro-batch is not counted: it exists for the collectives, not for the data).
+token positions fed to the model that are padding is reported as ``perf/padding_fraction``, and
+the positions fed (forward and backward, every epoch, all ranks) as ``perf/tokens_fed`` (the
+actor's; ``perf/<prefix>_padding_fraction`` and ``perf/<prefix>_tokens_fed`` for another role),
+over the real micro-batches of every rank (a dummy micro-batch is not counted: it exists for the
+collectives, not for the data).
 
 Non-finite updates: when a mini-batch's loss or its gradient norm (the clip's total norm, global
 over ranks under FSDP; a loss that is non-finite on any rank counts on all of them) is NaN or inf,
@@ -57,8 +59,11 @@ from hybridrl.protocol import Batch
 
 LossFn = Callable[[Batch, AggTotals], tuple[torch.Tensor, dict[str, float]]]
 
-# the padding-fraction metric of each role's update (another prefix p: perf/p_padding_fraction)
-PADDING_METRIC = {"actor": "perf/padding_fraction"}
+
+def perf_metric(prefix: str, what: str) -> str:
+    """A role's update metric under ``perf/``: the actor's ``perf/<what>``, another role's
+    ``perf/<prefix>_<what>``."""
+    return f"perf/{what}" if prefix == "actor" else f"perf/{prefix}_{what}"
 
 
 def packing_of(section, packing: bool | None) -> bool:
@@ -260,7 +265,6 @@ def run_updates(
         f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
         f"{prefix}/updates": steps,
         f"{prefix}/skipped_updates": skipped,
-        PADDING_METRIC.get(prefix, f"perf/{prefix}_padding_fraction"): 1.0 - real / fed
-        if fed
-        else 0.0,
+        perf_metric(prefix, "padding_fraction"): 1.0 - real / fed if fed else 0.0,
+        perf_metric(prefix, "tokens_fed"): fed,
     }
