@@ -1,5 +1,5 @@
-"""bench/e2e.py: its pure helpers (always), and one step per side against TRL (only where TRL is
-installed: it is the optional ``bench`` extra, which CI does not install)."""
+"""bench/e2e.py and bench/e2e_sides.py: their pure helpers (always), and one step per side against
+TRL (only where TRL is installed: it is the optional ``bench`` extra, which CI does not install)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-E2E = load_bench()
+E2E, SIDES = load_bench("e2e"), load_bench("e2e_sides")
 
 
 def test_prompts_are_the_trainers_stream():
@@ -27,34 +27,40 @@ def test_prompts_are_the_trainers_stream():
     from hybridrl.models.loading import make_task
 
     task = make_task(Config())  # what the sync trainer draws from (trainer.seed 0)
-    pairs = E2E.w1_prompts(40)
+    pairs = SIDES.w1_prompts(40)
     assert pairs == [(task.prompt(i).text, task.prompt(i).answer) for i in range(40)]
     assert all(eval(text[:-1]) == int(answer) for text, answer in pairs)  # "a+b=" -> str(a + b)
+    from hybridrl.protocol import prompt_sample
+    from hybridrl.tasks.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()  # <bos> and one token per character
+    widths = {len(prompt_sample(task.prompt(i), tok).prompt_ids) for i in range(2000)}
+    assert max(widths) == SIDES.PROMPT_LEN
 
 
 def test_trl_micro_batch_fits_the_token_budget():
-    assert E2E.trl_micro_batch(16) == 256  # (8 + 16) * 256 = 6144 <= 8192
-    assert E2E.trl_micro_batch(128) == 32  # (8 + 128) * 32 = 4352; 64 would be 8704
-    assert E2E.trl_micro_batch(10_000) == 1
+    assert SIDES.trl_micro_batch(16) == 256  # (9 + 16) * 256 = 6400 <= 8192
+    assert SIDES.trl_micro_batch(128) == 32  # (9 + 128) * 32 = 4384; 64 would be 8768
+    assert SIDES.trl_micro_batch(10_000) == 1
     for n in (16, 64, 128, 512):
-        m = E2E.trl_micro_batch(n)
-        assert 256 % m == 0 and (m == 1 or m * (E2E.PROMPT_LEN + n) <= E2E.MICRO_TOKENS)
+        m = SIDES.trl_micro_batch(n)
+        assert 256 % m == 0 and (m == 1 or m * (SIDES.PROMPT_LEN + n) <= SIDES.MICRO_TOKENS)
 
 
 def test_both_configs_describe_the_same_step(tmp_path):
     from hybridrl.config import Config, load_config
 
-    overrides, dropped = E2E.known_overrides(
-        E2E.hybridrl_overrides(str(tmp_path), 128, 4, 2, "fp32", str(tmp_path), "x")
+    overrides, dropped = SIDES.known_overrides(
+        SIDES.hybridrl_overrides(str(tmp_path), 128, 4, 2, "fp32", str(tmp_path), "x")
     )
     assert set(dropped) <= {"rollout.dtype=fp32"}  # the only key an older checkout may lack
-    assert E2E.known_overrides(["actor.lr=1", "actor.no_such_key=1", "nosection.x=1"]) == (
+    assert SIDES.known_overrides(["actor.lr=1", "actor.no_such_key=1", "nosection.x=1"]) == (
         ["actor.lr=1"],
         ["actor.no_such_key=1", "nosection.x=1"],
     )
     (tmp_path / "config.json").write_text("{}")  # model.path must hold a checkpoint
     cfg = load_config(Config, str(ROOT / "examples" / "arith_grpo.yaml"), overrides)
-    trl = E2E.trl_config_kwargs(128, 4, "fp32", str(tmp_path))
+    trl = SIDES.trl_config_kwargs(128, 4, "fp32", str(tmp_path))
     t, a, alg, r = cfg.trainer, cfg.actor, cfg.algorithm, cfg.rollout
     assert (
         t.prompts_per_step * t.samples_per_prompt
@@ -93,13 +99,13 @@ def test_both_configs_describe_the_same_step(tmp_path):
         and not t.progress
         and trl["report_to"] == "none"
     )
-    assert E2E.trl_config_kwargs(16, 1, "bf16", str(tmp_path))["bf16"]
+    assert SIDES.trl_config_kwargs(16, 1, "bf16", str(tmp_path))["bf16"]
 
 
 def test_trl_positions_are_the_padded_batch():
-    p = E2E.trl_positions(256, 8, 128)
+    p = SIDES.trl_positions(256, 8, 128)
     assert p == {f"positions/{k}": 256.0 * 136 for k in ("generation", "reference", "update")}
-    assert E2E.work(p) == 5 * 256 * 136
+    assert E2E.step_work(p) == 5 * 256 * 136
 
 
 def test_summarise_drops_warmup_and_takes_medians():
