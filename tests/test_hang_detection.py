@@ -68,6 +68,37 @@ def test_local_hung_call_is_interrupted_and_named(tmp_path):
     assert group.quick() == [0]  # a local group goes on working (nothing was abandoned)
 
 
+SIGINT_IGNORED = """
+import signal, sys, time
+from hybridrl.telemetry.watchdog import StepTimeoutError, Watchdog
+assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # inherited, as under nohup or `&`
+t0 = time.monotonic()
+try:
+    with Watchdog(1.0, sys.argv[1]) as watchdog:
+        for step in watchdog.steps(range(3)):
+            time.sleep(600 if step == 1 else 0)
+except StepTimeoutError as err:
+    assert str(err).startswith("step 2 exceeded"), err
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # restored
+    print("interrupted after", round(time.monotonic() - t0))
+"""
+
+
+def test_a_driver_that_inherited_sigint_ignored_is_interrupted(tmp_path):
+    import signal
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", SIGINT_IGNORED, str(tmp_path / "hang")],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("interrupted after"), out.stdout + out.stderr
+
+
 def test_steps_within_the_timeout_leave_nothing_behind(tmp_path):
     group = WorkerGroup(SleepyWorker, ResourcePool("p"), role="sleeper", backend="local")
     watchdog = Watchdog(5, tmp_path / "hang", [group])

@@ -12,8 +12,10 @@ it
 2. marks every ``ray`` group with a call still in flight as abandoned (later calls fail at once
    instead of queueing behind the hung one, so the shutdown that follows does not wait on it; the
    shutdown kills those processes);
-3. interrupts the driver's main thread (``SIGINT`` to it, which also wakes a blocking system call,
-   or ``_thread.interrupt_main()`` where SIGINT has no Python handler). Leaving ``with watchdog:``
+3. interrupts the driver's main thread (``SIGINT`` to it, which also wakes a blocking system call;
+   a process that inherited SIGINT ignored, as one started in the background by a script does,
+   gets a handler for it while ``with watchdog:`` runs, which raises only for a timed-out step).
+   Leaving ``with watchdog:``
    turns the ``KeyboardInterrupt``, or whatever the shutdown after it raised, into one
    :class:`StepTimeoutError`, e.g. ``step 12 exceeded trainer.step_timeout_s=30 s: still waiting
    for learner.train_step (running 31 s); stacks in runs/x/hang/``.
@@ -75,6 +77,7 @@ class Watchdog:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._target: int | None = None  # the thread to interrupt (its ident)
+        self._sigint = None  # SIGINT's disposition before __enter__ replaced it (see there)
 
     # --- the driver's side ------------------------------------------------------
     def steps(self, steps: Iterable[int]) -> Iterator[int]:
@@ -113,10 +116,27 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def __enter__(self) -> Watchdog:
+        # A process started in the background by a script (nohup, `&`) inherits SIGINT ignored;
+        # Python then installs no handler, and neither SIGINT nor interrupt_main() reaches the
+        # driver's thread. While the watchdog runs, SIGINT gets a handler that raises once a step
+        # has timed out and otherwise keeps the inherited behaviour.
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if not callable(previous):
+                self._sigint = previous
+                signal.signal(signal.SIGINT, self._on_sigint)
         return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.error is None and self._sigint == signal.SIG_IGN:
+            return  # not ours, and SIGINT was ignored before
+        raise KeyboardInterrupt
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+        if self._sigint is not None:
+            signal.signal(signal.SIGINT, self._sigint)
+            self._sigint = None
         if self.error is None:
             return
         error = self.error
