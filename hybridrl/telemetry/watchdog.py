@@ -15,10 +15,10 @@ it
 3. interrupts the driver's main thread (``SIGINT`` to it, which also wakes a blocking system call;
    a process that inherited SIGINT ignored, as one started in the background by a script does,
    gets a handler for it while ``with watchdog:`` runs, which raises only for a timed-out step).
-   Leaving ``with watchdog:``
-   turns the ``KeyboardInterrupt``, or whatever the shutdown after it raised, into one
-   :class:`StepTimeoutError`, e.g. ``step 12 exceeded trainer.step_timeout_s=30 s: still waiting
-   for learner.train_step (running 31 s); stacks in runs/x/hang/``.
+   Leaving ``with watchdog:`` turns the ``KeyboardInterrupt``, or whatever the shutdown after it
+   raised, into one :class:`StepTimeoutError`, e.g. ``step 12 exceeded
+   trainer.step_timeout_s=30 s: still waiting for learner.train_step (running 31 s); stacks in
+   runs/x/hang/``.
 
 What can be interrupted: the driver waiting on Ray workers (they are then killed), and, under the
 ``local`` backend, Python code running in the driver's thread (a ``time.sleep`` included). A hang
