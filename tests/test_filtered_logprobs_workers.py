@@ -61,8 +61,12 @@ def setup():
     assert learner.workers[0].reference is None  # no KL term reads it: the learner builds none
     with_kl = copy.deepcopy(cfg)
     with_kl.algorithm.kl_coef = 0.01
-    reference = group(Learner, with_kl, "learner").workers[0].reference  # a KL term reads it
-    batch = batch | learner.compute_log_prob(batch) | reference.log_probs(batch)
+    with_ref = group(Learner, with_kl, "learner").workers[0]  # a KL term reads the reference
+    batch = (
+        batch
+        | learner.compute_log_prob(batch)
+        | with_ref.reference.log_probs(batch, with_ref.shuffle)
+    )
     return cfg, learner, batch
 
 

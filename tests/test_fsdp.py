@@ -159,7 +159,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         name: all(isinstance(p, DTensor) for p in held.model.parameters())
         for name, held in (("reference", ppo.reference), ("critic", ppo.critic))
     }
-    out["reference"] = ppo.reference.log_probs(part)["ref_log_probs"]
+    out["reference"] = ppo.reference.log_probs(part, ppo.shuffle)["ref_log_probs"]
     out["values"] = ppo.critic.values(part)["values"]
     out["critic_metrics"] = ppo.critic.update(part)
     out["critic_weights"] = {n: t.clone() for n, t in full_state_dict(ppo.critic.model).items()}
@@ -250,7 +250,7 @@ def runs(tmp_path_factory):
         "weights": full_weights(bf16),
     }
     ppo = Learner(ctx1, make_cfg(advantage="gae"), None)
-    reference["reference"] = ppo.reference.log_probs(batch)["ref_log_probs"]
+    reference["reference"] = ppo.reference.log_probs(batch, ppo.shuffle)["ref_log_probs"]
     reference["values"] = ppo.critic.values(batch)["values"]
     reference["critic_metrics"] = ppo.critic.update(batch)
     reference["critic_weights"] = {

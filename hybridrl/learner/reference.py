@@ -4,10 +4,13 @@ than one rank (and its experts split over ranks like the policy's with ``moe.ep_
 
 from __future__ import annotations
 
+import torch
+
 from hybridrl.config import Config
 from hybridrl.learner.compile import maybe_compile
-from hybridrl.learner.logprob import batch_log_probs, model_device, sampling_of
+from hybridrl.learner.logprob import model_device, response_log_probs, sampling_of
 from hybridrl.models.loading import load_model
+from hybridrl.learner.update import first_epoch_map
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
 from hybridrl.protocol import Batch
 
@@ -27,7 +30,17 @@ class Reference:
         # the same filtered distribution as the policy's: KL to the reference is 0 at equal weights
         self.sampling = sampling_of(cfg.rollout)
 
-    def log_probs(self, batch: Batch) -> Batch:
-        tokens = self.cfg.actor.micro_batch_tokens
-        logp = batch_log_probs(self.model, batch, tokens, self.sampling, self.cfg.actor.packing)
-        return Batch({"ref_log_probs": logp})
+    def log_probs(self, batch: Batch, shuffle: torch.Generator) -> Batch:
+        """The reference's log-prob of every response token, with rows grouped into micro-batches
+        as the policy's next update groups them in its first epoch (``shuffle`` is the policy's
+        mini-batch generator, only peeked at). Under bf16 (or any kernel whose rounding depends on
+        the matmul's shape) the low bits of a row depend on the rows it shares a forward with; the
+        same grouping as the policy's forward makes the two equal bit for bit at equal weights, so
+        the KL starts at exactly 0 on every CPU."""
+
+        def fn(model, mb):
+            return response_log_probs(model, mb, self.sampling)[0]
+
+        return Batch(
+            {"ref_log_probs": first_epoch_map(self.model, batch, shuffle, self.cfg.actor, fn)}
+        )

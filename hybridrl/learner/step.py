@@ -89,7 +89,9 @@ def train_step(learner, version: int, source) -> dict:
     batch = moe.mark(batch) if moe else batch  # which rows replay their routing
     if learner.reference is not None:
         with timer.phase("reference"):
-            batch |= on_my_rows(learner.reference.log_probs, batch)
+            batch |= on_my_rows(
+                lambda rows: learner.reference.log_probs(rows, learner.shuffle), batch
+            )
     if alg.rollout_bypass:  # the rollout's log-probs are the old policy: no forward
         batch |= bypass_old_log_probs(batch)
     elif not reuse:
