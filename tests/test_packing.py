@@ -186,6 +186,19 @@ def test_no_sequence_is_split_and_rows_fit():
     assert 1 - real / fed <= 0.05  # long-tailed: almost no padding left
 
 
+def test_unpacked_micro_batches_keep_the_token_budget_with_masked_observations():
+    """A multi-turn row's loss mask is 0 on tool output, but every token is fed: the width of a
+    micro-batch comes from the tokens, not from the tokens trained on."""
+    batch = make_batch(n=16, resp_len=64, seed=2)
+    observation = torch.zeros_like(batch["response_mask"])
+    observation[:, 4:60] = 1  # most of each long response is a tool's output
+    batch.tensors["response_mask"] = batch["response_mask"] * (1 - observation)
+    mbs, order = micro_batches(batch, 128, packing=False)
+    assert sorted(order.tolist()) == list(range(len(batch)))
+    for mb in mbs:
+        assert len(mb) == 1 or mb["input_ids"].numel() <= 128, (len(mb), mb["input_ids"].shape)
+
+
 def test_packed_rows_hold_each_sequence_whole():
     batch = make_batch()
     mbs, order = micro_batches(batch, 128, packing=True)

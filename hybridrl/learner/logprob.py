@@ -129,8 +129,10 @@ def micro_batches(
     if packing:
         return packed_micro_batches(batch, token_budget, key_cost)
     P = batch["prompts"].shape[1]
-    # padded width bound
-    lengths = batch["attention_mask"][:, :P].sum(-1).max() + batch["response_mask"].sum(-1)
+    # each row's padded width: the longest prompt plus its own response, every token of which is
+    # fed, also those the loss mask leaves out (a multi-turn row's tool output)
+    attn = batch["attention_mask"]
+    lengths = attn[:, :P].sum(-1).max() + attn[:, P:].sum(-1)
     groups = length_buckets(lengths, token_budget)
     return [trim(batch.index(idx)) for idx in groups], torch.cat(groups) if groups else torch.zeros(
         0, dtype=torch.long
