@@ -71,6 +71,30 @@ def test_peak_is_measured_once_and_positive(monkeypatch):
         assert measured > 0.1 and cached < 1e-3
 
 
+def test_mfu_stays_at_most_one_when_the_peak_was_measured_under_load(monkeypatch):
+    """A peak measured while another process held the cores is far too low; a phase that then runs
+    on a free machine outruns it. MFU stays <= 1: the phase's rate raises the peak, and the next
+    phase is measured against the raised one."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(flops, "_PEAKS", {})
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda *a, **k: 1e6)  # 1 MFLOP/s: loaded
+    model = tiny_eager_model()
+    learner = SimpleNamespace(
+        model=model,
+        reference=SimpleNamespace(model=model),
+        cfg=load_config(Config, None, []),
+    )
+    mask = torch.ones(8, 24, dtype=torch.long)
+    shape = DecoderShape.from_model(model)
+    ref_rate = shape.forward_flops([24] * 8) / 0.01
+    out = flops.learner_perf(learner, {"timing/reference": 0.01, "timing/update": 1.0}, mask)
+    assert out["perf/mfu_reference"] == pytest.approx(1.0)  # it set the peak
+    # the update: 3 forwards' FLOPs in 100 x the time, against the peak the reference showed
+    assert out["perf/mfu_update"] == pytest.approx(3 / 100, rel=1e-6)
+    assert flops.peak_flops("cpu", torch.float32) == pytest.approx(ref_rate)
+
+
 def test_mfu_in_a_real_runs_metrics(tmp_path):
     from hybridrl.driver.sync import train
 

@@ -32,9 +32,13 @@ the full masked ``T × T`` matrix (``tests/test_flops.py``).
 **Peak.** :func:`peak_flops` is the device's matmul peak in the dtype the phase runs in (fp32, or
 bf16 under CPU autocast / FSDP2's bf16 parameters: :func:`compute_dtype`), once per process and
 (device, dtype, thread count): on a CPU a measured roofline (square matmuls for about 0.2 s, the
-median throughput of the runs, wall clock like the phase timers, at this process's torch thread
-count), on a GPU a table of known dense peaks by device name (tensor cores for bf16 and TF32, none
-for plain fp32), measured like the CPU's when the device is not in the table.
+fastest of the runs, wall clock like the phase timers, at this process's torch thread count), on a
+GPU a table of known dense peaks by device name (tensor cores for bf16 and TF32, none for plain
+fp32), measured like the CPU's when the device is not in the table. **MFU ≤ 1 by construction**: a
+peak is the fastest rate seen, so load on the machine only ever makes a measurement too low (a
+median or a single run taken while another process computes is far below what the device does
+once it is free); when a phase then runs faster than the peak, the peak was underestimated and is
+raised to that phase's rate (:func:`utilisation`), whose MFU is then 1.
 
 **Per rank.** With several learner ranks each runs its contiguous share of the rows, all in
 lockstep: a phase's FLOPs are divided by the world size and set against one rank's peak, so
@@ -45,7 +49,6 @@ rank's tokens per second). The rollout's figures are its rank 0's own tokens and
 from __future__ import annotations
 
 import re
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -154,8 +157,9 @@ def measure_matmul_flops(
     budget_s: float = 0.2,
     min_reps: int = 3,
 ) -> float:
-    """Median FLOP/s of ``n × n`` matmuls in ``dtype`` on ``device`` over about ``budget_s`` seconds
-    of wall clock (after one warm-up; at least ``min_reps`` runs)."""
+    """The best FLOP/s of ``n × n`` matmuls in ``dtype`` on ``device`` over about ``budget_s``
+    seconds of wall clock (after one warm-up; at least ``min_reps`` runs): load only slows a run
+    down, so the fastest run is the closest to the device's peak."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -167,7 +171,7 @@ def measure_matmul_flops(
         a @ b
         sync()
         rates.append(2 * n**3 / max(time.perf_counter() - t0, 1e-9))
-    return statistics.median(rates)
+    return max(rates)
 
 
 def _gpu_table_peak(device: torch.device, dtype: torch.dtype) -> float | None:
@@ -180,20 +184,34 @@ def _gpu_table_peak(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
-def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """This process's matmul peak in FLOP/s on ``device`` in ``dtype`` (cached per device, dtype
-    and torch thread count): the GPU table, else a measured roofline (1024² matmuls on a CPU,
-    4096² on a GPU)."""
+def _peak_key(device: torch.device | str, dtype: torch.dtype) -> tuple:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), dtype, torch.get_num_threads())
+    return str(device), dtype, torch.get_num_threads()
+
+
+def peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
+    """This process's matmul peak in FLOP/s on ``device`` in ``dtype`` (cached per device, dtype
+    and torch thread count): the GPU table, else a measured roofline (1024² matmuls on a CPU,
+    4096² on a GPU), raised by any faster rate a phase achieved since (:func:`utilisation`)."""
+    device = torch.device(device)
+    key = _peak_key(device, dtype)
     if key not in _PEAKS:
         peak = _gpu_table_peak(device, dtype) if device.type == "cuda" else None
         if peak is None:
             peak = measure_matmul_flops(device, dtype, n=4096 if device.type == "cuda" else 1024)
         _PEAKS[key] = peak
     return _PEAKS[key]
+
+
+def utilisation(flops_per_s: float, device: torch.device | str, dtype: torch.dtype) -> float:
+    """MFU of a phase that ran at ``flops_per_s``: its share of the peak, which is at least this
+    rate (a phase that outran the measured peak shows the peak was measured too low, on a loaded
+    machine, and raises it for later phases)."""
+    peak = max(peak_flops(device, dtype), flops_per_s)
+    _PEAKS[_peak_key(device, dtype)] = peak
+    return flops_per_s / peak
 
 
 def _device_of(model) -> torch.device:
@@ -233,8 +251,9 @@ def learner_perf(
             continue
         passes = TRAIN_FACTOR * epochs if train else 1
         flops = DecoderShape.from_model(model).forward_flops(lengths) * passes / world_size
-        peak = peak_flops(_device_of(model), compute_dtype(model))
-        out[f"perf/mfu_{phase}"] = flops / seconds / peak
+        out[f"perf/mfu_{phase}"] = utilisation(
+            flops / seconds, _device_of(model), compute_dtype(model)
+        )
         out[f"perf/tokens_per_s_{phase}"] = tokens * (epochs if train else 1) / world_size / seconds
     return out
 
@@ -256,5 +275,5 @@ def rollout_perf(stats: dict[str, float], backend) -> dict[str, float]:
     shape = DecoderShape.from_config(runner.config)
     flops = 2 * shape.matmul_params * tokens
     return {
-        "perf/mfu_rollout": flops / (generated / rate) / peak_flops(runner.device, runner.dtype)
+        "perf/mfu_rollout": utilisation(flops / (generated / rate), runner.device, runner.dtype)
     }
