@@ -20,6 +20,7 @@ def check_config(cfg: Config) -> None:
         from hybridrl.data import check_data
 
         check_data(cfg)
+    check_reward_columns(cfg)
 
 
 def check_plugins(cfg: Config) -> None:
@@ -45,6 +46,33 @@ def check_plugins(cfg: Config) -> None:
         resolve_reward_fns(cfg)
     except RewardConfigError as e:
         raise ConfigError(f"config key {e.key!r}: {e.message}") from None
+
+
+def data_columns(cfg: Config) -> list[str]:
+    """The columns a prompt carries to reward functions: a dataset's columns other than the
+    prompt's (read from each training file's first row), none for a built-in task."""
+    if cfg.data.train_files is None:
+        return []
+    from hybridrl.data.files import as_paths, first_row
+
+    columns: dict[str, None] = {}
+    for path in as_paths(cfg.data.train_files, "data.train_files"):
+        names = first_row(path, "data.train_files", "train")[0]
+        columns |= dict.fromkeys(c for c in names if c != cfg.data.prompt_key)
+    return list(columns)
+
+
+def check_reward_columns(cfg: Config) -> None:
+    """A TRL-style reward function whose required arguments name columns the data lacks would fail
+    on every sample: it is refused now."""
+    from hybridrl.tasks.reward_signatures import TrlStyle, resolve_reward_fns
+
+    fns = resolve_reward_fns(cfg)  # in the order of task.reward_fn
+    columns = data_columns(cfg) if any(isinstance(f, TrlStyle) for f in fns) else []
+    for i, f in enumerate(fns):
+        problem = f.missing_columns(columns) if isinstance(f, TrlStyle) else None
+        if problem:
+            raise ConfigError(f"config key 'task.reward_fn[{i}]': {problem}")
 
 
 def check_loggers(cfg: Config) -> None:

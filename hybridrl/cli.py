@@ -207,11 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     from hybridrl.api import run
     from hybridrl.driver.checkpoint import CheckpointError
     from hybridrl.driver.restarts import RestartsExhaustedError
+    from hybridrl.rollout.scoring import RewardsFailedError
     from hybridrl.telemetry.watchdog import StepTimeoutError
 
     try:
         summary = run(cfg, resume=args.resume)
-    except (StepTimeoutError, CheckpointError, RestartsExhaustedError) as e:  # one line each
+    except (
+        StepTimeoutError,
+        CheckpointError,
+        RestartsExhaustedError,
+        RewardsFailedError,
+    ) as e:  # one line each
         print(f"hybridrl: error: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
     print(json.dumps(summary, indent=1))

@@ -193,14 +193,16 @@ def test_config_reference_is_up_to_date():
     )
 
 
-@pytest.mark.parametrize("error", ["StepTimeoutError", "CheckpointError"])
+@pytest.mark.parametrize("error", ["StepTimeoutError", "CheckpointError", "RewardsFailedError"])
 def test_a_run_stopped_for_a_known_reason_exits_1_with_one_line(monkeypatch, capsys, error):
     from hybridrl.driver import checkpoint, sync
+    from hybridrl.rollout import scoring
     from hybridrl.telemetry import watchdog
 
     cls = {
         "StepTimeoutError": watchdog.StepTimeoutError,
         "CheckpointError": checkpoint.CheckpointError,
+        "RewardsFailedError": scoring.RewardsFailedError,
     }
     message = f"step 3: {error} for the test"
 

@@ -49,6 +49,15 @@ def by_answer(prompt, response):
     return {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "huge": 1e300}.get(kind, 1.0)
 
 
+def column_lookup(prompt, response):
+    """A reward that reads a key the rows lack: it fails on every sample."""
+    return float(response == {}["solution"])
+
+
+def trl_needs_solution(prompts, completions, solution, **kwargs):
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
 def always_hangs(prompt, response):
     RELEASE.wait(60)
     return 1.0
@@ -241,6 +250,60 @@ def test_run_with_inf_and_overflowing_rewards_keeps_finite_weights(tmp_path, cap
     assert any("reward_nonfinite" in m and "inf" in m and "1e+300" not in m for m in messages)
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step_000002" / "model")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # summary.json: the run's totals of failed reward calls
+    for key in ("reward_errors", "reward_nonfinite", "reward_timeouts"):
+        assert summary[key] == sum(r[key.replace("_", "/", 1)] for r in rows[1:]), key
+    assert summary["reward_nonfinite"] > 0 and summary["reward_timeouts"] == 0
+
+
+def test_run_whose_every_reward_fails_stops_naming_the_function(tmp_path):
+    """Every reward errors: the run stops after task.max_failed_reward_steps steps in a row with one
+    line naming the function and its first error; the steps done so far stay logged."""
+    from test_train_e2e import make_cfg
+
+    from hybridrl.driver.sync import train
+    from hybridrl.rollout.scoring import RewardsFailedError
+
+    cfg = make_cfg(
+        tmp_path,
+        f"task.reward_fn={__name__}:column_lookup",
+        "trainer.name=failing",
+        "trainer.total_steps=5",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "task.max_failed_reward_steps=2",
+    )
+    with pytest.raises(RewardsFailedError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    assert (
+        "steps 1-2" in message and "column_lookup" in message and "KeyError('solution')" in message
+    )
+    rows = read_metrics(tmp_path / "runs" / "failing")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["reward/errors"] == 8 for r in rows[1:])  # 4 prompts x 2 samples, all failed
+
+
+def test_trl_style_function_naming_a_missing_column_is_refused_at_start(tmp_path):
+    from hybridrl.checks import check_config
+    from hybridrl.config import ConfigError
+
+    fn = f"task.reward_fn={__name__}:trl_needs_solution"
+    with pytest.raises(ConfigError) as err:  # a built-in task's prompts carry no columns
+        check_config(load_config(Config, None, [fn]))
+    assert str(err.value).startswith("config key 'task.reward_fn[0]': TRL-style reward function")
+    assert "['solution']" in str(err.value)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(4)))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"columns: \['answer'\]"):
+        check_config(load_config(Config, None, [fn, f"data.train_files={data}"]))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "solution": str(i + 1)}) + "\n"
+                            for i in range(4)))  # fmt: skip
+    check_config(
+        load_config(Config, None, [fn, f"data.train_files={data}", "data.answer_key=null"])
+    )
 
 
 # --- the metrics file -----------------------------------------------------------------------------

@@ -62,6 +62,7 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
                         last = s.evaluate()
                     metrics |= last
                 s.logger.log(done, metrics | timer.pop())
+                s.check_rewards(done, out)  # every reward failed for too long: the run stops
                 # the rollout's latest groups (of the rollout now: a dead one is replaced)
                 s.log_samples(done, lambda: roles.rollout.recent_samples())
                 stale = f"{metrics['async/staleness_mean']:.2f}"

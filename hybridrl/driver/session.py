@@ -20,8 +20,10 @@ from hybridrl.driver.run_dir import open_run_dir, run_path, write_summary
 from hybridrl.driver.sft import ensure_warm_start
 from hybridrl.models.loading import load_tokenizer, make_task
 from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.scoring import RewardsFailedError
 from hybridrl.telemetry import MetricsLogger, PhaseTimer, write_report
 from hybridrl.telemetry.samples import sample_rows
+from hybridrl.telemetry.sinks import read_metrics
 from hybridrl.telemetry.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -65,9 +67,26 @@ class Session:
     watchdog: Watchdog | None = None
     # restarts and lost steps (driver/restarts.py)
     faults: Faults = field(default_factory=lambda: Faults(0))
+    # steps in a row whose every reward failed (task.max_failed_reward_steps stops the run)
+    failed_reward_steps: int = 0
 
     def due(self, every: int, done: int) -> bool:
         return bool(every and done % every == 0) or done == self.cfg.trainer.total_steps
+
+    def check_rewards(self, done: int, out: dict) -> None:
+        """After step ``done`` is logged: raise :class:`RewardsFailedError` once every sample's
+        reward failed (raised, timed out, not finite, scored by no function) in
+        ``task.max_failed_reward_steps`` steps in a row. A run whose reward cannot score anything
+        trains on zeros: it stops, naming the function and its first error."""
+        failed, scored, first = out["reward_failures"]
+        self.failed_reward_steps = self.failed_reward_steps + 1 if failed == scored > 0 else 0
+        limit = self.cfg.task.max_failed_reward_steps
+        if limit and self.failed_reward_steps >= limit:
+            raise RewardsFailedError(
+                f"every reward failed in {limit} steps in a row (steps {done - limit + 1}-{done}); "
+                f"the first error: {first}; fix the reward function (task.reward_fn), or raise "
+                "task.max_failed_reward_steps (0: never stop)"
+            )
 
     def log_samples(self, done: int, samples) -> None:
         """A table of sample completions when one is due (every ``trainer.log_samples_every`` steps
@@ -111,6 +130,7 @@ class Session:
             "mode": t.mode,
             "restarts": self.faults.restarts,
             "lost_steps": self.faults.lost_steps,
+            **reward_failure_totals(self.run_dir),
         }
         write_summary(self.run_dir, summary)
         a = self.cfg.algorithm
@@ -124,6 +144,18 @@ class Session:
 class _NoWatch:
     def stop(self) -> None:
         pass
+
+
+def reward_failure_totals(run_dir: Path) -> dict[str, int]:
+    """``reward_errors``, ``reward_timeouts`` and ``reward_nonfinite``: the failed reward calls of
+    the trained samples over the whole run, summed from ``metrics.jsonl`` (so a resumed run counts
+    the steps before the resume too)."""
+    totals = dict.fromkeys(("reward_errors", "reward_timeouts", "reward_nonfinite"), 0.0)
+    for row in read_metrics(run_dir):
+        if row.get("step", 0) > 0:
+            for key in totals:
+                totals[key] += row.get(key.replace("_", "/", 1), 0.0)
+    return {k: int(v) for k, v in totals.items()}
 
 
 def _truncate_trace(run_dir: Path, step: int) -> None:

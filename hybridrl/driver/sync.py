@@ -49,6 +49,7 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
                         last = s.evaluate()
                     metrics |= last
                 s.logger.log(done, metrics | timer.pop())
+                s.check_rewards(done, out)  # every reward failed for too long: the run stops
                 s.log_samples(done, samples)
                 bar.set_postfix(
                     reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"

@@ -47,6 +47,13 @@ def policy_rows(learner, fn, batch: Batch):
     return pipeline_policy.on_replica_rows(fn, batch, learner.pipeline.layout)
 
 
+def reward_failures(samples: list[Sample]) -> tuple[int, int, str | None]:
+    """``(failed, scored, first error)``: how many of the step's samples had a reward that failed
+    (``rollout/scoring.py``), out of how many, and the first failure's message."""
+    failed = [s for s in samples if s.reward_extras.get("reward_errors")]
+    return len(failed), len(samples), next((s.metadata.get("reward_error") for s in failed), None)
+
+
 def take_samples(learner, source, version: int) -> list[Sample]:
     """The step's samples: ``source`` itself (synchronous), or the next batch rank 0 takes from the
     trajectory buffer ``source`` and shares with the other ranks (asynchronous). A rollout being
@@ -126,6 +133,7 @@ def train_step(learner, version: int, source) -> dict:
     return {
         "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
         "uids": list(dict.fromkeys(s.uid for s in samples)),
+        "reward_failures": reward_failures(samples),
         "staleness": lag,
         "busy_s": time.perf_counter() - t0 - waited,
     }

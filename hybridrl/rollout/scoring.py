@@ -84,11 +84,16 @@ FAILURE_KINDS: tuple[tuple[type[BaseException], str, Callable[[Any], str]], ...]
     (NonFiniteReward, "reward_nonfinite", lambda e: f"returned score {e.score!r} (not finite) on"),
     (BaseException, "reward_errors", lambda e: f"raised {e!r} on"),
 )
-__all__ = ["RewardTimeout", "RewardFunctionHung", "TimedCalls", "Scorer"]
+__all__ = ["RewardTimeout", "RewardFunctionHung", "RewardsFailedError", "TimedCalls", "Scorer"]
 
 
 class RewardFunctionHung(RuntimeError):
     """Too many timed-out reward calls are still running: the run stops."""
+
+
+class RewardsFailedError(RuntimeError):
+    """Every sample's reward failed for ``task.max_failed_reward_steps`` steps in a row: the run
+    stops (raised by the driver, ``driver/session.py``)."""
 
 
 class _Call:
@@ -320,6 +325,10 @@ class Scorer:
         s.reward = 0.0
         s.reward_extras["reward_errors"] = 1.0
         s.reward_extras[kind] = 1.0
+        # the sample's first failure, in words: a run whose every reward fails stops naming it
+        s.metadata.setdefault(
+            "reward_error", f"reward function {fn_name} {what} prompt {s.metadata['prompt'].uid}"
+        )
         logged = self._logged.get(kind, 0)
         if logged < LOGGED_ERRORS:
             self._logged[kind] = logged + 1

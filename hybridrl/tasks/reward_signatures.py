@@ -151,17 +151,30 @@ class TrlStyle(RewardFunction):
         columns = dict.fromkeys(k for p in prompts for k in p.columns if k not in TRL_ARGS)
         for key in columns:
             args[key] = [p.columns.get(key) for p in prompts]
+        problem = self.missing_columns(list(columns))
+        if problem:
+            raise TypeError(problem)
+        return self.fn(**{k: v for k, v in args.items() if self.takes(k)})
+
+    def missing_columns(self, columns: Sequence[str]) -> str | None:
+        """What is wrong when the rows have only ``columns``: the function's required arguments
+        that are neither TRL's nor a column (None: nothing). Known before a run starts, from the
+        data's first row, so such a function is refused then, not failed on every sample."""
         missing = [
             p.name
             for p in _parameters(self.fn) or ()
-            if p.kind in _BY_NAME and p.default is p.empty and p.name not in args
+            if p.kind in _BY_NAME
+            and p.default is p.empty
+            and p.name not in TRL_ARGS
+            and p.name not in columns
         ]
-        if missing:
-            raise TypeError(
-                f"TRL-style reward function {self.name} needs argument(s) {missing} that are not "
-                f"columns of the rows (columns: {sorted(columns)})"
-            )
-        return self.fn(**{k: v for k, v in args.items() if self.takes(k)})
+        if not missing:
+            return None
+        return (
+            f"TRL-style reward function {self.name} needs argument(s) {missing} that are not "
+            f"columns of the rows (columns: {sorted(c for c in columns if c not in TRL_ARGS)}); "
+            "give them a default or name columns the data has"
+        )
 
 
 class VerlStyle(RewardFunction):

@@ -71,6 +71,13 @@ class TaskConfig:
         "error once 8 abandoned calls are still running",
         gt=0,
     )
+    max_failed_reward_steps: int = _f(
+        3,
+        "the run stops, naming the reward function and its first error, once every sample's "
+        "reward failed (raised, timed out, not finite) in this many steps in a row (0: never stop; "
+        "failed samples score 0 and are counted in reward/errors either way)",
+        ge=0,
+    )
     reward_model_path: str | None = _f(
         None,
         "local transformers checkpoint of a sequence-classification reward model (num_labels 1, "
