@@ -51,7 +51,12 @@ def test_both_sums_agree(k):
     weights = torch.rand(T, k)
     slot = combine(ys, weights, order, in_slot_order=True)
     added = combine(ys, weights, order, in_slot_order=False)
-    expected = torch.zeros(T, H)
-    expected.index_put_((order // k,), ys * weights.flatten()[order, None], accumulate=True)
-    assert torch.allclose(slot, expected, atol=1e-6)
-    assert torch.allclose(added, expected, atol=1e-6)
+    # by hand, token by token in float64: ys[p] is the output for the slot order[p] = t * k + j
+    # (the p-th of the slots sorted by expert), weighted by that slot's router weight
+    where = {int(flat): p for p, flat in enumerate(order)}
+    expected = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            expected[t] += float(weights[t, j]) * ys[where[t * k + j]].double()
+    assert torch.allclose(slot.double(), expected, atol=1e-6)
+    assert torch.allclose(added.double(), expected, atol=1e-6)
