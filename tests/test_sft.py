@@ -15,6 +15,7 @@ from hybridrl.driver.sft import (
     run_sft,
     warm_start_path,
 )
+from hybridrl.envs.base import Env, StepResult
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.tasks import TASKS, Prompt
 from hybridrl.tasks.arithmetic import ArithmeticTask
@@ -108,6 +109,26 @@ def test_check_is_held_out_and_deterministic(tmp_path):
     check.trained_on([p.text for p in held])
     with pytest.raises(RuntimeError, match="held-out prompts appeared in an SFT batch"):
         check(model)
+
+
+class EpisodeRan(Env):
+    """Reward 1 once a model turn reaches the environment, whatever it says: the check scores an
+    episode with it only when it runs the episode."""
+
+    def step(self, action: str) -> StepResult:
+        return StepResult(reward=1.0, done=True)
+
+
+def test_check_runs_episodes_with_the_environment(tmp_path):
+    """With env.name the check's samples are episodes, scored as the RL rollout scores them (the
+    environment's reward); a single-turn check would score this untrained model's answers 0."""
+    cfg = cfg_for(
+        tmp_path, "task.name=test_sft_seven", "sft.eval_size=8", f"env.name={__name__}:EpisodeRan"
+    )
+    model, tok = load_model(cfg, None)
+    assert HeldoutCheck(cfg, make_task(cfg), tok)(model) == (1.0, 8)
+    single = cfg_for(tmp_path, "task.name=test_sft_seven", "sft.eval_size=8")
+    assert HeldoutCheck(single, make_task(single), tok)(model)[0] == 0.0
 
 
 def test_cache_key_covers_the_stop_rule(tmp_path):

@@ -43,23 +43,32 @@ class Evaluator:
 
 
 def model_accuracy(
-    model, tokenizer, prompts: list[Prompt], scorer, params: SamplingParams
+    model, tokenizer, prompts: list[Prompt], scorer, params: SamplingParams, cfg=None
 ) -> float:
     """Mean reward of one sample per prompt from ``model`` as it is now (warm-start accuracy check).
 
     Generates with the ``hf`` rollout backend, which reads the live weights (no copy, no cache kept
     between calls) and seeds each call from ``params.seed`` without touching the caller's RNG
-    stream; scored by the rollout's :class:`~hybridrl.rollout.scoring.Scorer`, as the RL evaluation
-    is. Restores train mode.
+    stream; scored by ``scorer`` (the rollout's :class:`~hybridrl.rollout.scoring.Scorer`), as the
+    RL evaluation is. With ``cfg`` naming an environment (``env.name``), each sample is a whole
+    episode, the model's turns and the environment's answers, as the RL rollout runs it: a task
+    whose skill is to use a tool is measured using it. Restores train mode.
     """
+    from hybridrl.rollout.multiturn import with_environment
+
     was_training = model.training
+    engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
+    episodes = cfg is not None and cfg.env.name is not None
+    if episodes:
+        engine = with_environment(cfg, engine, tokenizer)
     try:
-        engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
         samples = engine.generate(
             [prompt_sample(p, tokenizer) for p in prompts], replace(params, n=1)
         )
         return mean_reward(scorer(samples))
     finally:
+        if episodes:
+            engine.close()  # the environment calls' event loop
         model.train(was_training)
 
 

@@ -123,15 +123,18 @@ class HeldoutCheck:
     """Sampled (T = 1) accuracy of the live model on the task's held-out prompts, using only those
     that no SFT batch so far contained (so it measures the task, not recall), the first
     ``sft.eval_size`` of them in the held-out order. Every check samples with the same seed, so two
-    checks differ by the weights alone."""
+    checks differ by the weights alone. With an environment (``env.name``) each prompt is a whole
+    episode with the environment, scored as the RL rollout scores it (``env_rewards``)."""
 
     def __init__(self, cfg: Config, task, tokenizer):
+        from hybridrl.rollout.env_rewards import env_rewards
         from hybridrl.rollout.scoring import Scorer
 
-        self.pool, self.size, self.tokenizer = task.heldout(), cfg.sft.eval_size, tokenizer
+        self.cfg, self.pool, self.size = cfg, task.heldout(), cfg.sft.eval_size
+        self.tokenizer = tokenizer
         self.pool_texts = {p.text for p in self.pool}
         self.seen: set[str] = set()  # held-out prompt texts that appeared in an SFT batch
-        self.scorer = Scorer(cfg, tokenizer)
+        self.scorer = env_rewards(cfg, Scorer(cfg, tokenizer))
         self.params = SamplingParams(
             temperature=1.0,
             max_new_tokens=cfg.rollout.max_new_tokens,
@@ -155,7 +158,7 @@ class HeldoutCheck:
                 "raise task.heldout_size or set sft.steps"
             )
         t0 = time.perf_counter()
-        acc = model_accuracy(model, self.tokenizer, prompts, self.scorer, self.params)
+        acc = model_accuracy(model, self.tokenizer, prompts, self.scorer, self.params, self.cfg)
         self.seconds += time.perf_counter() - t0
         return acc, len(prompts)
 
