@@ -31,6 +31,7 @@ def alg(**kw):
         rollout_is_mode="truncate",
         rollout_is_threshold=2.0,
         rollout_is_threshold_lower=None,
+        rollout_is_batch_normalize=False,
         rollout_bypass=False,
     )
     return SimpleNamespace(**{**base, **kw})
@@ -196,7 +197,7 @@ def test_bypass_skips_the_old_log_prob_forward():
     "overrides,words",
     [
         (["algorithm.rollout_is=token", "algorithm.policy_loss=decoupled_ppo"], "already weights"),
-        (["algorithm.rollout_is=token", "algorithm.rollout_bypass=true"], "would be 1"),
+        (["algorithm.rollout_is=token", "algorithm.rollout_bypass=true"], "count it twice"),
         (
             ["algorithm.rollout_bypass=true", "trainer.mode=async"],
             "proximal policy would be the behaviour",

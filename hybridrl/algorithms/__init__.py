@@ -1,11 +1,11 @@
-"""Algorithm registries: advantage estimators, policy losses (``losses.py``, ``losses_more.py``),
-loss aggregation, KL estimators.
+"""Algorithm registries: advantage estimators, policy losses (``losses.py``, ``losses_more.py``,
+``losses_logp.py``), loss aggregation, KL estimators.
 
 Adding an algorithm is a decorated function; the driver never branches on names.
 """
 
-# registers cispo, gmpo, clip_cov, kl_cov, sapo
-from hybridrl.algorithms import losses_more  # noqa: F401
+# registers cispo, gmpo, clip_cov, kl_cov, sapo; reinforce, dro, dppo_tv, dppo_kl
+from hybridrl.algorithms import losses_logp, losses_more  # noqa: F401
 from hybridrl.algorithms.advantages import (
     ADVANTAGES,
     compute_advantages,

@@ -164,21 +164,93 @@ def _group_outcome_advantage(batch: Batch, norm_by_std: bool) -> dict[str, torch
     return {"advantages": _broadcast(adv, batch["response_mask"])}
 
 
+# rloo: the advantage of a sample alone in its group, (its score) -> advantage
+RLOO_GROUP_OF_ONE = {"score": lambda s: s, "zero": torch.zeros_like}
+
+
 @ADVANTAGES.register("rloo")
 def rloo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     """RLOO (Ahmadian et al. 2402.14740): A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean_g).
 
-    A group of size one has no baseline: A = r (as veRL).
+    A group of size one has no other sample to leave out; ``cfg.rloo_group_of_one`` decides:
+    ``score`` gives A = r (no baseline: veRL's ``rloo``), ``zero`` gives A = 0 (the sample teaches
+    nothing without a comparison: veRL's ``rloo_vectorized``).
     """
     scores = _sequence_scores(batch)
     sd = scores.double()
     out = sd.clone()
+    alone = RLOO_GROUP_OF_ONE[cfg.rloo_group_of_one]
     for rows in group_rows(batch["uid"]):
-        if len(rows) > 1:
-            idx = torch.tensor(rows, device=sd.device)
-            s = sd[idx]
-            out[idx] = (s * len(rows) - s.sum()) / (len(rows) - 1)
+        idx = torch.tensor(rows, device=sd.device)
+        s = sd[idx]
+        out[idx] = (s * len(rows) - s.sum()) / (len(rows) - 1) if len(rows) > 1 else alone(s)
     return {"advantages": _broadcast(out.to(scores.dtype), batch["response_mask"])}
+
+
+@ADVANTAGES.register("gdpo")
+def gdpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """GDPO (group reward-decoupled normalisation, arXiv:2601.05242, as veRL's ``gdpo``): each
+    reward component k is group-normalised on its own, A_k,i = (r_k,i - mean_g r_k) / (std_g r_k +
+    1e-6) (no division with ``norm_adv_by_std: false``; a group of one: mean 0, std 1), the
+    components are summed with their weights, A_i = sum_k w_k A_k,i, broadcast to the row's tokens
+    and whitened over the batch's valid tokens (``masked_whiten``, always mean 0).
+
+    Normalising each component before the sum keeps a component with a large spread (a length
+    bonus) from drowning one with a small spread (correctness). Component k is the batch column
+    ``reward/<k>`` (``cfg.gdpo_reward_keys``), weights ``cfg.gdpo_reward_weights`` (null: 1 each).
+    As veRL, the components replace ``token_level_rewards``: a KL penalty in the reward does not
+    enter.
+    """
+    check_gdpo_config(cfg)
+    mask, uids = batch["response_mask"], batch["uid"]
+    weights = cfg.gdpo_reward_weights or [1.0] * len(cfg.gdpo_reward_keys)
+    total = None
+    for key, weight in zip(cfg.gdpo_reward_keys, weights):
+        column = f"reward/{key}"
+        if column not in batch:
+            have = sorted(k for k in batch.tensors if k.startswith("reward/"))
+            raise KeyError(
+                f"gdpo: no batch column {column!r} for algorithm.gdpo_reward_keys entry {key!r} "
+                f"(the reward columns: {', '.join(have) or 'none'}); a reward function returns "
+                "it beside its score, e.g. {'score': ..., " + repr(key) + ": ...}"
+            )
+        part = weight * group_normalise(batch[column].double(), uids, cfg.norm_adv_by_std)
+        total = part if total is None else total + part
+    return {"advantages": masked_whiten(_broadcast(total, mask), mask).float()}
+
+
+def check_gdpo_config(cfg) -> None:
+    """``gdpo`` needs its components, and one weight per component when weights are given."""
+    keys, weights = cfg.gdpo_reward_keys, cfg.gdpo_reward_weights
+    if not keys:
+        raise ValueError(
+            "algorithm.advantage=gdpo needs algorithm.gdpo_reward_keys: the reward components to "
+            "normalise one by one (numbers the reward function returns beside its score)"
+        )
+    if weights is not None and len(weights) != len(keys):
+        raise ValueError(
+            f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} "
+            "gdpo_reward_keys: give one weight per component (or null for 1 each)"
+        )
+
+
+# AlgorithmConfig.validate calls it when the config loads
+gdpo_advantage.check_config = check_gdpo_config
+
+
+@ADVANTAGES.register("gpg")
+def gpg_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """GPG (Chu et al. 2504.02546, as veRL's ``gpg``): A_i = alpha (r_i - mean_g r), alpha = B / M
+    with B the batch's rows and M those whose score r_i is not 0 (at least 1); a group of one has
+    mean 0. No std division: alpha rescales the whole batch so that rows scoring 0 (which, with a
+    0/1 reward, carry no signal of their own) do not shrink the gradient. Pair it with
+    ``policy_loss: reinforce`` for the paper's objective (veRL's ``gpg`` loss).
+    """
+    scores = _sequence_scores(batch)
+    sd = scores.double()
+    alpha = len(sd) / max(int(torch.count_nonzero(sd)), 1)
+    centred = group_mean_baseline(sd, batch["uid"]).double()
+    return {"advantages": _broadcast((alpha * centred).to(scores.dtype), batch["response_mask"])}
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -338,21 +410,152 @@ def opo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     return {"advantages": _broadcast(out.to(scores.dtype), mask)}
 
 
+# --- optimal token baselines -------------------------------------------------------------------
+OTB_EPS = 1e-8  # keeps the baseline's denominator positive where no sample has weight (veRL's)
+
+
+def _otb_inputs(batch: Batch):
+    """Per-token rewards-to-go G_t (over valid tokens, passing through masked ones), and the
+    cumulative path-variance proxy W_t = sum_{j <= t} w_j over valid tokens, with w_j = 1 - 2 pi_j
+    + sum_v pi_v^2 (the squared norm of the score function of token j's softmax; pi_j =
+    exp(old_log_probs), sum_v pi_v^2 = ``sum_pi_squared``), times the squared rollout weight when
+    the batch has ``rollout_is_weights``. Both (B, R) in float64, 0 on padding."""
+    m = as_bool(batch["response_mask"])
+    r = zero_pad(batch["token_level_rewards"].double(), m)
+    returns = r.flip(-1).cumsum(-1).flip(-1)
+    w = 1 - 2 * batch["old_log_probs"].double().exp() + batch["sum_pi_squared"].double()
+    if "rollout_is_weights" in batch:
+        w = w * batch["rollout_is_weights"].double().square()
+    return m, zero_pad(returns, m), zero_pad(w, m).cumsum(-1)
+
+
+def _otb_baseline(returns: torch.Tensor, w_cum: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """b_t = sum_i G_i,t W_i,t / (sum_i W_i,t + eps) over a group's rows (N, T), one per column."""
+    return (returns * w_cum * valid).sum(0) / ((w_cum * valid).sum(0) + OTB_EPS)
+
+
+def _zero_tail(base: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A group's baselines (N, T) with the unique longest row's baseline set to 0 from the second
+    longest length on: past it no other sample of the group is left to estimate a baseline from,
+    so that row's tail gets its return unbaselined (veRL's ``handle_zero_tail``)."""
+    ordered = torch.sort(lengths).values
+    longest, second = int(ordered[-1]), int(ordered[-2])
+    rows = (lengths == longest).nonzero().flatten()
+    if rows.numel() == 1 and longest > second:
+        base = base.clone()
+        base[rows[0], second:] = 0
+    return base
+
+
+@ADVANTAGES.register("optimal_token_baseline")
+def optimal_token_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """Optimal token baseline (veRL's ``optimal_token_baseline``): A_i,t = G_i,t - b_t with a
+    baseline per position t of each group, b_t = sum_i G_i,t W_i,t / (sum_i W_i,t + 1e-8), the
+    variance-minimising baseline E[G W] / E[W] under the proxy W_i,t (see ``_otb_inputs``) for the
+    squared gradient norm of the path so far.
+
+    Positions are the response positions as they are (columns of the batch): in a multi-turn row
+    with masked tokens, use ``tir_optimal_token_baseline``. A group of one gets no baseline (A = G);
+    the unique longest row of a group gets 0 from the second longest length on (``_zero_tail``).
+    Needs the old policy's log-probs and ``sum_pi_squared`` of the old-log-prob pass
+    (``needs_sum_pi_squared``); ``returns`` = G.
+    """
+    m, returns, w_cum = _otb_inputs(batch)
+    base = torch.zeros_like(returns)
+    lengths = m.sum(-1)
+    for rows in group_rows(batch["uid"]):
+        if len(rows) < 2:
+            continue
+        idx = torch.tensor(rows)
+        group = _otb_baseline(returns[idx], w_cum[idx], m[idx].double())
+        base[idx] = _zero_tail(group.expand(len(rows), -1), lengths[idx])
+    dtype = batch["token_level_rewards"].dtype
+    adv = zero_pad(returns - base, m)
+    return {"advantages": adv.to(dtype), "returns": returns.to(dtype)}
+
+
+@ADVANTAGES.register("tir_optimal_token_baseline")
+def tir_optimal_token_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
+    """The optimal token baseline over each row's *valid* tokens (veRL's
+    ``tir_optimal_token_baseline``, for multi-turn rows whose tool and environment tokens are
+    masked): the k-th valid token of every row of a group shares b_k, so a row's turns line up with
+    the others' by the tokens the policy produced, not by position. Otherwise as
+    ``optimal_token_baseline``; rows with no valid token are left out of their group.
+    """
+    m, returns, w_cum = _otb_inputs(batch)
+    lengths = m.sum(-1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    # each row's valid tokens moved to its front, in order
+    g_c = returns.new_zeros(len(m), width)
+    w_c = returns.new_zeros(len(m), width)
+    for i in range(len(m)):
+        g_c[i, : lengths[i]] = returns[i, m[i]]
+        w_c[i, : lengths[i]] = w_cum[i, m[i]]
+    valid_c = torch.arange(width).expand(len(m), -1) < lengths.unsqueeze(-1)
+    base = torch.zeros_like(g_c)
+    non_empty = [i for i in range(len(m)) if lengths[i] > 0]
+    uids = [batch["uid"][i] for i in non_empty]
+    for rows in group_rows(uids):
+        if len(rows) < 2:
+            continue
+        idx = torch.tensor([non_empty[j] for j in rows])
+        group = _otb_baseline(g_c[idx], w_c[idx], valid_c[idx].double())
+        base[idx] = _zero_tail(group.expand(len(rows), -1), lengths[idx])
+    adv = torch.zeros_like(returns)
+    for i in range(len(m)):
+        adv[i, m[i]] = (g_c[i] - base[i])[: lengths[i]]
+    dtype = batch["token_level_rewards"].dtype
+    return {"advantages": adv.to(dtype), "returns": returns.to(dtype)}
+
+
+# the old-log-prob pass adds sum_pi_squared, and runs before the advantages
+optimal_token_baseline_advantage.needs_sum_pi_squared = True
+tir_optimal_token_baseline_advantage.needs_sum_pi_squared = True
+
+
 def compute_advantages(batch: Batch, cfg) -> Batch:
     """The batch plus every tensor the estimator named by ``cfg.advantage`` returns (``advantages``,
     maybe ``returns``).
 
     A returned column replaces a column of the same name (advantages can be recomputed).
-    An estimator may also return a bare tensor, taken as ``advantages``.
+    An estimator may also return a bare tensor, taken as ``advantages``. A multi-turn trajectory
+    split into parts counts once (:func:`once_per_trajectory`).
     """
-    out = ADVANTAGES.get(cfg.advantage)(batch, cfg)
-    if isinstance(out, torch.Tensor):
-        out = {"advantages": out}
+    estimator = ADVANTAGES.get(cfg.advantage)
+    out = _columns(estimator(batch, cfg))
+    if "returns" not in out:
+        out["advantages"] = once_per_trajectory(estimator, batch, cfg, out["advantages"])
     if getattr(cfg, "task_norm", False):
         out["advantages"] = task_normalized(
             out["advantages"], batch["response_mask"], batch["task_id"]
         )
     return Batch({**batch.tensors, **out}, batch.meta)
+
+
+def _columns(out) -> dict[str, torch.Tensor]:
+    return {"advantages": out} if isinstance(out, torch.Tensor) else dict(out)
+
+
+def once_per_trajectory(estimator, batch: Batch, cfg, adv: torch.Tensor) -> torch.Tensor:
+    """``adv`` where every trajectory counts once in its group's statistics. A multi-turn trajectory
+    whose chat template rewrote the conversation is split into parts, rows that share the
+    ``trajectory`` metadata (each carries the trajectory's reward); the estimator then sees each
+    trajectory once, as its first row in the batch, and every part gets that row's advantage on
+    its valid tokens. Estimators that return ``returns`` (rewards-to-go along each row's tokens:
+    gae, reinforce_pp, remax ...) keep every row: their advantage is not one number per row."""
+    ids = batch.meta.get("trajectory")
+    if ids is None:
+        return adv
+    first: dict = {}
+    of = [first.setdefault((i,) if t is None else t, i) for i, t in enumerate(ids)]
+    if len(first) == len(ids):
+        return adv
+    reps = list(first.values())
+    once = _columns(estimator(batch.index(reps), cfg))["advantages"]
+    mask = batch["response_mask"][reps].to(once.dtype)
+    per_row = (once * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # one number per row
+    where = {row: k for k, row in enumerate(reps)}
+    return _broadcast(per_row[[where[r] for r in of]], batch["response_mask"]).to(adv.dtype)
 
 
 def task_normalized(adv: torch.Tensor, mask: torch.Tensor, task_ids: list[str]) -> torch.Tensor:

@@ -71,10 +71,13 @@ def seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, totals: AggTotal
 def seq_mean_token_sum_norm(
     loss: torch.Tensor, mask: torch.Tensor, totals: AggTotals
 ) -> torch.Tensor:
-    """sum over valid tokens / (n_seqs * norm_len) (Dr.GRPO, Liu et al. 2503.20783).
+    """sum over valid tokens / (n_seqs * norm_len) (Dr.GRPO, Liu et al. 2503.20783): the mean over
+    the sequences of each sequence's summed loss, divided by a fixed length.
 
-    Differs from veRL, which divides by norm_len only (its scale then grows with the batch size);
-    Dr.GRPO's objective averages over the G sequences too.
+    The same division as veRL 0.9's ``agg_loss`` (the non-empty sequences of the global batch times
+    its ``loss_scale_factor``); veRL before 0.9 divided by the length only, so its scale grew with
+    the batch size. veRL's length defaults to the mask's width, ours to
+    ``rollout.max_new_tokens`` (``agg_totals``' ``norm_len``).
     """
     return _div(_row_sums(loss, mask)[0].sum(), totals.n_seqs * totals.norm_len)
 

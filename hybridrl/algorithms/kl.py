@@ -3,10 +3,10 @@ KL in the reward.
 
 With ``log_ratio = logp - ref_logp`` (samples drawn from the policy):
 k1 = log_ratio, k2 = log_ratio^2 / 2, k3 = exp(-log_ratio) - 1 + log_ratio (>= 0, low variance;
-clamped as veRL's low_var_kl), abs = |log_ratio|; k1+, k2+, k3+: the value of k1 / k2 / k3 with the
-gradient of k2 (straight-through, veRL's "+" modes). As a reward penalty: ``apply_kl_penalty`` with
-a fixed or adaptive coefficient (Ziegler et al. 1909.08593); as a loss term: the actor aggregates
-``kl_penalty(...)`` itself.
+clamped as veRL's low_var_kl), abs = |log_ratio|; k1+, k2+, k3+, abs+: the value of k1 / k2 / k3 /
+abs with the gradient of k2 (straight-through, veRL's "+" modes, which take any estimator's name).
+As a reward penalty: ``apply_kl_penalty`` with a fixed or adaptive coefficient (Ziegler et al.
+1909.08593); as a loss term: the actor aggregates ``kl_penalty(...)`` itself.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def k2_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 @KL_ESTIMATORS.register("k3+")
 def k3_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return _straight_through(k3(logp, ref_logp), logp, ref_logp)
+
+
+@KL_ESTIMATORS.register("abs+")
+def abs_plus(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    # reads |log_ratio| (a loss term that logs like "abs") and pulls like k2: the gradient of
+    # |log_ratio| is its sign alone, the same push however close the policy is to the reference
+    return _straight_through(kl_abs(logp, ref_logp), logp, ref_logp)
 
 
 def kl_penalty(name: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

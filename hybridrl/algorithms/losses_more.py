@@ -24,7 +24,11 @@ from hybridrl.algorithms.losses import (
     _ratio_metrics,
 )
 from hybridrl.algorithms.masking import as_bool, masked_max, masked_mean, masked_min, zero_pad
+from hybridrl.algorithms.rollout_correction import WEIGHT_KEY
 from hybridrl.protocol import Batch
+
+# gmpo: log(w + floor) keeps a dropped token's rollout weight (0) finite in the geometric mean
+GMPO_WEIGHT_FLOOR = 1e-10
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -120,6 +124,12 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     seq-mean-token-mean``. Metrics: clip_frac_high = valid tokens with A_i > 0 and l_t > eps_high,
     clip_frac_low = A_i < 0 and l_t < -eps_low (their gradient is 0); seq_ratio_* = exp(mean_t c_t)
     over non-empty rows.
+
+    Rollout weights (``algorithm.rollout_is``) enter as their geometric mean over the row's valid
+    tokens, g_i = exp(mean_t log(w_t + 1e-10)) (veRL's floor: a dropped token, w = 0, counts as
+    1e-10, not as -inf), so loss_i = -A_i exp(mean_t c_t) g_i = -A_i exp(mean_t (c_t + log w_t)):
+    the objective stays the geometric mean of the weighted token terms. The learner therefore does
+    not multiply the tokens by w_t again (``weighs_rollout``).
     """
     lo = _positive("gmpo_log_clip_low", cfg.gmpo_log_clip_low)
     hi = _positive("gmpo_log_clip_high", cfg.gmpo_log_clip_high)
@@ -129,7 +139,11 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
     clipped = sgn * torch.minimum(sgn * log_ratio, sgn * log_ratio.clamp(-lo, hi))
     lengths = m.sum(-1).clamp(min=1).to(logp.dtype)
     seq_ratio = torch.exp(zero_pad(clipped, m).sum(-1) / lengths)  # |c_t| <= 20: finite
-    loss = zero_pad((-adv_seq * seq_ratio).unsqueeze(-1).expand(m.shape), m)
+    loss_seq = -adv_seq * seq_ratio
+    if WEIGHT_KEY in mb:
+        log_w = torch.log(mb[WEIGHT_KEY].to(logp.dtype).detach() + GMPO_WEIGHT_FLOOR)
+        loss_seq = loss_seq * torch.exp(zero_pad(log_w, m).sum(-1) / lengths)
+    loss = zero_pad(loss_seq.unsqueeze(-1).expand(m.shape), m)
     with torch.no_grad():
         f = logp.dtype
         metrics = _clip_metrics(
@@ -144,6 +158,10 @@ def gmpo_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[st
             "actor/seq_ratio_min": sr.min().item() if rows.any() else 0.0,
         }
     return loss, metrics
+
+
+# the rollout weights are applied here, as a geometric mean per row
+gmpo_loss.weighs_rollout = True
 
 
 # --- Clip-Cov and KL-Cov --------------------------------------------------------------------------
@@ -229,7 +247,9 @@ def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[
     max(int(kl_cov_ratio * N), 1) valid tokens of largest cov_t (as in clip_cov), N the
     micro-batch's valid tokens. No ratio clip: the KL term on the high-covariance tokens is the
     trust region, as in the paper. Metrics: kl_cov_frac (share of valid tokens penalised), cov_mean,
-    kl_cov_abs (mean |logp - old| over the penalised tokens), and the ratio / approx_kl metrics.
+    kl_cov_abs (mean |logp - old| over the penalised tokens), approx_kl_old_abs (mean |logp - old|
+    over all valid tokens: what veRL logs as ``actor/ppo_kl`` for this loss), and the ratio /
+    approx_kl metrics.
     """
     share = _share("kl_cov_ratio", cfg.kl_cov_ratio)
     coef = cfg.kl_cov_coef
@@ -252,6 +272,7 @@ def kl_cov_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[
         metrics |= {
             "actor/kl_cov_frac": masked_mean(picked.to(logp.dtype), m).item(),
             "actor/kl_cov_abs": masked_mean(log_ratio.abs(), picked).item(),
+            "actor/approx_kl_old_abs": masked_mean(log_ratio.abs(), m).item(),
             "actor/cov_mean": masked_mean(cov, m).item(),
         }
     return loss, metrics

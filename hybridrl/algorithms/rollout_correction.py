@@ -10,11 +10,18 @@ Switches (``algorithm.*``, see docs/algorithms.md, "Rollout correction"):
   valid tokens, the same for each of its tokens. Log-ratios are clamped to ±20 before ``exp``.
 - ``rollout_is_mode``: ``truncate`` (TIS): w = min(ρ, upper); ``mask`` (MIS): w = ρ inside
   [lower, upper], 0 outside (those tokens, or whole sequences, leave the loss).
-- ``rollout_is_threshold`` (upper), ``rollout_is_threshold_lower`` (mask mode; null: 1/upper).
-- ``rollout_bypass``: μ serves as the old policy; the actor's old-log-prob forward is skipped.
+- ``rollout_is_threshold`` (upper), ``rollout_is_threshold_lower`` (mask mode; null: 1/upper). Mask
+  mode with both bounds is IcePop's ``[lo, hi]`` (veRL's ``rollout_is_threshold: "lo_hi"``).
+- ``rollout_is_batch_normalize``: the weights are divided by their mean, so that they average 1.
+- ``rollout_bypass``: μ serves as the old policy; the actor's old-log-prob forward is skipped. With
+  ``rollout_is`` on, the weight is that of the current policy, sg[π_θ]/μ, computed in the loss for
+  each micro-batch (:func:`current_policy_weights`); only a loss that declares ``bypass_is`` (the
+  ``reinforce`` loss) takes it, since a ratio loss's ratio already is π_θ/μ there.
 
-The weight is detached and multiplies the per-token policy loss (``learner/learner.py``); dropped
-tokens still count in the aggregation's denominators, as ``decoupled_ppo``'s cap does. The
+The weight is detached and multiplies the per-token policy loss (``learner/learner.py``), unless
+the loss declares ``weighs_rollout`` and applies the weights itself (``gmpo``: their geometric mean
+per row); dropped tokens still count in the aggregation's denominators, as ``decoupled_ppo``'s cap
+does. The
 train-rollout gap metrics are logged whenever both log-probs exist, with the correction on or off
 (after the update on a step that takes the old log-probs from the update's own forward,
 ``learner/step.py``; the weights, an input of the loss, keep the separate pass).
@@ -64,24 +71,53 @@ def _mask(rho: torch.Tensor, m: torch.Tensor, lower: float, upper: float):
 MODES = {"truncate": _truncate, "mask": _mask}
 
 
+# --- batch normalisation: (weights, mask) -> the mean the weights are divided by -----------------
+def _token_mean(w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return masked_mean(w, m)
+
+
+def _sequence_mean(w: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    # one weight per sequence: each non-empty row counts once, whatever its length
+    rows = m.any(-1)
+    per_row = masked_mean(w, m, dim=-1)
+    return per_row[rows].mean() if rows.any() else torch.zeros((), dtype=w.dtype)
+
+
+BATCH_MEANS = {"token": _token_mean, "sequence": _sequence_mean}
+# a mean at or below this (every weight dropped) leaves the weights as they are
+BATCH_MEAN_MIN = 1e-8
+
+
 def lower_threshold(cfg) -> float:
     lower = cfg.rollout_is_threshold_lower
     return 1.0 / cfg.rollout_is_threshold if lower is None else lower
+
+
+def _floating(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_floating_point() else x.float()
 
 
 def importance_weights(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, cfg
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The detached weights (B, R) of ``cfg.rollout_is`` / ``rollout_is_mode`` (0 on padding and on
-    dropped tokens) and their metrics: the raw ρ's mean and max over valid tokens, the mean weight
-    used, and the share of valid tokens truncated (ρ > upper, truncate mode) or dropped (mask
-    mode)."""
+    dropped tokens), divided by their mean with ``rollout_is_batch_normalize``, and their metrics:
+    the raw ρ's mean and max over valid tokens, the mean weight used (before the normalisation), the
+    share of valid tokens truncated (ρ > upper, truncate mode) or dropped (mask mode), and the mean
+    divided by (``batch_norm_factor``, 1 when off). The weights keep the inputs' floating dtype (the
+    wider of the two): float64 log-probs give float64 weights."""
     m = mask.bool()
-    old, rollout = old.float(), rollout.float()
+    old, rollout = _floating(old), _floating(rollout)
+    dtype = torch.promote_types(old.dtype, rollout.dtype)
+    old, rollout = old.to(dtype), rollout.to(dtype)
     rho = torch.exp(LEVELS[cfg.rollout_is](old, rollout, m))
     upper = cfg.rollout_is_threshold
     weights, dropped = MODES[cfg.rollout_is_mode](rho, m, lower_threshold(cfg), upper)
     f = rho.dtype
+    factor = torch.ones((), dtype=f)
+    if cfg.rollout_is_batch_normalize:
+        mean = BATCH_MEANS[cfg.rollout_is](weights, m)
+        factor = mean if mean > BATCH_MEAN_MIN else factor
     metrics = {
         "rollout_corr/is_weight_mean": masked_mean(rho, m).item(),
         "rollout_corr/is_weight_max": masked_max(rho, m),
@@ -91,7 +127,19 @@ def importance_weights(
         "rollout_corr/truncated_frac": masked_mean(((rho > upper) & m & ~dropped).to(f), m).item(),
         "rollout_corr/masked_frac": masked_mean(dropped.to(f), m).item(),
     }
-    return weights.detach(), metrics
+    if cfg.rollout_is_batch_normalize:
+        metrics["rollout_corr/batch_norm_factor"] = factor.item()
+    return (weights / factor).detach(), metrics
+
+
+def current_policy_weights(
+    logp: torch.Tensor, mb: Batch, cfg
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``rollout_bypass`` with ``rollout_is``: the weights of the current policy against the rollout
+    (old_log_probs is μ there), sg[π_θ]/μ, for one micro-batch, as :func:`importance_weights` makes
+    them (level, mode, thresholds, batch normalisation over the micro-batch). No gradient flows
+    through them."""
+    return importance_weights(logp.detach(), mb["old_log_probs"], mb["response_mask"], cfg)
 
 
 def mismatch_metrics(
@@ -101,7 +149,8 @@ def mismatch_metrics(
     estimated from the rollout's own samples (k1 = mean(μ - old); k3 = mean(r - 1 - log r), r =
     old/μ, >= 0)."""
     m = mask.bool()
-    d = torch.where(m, old.float() - rollout.float(), 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    d = torch.where(m, _floating(old) - _floating(rollout), 0.0)
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
         "rollout_corr/logp_gap_mean": masked_mean(d.abs(), m).item(),
         "rollout_corr/logp_gap_max": masked_max(d.abs(), m),
@@ -130,10 +179,22 @@ def bypass_old_log_probs(batch: Batch) -> Batch:
     return Batch({"old_log_probs": batch["rollout_log_probs"].clone()})
 
 
-def weighted_policy_loss(pg: torch.Tensor, mb: Batch) -> torch.Tensor:
+def weighted_policy_loss(pg: torch.Tensor, mb: Batch, loss_fn=None) -> torch.Tensor:
     """The per-token policy loss times the micro-batch's rollout weights (unchanged when there are
-    none)."""
-    return pg * mb[WEIGHT_KEY].to(pg.dtype) if WEIGHT_KEY in mb else pg
+    none, or when ``loss_fn``, the policy loss that made ``pg``, declares ``weighs_rollout``: it has
+    applied them itself)."""
+    if WEIGHT_KEY not in mb or getattr(loss_fn, "weighs_rollout", False):
+        return pg
+    return pg * mb[WEIGHT_KEY].to(pg.dtype)
+
+
+def _takes_bypass_weights(alg) -> bool:
+    from hybridrl.algorithms.losses import POLICY_LOSSES  # lazy: the config imports this module
+
+    try:
+        return getattr(POLICY_LOSSES.get(alg.policy_loss), "bypass_is", False)
+    except KeyError:  # an unknown name is reported by the plug-in check
+        return True
 
 
 def validate(cfg) -> None:
@@ -146,11 +207,12 @@ def validate(cfg) -> None:
             "each token by "
             "pi_prox/pi_rollout; use one of the two (e.g. policy_loss=ppo_clip)"
         )
-    if alg.rollout_bypass and alg.rollout_is is not None:
+    if alg.rollout_bypass and alg.rollout_is is not None and not _takes_bypass_weights(alg):
         raise ValueError(
-            "algorithm.rollout_bypass with rollout_is: the old policy is then the rollout's, so "
-            "every weight "
-            "would be 1; turn one of them off"
+            f"algorithm.rollout_bypass with rollout_is and policy_loss {alg.policy_loss}: the "
+            "old policy is the rollout's, so the loss's ratio already is pi/pi_rollout and a "
+            "weight would count it twice; use policy_loss=reinforce (weighted by the current "
+            "policy's pi/pi_rollout) or turn rollout_is off"
         )
     if alg.rollout_bypass and alg.policy_loss in BEHAVIOUR_WEIGHTED_LOSSES:
         raise ValueError(

@@ -142,7 +142,8 @@ class Learner(Worker):
         alg, mask = self.cfg.algorithm, mb["response_mask"]
         mb = self.old.keep(mb, logp)  # an update that notes the old log-probs: these are they
         pg, metrics = self.loss_fn(logp, mb, alg)
-        pg = weighted_policy_loss(pg, mb)  # rollout correction (algorithm.rollout_is), when on
+        # rollout correction (algorithm.rollout_is), when on and the loss does not apply it itself
+        pg = weighted_policy_loss(pg, mb, self.loss_fn)
         loss = self.aggregate(pg, mask, totals)
         metrics |= {
             "actor/pg_loss": masked_mean(pg, mask).item(),

@@ -88,15 +88,32 @@ class AlgorithmConfig:
     advantage: str = _f(
         "grpo",
         "advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae, "
-        "remax, grpo_passk, opo (registry name or dotted path)",
+        "remax, grpo_passk, opo, gdpo, gpg, optimal_token_baseline, tir_optimal_token_baseline "
+        "(registry name or dotted path)",
     )
     policy_loss: str = _f(
         "auto",
         "policy loss: ppo_clip, gspo, gspo_token, decoupled_ppo, cispo, gmpo, clip_cov, kl_cov, "
-        "sapo (registry name or dotted path); "
+        "sapo, reinforce, dro, dppo_tv, dppo_kl (registry name or dotted path); "
         "auto: decoupled_ppo when trainer.mode is async, else ppo_clip",
     )
-    norm_adv_by_std: bool = _f(True, "grpo, grpo_passk: divide by the group's std (false: Dr.GRPO)")
+    norm_adv_by_std: bool = _f(
+        True, "grpo, grpo_passk, gdpo: divide by the group's std (false: Dr.GRPO)"
+    )
+    rloo_group_of_one: Literal["score", "zero"] = _f(
+        "score",
+        "rloo: the advantage of a sample alone in its group, which has no other sample to "
+        "leave out: score (A = r, veRL's rloo) or zero (A = 0, veRL's rloo_vectorized)",
+    )
+    gdpo_reward_keys: list[str] = _f(
+        [],
+        "gdpo: the reward components normalised one by one, each read from the batch column "
+        "reward/<key> (a number a reward function returns beside its score, or a reward "
+        "function's name when there are several)",
+    )
+    gdpo_reward_weights: list[float] | None = _f(
+        None, "gdpo: the weight of each component in the sum (null: 1 each)"
+    )
     task_norm: bool = _f(
         False,
         "task-level normalisation (AgentRL): after the estimator, whiten the advantages within "
@@ -171,6 +188,9 @@ class AlgorithmConfig:
     sapo_tau_neg: float = _f(
         1.05, "sapo: temperature of the soft gate for negative and zero advantages", gt=0
     )
+    dro_beta: float | None = _f(
+        None, "dro: weight of the quadratic penalty (log pi - log pi_old)^2 / 2 (required)", gt=0
+    )
     loss_agg: str = _f("token-mean", "loss aggregation", choices=LOSS_AGG_MODES)
     loss_agg_norm_len: int | None = _f(
         None, "seq-mean-token-sum-norm: the fixed length (null: rollout.max_new_tokens)", ge=1
@@ -180,8 +200,8 @@ class AlgorithmConfig:
     )
     kl_estimator: str = _f(
         "k3",
-        "KL estimator of the loss term and the reward penalty: k1, k2, k3, abs; k1+, k2+, k3+ "
-        "(the value of k1/k2/k3 with the gradient of k2)",
+        "KL estimator of the loss term and the reward penalty: k1, k2, k3, abs; k1+, k2+, k3+, "
+        "abs+ (the value of k1/k2/k3/abs with the gradient of k2)",
     )
     kl_reward_coef: float = _f(
         0.0, "initial weight of the per-token KL penalty in the reward (0: off)", ge=0
@@ -218,8 +238,15 @@ class AlgorithmConfig:
     rollout_is_threshold_lower: float | None = _f(
         None, "rollout correction, mask mode: lower bound (null: 1/rollout_is_threshold)", ge=0
     )
+    rollout_is_batch_normalize: bool = _f(
+        False,
+        "rollout correction: divide the weights by their mean (over valid tokens at token level, "
+        "over non-empty sequences at sequence level) so that they average 1",
+    )
     rollout_bypass: bool = _f(
-        False, "use the rollout's log-probs as the old policy: no old-log-prob forward"
+        False,
+        "use the rollout's log-probs as the old policy: no old-log-prob forward; with rollout_is "
+        "(policy_loss reinforce) the weight is pi/pi_rollout of the current policy",
     )
 
     def validate(self) -> None:
@@ -228,6 +255,17 @@ class AlgorithmConfig:
                 f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub}): "
                 "the candidates of clip_cov have a covariance between the two"
             )
+        # lazy: the algorithms import the config. An estimator or a loss with settings of its
+        # own checks them through its check_config attribute (never by name here)
+        from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES
+
+        for registry, name in ((ADVANTAGES, self.advantage), (POLICY_LOSSES, self.policy_loss)):
+            try:
+                check = getattr(registry.get(name), "check_config", None)
+            except KeyError:  # unknown, or "auto": reported or resolved elsewhere
+                continue
+            if check is not None:
+                check(self)
 
 
 @dataclass
