@@ -514,3 +514,48 @@ def test_seq_mean_token_sum_norm_divides_by_sequences_times_length():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     out = LOSS_AGG.get("seq-mean-token-sum-norm")(loss, mask, agg_totals(mask, 5))
     assert out.item() == pytest.approx(0.7)
+
+
+# --- the old-log-prob pass feeds the optimal token baselines --------------------------------------
+class FixedLogits(torch.nn.Module):
+    """A model whose logits are given: (B, P + R, V)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+        self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache):
+        return SimpleNamespace(logits=self.logits)
+
+
+def test_sum_pi_squared_of_the_old_policy_and_its_pass():
+    from hybridrl.learner.logprob import response_sum_pi_squared
+    from hybridrl.learner.passes import needs_sum_pi_squared, reuses_old_log_probs
+
+    # one prompt token, two response tokens; the logits predicting them are log [.5, .25, .25]
+    # (sum p^2 = .25 + .0625 + .0625 = .375) and log [.5, .5, 0] (.5); the second is padding
+    half = [math.log(0.5), math.log(0.25), math.log(0.25)]
+    logits = t([[half, [0.0, 0.0, -math.inf], [9.0, 9.0, 9.0]]], torch.float32)
+    mb = Batch(
+        {
+            "input_ids": torch.tensor([[1, 0, 2]]),
+            "attention_mask": torch.ones(1, 3, dtype=torch.long),
+            "responses": torch.tensor([[0, 2]]),
+            "response_mask": torch.tensor([[1, 0]]),
+        }
+    )
+    out = response_sum_pi_squared(FixedLogits(logits), mb)
+    assert close(out, [[0.375, 0.0]])
+    mb = Batch({**mb.tensors, "response_mask": torch.tensor([[1, 1]])})
+    assert close(response_sum_pi_squared(FixedLogits(logits), mb), [[0.375, 0.5]])
+    # the estimator reads them before the update: the separate old-log-prob pass runs
+    cfg_otb = load_config(Config, None, ["algorithm.advantage=optimal_token_baseline"])
+    assert needs_sum_pi_squared(cfg_otb) and not reuses_old_log_probs(cfg_otb, 1)
+    assert reuses_old_log_probs(load_config(Config, None, []), 1)
+    with pytest.raises(ConfigError, match="rollout_bypass"):
+        load_config(
+            Config,
+            None,
+            ["algorithm.advantage=tir_optimal_token_baseline", "algorithm.rollout_bypass=true"],
+        )

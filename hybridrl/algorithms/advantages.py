@@ -420,6 +420,12 @@ def _otb_inputs(batch: Batch):
     + sum_v pi_v^2 (the squared norm of the score function of token j's softmax; pi_j =
     exp(old_log_probs), sum_v pi_v^2 = ``sum_pi_squared``), times the squared rollout weight when
     the batch has ``rollout_is_weights``. Both (B, R) in float64, 0 on padding."""
+    if "sum_pi_squared" not in batch:
+        raise KeyError(
+            "the optimal token baselines need a (B, R) 'sum_pi_squared' column, which the "
+            "learner's old-log-prob pass adds for estimators with needs_sum_pi_squared (there is "
+            "no such pass with algorithm.rollout_bypass, nor with a pipelined policy)"
+        )
     m = as_bool(batch["response_mask"])
     r = zero_pad(batch["token_level_rewards"].double(), m)
     returns = r.flip(-1).cumsum(-1).flip(-1)
@@ -508,9 +514,19 @@ def tir_optimal_token_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.T
     return {"advantages": adv.to(dtype), "returns": returns.to(dtype)}
 
 
+def check_otb_config(cfg) -> None:
+    """The old-log-prob pass that adds ``sum_pi_squared`` does not run under ``rollout_bypass``."""
+    if cfg.rollout_bypass:
+        raise ValueError(
+            f"algorithm.advantage={cfg.advantage} reads sum_pi_squared from the learner's "
+            "old-log-prob pass, which algorithm.rollout_bypass skips; turn rollout_bypass off"
+        )
+
+
 # the old-log-prob pass adds sum_pi_squared, and runs before the advantages
-optimal_token_baseline_advantage.needs_sum_pi_squared = True
-tir_optimal_token_baseline_advantage.needs_sum_pi_squared = True
+for _otb in (optimal_token_baseline_advantage, tir_optimal_token_baseline_advantage):
+    _otb.needs_sum_pi_squared = True
+    _otb.check_config = check_otb_config
 
 
 def compute_advantages(batch: Batch, cfg) -> Batch:

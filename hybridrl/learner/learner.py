@@ -37,10 +37,20 @@ from hybridrl.learner import moe as moe_training
 from hybridrl.learner import step as learning_step
 from hybridrl.learner.compile import maybe_compile
 from hybridrl.learner.critic import Critic
-from hybridrl.learner.logprob import model_device, response_log_probs, sampling_of
+from hybridrl.learner.logprob import (
+    model_device,
+    response_log_probs,
+    response_sum_pi_squared,
+    sampling_of,
+)
 from hybridrl.learner.old_log_probs import NotedOldLogProbs, check_single_pass
 from hybridrl.learner.optim import make_adamw
-from hybridrl.learner.passes import dropout_in_training, needs_critic, needs_reference
+from hybridrl.learner.passes import (
+    dropout_in_training,
+    needs_critic,
+    needs_reference,
+    needs_sum_pi_squared,
+)
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import BackgroundWriter
@@ -163,7 +173,8 @@ class Learner(Worker):
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """π_old of every row, grouped as the next update's first epoch groups them
-        (``first_epoch_map``)."""
+        (``first_epoch_map``); with an estimator that reads it, also ``sum_pi_squared`` (a second
+        forward of the same micro-batches)."""
 
         def fn(model, mb):
             return response_log_probs(model, mb, self.sampling)[0]
@@ -173,9 +184,18 @@ class Learner(Worker):
                 self.pipeline, batch, self.shuffle, self.cfg.actor, self.sampling
             )
             return Batch({"old_log_probs": old})
-        return Batch(
-            {"old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)}
-        )
+        cols = {
+            "old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)
+        }
+        if needs_sum_pi_squared(self.cfg):
+            cols["sum_pi_squared"] = first_epoch_map(
+                self.model,
+                batch,
+                self.shuffle,
+                self.cfg.actor,
+                lambda model, mb: response_sum_pi_squared(model, mb, self.sampling),
+            )
+        return Batch(cols)
 
     @register(Dispatch.DP_COMPUTE)
     def update_policy(self, batch: Batch, loss_fn=None) -> dict[str, float]:

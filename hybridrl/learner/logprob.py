@@ -277,6 +277,15 @@ def response_log_probs(
     return logp, entropy
 
 
+def response_sum_pi_squared(model, mb: Batch, sampling: SamplingParams | float = 1.0):
+    """(B, R): sum_v π(v)² of the distribution ``sampling`` describes at each response position,
+    zero where ``response_mask`` is 0 (the optimal token baselines' path-variance proxy reads it
+    with the sampled token's π)."""
+    logits = response_outputs(model, mb).float()
+    probs = filtered_log_softmax(logits, _as_sampling(sampling), mb["responses"]).exp()
+    return zero_pad(probs.square().sum(-1), mb["response_mask"])
+
+
 def model_device(model) -> torch.device:
     """Where a micro-batch must go: the compute device (a sharded model's parameters may be
     CPU-offloaded)."""

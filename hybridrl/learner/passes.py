@@ -22,13 +22,20 @@ def needs_critic(cfg: Config) -> bool:
     return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_values", False)
 
 
+def needs_sum_pi_squared(cfg: Config) -> bool:
+    """The advantage estimator reads the old policy's sum_v π(v)² (the optimal token baselines):
+    the old-log-prob pass adds it as ``sum_pi_squared``."""
+    return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_sum_pi_squared", False)
+
+
 def reuses_old_log_probs(cfg: Config, batch_size: int) -> bool:
     """Whether the update takes the old log-probs from its own first forward, not a separate pass.
 
     On-policy (one epoch over one mini-batch of the whole batch) that forward computes the same
     numbers as the pass. The pass still runs when something reads them before the update: the KL
-    penalty in the reward (it shapes the advantages) and the rollout correction's weights (an input
-    of the loss); the train-rollout gap metrics read them after the update. ``rollout_bypass`` has
+    penalty in the reward (it shapes the advantages), the rollout correction's weights (an input
+    of the loss) and the optimal token baselines (with sum_pi_squared); the train-rollout gap
+    metrics read them after the update. ``rollout_bypass`` has
     no pass to skip; ``actor.reuse_old_log_probs: never`` keeps the pass (A/B tests)."""
     alg = cfg.algorithm
     return (
@@ -37,6 +44,7 @@ def reuses_old_log_probs(cfg: Config, batch_size: int) -> bool:
         and alg.kl_reward_coef == 0
         and alg.rollout_is is None
         and not alg.rollout_bypass
+        and not needs_sum_pi_squared(cfg)
     )
 
 
