@@ -6,8 +6,10 @@ asynchronous training with a slow tool.
         [--tool-timeout SECONDS] [--only gain|latency] [--out FILE]
 
 One warm start (``examples/calc_tool_grpo.yaml``: supervised on tool-using traces, the observation
-masked out of the loss; trained once and cached under ``runs/bench_agentic/``), then three RL runs
-from it in this process, one after the other, all with the example's learning settings:
+masked out of the loss, until the example's ``sft.target_accuracy`` on held-out episodes run with
+the tool, or exactly ``--sft-steps`` steps; trained once per seed and thread count and cached under
+``runs/bench_agentic/``; its ``sft.json`` is reported as ``warm_start``), then three RL runs from it
+in this process, one after the other, all with the example's learning settings:
 
 * gain: ``trainer.mode=sync`` with the example's batch (32 prompts x 8 trajectories, groups whose
   rewards are all equal dropped and more prompts sampled), ``--steps`` steps, the tool answering at
@@ -148,7 +150,11 @@ def latency_distribution(
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=80, help="RL steps of the gain run")
-    p.add_argument("--sft-steps", type=int, default=800, help="warm-start steps")
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        help="a fixed number of warm-start steps (default: the example's held-out target)",
+    )
     p.add_argument("--eval-size", type=int, default=512, help="held-out prompts per evaluation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (controller.num_threads)")
     p.add_argument("--seed", type=int, default=0, help="trainer.seed of the RL runs")
@@ -164,10 +170,16 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     runs_dir = Path("runs") / "bench_agentic"
+    # the warm start's outcome depends on the seed and, through the matmul kernels, the threads
+    warm = runs_dir / (
+        f"warmstart-{args.sft_steps}"
+        if args.sft_steps
+        else f"warmstart-target-s{args.seed}-t{args.threads}"
+    )
     common = [
         f"controller.num_threads={args.threads}",
-        f"sft.steps={args.sft_steps}",
-        f"sft.checkpoint={runs_dir / f'warmstart-{args.sft_steps}'}",
+        *([f"sft.steps={args.sft_steps}"] if args.sft_steps else []),
+        f"sft.checkpoint={warm}",
         f"task.eval_size={args.eval_size}",
         f"trainer.runs_dir={runs_dir}",
         f"trainer.seed={args.seed}",
@@ -191,6 +203,8 @@ def main(argv=None) -> dict:
         "steps": args.steps,
         "seed": args.seed,
         "sft_steps": args.sft_steps,
+        "threads": args.threads,
+        "warm_start": json.loads((warm / "sft.json").read_text()),
         "eval_size": args.eval_size,
         "w4": None
         if g is None
