@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 
@@ -56,6 +57,18 @@ def column_lookup(prompt, response):
 
 def trl_needs_solution(prompts, completions, solution, **kwargs):
     return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def exits(prompt, response):
+    sys.exit(0)
+
+
+async def exits_async(prompt, response):
+    raise SystemExit(3)
+
+
+def trl_exits(prompts, completions, **kwargs):
+    sys.exit()
 
 
 def always_hangs(prompt, response):
@@ -283,6 +296,21 @@ def test_run_whose_every_reward_fails_stops_naming_the_function(tmp_path):
     rows = read_metrics(tmp_path / "runs" / "failing")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all(r["reward/errors"] == 8 for r in rows[1:])  # 4 prompts x 2 samples, all failed
+
+
+@pytest.mark.parametrize("fn", ["exits", "exits_async", "trl_exits"])
+def test_reward_function_calling_sys_exit_fails_its_samples_not_the_run(fn, caplog):
+    """sys.exit() inside a reward function (per-sample, async or batched) is an error of its call:
+    the samples score 0 and are counted, the process goes on."""
+    scorer = scorer_for(fn)
+    with caplog.at_level(logging.WARNING, logger=scoring.__name__):
+        samples = scorer(samples_with_answers(scorer, ["3", "3"]))
+    assert [s.reward for s in samples] == [0.0, 0.0]
+    assert extras(samples, "reward_errors") == [1.0, 1.0]
+    assert "SystemExit" in samples[0].metadata["reward_error"]
+    assert any(
+        fn in r.getMessage() and "cannot end the run" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_trl_style_function_naming_a_missing_column_is_refused_at_start(tmp_path):

@@ -84,11 +84,23 @@ FAILURE_KINDS: tuple[tuple[type[BaseException], str, Callable[[Any], str]], ...]
     (NonFiniteReward, "reward_nonfinite", lambda e: f"returned score {e.score!r} (not finite) on"),
     (BaseException, "reward_errors", lambda e: f"raised {e!r} on"),
 )
-__all__ = ["RewardTimeout", "RewardFunctionHung", "RewardsFailedError", "TimedCalls", "Scorer"]
+__all__ = [
+    "RewardTimeout",
+    "RewardFunctionHung",
+    "RewardFunctionExit",
+    "RewardsFailedError",
+    "TimedCalls",
+    "Scorer",
+]
 
 
 class RewardFunctionHung(RuntimeError):
     """Too many timed-out reward calls are still running: the run stops."""
+
+
+class RewardFunctionExit(RuntimeError):
+    """A reward function raised ``SystemExit`` (``sys.exit()``, ``exit()``) or another exception
+    that is not an ``Exception``: an error of that call, never the end of the run."""
 
 
 class RewardsFailedError(RuntimeError):
@@ -112,8 +124,10 @@ def _serve(calls: queue.SimpleQueue) -> None:
     while (call := calls.get()) is not None:
         try:
             call.result = call.fn(*call.args, **call.kwargs)
-        except BaseException as e:  # handed to the waiting caller
+        except Exception as e:  # handed to the waiting caller
             call.error = e
+        except BaseException as e:  # sys.exit() in a user's function would end the run, exit 0
+            call.error = RewardFunctionExit(f"raised {e!r}: a reward function cannot end the run")
         finally:
             call.done.set()
         del call
