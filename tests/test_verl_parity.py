@@ -79,6 +79,21 @@ def test_gmpo_takes_the_geometric_mean_of_the_rollout_weights_per_row():
     assert close(weighted_policy_loss(loss, mb, POLICY_LOSSES.get("ppo_clip"))[0], [-8.0, -2.0])
 
 
+def test_gmpo_keeps_the_row_sign_and_counts_only_gradient_cuts():
+    # the conventions table's choices where veRL's geo_mean differs. A = [1, -1, 1] (row mean
+    # 1/3 > 0), every l_t = .6 > eps .4: the row's sign clips all three to .4 -> loss -(1/3) e^.4
+    # (veRL's per-token sign keeps token 1 at .6: -(1/3) e^((.4 + .6 + .4) / 3)). l = -.6 with
+    # A_i > 0 is out of range but its clip does not bind: not counted (veRL counts it)
+    old = torch.full((2, 3), -1.0, dtype=D)
+    lr = t([[0.6, 0.6, 0.6], [-0.6, 0.0, 0.0]])
+    adv = t([[1.0, -1.0, 1.0], [1.0, 1.0, 1.0]])
+    c = cfg(gmpo_log_clip_low=0.4, gmpo_log_clip_high=0.4)
+    loss, _, m = run("gmpo", old + lr, mb_of(old + lr, old, adv), c)
+    assert loss[0, 0].item() == pytest.approx(-math.exp(0.4) / 3)
+    assert loss[1, 0].item() == pytest.approx(-math.exp(-0.2))
+    assert m["actor/clip_frac_high"] == pytest.approx(3 / 6) and m["actor/clip_frac_low"] == 0.0
+
+
 # --- rollout correction: batch normalisation, float64 ---------------------------------------------
 def alg(**kw):
     base = dict(
