@@ -15,6 +15,7 @@ def check_config(cfg: Config) -> None:
     check_rollout_backend(cfg)
     check_moe(cfg)
     check_loggers(cfg)
+    check_run_dir(cfg)
     check_step_memory(cfg)
     if cfg.data.train_files is not None:
         from hybridrl.data import check_data
@@ -84,6 +85,19 @@ def check_loggers(cfg: Config) -> None:
             import_wandb()
         except ImportError as e:
             raise ConfigError(f"config key 'trainer.loggers': {e}") from None
+
+
+def check_run_dir(cfg: Config) -> None:
+    """``trainer.runs_dir`` and the run's directory in it can be created and written (not a file,
+    under a writable directory): checked now, not when the warm start is done."""
+    from hybridrl.config.sections.common import _check_writable_dir
+    from hybridrl.driver.run_dir import run_path
+
+    for key, path in (("trainer.runs_dir", cfg.trainer.runs_dir), ("trainer.name", run_path(cfg))):
+        try:
+            _check_writable_dir(key, str(path))
+        except ValueError as e:
+            raise ConfigError(f"config key {key!r}: {e}") from None
 
 
 def check_rollout_backend(cfg: Config) -> None:

@@ -42,6 +42,17 @@ def run(capsys, *argv):
         (["actor.lora_rank=4", "actor.lora_target_modules=[q_proj, qkv]"], "[1] = 'qkv'"),
         (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear]"], "'all-linear' is not"),
         (["sft.checkpoint=/etc/passwd/ckpt"], "'/etc/passwd' is not a directory"),
+        # a run name is one directory name: a path would move aside and write any directory
+        (["trainer.name=."], "config 'trainer': name '.' is not a run name: one path component"),
+        (["trainer.name=.."], "name '..' is not a run name"),
+        (["trainer.name=../elsewhere"], "name '../elsewhere' is not a run name"),
+        (["trainer.name=/tmp/x"], "name '/tmp/x' is not a run name"),
+        (["trainer.name=" + "n" * 201], "at most 200 bytes"),
+        (
+            ["trainer.runs_dir=/etc/passwd"],
+            "'trainer.runs_dir': trainer.runs_dir '/etc/passwd' is a file",
+        ),
+        (["trainer.runs_dir=/etc/passwd/runs"], "'/etc/passwd' is not a directory"),
     ],
 )
 def test_bad_overrides_exit_2_with_one_line(capsys, argv, needle):

@@ -12,6 +12,10 @@ from hybridrl.config.sections.common import (
     _f,
 )
 
+# a run name is one directory name (at most 255 bytes on common filesystems), with room for the
+# ".<timestamp>" an earlier run is moved aside to
+RUN_NAME_MAX = 200
+
 
 @dataclass
 class SFTConfig:
@@ -195,6 +199,17 @@ class TrainerConfig:
     def validate(self) -> None:
         if self.name == "":
             raise ValueError("name must not be empty (null: derived from the task)")
+        if self.name is not None and (
+            self.name in (".", "..")
+            or any(c in self.name for c in "/\\\0")
+            or len(self.name.encode()) > RUN_NAME_MAX
+        ):
+            # the run directory is <runs_dir>/<name>, and a fresh run moves an earlier one aside:
+            # a name that is a path could move or write any directory
+            raise ValueError(
+                f"name {self.name!r} is not a run name: one path component (no '/', '\\' or NUL, "
+                f"not '.' or '..', at most {RUN_NAME_MAX} bytes); the runs go under runs_dir"
+            )
         bad = [s for s in self.profile_steps if s < 1]
         if bad:
             raise ValueError(f"profile_steps holds {bad[0]}: steps count from 1")
