@@ -42,6 +42,7 @@ def run(capsys, *argv):
         (["actor.lora_rank=4", "actor.lora_target_modules=[q_proj, qkv]"], "[1] = 'qkv'"),
         (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear]"], "'all-linear' is not"),
         (["sft.checkpoint=/etc/passwd/ckpt"], "'/etc/passwd' is not a directory"),
+        (["controller.num_threads=100000"], "'controller.num_threads' must be >= 1 and <= 1024"),
         # a run name is one directory name: a path would move aside and write any directory
         (["trainer.name=."], "config 'trainer': name '.' is not a run name: one path component"),
         (["trainer.name=.."], "name '..' is not a run name"),

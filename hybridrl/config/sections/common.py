@@ -12,6 +12,9 @@ SEED_MAX = 2**63 - 1  # seeds reach torch.manual_seed and torch.Generator (64-bi
 # a step's prompts, samples and their tokens are held in host memory at once: a bound far above
 # any real batch, so that a typo (prompts_per_step=100000000) fails before memory fills up
 MAX_SAMPLES_PER_STEP = 2**20
+# torch threads of one process: far above any machine's cores (more threads than cores only slow a
+# process down), far below what the OpenMP runtime fails to create (100,000 crashed a run)
+MAX_THREADS = 1024
 # the Linear modules of the decoder layers of the built-in (Qwen2) models and of the Qwen2, Qwen3
 # and Llama checkpoints the native rollout serves: the names actor.lora_target_modules may take
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hybridrl.config.sections.common import (
+    MAX_THREADS,
     _f,
 )
 
@@ -23,7 +24,10 @@ class PoolConfig:
         "offering them (ray backend)",
     )
     num_threads: int | None = _f(
-        None, "torch threads of this pool's workers (null: controller.num_threads)", ge=1
+        None,
+        "torch threads of this pool's workers (null: controller.num_threads)",
+        ge=1,
+        le=MAX_THREADS,
     )
 
 
@@ -48,7 +52,7 @@ class ControllerConfig:
         "local", "local: every worker in the driver process; ray: Ray actors"
     )
     ray_address: str | None = _f(None, "join this Ray cluster instead of starting a local one")
-    num_threads: int = _f(2, "torch threads per worker process", ge=1)
+    num_threads: int = _f(2, "torch threads per worker process", ge=1, le=MAX_THREADS)
     pools: dict[str, PoolConfig] = field(
         default_factory=lambda: {"global": PoolConfig()},
         metadata={"help": "resource pools by name"},
