@@ -260,7 +260,13 @@ def test_calculator_refuses(expression):
 
 
 def _prompt(answer: str) -> Prompt:
-    return Prompt(uid="t-0", text="What is 6 * 7?", answer=answer, task_id="test")
+    return Prompt(
+        uid="t-0",
+        text="What is 6 * 7?",
+        answer=answer,
+        task_id="test",
+        columns={"solution": answer},
+    )
 
 
 def test_tool_env_scripted_episode():
@@ -341,3 +347,54 @@ def test_tool_env_reward_fn_by_dotted_path_logs_numeric_extras():
     final = run(env.step("four"))
     assert final.done and final.reward == 0.5
     assert final.info["length"] == 4.0 and "note" not in final.info
+
+
+def trl_reward(prompts, completions, solution, **kwargs) -> list[float]:
+    """TRL-style: a batch of completions, one score each; the rows' columns by name."""
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def verl_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """veRL-style: one response against the ground truth."""
+    return float(solution_str == ground_truth)
+
+
+async def async_reward(prompt: Prompt, response: str) -> dict:
+    """Per-sample and async."""
+    await asyncio.sleep(0)
+    return {"score": float(response == prompt.answer), "checked": 1}
+
+
+@pytest.mark.parametrize(
+    "reward_fn",
+    ["exact_match", "tests.test_tools:trl_reward", "tests.test_tools:verl_reward",
+     "tests.test_tools:async_reward"],
+)  # fmt: skip
+def test_tool_env_reward_fn_takes_every_form_task_reward_fn_takes(reward_fn):
+    env = ToolEnv(tools=["calculator"], reward_fn=reward_fn)
+    env.reset(_prompt("42"))
+    assert run(env.step("42")).reward == 1.0
+    env.reset(_prompt("41"))
+    assert run(env.step("42")).reward == 0.0
+
+
+def test_env_kwargs_are_checked_when_the_config_loads():
+    """An unknown tool, an unknown keyword, max_turns 0 or an unusable reward function would end
+    every trajectory with reward 0: each fails the config, in one line naming what is allowed."""
+    from hybridrl.config import Config, ConfigError, load_config
+
+    def refused(kwargs: str, *words: str, name: str = "tools") -> None:
+        with pytest.raises(ConfigError) as e:
+            load_config(Config, None, [f"env.name={name}", f"env.kwargs={kwargs}"])
+        msg = str(e.value)
+        assert "\n" not in msg and all(w in msg for w in words), msg
+
+    refused("{tools: [calculater]}", "unknown tool 'calculater'", "calculator, python")
+    refused("{colour: red}", "no argument colour", "max_turns", "describe_tools")
+    refused("{max_turns: 0}", "max_turns must be at least 1, got 0")
+    refused("{reward_fn: nope}", "env.kwargs.reward_fn", "unknown reward function 'nope'")
+    refused("{reward_fn: 'tests.test_tools:sleepy'}", "unrecognised signature")
+    refused("{tools: [calculator], tool_config: {python: {}}}", "names tools not in use")
+    refused("{}", "unknown environment 'toolz'", "tools", name="toolz")
+    refused("{latency: slow}", "fixed or lognormal", name="calc_tool")
+    load_config(Config, None, ["env.name=tools", "env.kwargs={tools: [calculator], max_turns: 2}"])

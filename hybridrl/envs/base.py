@@ -13,12 +13,16 @@ functions run on a thread pool for the same reason.
 
 Environments are registered in :data:`ENVIRONMENTS` (or given by dotted path,
 ``my_pkg.envs:SearchEnv`` or ``envs.py:SearchEnv``) and built as ``cls(**env.kwargs)`` once per
-trajectory. An exception or a timeout in ``reset`` or ``step`` ends the trajectory with reward 0 and
-is counted; it never stops the run.
+trajectory, so building one is cheap: when the config loads, one is built and closed
+(:func:`check_environment`), and arguments it refuses fail the config there, in one line, instead
+of ending every trajectory. An exception or a timeout in ``reset`` or ``step`` ends the trajectory
+with reward 0 and is counted; it never stops the run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,3 +54,38 @@ class Env:
 
 
 ENVIRONMENTS: Registry[type] = Registry("environment")
+
+
+def check_environment(name: str, kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` (one line: what is wrong, what is allowed) when environment ``name``
+    cannot be built from ``kwargs``: an unknown name, an argument its constructor does not take,
+    or a value it refuses (one is built and closed to find out)."""
+    import hybridrl.envs  # noqa: F401  (registers the built-in environments)
+
+    try:
+        cls = ENVIRONMENTS.get(name)
+    except KeyError as e:
+        raise ValueError(f"name: {e.args[0]}") from None
+    try:
+        params = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: building it tells
+        params = []
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        allowed = [p.name for p in params if p.kind in by_name]
+        unknown = sorted(set(kwargs) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"kwargs: environment {name!r} takes no argument {', '.join(unknown)}; its "
+                f"arguments: {', '.join(allowed) or 'none'}"
+            )
+    try:
+        env = cls(**kwargs)
+        closed = env.close() if hasattr(env, "close") else None
+        if inspect.isawaitable(closed):
+            asyncio.run(closed)
+    except Exception as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise ValueError(
+            f"kwargs: environment {name!r} refuses {kwargs}: {' '.join(str(message).split())}"
+        ) from None

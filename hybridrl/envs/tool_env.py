@@ -3,9 +3,10 @@
 Each model turn is parsed for ``<tool_call>`` blocks (see :mod:`hybridrl.envs.tools`). A turn
 with calls runs them concurrently and shows their results as the observation, each wrapped in
 ``response_template``; a turn without calls is the final answer: the episode ends and
-``reward_fn`` (a registered reward function or a dotted path, as for ``task.reward_fn``) scores
-it. An episode also ends after ``max_turns`` turns, with reward 0. Every turn reports
-``tool_calls`` and ``tool_errors`` in its info.
+``reward_fn`` scores it: a registered reward function or a dotted path, in any of the forms
+``task.reward_fn`` takes (per-sample, TRL-style, veRL-style; ``tasks/reward_signatures.py``). An
+episode also ends after ``max_turns`` turns, with reward 0. Every turn reports ``tool_calls`` and
+``tool_errors`` in its info.
 
 Configured from ``env.kwargs``, e.g.::
 
@@ -42,8 +43,9 @@ class ToolEnv(Env):
     """Multi-turn tool use (see the module docstring for the episode's rules).
 
     ``response_template`` formats each result (``{name}``, ``{content}``); the observation is
-    ``observation_prefix`` + the results joined by newlines + ``observation_suffix`` (put a chat
-    template's turn markers there, e.g. Qwen's ``<|im_end|>\\n<|im_start|>user\\n`` ...).
+    ``observation_prefix`` + the results joined by newlines + ``observation_suffix``. An
+    observation is text: chat markers in it are never control tokens (a prompt rendered through
+    a chat template gets its observations as tool messages of the conversation instead).
     At most ``max_calls_per_turn`` calls of a turn run; the others are answered with an error.
     """
 
@@ -60,10 +62,11 @@ class ToolEnv(Env):
         observation_suffix: str = "",
         describe_tools: bool = False,
     ):
-        if max_turns < 1 or max_calls_per_turn < 1:
-            raise ValueError("max_turns and max_calls_per_turn must be at least 1")
+        for key, value in (("max_turns", max_turns), ("max_calls_per_turn", max_calls_per_turn)):
+            if value < 1:
+                raise ValueError(f"{key} must be at least 1, got {value}")
         self.toolbox = ToolBox(tools, tool_config, tool_timeout_s)
-        self.reward_fn = _load_reward(reward_fn) if reward_fn else None
+        self.reward_fn = _reward_function(reward_fn) if reward_fn else None
         self.max_turns, self.max_calls = max_turns, max_calls_per_turn
         self.template, self.prefix, self.suffix = (
             response_template,
@@ -84,7 +87,7 @@ class ToolEnv(Env):
         self.turn += 1
         calls = parse_tool_calls(action)
         if not calls:  # the final answer
-            reward, extras = self._score(action)
+            reward, extras = await self._score(action)
             info = {"tool_calls": 0, "tool_errors": 0, "answered": 1, **_numbers(extras)}
             return StepResult(None, reward, True, info)
         results = await self.toolbox.call_all(calls[: self.max_calls])
@@ -99,19 +102,19 @@ class ToolEnv(Env):
         info = {"tool_calls": len(calls), "tool_errors": errors, "answered": 0}
         return StepResult(self.prefix + body + self.suffix, 0.0, done, info)
 
-    def _score(self, answer: str) -> tuple[float, dict]:
+    async def _score(self, answer: str) -> tuple[float, dict]:
         if self.reward_fn is None:
             return 0.0, {}
-        from hybridrl.tasks.base import compute_reward
+        from hybridrl.tasks.reward_signatures import score_alone
 
-        return compute_reward(self.reward_fn, self.prompt, answer)
+        return await score_alone(self.reward_fn, self.prompt, answer)
 
 
-def _load_reward(spec: str):
+def _reward_function(spec: str):
     # imported here: the tasks package imports the environments (a task may define one)
-    from hybridrl.tasks.reward_signatures import load_reward_fn
+    from hybridrl.tasks.reward_signatures import reward_function
 
-    return load_reward_fn(spec, "env.kwargs.reward_fn")[0]
+    return reward_function(spec, "env.kwargs.reward_fn")
 
 
 def _numbers(extras: Mapping[str, Any]) -> dict[str, float]:

@@ -1,5 +1,8 @@
 """The three forms a reward function may take, told apart by its parameter names, each adapted to
-the interface the rollout's scorer (``rollout/scoring.py``) calls.
+the interface the rollout's scorer (``rollout/scoring.py``) calls. Every place a reward function is
+given resolves it here, so each takes all three forms: ``task.reward_fn`` (the scorer) and an
+environment's own (``env.kwargs.reward_fn`` of ``tools``, which scores one answer at a time:
+:func:`reward_function` and :func:`score_alone`).
 
 The rule, first match wins:
 
@@ -270,6 +273,13 @@ def resolve_reward_fns(cfg) -> list[RewardFunction]:
     return out
 
 
+def reward_function(spec: Any, key: str, cfg=None) -> RewardFunction:
+    """One reward function given by name, dotted path or callable, loaded and adapted to its form;
+    raises :class:`RewardConfigError` naming ``key``."""
+    fn, name = load_reward_fn(spec, key)
+    return adapt(fn, name, 1.0, key, cfg)
+
+
 def load_reward_fn(spec: Any, key: str) -> tuple[Callable, str]:
     """(function, base name) of a registered name, a dotted path or a callable."""
     if isinstance(spec, str):
@@ -328,6 +338,24 @@ def settle(call: Callable, args: tuple, timeout_s: float) -> Any:
 def score_one(f: RewardFunction, inputs: RewardInputs, i: int, timeout_s: float):
     """Sample ``i`` scored by a per-sample function ``f`` (sync)."""
     return f.result(settle(f.call, (inputs, i), timeout_s), inputs, i)
+
+
+async def score_alone(
+    f: RewardFunction, prompt: Prompt, response: str, finished: bool = True
+) -> tuple[float, dict]:
+    """One response scored by ``f`` of any form, awaited on the caller's event loop (an
+    environment's step runs on one): ``(score, extras)``; a batched function gets a batch of one
+    (``completion_ids`` empty: the caller has text only) and its ``None`` counts as 0. What the
+    function raises, or a malformed result, propagates."""
+    inputs = RewardInputs([prompt], [response], [[]], [finished])
+    raw = f.call(inputs, 0)
+    if inspect.isawaitable(raw):
+        raw = await raw
+    result = f.results(raw, inputs)[0] if f.batched else f.result(raw, inputs, 0)
+    if isinstance(result, BaseException):
+        raise result
+    score, extras = result
+    return (0.0 if score is None else score), extras
 
 
 def score_concurrently(f: RewardFunction, inputs: RewardInputs, timeout_s: float) -> list[Result]:

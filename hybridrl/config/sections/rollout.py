@@ -152,3 +152,7 @@ class EnvConfig:
             raise ValueError(f"turn_stop holds {bad[0]!r}: each entry is a non-empty string")
         if self.name is None and (self.kwargs or self.turn_stop):
             raise ValueError("kwargs / turn_stop are set but env.name is null: name an environment")
+        if self.name is not None:
+            from hybridrl.envs.base import check_environment  # lazy: the schema stays import-light
+
+            check_environment(self.name, self.kwargs)
