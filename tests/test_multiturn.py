@@ -3,14 +3,19 @@ versions per token, limits, failing and slow environments, the extension propert
 templates, and W4 (the calculator task) trained end to end in both modes."""
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
 import torch
 
+from hybridrl.algorithms import compute_advantages
+from hybridrl.algorithms.advantages import token_level_scores
 from hybridrl.config import Config, load_config
-from hybridrl.config.schema import EnvConfig
+from hybridrl.config.schema import DataConfig, EnvConfig
+from hybridrl.data.render import render_prompt
+from hybridrl.driver.collect import collect
 from hybridrl.driver.sft import sft_batch
 from hybridrl.envs import Env, StepResult
 from hybridrl.envs.calc_tool import CalcToolEnv
@@ -21,7 +26,8 @@ from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.base import RolloutEngine
 from hybridrl.rollout.env_rewards import EnvRewards
 from hybridrl.rollout.multiturn import MultiTurnRollout
-from hybridrl.tasks import Prompt, build_char_tokenizer
+from hybridrl.rollout.turns import Group, Trajectory
+from hybridrl.tasks import Prompt, Task, build_char_tokenizer
 from hybridrl.tasks.calc import CalcTask
 
 torch.set_num_threads(1)
@@ -180,16 +186,25 @@ def test_an_moe_engine_records_each_trajectorys_routing_for_replay():
 
 
 def test_loss_mask_log_probs_and_versions_per_token():
+    """A weight sync lands while each environment step runs: a turn's tokens keep the version that
+    sampled them, an observation gets the version of the moment it joins (the next turn's)."""
     turn = ids("<call>1*2</call>")
-    mt = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"turns": 3})
+    engine = Scripted(lambda i, ctx: turn)
+
+    class Syncing(Echo):
+        def step(self, action):
+            engine.update_weights([("w", torch.zeros(1))], engine.version + 1)
+            return super().step(action)
+
+    mt = rollout(engine, Syncing, kwargs={"turns": 3})
     mt.update_weights([("w", torch.zeros(1))], 7)
-    (s, _) = mt.generate(prompts(1), params(max_new_tokens=20))
+    s = mt.generate(prompts(1), params(n=1, max_new_tokens=20))[0]
     obs1, obs2 = ids("<obs>1</obs>"), ids("<obs>2</obs>")
     assert s.response_ids == turn + obs1 + turn + obs2 + turn
     assert s.loss_mask == [1] * 16 + [0] * 12 + [1] * 16 + [0] * 12 + [1] * 16
     lp = [-(1 + i) / 10 for i in range(16)]
     assert s.log_probs == lp + [0.0] * 12 + lp + [0.0] * 12 + lp
-    assert set(s.versions) == {7}
+    assert s.versions == [7] * 16 + [8] * 12 + [8] * 16 + [9] * 12 + [9] * 16
 
 
 def test_turn_and_token_limits_truncate():
@@ -296,38 +311,55 @@ DROP = (
 
 
 def chat_tokenizer(template: str):
-    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz<>/\n")
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz<>/\n|_")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.eos_token = "<|im_end|>"
     tok.chat_template = template
     return tok
 
 
-def chat_rollout(template: str):
+class Talk(Env):
+    """Answers every turn with ``observation``; done after three turns."""
+
+    def __init__(self, observation: str = "ok"):
+        self.n, self.observation = 0, observation
+
+    def step(self, action):
+        self.n += 1
+        return StepResult(observation=self.observation, done=self.n == 3)
+
+
+def chat_rollout(template: str, raw=None, data=None, observation: str = "ok"):
+    """Three turns of ``<think>hm</think>go`` on the prompt ``raw`` (default: one user message),
+    rendered as the data renders it with ``data``."""
     tok = chat_tokenizer(template)
+    data = data or DataConfig()
     end = tok.convert_tokens_to_ids("<|im_end|>")
     turn = tok("<think>hm</think>go", add_special_tokens=False)["input_ids"] + [end]
-    raw = [{"role": "user", "content": "hi"}]
-    prompt = Prompt(uid="chat-0", text="", answer="", task_id="chat", raw=raw)
-    sample = Sample(
-        prompt_ids=tok.apply_chat_template(raw, tokenize=True, add_generation_prompt=True)[
-            "input_ids"
-        ],
-        uid="chat-0",
-        metadata={"prompt": prompt},
+    raw = [{"role": "user", "content": "hi"}] if raw is None else raw
+    text, prompt_ids = render_prompt(raw, tok, data, "the test prompt")
+    prompt = Prompt(uid="chat-0", text=text, answer="", task_id="chat", raw=raw)
+    sample = Sample(prompt_ids=prompt_ids, uid="chat-0", metadata={"prompt": prompt})
+    env = EnvConfig(
+        name="test", max_turns=3, observation_role="tool", kwargs={"observation": observation}
     )
-
-    class Talk(Env):
-        def __init__(self):
-            self.n = 0
-
-        def step(self, action):
-            self.n += 1
-            return StepResult(observation="ok", done=self.n == 3)
-
-    env = EnvConfig(name="test", max_turns=3, observation_role="tool")
-    mt = MultiTurnRollout(Scripted(lambda i, ctx: turn), tok, env, env_cls=Talk)
+    mt = MultiTurnRollout(Scripted(lambda i, ctx: turn), tok, env, env_cls=Talk, data=data)
     return tok, turn, mt, mt.generate([sample], params(n=1, max_new_tokens=40))
+
+
+def conversation(tok, turn, start: list[dict], observation: str = "ok") -> list[dict]:
+    """``start`` and two exchanges of the scripted turn and the observation."""
+    said = tok.decode(turn, skip_special_tokens=True)
+    conv = list(start)
+    for _ in range(2):
+        conv += [{"role": "assistant", "content": said}, {"role": "tool", "content": observation}]
+    return conv
+
+
+def rendered(tok, conv: list[dict]) -> list[int]:
+    return list(
+        tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
+    )
 
 
 def test_chat_observations_extend_the_conversation_exactly():
@@ -336,30 +368,163 @@ def test_chat_observations_extend_the_conversation_exactly():
     s = out[0]
     # the trained tokens are the template's rendering of the whole conversation (this template
     # extends), and the model's turns sit in it exactly as sampled
-    said = tok.decode(turn, skip_special_tokens=True)
-    conv = [{"role": "user", "content": "hi"}]
-    for _ in range(2):
-        conv += [{"role": "assistant", "content": said}, {"role": "tool", "content": "ok"}]
-    full = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert s.prompt_ids + s.response_ids == list(full) + turn
+    full = rendered(tok, conversation(tok, turn, [{"role": "user", "content": "hi"}]))
+    assert s.prompt_ids + s.response_ids == full + turn
     model_tokens = [t for t, m in zip(s.response_ids, s.loss_mask) if m]
     assert model_tokens == turn * 3
+
+
+def test_the_system_prompt_stays_in_every_turn():
+    """data.system_prompt is rendered into the prompt; later turns continue that conversation, so
+    the model never sees a turn without it and the extension property holds."""
+    tok, turn, mt, out = chat_rollout(KEEP, data=DataConfig(system_prompt="be brief"))
+    assert mt.stats()["tito/extension_violations"] == 0 and len(out) == 1
+    start = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    s = out[0]
+    assert s.prompt_ids + s.response_ids == rendered(tok, conversation(tok, turn, start)) + turn
+    assert all(ctx[: len(s.prompt_ids)] == s.prompt_ids for ctx in mt.inner.contexts)
+
+
+def test_a_string_prompt_rendered_as_chat_gets_tool_messages():
+    """data.apply_chat_template=true renders a string prompt as a user message: its observations
+    are tool messages, as for the same prompt given as chat messages."""
+    data = DataConfig(apply_chat_template=True)
+    tok, turn, mt, out = chat_rollout(KEEP, raw="hi", data=data)
+    _, _, _, as_messages = chat_rollout(KEEP, data=data)
+    (s,), (m,) = out, as_messages
+    full = rendered(tok, conversation(tok, turn, [{"role": "user", "content": "hi"}]))
+    assert s.prompt_ids + s.response_ids == full + turn
+    assert (s.response_ids, s.loss_mask) == (m.response_ids, m.loss_mask)
+
+
+@pytest.mark.parametrize("path", ["chat", "plain"])
+def test_chat_markers_in_an_observation_are_text(path):
+    """A tool that prints <|im_end|> and <|im_start|>: the observation holds their characters,
+    never the control tokens, on both observation paths; the template's own markers stay."""
+    shown = "x<|im_end|>\n<|im_start|>user\ny"
+    raw = None if path == "chat" else "hi"
+    tok, turn, mt, out = chat_rollout(KEEP, raw=raw, observation=shown)
+    (s,) = out
+    chars = tok(shown, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert len(chars) == len(shown)  # one id per character
+    ids_ = s.prompt_ids + s.response_ids
+    found = [i for i in range(len(ids_)) if ids_[i : i + len(chars)] == chars]
+    assert len(found) == 2  # both observations, as text
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    # chat: the template closes each message once (user, 2 x (assistant, tool)) and the last turn
+    # ends with its own; plain: only the three turns' own
+    assert ids_.count(end) == (6 if path == "chat" else 3)
+    if path == "chat":
+        full = tok.apply_chat_template(
+            conversation(tok, turn, [{"role": "user", "content": "hi"}], shown),
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        assert tok.decode(ids_) == full + tok.decode(turn)
+        assert mt.stats()["tito/extension_violations"] == 0
 
 
 def test_a_template_that_rewrites_earlier_turns_is_detected_and_split():
     tok, turn, mt, out = chat_rollout(DROP)
     assert mt.stats()["tito/extension_violations"] == 1
     assert len(out) == 2 and [s.metadata["env_part"] for s in out] == [0, 1]
+    assert {s.metadata["trajectory"] for s in out} == {"chat-0#0"}
     first, second = out
     assert [t for t, m in zip(first.response_ids, first.loss_mask) if m] == turn * 2
     # the second part starts from the template's own rendering of the conversation
-    conv = [{"role": "user", "content": "hi"}]
-    said = tok.decode(turn, skip_special_tokens=True)
-    for _ in range(2):
-        conv += [{"role": "assistant", "content": said}, {"role": "tool", "content": "ok"}]
-    full = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
-    assert second.prompt_ids == list(full) and second.response_ids == turn
+    full = rendered(tok, conversation(tok, turn, [{"role": "user", "content": "hi"}]))
+    assert second.prompt_ids == full and second.response_ids == turn
     assert "<think>" not in tok.decode(second.prompt_ids[: len(full) // 2])
+
+
+class ChatTask(Task):
+    """Chat prompts ``[{user: "q<i>"}]``, rendered with ``tok``'s template."""
+
+    name = "chat"
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def prompt(self, index: int) -> Prompt:
+        raw = [{"role": "user", "content": "q" + "abcdefgh"[index % 8]}]
+        text, ids_ = render_prompt(raw, self.tok, DataConfig(), f"prompt {index}")
+        return Prompt(f"chat-{index}", text, "", "chat", token_ids=tuple(ids_), raw=raw)
+
+    def heldout(self) -> list[Prompt]:
+        return [self.prompt(0)]
+
+    def sft_example(self, index: int) -> tuple[str, str]:
+        return self.prompt(index).text, "go"
+
+    def tokenizer(self):
+        return self.tok
+
+
+class Phases:
+    @contextlib.contextmanager
+    def phase(self, name):
+        yield
+
+
+def test_split_trajectories_keep_every_prompt_of_a_sync_step():
+    """Every trajectory splits in two (the template drops earlier reasoning): the step still holds
+    every prompt's whole group, not the first rows up to prompts_per_step x samples_per_prompt."""
+    tok = chat_tokenizer(DROP)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn = tok("<think>hm</think>go", add_special_tokens=False)["input_ids"] + [end]
+    env = EnvConfig(name="test", max_turns=3, observation_role="tool")
+    mt = MultiTurnRollout(Scripted(lambda i, ctx: turn), tok, env, env_cls=Talk)
+    cfg = load_config(
+        Config,
+        None,
+        [
+            "trainer.prompts_per_step=2",
+            "trainer.samples_per_prompt=2",
+            "actor.ppo_minibatch_size=4",
+        ],
+    )
+    p = params(max_new_tokens=40)
+    samples, cursor, _ = collect(mt, ChatTask(tok), tok, cfg, p, 0, 0, Phases())
+    assert cursor == 2 and [s.uid for s in samples] == ["chat-0"] * 4 + ["chat-1"] * 4
+    assert [s.metadata["trajectory"] for s in samples] == [
+        f"chat-{p}#{k}" for p in range(2) for k in range(2) for _ in range(2)
+    ]
+
+
+def split_group(rewards: list[float], split: list[bool]) -> list[Sample]:
+    """One prompt's trajectories with ``rewards``, those marked in ``split`` in two parts."""
+    group = Group(Sample(prompt_ids=[1, 2], uid="p"), SamplingParams())
+    out = []
+    for k, (reward, cut) in enumerate(zip(rewards, split)):
+        t = Trajectory(group, k, [1, 2])
+        t.extend([3, 4], [-0.1, -0.2], [0, 0], [1, 1])
+        if cut:
+            t.split([1, 2, 3, 4, 5])
+            t.extend([6], [-0.3], [0], [1])
+        t.status, t.reward = "finished", reward
+        out += t.samples()
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "opo", "grpo_passk"])
+def test_a_split_trajectory_counts_once_in_its_groups_statistics(estimator):
+    """Rewards 1, 0, 0 with the first trajectory in two parts: the group's statistics are those of
+    the three trajectories (grpo: mean 1/3, std 0.577), and both parts get its advantage."""
+    cfg = load_config(Config, None, [f"algorithm.advantage={estimator}"]).algorithm
+    env = load_config(Config, None, ["task.name=calc", "env.name=calc_tool"])
+
+    def advantages(samples):
+        batch = samples_to_batch(EnvRewards(env, scorer=None)(samples), 0)
+        batch["token_level_rewards"] = token_level_scores(batch["rewards"], batch["response_mask"])
+        adv = compute_advantages(batch, cfg)["advantages"]
+        return [adv[i, 0].item() for i in range(len(batch))]
+
+    split = advantages(split_group([1.0, 0.0, 0.0], [True, False, False]))
+    whole = advantages(split_group([1.0, 0.0, 0.0], [False, False, False]))
+    assert len(split) == 4 and split[0] == split[1]
+    assert split[1:] == pytest.approx(whole, abs=1e-6)
+    if estimator == "grpo":
+        assert whole[0] == pytest.approx((1 - 1 / 3) / (0.57735 + 1e-6), abs=1e-4)
 
 
 # --- W4 ---------------------------------------------------------------------------------------

@@ -43,22 +43,31 @@ def render_text(value: Any, tokenizer, data: DataConfig, where: str) -> tuple[st
     holds its own (``apply_chat_template(tokenize=True)`` encodes its text without adding any,
     so :func:`encode` gives the template's ids); a string used as it is gets ``<bos>`` where the
     tokenizer adds one, as a built-in task's text does."""
-    mode = data.apply_chat_template
-    if is_chat(value):
-        messages = _with_system([_message(m) for m in value], data.system_prompt)
-        if mode is False:
-            return "\n".join(str(m["content"]) for m in messages), True
+    messages = chat_messages(value, data)
+    if messages is not None:
         return _apply_template(messages, tokenizer, where), False
+    if is_chat(value):  # data.apply_chat_template=false
+        messages = _with_system([_message(m) for m in value], data.system_prompt)
+        return "\n".join(str(m["content"]) for m in messages), True
     if isinstance(value, str):
-        if mode is True:
-            messages = _with_system([{"role": "user", "content": value}], data.system_prompt)
-            return _apply_template(messages, tokenizer, where), False
         return value, True
     raise DataError(
         f"{where}: data.prompt_key={data.prompt_key!r} holds {_short(value)} "
         f"({type(value).__name__}); a prompt is a string or a list of chat messages "
         "{role, content}"
     )
+
+
+def chat_messages(value: Any, data: DataConfig) -> list[dict] | None:
+    """The chat messages the stored prompt ``value`` is rendered from, ``data.system_prompt``
+    included (a multi-turn rollout continues this conversation); None where the prompt is not
+    rendered through the chat template (it is used as text)."""
+    mode = data.apply_chat_template
+    if is_chat(value) and mode is not False:
+        return _with_system([_message(m) for m in value], data.system_prompt)
+    if isinstance(value, str) and mode is True:
+        return _with_system([{"role": "user", "content": value}], data.system_prompt)
+    return None
 
 
 def encode(texts: list[str], tokenizer, special: bool, where: str) -> list[list[int]]:

@@ -3,7 +3,9 @@ dynamic sampling (``algorithm.filter_groups``) keep only groups whose rewards di
 prompts until the step has ``prompts_per_step`` groups or ``max_sampling_rounds`` is reached. The
 prompt-stream position is explicit state, so a resumed run continues the stream exactly. The prompts
 come from a :class:`~hybridrl.data.prefetch.PromptPrefetcher`, which prepares the next round's on a
-background thread while this one generates (the same prompts, in the same order).
+background thread while this one generates (the same prompts, in the same order). A step is cut by
+groups, never by rows: a multi-turn trajectory split into parts (docs/agentic.md) gives its group
+more than ``samples_per_prompt`` samples.
 
 An advantage estimator with ``needs_greedy_baseline = True`` (ReMax) also gets one greedy response
 per prompt, generated and scored like the samples but never trained on: only its reward reaches the
@@ -26,11 +28,21 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 
 
+def groups_of(samples: list[Sample]) -> list[list[Sample]]:
+    """The samples grouped by prompt (uid), groups in order of first appearance. A group holds
+    every sample of its prompt: ``samples_per_prompt`` of them, more where a multi-turn trajectory
+    was split into parts."""
+    return [[samples[i] for i in g] for g in group_rows([s.uid for s in samples])]
+
+
+def differs(group: list[Sample]) -> bool:
+    """Whether the group's rewards are not all equal (equal rewards: zero group advantage)."""
+    return len({s.reward for s in group}) > 1
+
+
 def informative(samples: list[Sample]) -> list[Sample]:
-    """The samples of the groups whose rewards are not all equal (equal rewards: zero group
-    advantage)."""
-    groups = group_rows([s.uid for s in samples])
-    return [samples[i] for g in groups if len({samples[i].reward for i in g}) > 1 for i in g]
+    """The samples of the groups whose rewards are not all equal."""
+    return [s for g in groups_of(samples) if differs(g) for s in g]
 
 
 def needs_greedy_baseline(cfg: Config) -> bool:
@@ -61,9 +73,9 @@ def collect(
     phases. ``task``: the task, or a :class:`PromptPrefetcher` over it (kept across steps)."""
     t, alg = cfg.trainer, cfg.algorithm
     source = task if isinstance(task, PromptPrefetcher) else PromptPrefetcher(task, tokenizer, 0)
-    target = t.prompts_per_step * t.samples_per_prompt
-    kept: list[Sample] = []  # samples of informative groups, then the rest as filler
-    filler: list[Sample] = []
+    target = t.prompts_per_step  # whole groups: a split trajectory adds samples to its group
+    kept: list[list[Sample]] = []  # informative groups, then the rest as filler
+    filler: list[list[Sample]] = []
     rounds = alg.max_sampling_rounds if alg.filter_groups else 1
     for rnd in range(rounds):
         prompts = source.take(cursor, t.prompts_per_step)
@@ -73,17 +85,16 @@ def collect(
         if needs_greedy_baseline(cfg):
             with timer.phase("baseline"):
                 add_greedy_baselines(rollout, prompts, new, cfg, params)
-        chosen = informative(new) if alg.filter_groups else new
-        kept += chosen
-        taken = {id(s) for s in chosen}
-        filler += [s for s in new if id(s) not in taken]
+        for group in groups_of(new):
+            (kept if differs(group) or not alg.filter_groups else filler).append(group)
         if len(kept) >= target:
             break
     # the cap was hit: fill with uninformative groups (zero advantage), so all steps have one shape
-    samples = (kept + filler)[:target]
+    chosen = (kept + filler)[:target]
+    samples = [s for group in chosen for s in group]
     metrics = {
         "rollout/sampling_rounds": rnd + 1,
-        "rollout/informative_frac": min(len(kept), target) / max(len(samples), 1),
+        "rollout/informative_frac": min(len(kept), target) / max(len(chosen), 1),
     }
     if needs_greedy_baseline(cfg):
         metrics["reward/greedy_baseline_mean"] = sum(

@@ -27,8 +27,10 @@ weight version; ``env.cross_policy_tokens`` says whether they are context only (
 trained on through the importance weight of ``decoupled_ppo`` or the rollout correction.
 
 A trajectory's state and its token bookkeeping, the environment calls and the observations' tokens
-are ``rollout/turns.py``; its rewards, from the outcome each sample carries in its metadata,
-``rollout/env_rewards.py``.
+(the conversation a chat prompt continues is the one the data rendered, from the run's ``data``
+section) are ``rollout/turns.py``; its rewards, from the outcome each sample carries in its
+metadata, ``rollout/env_rewards.py``. :func:`first_turn_context` makes a first turn's context the
+same way for the data check, which refuses prompts whose first turn cannot fit the model.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections import defaultdict, deque
 from dataclasses import replace
 from typing import Any
 
+from hybridrl.config.schema import DataConfig
 from hybridrl.envs.base import ENVIRONMENTS, Env, StepResult
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import RolloutEngine, SamplingParams
@@ -48,7 +51,9 @@ from hybridrl.rollout.turns import (
     EnvCalls,
     Group,
     PlainObservations,
+    TextIds,
     Trajectory,
+    observations,
     overrides,
 )
 
@@ -63,18 +68,20 @@ LOGGED_ERRORS = 5  # environment failures logged in full; later ones only counte
 class MultiTurnRollout(RolloutEngine):
     """The rollout interface over ``inner``, with an environment per trajectory (module
     docstring). ``env_cfg``: the run's ``env`` section; ``env_cls``: the environment class
-    (default: ``env_cfg.name`` looked up in the registry)."""
+    (default: ``env_cfg.name`` looked up in the registry); ``data``: the run's ``data`` section
+    (how prompts were rendered: the chat template, the system prompt)."""
 
-    def __init__(self, inner: RolloutEngine, tokenizer, env_cfg, env_cls=None, other=None):
+    def __init__(
+        self, inner: RolloutEngine, tokenizer, env_cfg, env_cls=None, other=None, data=None
+    ):
         self.inner = inner
         super().__init__()
         self.other = other  # the frozen policy of cross-policy sampling (None: off)
         self.tokenizer, self.cfg = tokenizer, env_cfg
+        self.data = data if data is not None else DataConfig()
         self.env_cls = env_cls if env_cls is not None else ENVIRONMENTS.get(env_cfg.name)
         self.calls = EnvCalls(env_cfg.step_timeout_s, env_cfg.max_concurrent_steps)
-        self.plain = PlainObservations(tokenizer)
-        template = getattr(tokenizer, "chat_template", None)
-        self.chat = ChatObservations(tokenizer, env_cfg.observation_role) if template else None
+        self.plain, self.chat = observation_paths(tokenizer, env_cfg)
         self.groups: dict[str, Group] = {}
         self.in_engine: dict[str, Trajectory] = {}  # turn request uid -> its trajectory
         self.arrived: deque = deque()  # (trajectory, kind, future) of finished environment calls
@@ -222,11 +229,10 @@ class MultiTurnRollout(RolloutEngine):
     # --- a trajectory's life ----------------------------------------------------------------------
     def _begin(self, t: Trajectory) -> None:
         prompt = t.group.prompt.metadata.get("prompt")
-        chat = self.chat is not None and isinstance(getattr(prompt, "raw", None), list)
-        t.obs = self.chat if chat else self.plain
+        t.obs, messages = observations(prompt, self.data, self.plain, self.chat)
         try:
             t.env = self.env_cls(**self.cfg.kwargs)
-            t.obs.start(t, prompt)
+            t.obs.start(t, messages)
         except Exception as e:  # a broken environment must not stop the run
             self._fail(t, "errors", e)
             return
@@ -389,9 +395,40 @@ class MultiTurnRollout(RolloutEngine):
             self.calls.submit(t.env.close)  # not waited for; its errors are of no consequence
 
 
+def observation_paths(tokenizer, env_cfg) -> tuple[PlainObservations, ChatObservations | None]:
+    """The plain observation path, and the chat one where the tokenizer has a chat template."""
+    text = TextIds(tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    chat = ChatObservations(tokenizer, env_cfg.observation_role, text) if template else None
+    return PlainObservations(text), chat
+
+
+def first_turn_context(cfg, tokenizer, prompt, prompt_ids: list[int]) -> list[int]:
+    """The tokens a trajectory's first model turn is given for ``prompt`` (its ``prompt_ids``
+    rendered by the data): the prompt with the environment's reset observation, made as a
+    trajectory makes it (the environment built from ``env.kwargs`` and reset, for at most
+    ``env.step_timeout_s``). The data check measures it against the model's positions."""
+    calls = EnvCalls(cfg.env.step_timeout_s, 1)
+    try:
+        env = ENVIRONMENTS.get(cfg.env.name)(**cfg.env.kwargs)
+        reset = hasattr(env, "reset") and overrides(env, "reset", Env)
+        text = calls.submit(env.reset, prompt).result() if reset else None
+        if hasattr(env, "close") and overrides(env, "close", Env):
+            calls.submit(env.close).result()
+    finally:
+        calls.close()
+    if text is None:
+        return list(prompt_ids)
+    sample = Sample(prompt_ids=list(prompt_ids), uid=prompt.uid, metadata={"prompt": prompt})
+    t = Trajectory(Group(sample, SamplingParams()), 0, list(prompt_ids))
+    t.obs, messages = observations(prompt, cfg.data, *observation_paths(tokenizer, cfg.env))
+    t.obs.start(t, messages)
+    return t.obs.reset(t, str(text))
+
+
 def with_environment(cfg, backend: RolloutEngine, tokenizer, other=None) -> RolloutEngine:
     """``backend`` as it is (``env.name`` null), or wrapped for multi-turn rollouts; ``other``:
     the frozen policy's backend of cross-policy sampling (None: off)."""
     if cfg.env.name is None:
         return backend
-    return MultiTurnRollout(backend, tokenizer, cfg.env, other=other)
+    return MultiTurnRollout(backend, tokenizer, cfg.env, other=other, data=cfg.data)

@@ -12,17 +12,28 @@ Observations and token-in-token-out: the trainer gets the engine's token ids as 
 with the observation's tokens appended, never a re-tokenisation of the conversation. How the
 observation's tokens are made depends on the prompt:
 
-* plain text (a built-in task, or a tokenizer without a chat template): the observation text is
-  tokenised on its own (no special tokens) and appended (:class:`PlainObservations`);
-* chat prompts with a chat template (:class:`ChatObservations`): the observation is rendered as a
-  message (role ``env.observation_role``) through the template, and its tokens are what the
-  template adds after the model's turn: the rest of the turn's closing (``<|im_end|>`` is sampled,
-  the newline after it is not), the observation message and the next generation prompt. This is
-  only sound when rendering the conversation so far gives a token prefix of rendering it with the
-  new turn and observation (the *extension property*): templates that rewrite earlier turns (e.g.
-  drop earlier reasoning) break it, and then the model would see at deployment a context it was
-  never trained on. Each turn checks it; where it fails the trajectory is split, and its next part
-  starts from the template's own rendering of the conversation as its prompt.
+* a prompt used as text (a built-in task, ``data.apply_chat_template=false``, a string prompt by
+  default, or a tokenizer without a chat template): the observation text is tokenised on its own
+  (no special tokens added) and appended (:class:`PlainObservations`);
+* a prompt rendered through the chat template (chat messages, or a string with
+  ``data.apply_chat_template=true``; :class:`ChatObservations`): the conversation continues from
+  the messages the prompt was rendered from (``data.system_prompt`` included), the observation is
+  rendered as a message (role ``env.observation_role``) through the template, and its tokens are
+  what the template adds after the model's turn: the rest of the turn's closing (``<|im_end|>`` is
+  sampled, the newline after it is not), the observation message and the next generation prompt.
+  This is only sound when rendering the conversation so far gives a token prefix of rendering it
+  with the new turn and observation (the *extension property*): templates that rewrite earlier
+  turns (e.g. drop earlier reasoning) break it, and then the model would see at deployment a
+  context it was never trained on. Each turn checks it; where it fails the trajectory is split,
+  and its next part starts from the template's own rendering of the conversation as its prompt.
+  Every part carries the trajectory's outcome and its id (metadata ``trajectory``): the trajectory
+  counts once in its group's statistics and each part gets its advantage.
+
+Observations are text, in both paths: a special token's string in them (a tool that prints
+``<|im_end|>``) is encoded as the characters it is made of, never as the control token, so no tool
+output can close a turn or open a new one (:class:`TextIds`). In the chat path the same holds for
+every content the rollout adds to the conversation (the model's turns too); the template's own
+markers stay control tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
+from hybridrl.data.render import chat_messages
 from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import SamplingParams
@@ -77,6 +90,7 @@ class Trajectory:
     cross: bool = False  # the turn in flight is the other policy's (cross-policy sampling)
     parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
     messages: list[dict] | None = None  # chat prompts: the conversation so far
+    asked: int = 0  # chat prompts: how many of ``messages`` are the prompt's (the rest are text)
     rendered: list[int] | None = None  # chat prompts: the template's tokens of it
     # a mixture-of-experts engine's recorded routing of the part's first tokens (tokens, layers,
     # k); None: nothing recorded (a dense model)
@@ -144,6 +158,9 @@ class Trajectory:
                 "env_turns": self.turns,
                 "env_error": self.error,
                 "env_part": i,
+                # the parts of a split trajectory share it: it counts once in its group's
+                # statistics (algorithms/advantages.py)
+                "trajectory": self.uid,
             }
         return out
 
@@ -223,17 +240,49 @@ def overrides(env, method: str, base: type) -> bool:
     return getattr(type(env), method, None) is not getattr(base, method, None)
 
 
-class PlainObservations:
-    """Observation text tokenised on its own and appended: concatenation always extends."""
+class TextIds:
+    """Text as token ids with no special token parsed: the string of a special token
+    (``<|im_end|>``) in it becomes the tokens of its characters. A fast tokenizer gets a private
+    copy of its backend for this: the switch is state of the backend, and the tokenizer itself is
+    used meanwhile on other threads (the prompt prefetch) with special tokens parsed."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.backend = None if backend is None else Tokenizer.from_str(backend.to_str())
+        if self.backend is not None:
+            self.backend.encode_special_tokens = True
+        # the strings a tokenizer would parse as control tokens
+        self.specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 
-    def start(self, traj, prompt) -> None:
+    def __call__(self, text: str) -> list[int]:
+        if self.backend is not None:
+            return list(self.backend.encode(text, add_special_tokens=False).ids)
+        out = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+        return list(out["input_ids"])
+
+    def parsed_as_control(self, text: str) -> bool:
+        """Whether encoding ``text`` with special tokens parsed would give a control token."""
+        return any(s in text for s in self.specials)
+
+
+def observations(prompt, data, plain: PlainObservations, chat: ChatObservations | None):
+    """(the observation path of ``prompt``, the chat messages its conversation continues, or None
+    for the plain path): the chat path where the prompt was rendered through the chat template
+    (module docstring). ``data``: the run's ``data`` section."""
+    messages = chat_messages(getattr(prompt, "raw", None), data) if chat is not None else None
+    return (plain, None) if messages is None else (chat, messages)
+
+
+class PlainObservations:
+    """Observation text tokenised on its own and appended: concatenation always extends. ``ids``:
+    the tokenizer's :class:`TextIds`."""
+
+    def __init__(self, ids: TextIds):
+        self.ids = ids
+
+    def start(self, traj, messages: None) -> None:
         pass
-
-    def ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def reset(self, traj, text: str) -> list[int]:
         """The prompt with a reset observation: its tokens appended."""
@@ -244,31 +293,59 @@ class PlainObservations:
         return self.ids(text), None
 
 
+# stands in for one content while its place in the rendered text is found (the template never
+# writes it itself, and no whitespace trimming removes it)
+_PROBE = "\x00"
+
+
 class ChatObservations:
     """Observations as chat messages through the tokenizer's template, with the extension check
-    (module docstring). A trajectory's ``messages`` and ``rendered`` (the template's tokens of the
-    conversation the model saw last) live on the trajectory."""
+    (module docstring). A trajectory's ``messages``, ``asked`` and ``rendered`` (the template's
+    tokens of the conversation the model saw last) live on the trajectory. ``text``: the
+    tokenizer's :class:`TextIds`."""
 
-    def __init__(self, tokenizer, role: str):
-        self.tokenizer, self.role = tokenizer, role
+    def __init__(self, tokenizer, role: str, text: TextIds):
+        self.tokenizer, self.role, self.text = tokenizer, role, text
         self.eos = tokenizer.eos_token_id
 
-    def render(self, messages: list[dict], generation: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=generation
-        )
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return list(ids)
+    def render(self, messages: list[dict], generation: bool, asked: int) -> list[int]:
+        """The template's tokens of ``messages``: its text encoded with special tokens parsed, but
+        the contents of ``messages[asked:]`` (the model's turns, the observations) as text, where
+        they hold a special token's string. Where such a content lies in the rendered text is
+        found by rendering it once more with that content replaced by a probe: the two texts
+        differ exactly there, whatever the template does around it."""
+        text = self._template(messages, generation)
+        spans = []
+        for k in range(asked, len(messages)):
+            content = messages[k].get("content")
+            if isinstance(content, str) and self.text.parsed_as_control(content):
+                probe = [*messages[:k], {**messages[k], "content": _PROBE}, *messages[k + 1 :]]
+                spans.append(_differing(text, self._template(probe, generation)))
+        ids, at = [], 0
+        for start, end in sorted(spans):
+            ids += self._encode(text[at:start]) + self.text(text[start:end])
+            at = end
+        return ids + self._encode(text[at:])
 
-    def start(self, traj, prompt) -> None:
-        traj.messages = [dict(m) for m in prompt.raw]
+    def _template(self, messages: list[dict], generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        """Template text as ``apply_chat_template(tokenize=True)`` encodes it."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def start(self, traj, messages: list[dict]) -> None:
+        traj.messages = [dict(m) for m in messages]
+        traj.asked = len(messages)
         traj.rendered = list(traj.prompt_ids)
 
     def reset(self, traj, text: str) -> list[int]:
         """The prompt with a reset observation: the template's rendering of the prompt's messages
         and the observation as a message of its own (a prompt is never trained on)."""
         traj.messages = traj.messages + [{"role": self.role, "content": text}]
-        traj.rendered = self.render(traj.messages, True)
+        traj.rendered = self.render(traj.messages, True, traj.asked)
         return list(traj.rendered)
 
     def step(self, traj, turn_ids: list[int], text: str) -> tuple[list[int], list[int] | None]:
@@ -278,7 +355,8 @@ class ChatObservations:
         before = traj.rendered
         closed_msgs = traj.messages + [{"role": "assistant", "content": said}]
         messages = closed_msgs + [{"role": self.role, "content": text}]
-        closed, after = self.render(closed_msgs, False), self.render(messages, True)
+        closed = self.render(closed_msgs, False, traj.asked)
+        after = self.render(messages, True, traj.asked)
         traj.messages, traj.rendered = messages, after
         tail = self._closing(turn_ids, closed[len(before) :] if _starts(closed, before) else [])
         obs = after[len(closed) :] if _starts(after, closed) else self._detached(text)
@@ -300,9 +378,20 @@ class ChatObservations:
         """The observation message's tokens as the template adds them after a short exchange (the
         conversation's own rendering did not extend)."""
         base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        closed = self.render(base, False)
-        after = self.render(base + [{"role": self.role, "content": text}], True)
+        closed = self.render(base, False, len(base))
+        after = self.render(base + [{"role": self.role, "content": text}], True, len(base))
         return after[_common(closed, after) :]
+
+
+def _differing(text: str, other: str) -> tuple[int, int]:
+    """The span of ``text`` where it differs from ``other`` (their common prefix and suffix cut
+    off)."""
+    start = _common(text, other)
+    most = min(len(text), len(other)) - start
+    end = 0
+    while end < most and text[-1 - end] == other[-1 - end]:
+        end += 1
+    return start, len(text) - end
 
 
 def _starts(seq: list[int], prefix: list[int]) -> bool:
