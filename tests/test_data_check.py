@@ -43,3 +43,28 @@ def test_no_data_files_is_nothing_to_check():
     from hybridrl.config import Config
 
     check_data(Config())
+
+
+def test_a_multi_turn_prompt_that_cannot_fit_the_context_is_refused(tmp_path):
+    """With env.name=tools and describe_tools, the tool schemas join the prompt before the first
+    turn: prompt + schemas + rollout.max_new_tokens above the model's 512 positions is refused,
+    in one line, before any work (the run would end every trajectory empty)."""
+    from hybridrl.config.schema import EnvConfig
+    from hybridrl.models.chat_model import build_chat_model
+
+    model = build_chat_model(tmp_path / "model", ["what is two plus three"], vocab_size=300)
+    chat = write(tmp_path / "c.jsonl", [{"prompt": CHAT, "answer": "5"}] * 2)
+
+    def with_tools(describe: bool, max_new_tokens: int):
+        cfg = config(chat, model_path=str(model))
+        cfg.env = EnvConfig(name="tools", kwargs={"describe_tools": describe})
+        cfg.rollout.max_new_tokens = max_new_tokens
+        return cfg
+
+    with pytest.raises(DataError) as e:
+        check_data(with_tools(True, 64))
+    msg = str(e.value)
+    assert "\n" not in msg and "above the model's 512" in msg and "describe_tools" in msg, msg
+    check_data(with_tools(False, 64))  # the prompt alone fits
+    with pytest.raises(DataError, match="rollout.max_new_tokens=500"):
+        check_data(with_tools(False, 500))

@@ -3,12 +3,15 @@ without reading the whole data."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from hybridrl.config import Config
 from hybridrl.config.schema import DataConfig
 from hybridrl.data.files import DataError, first_row
 from hybridrl.data.render import dig, render_prompt
+from hybridrl.tasks.base import Prompt
 
 
 def check_columns(columns: list[str], features: Any, data: DataConfig, key: str) -> None:
@@ -41,7 +44,8 @@ def check_columns(columns: list[str], features: Any, data: DataConfig, key: str)
 
 def check_data(cfg: Config) -> None:
     """Before any work starts: the paths of ``data.train_files`` / ``data.val_files``, and the first
-    row of each file (its columns, its answer, its prompt rendered with the run's tokenizer). Raises
+    row of each file (its columns, its answer, its prompt rendered with the run's tokenizer and,
+    with an environment, the first turn's context: :func:`check_first_turn`). Raises
     :class:`DataError` (one line). Reads only those rows; the rest (the length limit, later rows) is
     checked when the run reads the data. Nothing to check without ``data.train_files``."""
     if not cfg.data.train_files:
@@ -60,6 +64,63 @@ def check_data(cfg: Config) -> None:
             if row is None:  # an empty file: the whole data's emptiness is checked when read
                 continue
             at = f"row 0 of {key} {str(path)!r}"
-            render_prompt(row[cfg.data.prompt_key], task.tokenizer(), cfg.data, at)
+            raw = row[cfg.data.prompt_key]
+            text, ids = render_prompt(raw, task.tokenizer(), cfg.data, at)
+            answer = None
             if cfg.data.answer_key is not None:
-                dig(row, cfg.data.answer_key, at)
+                answer = dig(row, cfg.data.answer_key, at)
+            if cfg.env.name is not None:
+                prompt = Prompt(
+                    uid=f"{role}-r0",
+                    text=text,
+                    answer="" if answer is None else str(answer),
+                    task_id=task.name,
+                    token_ids=tuple(ids),
+                    raw=raw,
+                    columns={k: v for k, v in row.items() if k != cfg.data.prompt_key},
+                )
+                check_first_turn(cfg, task.tokenizer(), prompt, ids, at)
+
+
+def check_first_turn(cfg: Config, tokenizer, prompt: Prompt, ids: list[int], where: str) -> None:
+    """A multi-turn prompt (``env.name`` set) whose first turn cannot fit the model's positions:
+    the prompt, the environment's reset observation (e.g. the tool schemas of ``describe_tools``)
+    and ``rollout.max_new_tokens`` for the model's first turn. Such a run would end every
+    trajectory at once, empty and truncated."""
+    positions = model_positions(cfg, tokenizer)
+    if positions is None:
+        return
+    from hybridrl.rollout.multiturn import first_turn_context  # it imports this package
+
+    try:
+        context = first_turn_context(cfg, tokenizer, prompt, ids)
+    except Exception as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(f"{where}: the environment's reset failed on this prompt: {message}") from e
+    need = len(context) + cfg.rollout.max_new_tokens
+    if need > positions:
+        raise DataError(
+            f"{where}: the first turn needs {need} positions, above the model's {positions}: "
+            f"the prompt ({len(ids)} tokens), the environment's reset observation "
+            f"({len(context) - len(ids)} tokens) and rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}; shorten the prompts or the observation (env.kwargs, "
+            "e.g. describe_tools), or lower rollout.max_new_tokens"
+        )
+
+
+def model_positions(cfg: Config, tokenizer) -> int | None:
+    """The model's positions (``max_position_embeddings``): a checkpoint's config.json, or the
+    built-in model's; None where unknown."""
+    if cfg.model.path is None:
+        from hybridrl.models.factory import model_size_config
+
+        try:
+            return model_size_config(cfg.model.name, tokenizer).max_position_embeddings
+        except ValueError:  # an unknown model name is reported where the model is built
+            return None
+    try:
+        config = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return positions if isinstance(positions, int) else None
