@@ -17,6 +17,7 @@ def check_config(cfg: Config) -> None:
     check_loggers(cfg)
     check_run_dir(cfg)
     check_step_memory(cfg)
+    check_kv_pool(cfg)
     if cfg.data.train_files is not None:
         from hybridrl.data import check_data
 
@@ -98,6 +99,59 @@ def check_run_dir(cfg: Config) -> None:
             _check_writable_dir(key, str(path))
         except ValueError as e:
             raise ConfigError(f"config key {key!r}: {e}") from None
+
+
+def check_kv_pool(cfg: Config) -> None:
+    """The native engine's KV pool (``rollout.kv_cache_bytes`` in blocks of ``rollout.block_size``
+    tokens) holds one sequence of one prompt token and ``rollout.max_new_tokens`` new ones in the
+    model (and its draft): a smaller pool can serve no request, and would fail at the first
+    generation. Counted at bf16, the smallest dtype ``rollout.dtype=auto`` may pick, unless fp32 is
+    set; skipped for other backends, with ``kv_cache_memory_fraction``, and where the model's
+    config cannot be read here (the engine checks each request as it arrives)."""
+    import torch
+
+    from hybridrl.rollout.kv_capacity import bytes_per_block, pool_blocks
+    from hybridrl.rollout.model_spec import ModelSpec
+
+    r = cfg.rollout
+    if r.backend != "native" or r.kv_cache_memory_fraction:
+        return
+    dtype = torch.float32 if r.dtype == "fp32" else torch.bfloat16
+    try:
+        per_block = sum(
+            bytes_per_block(ModelSpec.from_config(config), r.block_size, dtype)
+            for config in _rollout_model_configs(cfg)
+        )
+    except (OSError, ValueError, KeyError):  # no readable config: the engine checks at start
+        return
+    blocks = pool_blocks(r, torch.device("cpu"), per_block, None)
+    need = -(-r.max_new_tokens // r.block_size)  # the last token is sampled, never stored
+    if blocks < need:
+        raise ConfigError(
+            f"config key 'rollout.kv_cache_bytes': {r.kv_cache_bytes} bytes hold {blocks} blocks "
+            f"of {r.block_size} tokens ({per_block} bytes each in this model), fewer than the "
+            f"{need} blocks one sequence of rollout.max_new_tokens={r.max_new_tokens} needs; give "
+            f"at least {need * per_block} bytes"
+        )
+
+
+def _rollout_model_configs(cfg: Config) -> list:
+    """The transformers configs of the model the rollout serves and of its draft model (if any),
+    read from disk or built for a built-in name, no weights loaded."""
+    from transformers import AutoConfig
+
+    from hybridrl.models.factory import model_size_config
+    from hybridrl.models.loading import load_tokenizer
+
+    if cfg.model.path is not None:
+        configs = [AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)]
+    else:
+        configs = [model_size_config(cfg.model.name, load_tokenizer(cfg, None))]
+    if cfg.rollout.draft_model_path:
+        configs.append(
+            AutoConfig.from_pretrained(cfg.rollout.draft_model_path, local_files_only=True)
+        )
+    return configs
 
 
 def check_rollout_backend(cfg: Config) -> None:

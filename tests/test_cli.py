@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.cli import main
+from hybridrl.config import Config, ConfigError, load_config
 
 
 def run(capsys, *argv):
@@ -43,6 +44,11 @@ def run(capsys, *argv):
         (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear]"], "'all-linear' is not"),
         (["sft.checkpoint=/etc/passwd/ckpt"], "'/etc/passwd' is not a directory"),
         (["controller.num_threads=100000"], "'controller.num_threads' must be >= 1 and <= 1024"),
+        (
+            ["rollout.kv_cache_bytes=1000", "rollout.max_new_tokens=64"],
+            "bytes hold 2 blocks of 16 tokens (16384 bytes each in this model), fewer than the 4 blocks",
+        ),
+        (["rollout.block_size=100000"], "'rollout.block_size' must be >= 1 and <= 1024"),
         # a run name is one directory name: a path would move aside and write any directory
         (["trainer.name=."], "config 'trainer': name '.' is not a run name: one path component"),
         (["trainer.name=.."], "name '..' is not a run name"),
@@ -60,6 +66,15 @@ def test_bad_overrides_exit_2_with_one_line(capsys, argv, needle):
     code, _, err = run(capsys, "train", *argv)
     assert code == 2
     assert needle in err and err.count("\n") == 1, err
+
+
+def test_a_small_kv_pool_is_checked_only_for_the_native_engine():
+    from hybridrl.checks import check_config
+
+    small = ["rollout.kv_cache_bytes=1000", "rollout.max_new_tokens=64"]
+    check_config(load_config(Config, None, [*small, "rollout.backend=hf"]))  # no pool to size
+    with pytest.raises(ConfigError, match="rollout.kv_cache_bytes"):
+        check_config(load_config(Config, None, small))
 
 
 def test_large_finite_values_are_numbers(capsys):

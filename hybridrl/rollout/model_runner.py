@@ -26,6 +26,7 @@ import torch
 
 from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
 from hybridrl.rollout.decoder import CausalLM
+from hybridrl.rollout.kv_capacity import bytes_per_block
 from hybridrl.rollout.layers import rope_tables
 from hybridrl.rollout.model_spec import ModelSpec, default_inv_freq
 from hybridrl.rollout.sequence import Sequence
@@ -114,17 +115,8 @@ class ModelRunner(StepPreparation):
 
     # --- KV pool ------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        s = self.spec
-        routing = self.block_size * self._routing_width() * torch.iinfo(ROUTING_DTYPE).bits // 8
-        return routing + (
-            2
-            * s.num_layers
-            * s.num_kv_heads
-            * s.head_dim
-            * self.block_size
-            * torch.finfo(self.dtype).bits
-            // 8
-        )
+        routing = self._routing_width() * torch.iinfo(ROUTING_DTYPE).bits // 8
+        return bytes_per_block(self.spec, self.block_size, self.dtype, routing)
 
     def allocate_kv(self, num_blocks: int) -> None:
         s = self.spec

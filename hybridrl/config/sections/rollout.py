@@ -27,7 +27,13 @@ class RolloutConfig:
         512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1
     )
     kv_cache_bytes: int = _f(256 << 20, "native: bytes of the paged KV-cache pool", ge=1)
-    block_size: int = _f(16, "native: tokens per KV-cache block", ge=1)
+    block_size: int = _f(
+        16,
+        "native: tokens per KV-cache block (at most 1024: a block is the unit of sharing and of "
+        "allocation, and the pool holds at least two)",
+        ge=1,
+        le=1024,
+    )
     max_num_batched_tokens: int = _f(
         4096, "native: token budget of one engine step (prefill + decode)", ge=1
     )
