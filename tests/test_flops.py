@@ -95,6 +95,24 @@ def test_mfu_stays_at_most_one_when_the_peak_was_measured_under_load(monkeypatch
     assert flops.peak_flops("cpu", torch.float32) == pytest.approx(ref_rate)
 
 
+def test_mfu_counts_a_shared_prompt_once(monkeypatch):
+    """With packed micro-batches a group's samples share one copy of their prompt: the update
+    computes fewer tokens than its rows hold, and the FLOPs (and MFU) count what it computed."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(flops, "_PEAKS", {})
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda *a, **k: 1e15)  # never outrun
+    model = tiny_eager_model()
+    learner = SimpleNamespace(model=model, cfg=load_config(Config, None, []))
+    mask = torch.ones(8, 24, dtype=torch.long)  # 8 samples of one 16-token prompt + 8 new tokens
+    timing = {"timing/update": 1.0}
+    every_row = flops.learner_perf(learner, timing, mask)["perf/mfu_update"]
+    shared = flops.learner_perf(learner, timing, mask, computed_tokens=16 + 8 * 8)
+    assert shared["perf/mfu_update"] == pytest.approx(every_row * 80 / 192)
+    # the tokens per second stay the rows' tokens: what was trained on
+    assert shared["perf/tokens_per_s_update"] == pytest.approx(192 * learner.cfg.actor.ppo_epochs)
+
+
 def test_mfu_in_a_real_runs_metrics(tmp_path):
     from hybridrl.driver.sync import train
 

@@ -127,7 +127,10 @@ def train_step(learner, version: int, source) -> dict:
         stale, lag = staleness_metrics(batch, version, cfg.asynchronous.max_staleness)
     timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
     # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
-    perf = learner_perf(learner, timing, batch["attention_mask"]) | balanced
+    # the tokens one epoch of the update computed (a shared prompt once): what the FLOPs count
+    fed, padding = metrics.get("perf/tokens_fed"), metrics.get("perf/padding_fraction", 0.0)
+    computed = fed * (1 - padding) / cfg.actor.ppo_epochs if fed else None
+    perf = learner_perf(learner, timing, batch["attention_mask"], computed) | balanced
     if moe:  # moe/: loads, routing changes; with moe.ep_size > 1 the rows exchanged
         perf |= moe.step_metrics(batch) | ep_traffic_metrics(learner.model)
     return {

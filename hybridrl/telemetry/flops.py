@@ -17,10 +17,14 @@ position ``t`` (0-based) of a sequence, ``2 × P_matmul + 4 × L × H × d_head 
   ``KV``.
 
 Only real tokens count (``attention_mask``), never padding: MFU is useful work, not what the padded
-kernels executed. A training token costs 3 × its forward (the backward computes gradients of the
-inputs and of the weights, each about a forward); activation checkpointing's recomputed forward is
-not counted (model FLOPs, not hardware FLOPs), and with LoRA the frozen weights get no weight
-gradients, so the 3 × overstates an adapter update (about 2 ×).
+kernels executed. A token the passes compute once for several rows counts once: with packed
+micro-batches a group's samples share one copy of their prompt (``learner/prefix_share.py``), so a
+phase's FLOPs are scaled by the share of the rows' tokens the update actually computed (its
+``perf/tokens_fed`` less padding); counting every row's prompt overstated the work, and the MFU,
+by as much as the rows' prompts are shared. A training token costs 3 × its forward (the backward
+computes gradients of the inputs and of the weights, each about a forward); activation
+checkpointing's recomputed forward is not counted (model FLOPs, not hardware FLOPs), and with LoRA
+the frozen weights get no weight gradients, so the 3 × overstates an adapter update (about 2 ×).
 
 Checked against ``torch.utils.flop_counter.FlopCounterMode`` on the tiny built-in model's eager
 forward (fp32, ``attn_implementation="eager"``; the counter has no formula for the CPU SDPA kernels,
@@ -224,14 +228,19 @@ def _device_of(model) -> torch.device:
 
 # --- metrics --------------------------------------------------------------------------------------
 def learner_perf(
-    learner, timing: dict[str, float], attention_mask: torch.Tensor
+    learner,
+    timing: dict[str, float],
+    attention_mask: torch.Tensor,
+    computed_tokens: float | None = None,
 ) -> dict[str, float]:
     """``perf/mfu_<phase>`` and ``perf/tokens_per_s_<phase>`` of the learner's model phases that ran
     this step (``timing/<phase>`` present): the phase's forward FLOPs over the real tokens of the
     step's batch (× 3 × ``actor.ppo_epochs`` for the update), per rank, over the phase's seconds
-    and the rank's peak in the dtype the phase's model runs in. ``learner``: a
-    :class:`~hybridrl.learner.learner.Learner` (its policy ``model``, ``reference`` and ``critic``;
-    a phase whose model it lacks is skipped)."""
+    and the rank's peak in the dtype the phase's model runs in. ``computed_tokens``: the distinct
+    tokens one epoch of the update computed over all ranks (a shared prompt once), which scales
+    every phase's FLOPs (the passes group the rows alike); None: every row's tokens. ``learner``:
+    a :class:`~hybridrl.learner.learner.Learner` (its policy ``model``, ``reference`` and
+    ``critic``; a phase whose model it lacks is skipped)."""
     from hybridrl.parallel import distributed
 
     reference, critic = getattr(learner, "reference", None), getattr(learner, "critic", None)
@@ -245,12 +254,14 @@ def learner_perf(
     out: dict[str, float] = {}
     lengths = attention_mask.sum(-1).tolist()
     tokens = sum(lengths)
+    computed = min(1.0, computed_tokens / tokens) if computed_tokens and tokens else 1.0
     for phase, train in LEARNER_PHASES.items():
         seconds, model = timing.get(f"timing/{phase}"), models[phase]
         if not seconds or model is None or not tokens:
             continue
         passes = TRAIN_FACTOR * epochs if train else 1
-        flops = DecoderShape.from_model(model).forward_flops(lengths) * passes / world_size
+        flops = DecoderShape.from_model(model).forward_flops(lengths) * computed
+        flops *= passes / world_size
         out[f"perf/mfu_{phase}"] = utilisation(
             flops / seconds, _device_of(model), compute_dtype(model)
         )
