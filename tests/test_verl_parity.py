@@ -574,3 +574,9 @@ def test_sum_pi_squared_of_the_old_policy_and_its_pass():
             None,
             ["algorithm.advantage=tir_optimal_token_baseline", "algorithm.rollout_bypass=true"],
         )
+    with pytest.raises(ConfigError, match=r"actor.pp_size > 1 does not provide"):
+        load_config(
+            Config,
+            "examples/arith_grpo.yaml",
+            ["algorithm.advantage=optimal_token_baseline", "actor.pp_size=2"],
+        )

@@ -514,19 +514,10 @@ def tir_optimal_token_baseline_advantage(batch: Batch, cfg) -> dict[str, torch.T
     return {"advantages": adv.to(dtype), "returns": returns.to(dtype)}
 
 
-def check_otb_config(cfg) -> None:
-    """The old-log-prob pass that adds ``sum_pi_squared`` does not run under ``rollout_bypass``."""
-    if cfg.rollout_bypass:
-        raise ValueError(
-            f"algorithm.advantage={cfg.advantage} reads sum_pi_squared from the learner's "
-            "old-log-prob pass, which algorithm.rollout_bypass skips; turn rollout_bypass off"
-        )
-
-
-# the old-log-prob pass adds sum_pi_squared, and runs before the advantages
+# the old-log-prob pass adds sum_pi_squared, and runs before the advantages (the config check
+# refuses the layouts whose pass cannot: Config._validate_estimator)
 for _otb in (optimal_token_baseline_advantage, tir_optimal_token_baseline_advantage):
     _otb.needs_sum_pi_squared = True
-    _otb.check_config = check_otb_config
 
 
 def compute_advantages(batch: Batch, cfg) -> Batch:

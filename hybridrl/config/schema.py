@@ -202,6 +202,17 @@ class Config:
                 f"algorithm.advantage={name} needs a greedy baseline response per prompt, which "
                 "trainer.mode=async does not generate; use trainer.mode=sync"
             )
+        if getattr(est, "needs_sum_pi_squared", False):
+            # the plain policy's old-log-prob pass adds sum_pi_squared; bypass skips that pass
+            # and a pipelined policy's pass returns log-probs only
+            skipped = "algorithm.rollout_bypass" if self.algorithm.rollout_bypass else None
+            skipped = skipped or ("actor.pp_size > 1" if self.actor.pp_size > 1 else None)
+            if skipped:
+                raise ValueError(
+                    f"algorithm.advantage={name} reads sum_pi_squared from the policy's "
+                    f"old-log-prob pass, which {skipped} does not provide; use another estimator "
+                    "or turn it off"
+                )
         least = getattr(est, "min_group_size", 1)
         if self.trainer.samples_per_prompt < least:
             raise ValueError(
