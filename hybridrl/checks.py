@@ -52,9 +52,13 @@ def check_plugins(cfg: Config) -> None:
 
 def data_columns(cfg: Config) -> list[str]:
     """The columns a prompt carries to reward functions: a dataset's columns other than the
-    prompt's (read from each training file's first row), none for a built-in task."""
+    prompt's (read from each training file's first row), else those of the task's first held-out
+    prompt (none for the built-in tasks; a plug-in task's prompts may carry some)."""
     if cfg.data.train_files is None:
-        return []
+        from hybridrl.models.loading import make_task
+
+        first = make_task(cfg).heldout()[:1]
+        return list(first[0].columns) if first else []
     from hybridrl.data.files import as_paths, first_row
 
     columns: dict[str, None] = {}
@@ -92,6 +96,7 @@ def check_run_dir(cfg: Config) -> None:
     """``trainer.runs_dir`` and the run's directory in it can be created and written (not a file,
     under a writable directory): checked now, not when the warm start is done."""
     from hybridrl.config.sections.common import _check_writable_dir
+    from hybridrl.driver.checkpoint import writable_problem
     from hybridrl.driver.run_dir import run_path
 
     for key, path in (("trainer.runs_dir", cfg.trainer.runs_dir), ("trainer.name", run_path(cfg))):
@@ -99,6 +104,10 @@ def check_run_dir(cfg: Config) -> None:
             _check_writable_dir(key, str(path))
         except ValueError as e:
             raise ConfigError(f"config key {key!r}: {e}") from None
+    # an existing run directory is written (--resume) or moved aside (a fresh run, which an
+    # immutable directory refuses too): refused now rather than with a traceback later
+    if run_path(cfg).is_dir() and (problem := writable_problem(run_path(cfg))):
+        raise ConfigError(f"config key 'trainer.name': the run directory {problem}")
 
 
 def check_kv_pool(cfg: Config) -> None:

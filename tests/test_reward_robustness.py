@@ -24,6 +24,7 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout import scoring
 from hybridrl.rollout.scoring import RewardFunctionHung, RewardTimeout, Scorer, TimedCalls
 from hybridrl.tasks import Prompt, compute_reward
+from hybridrl.tasks.arithmetic import ArithmeticTask
 from hybridrl.tasks.base import NonFiniteReward
 from hybridrl.telemetry.sinks import METRICS_FILE, MetricsLogger, read_metrics
 
@@ -57,6 +58,15 @@ def column_lookup(prompt, response):
 
 def trl_needs_solution(prompts, completions, solution, **kwargs):
     return [float(c == s) for c, s in zip(completions, solution)]
+
+
+class SolutionTask(ArithmeticTask):
+    """W1 with each prompt carrying a ``solution`` column, as a plug-in task's prompts may."""
+
+    name = "solution_task"
+
+    def _make(self, uid: str, a: int, b: int) -> Prompt:
+        return Prompt(uid, f"{a}+{b}=", str(a + b), self.name, columns={"solution": str(a + b)})
 
 
 def exits(prompt, response):
@@ -322,6 +332,8 @@ def test_trl_style_function_naming_a_missing_column_is_refused_at_start(tmp_path
         check_config(load_config(Config, None, [fn]))
     assert str(err.value).startswith("config key 'task.reward_fn[0]': TRL-style reward function")
     assert "['solution']" in str(err.value)
+    # a plug-in task's prompts carry the column: accepted
+    check_config(load_config(Config, None, [fn, f"task.name={__name__}:SolutionTask"]))
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                             for i in range(4)))  # fmt: skip
