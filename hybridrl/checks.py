@@ -71,14 +71,26 @@ def data_columns(cfg: Config) -> list[str]:
 def check_reward_columns(cfg: Config) -> None:
     """A TRL-style reward function whose required arguments name columns the data lacks would fail
     on every sample: it is refused now."""
-    from hybridrl.tasks.reward_signatures import TrlStyle, resolve_reward_fns
+    from hybridrl.tasks.reward_signatures import (
+        RewardConfigError,
+        TrlStyle,
+        resolve_reward_fns,
+        reward_function,
+    )
 
-    fns = resolve_reward_fns(cfg)  # in the order of task.reward_fn
-    columns = data_columns(cfg) if any(isinstance(f, TrlStyle) for f in fns) else []
-    for i, f in enumerate(fns):
+    # task.reward_fn in its order, and an environment's own (the tools environment's reward_fn)
+    fns = {f"task.reward_fn[{i}]": f for i, f in enumerate(resolve_reward_fns(cfg))}
+    spec = cfg.env.kwargs.get("reward_fn") if cfg.env.name is not None else None
+    if spec is not None:
+        try:
+            fns["env.kwargs.reward_fn"] = reward_function(spec, "env.kwargs.reward_fn")
+        except RewardConfigError as e:
+            raise ConfigError(f"config key {e.key!r}: {e.message}") from None
+    columns = data_columns(cfg) if any(isinstance(f, TrlStyle) for f in fns.values()) else []
+    for key, f in fns.items():
         problem = f.missing_columns(columns) if isinstance(f, TrlStyle) else None
         if problem:
-            raise ConfigError(f"config key 'task.reward_fn[{i}]': {problem}")
+            raise ConfigError(f"config key {key!r}: {problem}")
 
 
 def check_loggers(cfg: Config) -> None:

@@ -253,6 +253,56 @@ def test_an_environment_that_hangs_times_out_and_the_rollout_goes_on():
     assert all(s.metadata["env_error"] == "" for s in ok.generate(prompts(2), params()))
 
 
+def test_sys_exit_in_an_environment_call_fails_the_call_not_the_loop():
+    """sys.exit() in an environment's step (sync, async, or a reward function it awaits) is an
+    error of that call; the event loop every environment call runs on keeps serving."""
+    import sys
+
+    from hybridrl.rollout.turns import EnvCalls, EnvironmentExit
+
+    async def exits_async():
+        sys.exit(0)
+
+    def exits():
+        sys.exit(3)
+
+    def returns_exiting_coroutine():
+        return exits_async()
+
+    calls = EnvCalls(timeout_s=5.0, max_concurrent=4)
+    for fn in (exits_async, exits, returns_exiting_coroutine):
+        with pytest.raises(EnvironmentExit, match="cannot end the run"):
+            calls.submit(fn).result(10)
+    assert calls.submit(lambda: 7).result(10) == 7
+    calls.close()
+
+
+def test_a_step_whose_every_environment_fails_counts_as_failed_rewards():
+    """The environment's reward is the reward: a trajectory whose environment failed has none,
+    and the stop rule (task.max_failed_reward_steps) counts it with its message."""
+    from hybridrl.learner.step import reward_failures
+
+    turn = ids("<call>1*2</call>")
+    mt = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"turns": 2, "fail_on": "reset"})
+    out = mt.generate(prompts(2), params())
+    failed, scored, first = reward_failures(out)
+    assert failed == scored == 4
+    assert first.startswith("environment ") and "raised" in first
+
+
+def test_observations_are_encoded_whole_whatever_the_saved_tokenizer_truncates():
+    """A saved tokenizer may carry truncation and padding settings; an observation is encoded
+    whole, without padding."""
+    from hybridrl.rollout.turns import TextIds
+
+    tok = chat_tokenizer(KEEP)
+    tok.backend_tokenizer.enable_truncation(8)
+    tok.backend_tokenizer.enable_padding(length=40)
+    text = "abcdefghijklmnopqrstuvwxyzabcd"
+    assert TextIds(tok)(text) == tok(text, add_special_tokens=False)["input_ids"]
+    assert len(TextIds(tok)(text)) == 30
+
+
 @pytest.mark.parametrize("env_cls,kwargs", [(Echo, {"turns": 3, "sleep_s": 0.3}), (AsyncSleep, {})])
 def test_a_slow_environment_does_not_block_the_other_trajectories(env_cls, kwargs):
     """8 trajectories, 2 environment waits of 0.3 s each: one after the other they would take

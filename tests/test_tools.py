@@ -378,6 +378,22 @@ def test_tool_env_reward_fn_takes_every_form_task_reward_fn_takes(reward_fn):
     assert run(env.step("42")).reward == 0.0
 
 
+def trl_needs_solution(prompts, completions, solution, **kwargs):
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def test_env_reward_fn_naming_a_missing_column_is_refused_at_start():
+    """The tools environment's TRL-style reward_fn gets the prompt's columns as task.reward_fn
+    does: one that needs a column the data lacks would fail every trajectory (reward 0)."""
+    from hybridrl.checks import check_config
+    from hybridrl.config import Config, ConfigError, load_config
+
+    kwargs = "{tools: [calculator], reward_fn: 'tests.test_tools:trl_needs_solution'}"
+    cfg = load_config(Config, None, ["env.name=tools", f"env.kwargs={kwargs}"])
+    with pytest.raises(ConfigError, match=r"'env.kwargs.reward_fn': TRL-style .* \['solution'\]"):
+        check_config(cfg)
+
+
 def test_env_kwargs_are_checked_when_the_config_loads():
     """An unknown tool, an unknown keyword, max_turns 0 or an unusable reward function would end
     every trajectory with reward 0: each fails the config, in one line naming what is allowed."""

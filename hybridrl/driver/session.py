@@ -12,6 +12,8 @@ from pathlib import Path
 
 from hybridrl.config import Config, to_dict
 from hybridrl.controller.health import DeathWatch
+from hybridrl.data import DatasetTask
+from hybridrl.data.fingerprint import STATE_KEY, check_unchanged, data_fingerprint
 from hybridrl.driver.checkpoint import latest_checkpoint
 from hybridrl.driver.evaluate import Evaluator
 from hybridrl.driver.placement import Roles, build_roles
@@ -29,6 +31,8 @@ from hybridrl.telemetry.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 TRACE_FILE = "trajectories.jsonl"  # per step the trained prompts' uids (async: their staleness)
+# open_session's resume value that resumes although the data files changed since the checkpoint
+RESUME_CHANGED_DATA = "changed-data"
 
 
 class FaultLogger:
@@ -75,9 +79,9 @@ class Session:
 
     def check_rewards(self, done: int, out: dict) -> None:
         """After step ``done`` is logged: raise :class:`RewardsFailedError` once every sample's
-        reward failed (raised, timed out, not finite, scored by no function) in
-        ``task.max_failed_reward_steps`` steps in a row. A run whose reward cannot score anything
-        trains on zeros: it stops, naming the function and its first error."""
+        reward failed (raised, timed out, not finite, scored by no function; or its environment
+        failed) in ``task.max_failed_reward_steps`` steps in a row. A run whose reward cannot
+        score anything trains on zeros: it stops, naming the function and its first error."""
         failed, scored, first = out["reward_failures"]
         self.failed_reward_steps = self.failed_reward_steps + 1 if failed == scored > 0 else 0
         limit = self.cfg.task.max_failed_reward_steps
@@ -166,12 +170,13 @@ def _truncate_trace(run_dir: Path, step: int) -> None:
         path.write_text("".join(x for x in lines if x.strip() and json.loads(x)["step"] <= step))
 
 
-def open_session(cfg: Config, resume: bool, faults: Faults | None = None) -> Session:
+def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) -> Session:
     """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the
     rollout, and the held-out evaluation before training (once per run). ``faults``: the run's
     restart counters (``driver/restarts.py``); when it says a restart is under way, the newest
     checkpoint is restored like ``resume``, and without one the run starts again from step 0 in its
-    own directory."""
+    own directory. The data files' hashes go into the trainer state; ``--resume`` refuses files
+    that differ from the checkpoint's unless ``resume`` is :data:`RESUME_CHANGED_DATA`."""
     t_start, t = time.perf_counter(), cfg.trainer
     faults = faults or Faults(t.max_restarts)
     restart = faults.restarting is not None
@@ -184,8 +189,18 @@ def open_session(cfg: Config, resume: bool, faults: Faults | None = None) -> Ses
         )
     elif found:
         log.info("%s: from %s", "restart" if restart else "--resume", found[0])
+    # a restart goes on with the state it left; a fresh run records the data, --resume compares
+    prints = data_fingerprint(cfg) if not (restart and found) else None
+    if found and not restart:
+        force = resume == RESUME_CHANGED_DATA
+        check_unchanged(found[1].get(STATE_KEY), prints, cfg, found[0], force)
+    task = make_task(cfg)
+    if isinstance(task, DatasetTask):  # every row read and checked before any model is built
+        task.rows()
     run_dir = open_run_dir(cfg, resume=found is not None or restart)
     state = found[1] if found else {"step": 0, "prompt_cursor": 0, "reference_path": warm}
+    if prints is not None:
+        state[STATE_KEY] = prints  # saved in every checkpoint's trainer.json
     if restart and not found and faults.before is not None:
         state["before"] = faults.before  # a restart before the first checkpoint keeps it
     if not restart:
@@ -209,7 +224,7 @@ def open_session(cfg: Config, resume: bool, faults: Faults | None = None) -> Ses
             roles.learner.load_state(str(ckpt / "model"), str(critic) if critic.is_dir() else None)
             roles.sync_weights(state["step"])
         roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
-        task, tokenizer = make_task(cfg), load_tokenizer(cfg, warm)
+        tokenizer = load_tokenizer(cfg, warm)
         params = SamplingParams.of(cfg, n=t.samples_per_prompt)  # data.stop too
         evaluate = Evaluator(
             roles.rollout,
@@ -264,7 +279,8 @@ def open_session(cfg: Config, resume: bool, faults: Faults | None = None) -> Ses
         if "before" not in state:
             with s.timer.phase("eval"):
                 state["before"] = evaluate()
-            logger.log(0, state["before"])
+            data = task.data_metrics() if isinstance(task, DatasetTask) else {}
+            logger.log(0, {**state["before"], **data})
         faults.before = state["before"]
         s.timer.pop()
     except BaseException:

@@ -49,9 +49,16 @@ def policy_rows(learner, fn, batch: Batch):
 
 def reward_failures(samples: list[Sample]) -> tuple[int, int, str | None]:
     """``(failed, scored, first error)``: how many of the step's samples had a reward that failed
-    (``rollout/scoring.py``), out of how many, and the first failure's message."""
-    failed = [s for s in samples if s.reward_extras.get("reward_errors")]
-    return len(failed), len(samples), next((s.metadata.get("reward_error") for s in failed), None)
+    (``rollout/scoring.py``) or an environment that failed (multi-turn: its reward is then 0),
+    out of how many, and the first failure's message."""
+    failed = [
+        s for s in samples if s.reward_extras.get("reward_errors") or s.metadata.get("env_error")
+    ]
+    first = next(
+        (s.metadata.get("reward_error") or s.metadata.get("env_error_message") for s in failed),
+        None,
+    )
+    return len(failed), len(samples), first
 
 
 def take_samples(learner, source, version: int) -> list[Sample]:

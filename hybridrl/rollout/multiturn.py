@@ -384,6 +384,7 @@ class MultiTurnRollout(RolloutEngine):
             what = "ran past env.step_timeout_s" if kind == "timeouts" else f"raised {error!r}"
             log.warning("environment of trajectory %s %s: it ends with reward 0", t.uid, what)
         t.error, t.reward = kind, 0.0
+        t.error_message = f"environment {self.cfg.name} of trajectory {t.uid} {what}"
         self._finish(t, "truncated")
 
     def _finish(self, t: Trajectory, status: str) -> None:

@@ -43,7 +43,7 @@ import concurrent.futures
 import inspect
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +85,7 @@ class Trajectory:
     reward: float = 0.0
     status: str = ""  # "" while running, then finished | truncated | aborted
     error: str = ""  # "" or the failure counted: errors | timeouts
+    error_message: str = ""  # the failure in words (a run whose every trajectory fails names it)
     aborted: bool = False
     request: Sample | None = None  # the turn in the inner engine
     cross: bool = False  # the turn in flight is the other policy's (cross-policy sampling)
@@ -157,12 +158,28 @@ class Trajectory:
                 "env_reward": self.reward,
                 "env_turns": self.turns,
                 "env_error": self.error,
+                "env_error_message": self.error_message,
                 "env_part": i,
                 # the parts of a split trajectory share it: it counts once in its group's
                 # statistics (algorithms/advantages.py)
                 "trajectory": self.uid,
             }
         return out
+
+
+class EnvironmentExit(RuntimeError):
+    """An environment call (or a reward function it runs) raised ``SystemExit`` or another
+    exception that is not an ``Exception``: an error of that call, never the end of the run."""
+
+
+async def _no_exit(call: Awaitable) -> Any:
+    """``await call``, with ``SystemExit`` (``sys.exit()`` in an environment's coroutine, or in a
+    reward function it awaits) turned into :class:`EnvironmentExit`: escaping a task step, it would
+    stop the event loop that every environment call runs on."""
+    try:
+        return await call
+    except (SystemExit, KeyboardInterrupt, GeneratorExit) as e:
+        raise EnvironmentExit(f"raised {e!r}: an environment cannot end the run") from None
 
 
 class EnvCalls:
@@ -187,11 +204,15 @@ class EnvCalls:
         async with self.limit:
             t0 = time.perf_counter()
             try:
-                call = fn(*args) if inspect.iscoroutinefunction(fn) else self._threaded(fn, args)
+                call = (
+                    _no_exit(fn(*args))
+                    if inspect.iscoroutinefunction(fn)
+                    else self._threaded(fn, args)
+                )
                 result = await asyncio.wait_for(call, self.timeout_s)
                 if inspect.isawaitable(result):  # a plain function that returned a coroutine
                     left = self.timeout_s - (time.perf_counter() - t0)
-                    result = await asyncio.wait_for(result, max(left, 0.0))
+                    result = await asyncio.wait_for(_no_exit(result), max(left, 0.0))
                 return result
             finally:
                 name = getattr(fn, "__name__", "call")
@@ -208,8 +229,13 @@ class EnvCalls:
         def run() -> None:
             try:
                 value, error = fn(*args), None
-            except BaseException as e:  # handed to the awaiting coroutine
+            except Exception as e:  # handed to the awaiting coroutine
                 value, error = None, e
+            except BaseException as e:  # sys.exit() would stop the loop: an error of this call
+                value, error = (
+                    None,
+                    EnvironmentExit(f"raised {e!r}: an environment cannot end the run"),
+                )
             self.loop.call_soon_threadsafe(settle, value, error)
 
         threading.Thread(target=run, name="env-call", daemon=True).start()
@@ -252,6 +278,10 @@ class TextIds:
         self.backend = None if backend is None else Tokenizer.from_str(backend.to_str())
         if self.backend is not None:
             self.backend.encode_special_tokens = True
+            # a saved tokenizer may carry a truncation or padding setting (transformers resets it
+            # on each call, this copy is called directly): an observation is encoded whole
+            self.backend.no_truncation()
+            self.backend.no_padding()
         # the strings a tokenizer would parse as control tokens
         self.specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 

@@ -346,9 +346,10 @@ async def score_alone(
     """One response scored by ``f`` of any form, awaited on the caller's event loop (an
     environment's step runs on one): ``(score, extras)``; a batched function gets a batch of one
     (``completion_ids`` empty: the caller has text only) and its ``None`` counts as 0. What the
-    function raises, or a malformed result, propagates."""
+    function raises, or a malformed result, propagates. A plain function runs on a worker thread:
+    a slow one must not block the other environment calls on the loop."""
     inputs = RewardInputs([prompt], [response], [[]], [finished])
-    raw = f.call(inputs, 0)
+    raw = await f.call(inputs, 0) if f.is_async else await asyncio.to_thread(f.call, inputs, 0)
     if inspect.isawaitable(raw):
         raw = await raw
     result = f.results(raw, inputs)[0] if f.batched else f.result(raw, inputs, 0)
