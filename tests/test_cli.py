@@ -68,6 +68,13 @@ def test_bad_overrides_exit_2_with_one_line(capsys, argv, needle):
     assert needle in err and err.count("\n") == 1, err
 
 
+def test_a_run_name_derived_from_a_plug_in_path_is_one_component(tmp_path):
+    plugin = tmp_path / "my_adv.py"
+    plugin.write_text("from hybridrl.algorithms.advantages import grpo_advantage as my_estimator\n")
+    cfg = load_config(Config, None, [f"algorithm.advantage={plugin}:my_estimator"])
+    assert cfg.trainer.name == "arith_my_estimator"
+
+
 def test_a_small_kv_pool_is_checked_only_for_the_native_engine():
     from hybridrl.checks import check_config
 

@@ -90,8 +90,9 @@ class Config:
         ran)."""
         if self.sft.enabled is None:  # the arithmetic warm start suits only the built-in setup
             self.sft.enabled = self.model.path is None and self.data.train_files is None
-        if self.trainer.name is None:
-            self.trainer.name = f"{self.source_name}_{self.algorithm.advantage}"
+        if self.trainer.name is None:  # one path component: a plug-in's path gives its last part
+            advantage = self.algorithm.advantage.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+            self.trainer.name = f"{self.source_name}_{advantage}"
         if self.algorithm.policy_loss == "auto":
             self.algorithm.policy_loss = (
                 "decoupled_ppo" if self.trainer.mode == "async" else "ppo_clip"
