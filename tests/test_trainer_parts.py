@@ -4,7 +4,7 @@ import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
-from hybridrl.driver.collect import informative
+from hybridrl.driver.collect import differs, groups_of
 from hybridrl.learner import Learner
 from hybridrl.learner.passes import needs_critic
 from hybridrl.learner.shaping import RewardShaper, overlong_penalty
@@ -12,6 +12,11 @@ from hybridrl.models.loading import make_task
 from hybridrl.protocol import Batch, Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.worker import RolloutWorker
+
+
+def informative(samples: list[Sample]) -> list[Sample]:
+    """Dynamic sampling's choice: the samples of the groups whose rewards differ."""
+    return [s for g in groups_of(samples) if differs(g) for s in g]
 
 
 def test_informative_drops_equal_reward_groups():

@@ -40,11 +40,6 @@ def differs(group: list[Sample]) -> bool:
     return len({s.reward for s in group}) > 1
 
 
-def informative(samples: list[Sample]) -> list[Sample]:
-    """The samples of the groups whose rewards are not all equal."""
-    return [s for g in groups_of(samples) if differs(g) for s in g]
-
-
 def needs_greedy_baseline(cfg: Config) -> bool:
     return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_greedy_baseline", False)
 

@@ -9,8 +9,8 @@ import torch
 from hybridrl.config import Config
 from hybridrl.learner.compile import maybe_compile
 from hybridrl.learner.logprob import model_device, response_log_probs, sampling_of
-from hybridrl.models.loading import load_model
 from hybridrl.learner.update import first_epoch_map
+from hybridrl.models.loading import load_model
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
 from hybridrl.protocol import Batch
 
@@ -36,7 +36,8 @@ class Reference:
         mini-batch generator, only peeked at). Under bf16 (or any kernel whose rounding depends on
         the matmul's shape) the low bits of a row depend on the rows it shares a forward with; the
         same grouping as the policy's forward makes the two equal bit for bit at equal weights, so
-        the KL starts at exactly 0 on every CPU."""
+        the KL starts at exactly 0 on every CPU (for a policy that is not pipelined: a pipeline
+        groups its rows by replica rounds, ``learner/pipeline_update.py``)."""
 
         def fn(model, mb):
             return response_log_probs(model, mb, self.sampling)[0]
