@@ -46,7 +46,7 @@ def run(capsys, *argv):
         (["controller.num_threads=100000"], "'controller.num_threads' must be >= 1 and <= 1024"),
         (
             ["rollout.kv_cache_bytes=1000", "rollout.max_new_tokens=64"],
-            "bytes hold 2 blocks of 16 tokens (16384 bytes each in this model), fewer than the 4 blocks",
+            "bytes hold 2 blocks of 16 tokens (16384 bytes each in this model), fewer than the 4",
         ),
         (["rollout.block_size=100000"], "'rollout.block_size' must be >= 1 and <= 1024"),
         # a run name is one directory name: a path would move aside and write any directory
