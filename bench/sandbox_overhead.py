@@ -3,8 +3,9 @@ interpreter started as a plain subprocess (the baseline, measured in the same ru
 
     python bench/sandbox_overhead.py [--calls N]
 
-For each isolation mode that works here: median and 90th percentile wall time per call (the
-private directory's creation and removal included), and the median overhead over the baseline.
+For each isolation that works here: median and 90th percentile wall time per call (the private
+directory's creation and removal, and the call's cgroup where one is used, included), and the
+median overhead over the baseline.
 The kinds of call are interleaved, so that each sees the same machine load. Prints one JSON object.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridrl.envs.sandbox import Sandbox  # noqa: E402
+from hybridrl.envs.sandbox import ISOLATIONS, Sandbox  # noqa: E402
 
 
 def stats(times: list[float]) -> dict[str, float]:
@@ -38,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     out: dict = {"calls": args.calls, "cpus": os.cpu_count(), "modes": {}}
     boxes = {}
-    for mode in ("namespaces", "seccomp"):
+    for mode in ISOLATIONS:
         try:
             boxes[mode] = Sandbox(isolation=mode)
         except RuntimeError as e:
