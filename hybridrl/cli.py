@@ -2,6 +2,7 @@
 ``distill-draft``, ``profile``.
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
+    hybridrl train ... --resume-changed-data   # --resume although the data files changed
     hybridrl export runs/arith_grpo/checkpoints/step_000200 exported_model
     hybridrl distill-draft TARGET_DIR DRAFT_DIR_OR_SIZE OUT_DIR --task arith --steps 300
     hybridrl memory small --world-size 2 --sharding full
@@ -9,7 +10,8 @@
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
-before any work starts.
+before any work starts; so do problems of the data found when the run reads
+it (a file that is not UTF-8, data files changed before --resume).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name == "train":
             s.add_argument(
                 "--resume", action="store_true", help="continue the run from its latest checkpoint"
+            )
+            s.add_argument(
+                "--resume-changed-data",
+                action="store_true",
+                help="--resume although the data files changed since the checkpoint (the run "
+                "goes on with other prompts than it would have)",
             )
     args = p.parse_args(argv)
     if args.config and "=" in args.config:  # no config file given, only overrides
@@ -207,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     from hybridrl.api import run
     from hybridrl.driver.checkpoint import CheckpointError
     from hybridrl.driver.restarts import RestartsExhaustedError
+    from hybridrl.driver.session import RESUME_CHANGED_DATA
     from hybridrl.rollout.scoring import RewardsFailedError
     from hybridrl.telemetry.watchdog import StepTimeoutError
 
     try:
-        summary = run(cfg, resume=args.resume)
+        summary = run(cfg, resume=RESUME_CHANGED_DATA if args.resume_changed_data else args.resume)
+    except ConfigError as e:  # the data, read in full when the run starts: one line
+        print(f"hybridrl: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except (
         StepTimeoutError,
         CheckpointError,

@@ -5,6 +5,7 @@ length limit, dotted answer keys, the one-line errors and steps_for_epochs."""
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 
@@ -360,3 +361,151 @@ def test_steps_for_epochs_covers_the_passes(tmp_path):
     steps = steps_for_epochs(cfg, task)
     seen = Counter(task.prompt(i).uid.split("-r")[1] for i in range(steps * 4))
     assert len(seen) == 45 and min(seen.values()) >= 2
+
+
+# --- every row checked when the data is read ----------------------------------------------------
+def write_lines(path: Path, records: list) -> str:
+    """``records`` as JSON lines, as they are (a column may mix types, which datasets reads)."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_rows_that_are_not_prompts_are_dropped_counted_and_named(tmp_path, caplog):
+    records = rows(80)
+    records[50]["prompt"], records[60]["prompt"] = None, 5
+    records[70]["prompt"] = {"text": "1+1="}
+    path = write_lines(tmp_path / "d.jsonl", records)
+    with caplog.at_level(logging.INFO, logger="hybridrl.data"):
+        task = DatasetTask(config(path, shuffle=False))
+        assert task.dropped == {"not_a_prompt": 3} and task.num_rows + len(task.heldout()) == 77
+    for i in range(2 * task.num_rows):  # no draw meets a bad row
+        assert task.prompt(i).text.endswith("+1=")
+    said = warnings_of(caplog)
+    for row, what in [(50, "None"), (60, "int"), (70, "dict")]:
+        assert any(f"'{path}' row {row}" in m and what in m for m in said), said
+    assert any("3 of 80 rows dropped" in m and "3 not a prompt" in m for m in said), said
+    assert task.data_metrics()["data/dropped_not_a_prompt"] == 3
+    assert task.data_metrics()["data/train_rows"] == task.num_rows
+
+
+def test_dropped_rows_are_named_by_their_file_and_the_warning_is_bounded(tmp_path, caplog):
+    a = write_lines(tmp_path / "a.jsonl", rows(5))
+    bad = [{"prompt": None, "answer": 1, "level": 0}] * 40 + rows(10)
+    b = write_lines(tmp_path / "b.jsonl", bad)
+    val = write_lines(tmp_path / "v.jsonl", [*rows(3), {"prompt": 7, "answer": 1, "level": 0}])
+    with caplog.at_level(logging.INFO, logger="hybridrl.data"):
+        task = DatasetTask(config([a, b], val_files=val))
+        assert task.num_rows == 15 and len(task.heldout()) == 3
+    said = warnings_of(caplog)
+    assert len(said) <= 12, said  # a few rows named per key, then one count per key
+    assert any(f"data.train_files '{b}' row 0:" in m for m in said), said
+    assert any(f"data.val_files '{val}' row 3:" in m for m in said), said
+    assert any("40 of 55 rows dropped" in m for m in said), said
+    assert task.dropped == {"not_a_prompt": 41}
+
+
+def test_a_missing_answer_in_a_row_drops_that_row(tmp_path):
+    records = [{"q": f"{i}+2=", "rm": {"gt": i + 2}} for i in range(12)]
+    records[5]["rm"] = None
+    task = DatasetTask(
+        config(write_lines(tmp_path / "d.jsonl", records), prompt_key="q", answer_key="rm.gt")
+    )
+    assert task.dropped == {"no_answer": 1}
+    assert all(task.prompt(i).answer for i in range(2 * task.num_rows))
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_its_line(tmp_path):
+    lines = [json.dumps(r).encode() for r in rows(40)]
+    lines[30] = b'{"prompt": "1+1=", "answer": "caf\xe9", "level": 0}'  # Latin-1
+    for name, text in [
+        ("d.jsonl", b"\n".join(lines) + b"\n"),
+        ("d.csv", b"prompt,answer\n" + b"1+1=,2\n" * 29 + b"1+1=,caf\xe9\n" + b"1+1=,2\n" * 5),
+    ]:
+        (tmp_path / name).write_bytes(text)
+        one_line_error(
+            lambda name=name: DatasetTask(config(str(tmp_path / name))).num_rows,
+            f"'{tmp_path / name}' line 31",
+            "not valid UTF-8",
+            "0xe9",
+        )
+
+
+def test_a_table_holding_text_that_is_not_utf8_is_refused_naming_its_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"{i}+1=".encode() for i in range(20)]
+    texts[7] = b"7+\xe9="
+    prompts = pa.array(texts, pa.binary()).view(pa.string())  # unchecked bytes, as some writers do
+    pq.write_table(pa.table({"prompt": prompts, "answer": list(range(20))}), tmp_path / "d.parquet")
+    one_line_error(
+        lambda: DatasetTask(config(str(tmp_path / "d.parquet"))).num_rows,
+        f"'{tmp_path / 'd.parquet'}' row 7",
+        "not valid UTF-8",
+        "'prompt'",
+    )
+
+
+def test_a_prompt_too_long_for_the_model_is_dropped_without_max_prompt_length(tmp_path, caplog):
+    records = rows(30)
+    records[7]["prompt"] = "1" * 100_000
+    path = write_lines(tmp_path / "d.jsonl", records)
+    with caplog.at_level(logging.INFO, logger="hybridrl.data"):
+        task = DatasetTask(config(path))
+        assert task.dropped == {"long": 1} and task.num_rows + len(task.heldout()) == 29
+    said = warnings_of(caplog)
+    assert any("row 7" in m and "100001 tokens" in m for m in said), said
+    assert any("512 positions" in m and "rollout.max_new_tokens" in m for m in said), said
+    one_line_error(
+        lambda: DatasetTask(config(path, drop_long_prompts=False)).num_rows,
+        "row 7",
+        "100001 tokens",
+        "512 positions",
+    )
+
+
+def test_a_prompt_of_no_tokens_is_dropped(tmp_path, caplog):
+    records = [{"prompt": "what is two plus three", "answer": "5"} for _ in range(12)]
+    records[4]["prompt"] = ""
+    with caplog.at_level(logging.INFO, logger="hybridrl.data"):
+        task = chat_task(tmp_path, records, chatml_tokenizer(), shuffle=False)  # no <bos>
+        assert task.dropped == {"empty": 1}
+    assert all(task.prompt(i).token_ids for i in range(2 * task.num_rows))
+    assert any("row 4" in m and "no tokens" in m for m in warnings_of(caplog))
+
+
+def saved_char_tokenizer(tmp_path: Path) -> str:
+    """The built-in character tokenizer saved next to a Qwen2 config, as a checkpoint holds it:
+    reloaded it is Qwen2's tokenizer class, which drops the characters it lacks."""
+    from hybridrl.tasks.tokenizer import build_char_tokenizer
+
+    path = tmp_path / "model"
+    build_char_tokenizer().save_pretrained(path)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return str(path)
+
+
+def test_characters_the_tokenizer_cannot_encode_are_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = saved_char_tokenizer(tmp_path)
+    dropped = AutoTokenizer.from_pretrained(model)("sum 12+34=")["input_ids"]
+    assert dropped == [1, 4, 5, 13, 6, 7, 15]  # <bos>12+34=: the tokenizer loses "sum "
+    records = rows(20)
+    records[3]["prompt"] = "sum 12+34="
+    path = write_lines(tmp_path / "d.jsonl", records)
+    for model_path in (model, None):  # saved, and the built-in one in process
+        one_line_error(
+            lambda model_path=model_path: DatasetTask(config(path, model_path=model_path)).num_rows,
+            f"'{path}' row 3",
+            "cannot encode",
+            "'s'",
+            "'u'",
+            "'m'",
+        )
+    ok = DatasetTask(config(write_lines(tmp_path / "ok.jsonl", rows(20)), model_path=model))
+    assert ok.num_rows == 18

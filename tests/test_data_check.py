@@ -4,9 +4,9 @@ format), as the same one-line errors the full read gives."""
 from __future__ import annotations
 
 import pytest
-from test_data import CHAT, chatml_tokenizer, config, model_dir, rows, write
+from test_data import CHAT, chatml_tokenizer, config, model_dir, rows, saved_char_tokenizer, write
 
-from hybridrl.data import DataError, check_data
+from hybridrl.data import DataError, DatasetTask, check_data
 
 
 @pytest.mark.parametrize("name", ["d.jsonl", "d.json", "d.parquet", "d.csv", "saved"])
@@ -34,9 +34,23 @@ def test_chat_without_a_template_and_bad_paths_fail_before_any_read(tmp_path):
     check_data(config(chat, model_path=no_template, apply_chat_template=False))
     with pytest.raises(DataError, match="val.jsonl' does not exist"):
         check_data(config(chat, val_files=str(tmp_path / "val.jsonl")))
+
+
+def test_a_first_row_that_is_not_a_prompt_is_left_to_the_read_which_drops_it(tmp_path):
+    """As any row: dropped and counted when the data is read; a file of nothing else is refused
+    then, naming the row."""
     bad = write(tmp_path / "b.jsonl", [{"prompt": ["not", "messages"], "answer": 1}])
-    with pytest.raises(DataError, match="row 0 of data.train_files.*string or a list"):
-        check_data(config(bad))
+    check_data(config(bad))
+    with pytest.raises(DataError, match="no training rows left.*b.jsonl' row 0.*string or a list"):
+        DatasetTask(config(bad)).rows()
+    check_data(config(write(tmp_path / "n.jsonl", [{"prompt": None, "answer": 1}, *rows(3)])))
+
+
+def test_characters_the_tokenizer_loses_in_the_first_row_are_refused_before_the_run(tmp_path):
+    records = [{"prompt": "sum 12+34=", "answer": 46}, *rows(3)]
+    path = write(tmp_path / "d.jsonl", records)
+    with pytest.raises(DataError, match=r"d.jsonl' row 0: the tokenizer cannot encode .*'s'"):
+        check_data(config(path, model_path=saved_char_tokenizer(tmp_path)))
 
 
 def test_no_data_files_is_nothing_to_check():

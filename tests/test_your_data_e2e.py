@@ -143,3 +143,56 @@ def test_the_same_job_through_the_python_api(assets, tmp_path, monkeypatch):
     assert step["reward/mean"] == pytest.approx(expected, abs=1e-6)
     saved = (tmp_path / "runs/api_run/config.yaml").read_text()
     assert "short_answer" in saved and "datasets/" in saved
+
+
+def test_bad_rows_are_dropped_and_a_changed_file_is_refused_on_resume(
+    assets, tmp_path, capsys, monkeypatch
+):
+    """Rows that crashed the step drawing them (a null prompt, a number, an empty string for a
+    tokenizer without <bos>, a prompt longer than the model's positions) are dropped and counted
+    in step 0's metrics; a data file that is not UTF-8 is refused in one line; a data file changed
+    before --resume is refused in one line unless --resume-changed-data."""
+    monkeypatch.setenv("UNIT_LOG", str(tmp_path / "units.jsonl"))
+    good = [json.loads(x) for x in (assets / "train.jsonl").read_text().splitlines()]
+    bad = [None, 5, "", "x " * 50_000]  # rows 1-4: the first step draws them
+    records = good[:1] + [{**good[i], "prompt": p} for i, p in enumerate(bad)] + good[1:]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    runs = tmp_path / "runs"
+
+    def args(steps: int, path=data) -> list[str]:
+        return [
+            *overrides(assets, runs, steps),
+            f"data.train_files={path}",
+            "data.shuffle=false",
+            "trainer.save_every=1",
+            "trainer.log_samples_every=0",
+        ]
+
+    assert cli_main(["train", *args(1)]) == 0
+    run = runs / "data_grpo"
+    step0 = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert step0["step"] == 0 and step0["data/dropped_not_a_prompt"] == 2
+    assert step0["data/dropped_empty"] == 1 and step0["data/dropped_long"] == 1
+    state = json.loads((run / "checkpoints/step_000001/trainer.json").read_text())
+    assert state["data_sha256"]["data.train_files"][0]
+
+    records[0], records[-1] = records[-1], records[0]  # the same rows in another order
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    capsys.readouterr()
+    assert cli_main(["train", *args(2), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"'{data}'" in err and "changed" in err, err
+    assert "--resume-changed-data" in err and "step_000001" in err, err
+    assert not (run / "checkpoints/step_000002").exists()
+    assert cli_main(["train", *args(2), "--resume-changed-data"]) == 0
+    assert (run / "checkpoints/step_000002").is_dir()
+
+    latin1 = tmp_path / "latin1.jsonl"
+    lines = data.read_bytes().splitlines(keepends=True)
+    lines[12] = lines[12].replace(b"?", b"\xbf?")  # Latin-1, not UTF-8
+    latin1.write_bytes(b"".join(lines))
+    capsys.readouterr()
+    assert cli_main(["train", *args(1, latin1), "trainer.name=latin1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "line 13 is not valid UTF-8" in err, err

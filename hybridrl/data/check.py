@@ -10,7 +10,7 @@ from typing import Any
 from hybridrl.config import Config
 from hybridrl.config.schema import DataConfig
 from hybridrl.data.files import DataError, first_row
-from hybridrl.data.render import dig, render_prompt
+from hybridrl.data.render import RowError, check_encodable, dig, encode, render_text
 from hybridrl.tasks.base import Prompt
 
 
@@ -44,10 +44,12 @@ def check_columns(columns: list[str], features: Any, data: DataConfig, key: str)
 
 def check_data(cfg: Config) -> None:
     """Before any work starts: the paths of ``data.train_files`` / ``data.val_files``, and the first
-    row of each file (its columns, its answer, its prompt rendered with the run's tokenizer and,
-    with an environment, the first turn's context: :func:`check_first_turn`). Raises
-    :class:`DataError` (one line). Reads only those rows; the rest (the length limit, later rows) is
-    checked when the run reads the data. Nothing to check without ``data.train_files``."""
+    row of each file (its columns, its answer, its prompt rendered with the run's tokenizer, the
+    characters the tokenizer cannot encode and, with an environment, the first turn's context:
+    :func:`check_first_turn`). Raises :class:`DataError` (one line). Reads only those rows; the
+    rest (every row, ``rows.py``) is checked when the run reads the data, and a first row with a
+    problem of its own (a null prompt) is dropped and counted then, as any row is. Nothing to check
+    without ``data.train_files``."""
     if not cfg.data.train_files:
         return
     from hybridrl.data.source import DatasetTask  # source.py uses check_columns
@@ -63,12 +65,18 @@ def check_data(cfg: Config) -> None:
             check_columns(columns, features, cfg.data, where)
             if row is None:  # an empty file: the whole data's emptiness is checked when read
                 continue
-            at = f"row 0 of {key} {str(path)!r}"
+            at = f"{key} {str(path)!r} row 0"
             raw = row[cfg.data.prompt_key]
-            text, ids = render_prompt(raw, task.tokenizer(), cfg.data, at)
-            answer = None
-            if cfg.data.answer_key is not None:
-                answer = dig(row, cfg.data.answer_key, at)
+            tokenizer = task.tokenizer()
+            try:
+                text, special = render_text(raw, tokenizer, cfg.data, at)
+                answer = None
+                if cfg.data.answer_key is not None:
+                    answer = dig(row, cfg.data.answer_key, at)
+            except RowError:  # the row's own problem: dropped and counted when the data is read
+                continue
+            check_encodable([(at, text)], tokenizer, {})
+            ids = encode([text], tokenizer, special, at)[0]
             if cfg.env.name is not None:
                 prompt = Prompt(
                     uid=f"{role}-r0",
@@ -79,7 +87,7 @@ def check_data(cfg: Config) -> None:
                     raw=raw,
                     columns={k: v for k, v in row.items() if k != cfg.data.prompt_key},
                 )
-                check_first_turn(cfg, task.tokenizer(), prompt, ids, at)
+                check_first_turn(cfg, tokenizer, prompt, ids, at)
 
 
 def check_first_turn(cfg: Config, tokenizer, prompt: Prompt, ids: list[int], where: str) -> None:

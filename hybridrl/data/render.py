@@ -11,6 +11,11 @@ A prompt is a string or a list of chat messages ``{role, content}``. ``data.appl
 ids of a rendered prompt are the template's own: its text encoded without adding special tokens,
 which is what ``apply_chat_template(tokenize=True)`` does (no second ``<bos>``); a string used as it
 is is encoded as a built-in task's text is (``<bos>`` first where the tokenizer adds one).
+
+A problem of one row (its prompt is not a prompt, the chat template fails on its messages, its
+answer is missing) is a :class:`RowError`: the data check drops that row and counts it. A problem of
+the data as a whole (no chat template for chat messages, characters the tokenizer cannot encode:
+:func:`lost_characters`) is a :class:`DataError` that refuses it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,16 @@ from typing import Any
 
 from hybridrl.config.schema import DataConfig
 from hybridrl.data.files import DataError
+
+_CHARS_SHOWN = 10  # lost characters named in the error
+
+
+class RowError(DataError):
+    """A problem of one row: it is dropped and counted under ``reason`` when the data is read."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def is_chat(value: Any) -> bool:
@@ -51,10 +66,11 @@ def render_text(value: Any, tokenizer, data: DataConfig, where: str) -> tuple[st
         return "\n".join(str(m["content"]) for m in messages), True
     if isinstance(value, str):
         return value, True
-    raise DataError(
+    raise RowError(
         f"{where}: data.prompt_key={data.prompt_key!r} holds {_short(value)} "
         f"({type(value).__name__}); a prompt is a string or a list of chat messages "
-        "{role, content}"
+        "{role, content}",
+        "not_a_prompt",
     )
 
 
@@ -74,11 +90,72 @@ def encode(texts: list[str], tokenizer, special: bool, where: str) -> list[list[
     """The token ids of ``texts`` (one batch call), with the tokenizer's special tokens when
     ``special``."""
     try:
-        return [list(ids) for ids in tokenizer(texts, add_special_tokens=special)["input_ids"]]
+        # verbose=False: no warning for a prompt over model_max_length, the data check counts it
+        ids = tokenizer(texts, add_special_tokens=special, verbose=False)["input_ids"]
+        return [list(i) for i in ids]
     except Exception as e:  # e.g. a character the built-in tokenizer lacks
         raise DataError(
             f"{where}: the tokenizer cannot encode the prompt: {' '.join(str(e).split())}"
         ) from e
+
+
+def check_encodable(items: list[tuple[str, str]], tokenizer, known: dict[str, bool]) -> None:
+    """Raise :class:`DataError` naming the first of ``items`` (``(where, text)``, in order) that
+    holds characters the tokenizer cannot encode (:func:`lost_characters`), and which."""
+    lost = lost_characters([t for _, t in items], tokenizer, known)
+    if not lost:
+        return
+    where, text = next((w, t) for w, t in items if not lost.isdisjoint(t))
+    chars = sorted(lost.intersection(text))
+    shown = ", ".join(repr(c) for c in chars[:_CHARS_SHOWN])
+    shown += f" and {len(chars) - _CHARS_SHOWN} more" if len(chars) > _CHARS_SHOWN else ""
+    raise DataError(
+        f"{where}: the tokenizer cannot encode the characters {shown} of the prompt (it has no "
+        "token for them and no unknown token, so they would be lost); use a model.path whose "
+        "tokenizer has them, or take them out of the data"
+    )
+
+
+def lost_characters(texts: list[str], tokenizer, known: dict[str, bool]) -> set[str]:
+    """The characters of ``texts`` that ``tokenizer`` cannot encode: it raises on them, or it gives
+    them no token alone and none between two characters it does encode. A tokenizer without an
+    unknown token does one or the other; the second loses them silently (e.g. a character
+    vocabulary reloaded as Qwen2's tokenizer class drops each character outside it, spaces
+    included).
+    ``known`` keeps each character's verdict (True: lost) across calls, so each distinct character
+    is tried once. A character the tokenizer maps to its unknown token is not lost."""
+    chars = set().union(*texts)
+    new = sorted(chars - known.keys())
+    if new:
+        alone = dict(zip(new, _ids_each(new, tokenizer)))
+        anchors = [c for c in new if alone[c] and not c.isspace()]
+        anchors += [c for c, lost in known.items() if not lost and not c.isspace()]
+        anchor = anchors[0] if anchors else None
+        pair = _ids(anchor * 2, tokenizer) if anchor else None
+        for c in new:
+            if alone[c]:
+                known[c] = False
+            elif pair is None:  # nothing to put it between: alone it is lost
+                known[c] = True
+            else:
+                between = _ids(anchor + c + anchor, tokenizer)
+                known[c] = between is None or between == pair
+    return {c for c in chars if known[c]}
+
+
+def _ids_each(chars: list[str], tokenizer) -> list[list[int] | None]:
+    """Each character's ids alone (None where the tokenizer raises on it)."""
+    try:
+        return [list(i) for i in tokenizer(chars, add_special_tokens=False)["input_ids"]]
+    except Exception:  # one of them is unknown: try them one at a time
+        return [_ids(c, tokenizer) for c in chars]
+
+
+def _ids(text: str, tokenizer) -> list[int] | None:
+    try:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    except Exception:  # e.g. a WordLevel tokenizer without an unknown token
+        return None
 
 
 def dig(row: Mapping[str, Any], key: str, where: str) -> Any:
@@ -89,7 +166,9 @@ def dig(row: Mapping[str, Any], key: str, where: str) -> Any:
         if not isinstance(value, Mapping) or part not in value:
             have = sorted(value) if isinstance(value, Mapping) else type(value).__name__
             at = ".".join(walked) or "the row"
-            raise DataError(f"{where}: no {part!r} in {at} for key {key!r} (it holds {have})")
+            raise RowError(
+                f"{where}: no {part!r} in {at} for key {key!r} (it holds {have})", "no_answer"
+            )
         value = value[part]
         walked.append(part)
     return value
@@ -117,7 +196,8 @@ def _apply_template(messages: list[dict], tokenizer, where: str) -> str:
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # the template's own error (jinja), on one line
-        raise DataError(f"{where}: the chat template failed: {' '.join(str(e).split())}") from e
+        message = f"{where}: the chat template failed: {' '.join(str(e).split())}"
+        raise RowError(message, "template_failed") from e
 
 
 def _short(value: Any) -> str:

@@ -8,8 +8,9 @@ stream exactly, across epoch boundaries too.
 
 The held-out set is ``data.val_files``, or, when there are none, ``min(task.heldout_size, n // 10)``
 training rows chosen once with a fixed seed (the same on every run, any ``trainer.seed``) and never
-trained on. With ``data.max_prompt_length``, longer prompts are dropped when the data is read (and
-counted: :attr:`DatasetTask.dropped_long`), or are an error with ``data.drop_long_prompts=false``.
+trained on. Every row is checked when the data is read (``rows.py``): a row no step could use (not
+a prompt, no tokens, too long, ...) is dropped and counted (:attr:`DatasetTask.dropped`), and a
+problem of the whole data refuses it in one line naming the file and the row.
 
 Constructing a task checks the paths only; the files are read on first use, once per task
 object (``make_task`` runs in the driver, the rollout workers and evaluation, and many of those
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +32,13 @@ from transformers import PreTrainedTokenizerFast
 from hybridrl.config import Config
 from hybridrl.data.check import check_columns
 from hybridrl.data.files import DataError, as_paths, read_files
-from hybridrl.data.render import dig, encode, render_prompt, render_text
+from hybridrl.data.render import dig, render_prompt
+from hybridrl.data.rows import REASONS, RowCheck, Sources
 from hybridrl.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
 
 _PERMUTATIONS_KEPT = 2  # epochs whose order is cached (the current one and the one before)
-_BATCH = 1024  # prompts encoded per tokenizer call when their lengths are measured
 
 
 def seeded_rng(*key: object) -> random.Random:
@@ -55,7 +57,8 @@ class _Rows:
     heldout_table: Any
     heldout: list[int]  # rows of heldout_table evaluated on
     heldout_tag: str  # "val" (data.val_files) or "heldout" (split from the training data)
-    dropped_long: int = 0
+    sources: dict[str, Sources]  # by config key: the files a table's rows come from
+    dropped: Counter  # rows dropped when read (training and validation), by reason
 
 
 class DatasetTask(Task):
@@ -85,14 +88,17 @@ class DatasetTask(Task):
         rows = self.rows()
         epoch, position = divmod(index, len(rows.train))
         row = rows.train[self._order(epoch)[position]]
-        return self._make(rows.train_table, row, f"{self.name}-e{epoch}-r{row}", "data.train_files")
+        uid = f"{self.name}-e{epoch}-r{row}"
+        return self._make(rows.train_table, row, uid, "data.train_files", rows.sources)
 
     def heldout(self) -> list[Prompt]:
         if self._heldout is None:
             rows = self.rows()
             key = "data.val_files" if rows.heldout_tag == "val" else "data.train_files"
             self._heldout = [
-                self._make(rows.heldout_table, r, f"{self.name}-{rows.heldout_tag}-r{r}", key)
+                self._make(
+                    rows.heldout_table, r, f"{self.name}-{rows.heldout_tag}-r{r}", key, rows.sources
+                )
                 for r in rows.heldout
             ]
         return list(self._heldout)
@@ -122,28 +128,52 @@ class DatasetTask(Task):
     # --- the data -----------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
-        """Training rows (one epoch's prompts): after dropping long prompts and holding out."""
+        """Training rows (one epoch's prompts): after dropping rows and holding out."""
         return len(self.rows().train)
 
     @property
+    def dropped(self) -> Counter:
+        """Rows (training and validation) dropped when the data was read, by reason
+        (``rows.REASONS``)."""
+        return self.rows().dropped
+
+    @property
     def dropped_long(self) -> int:
-        """Rows (training and validation) dropped as longer than ``data.max_prompt_length``."""
-        return self.rows().dropped_long
+        """Rows (training and validation) dropped as longer than the prompt limit."""
+        return self.dropped["long"]
+
+    def data_metrics(self) -> dict[str, int]:
+        """The data's counts for the run's metrics: training and held-out rows, and the rows
+        dropped by reason (``data/dropped_<reason>``, 0 where none)."""
+        rows = self.rows()
+        counts = {"data/train_rows": len(rows.train), "data/heldout_rows": len(rows.heldout)}
+        return counts | {f"data/dropped_{r}": rows.dropped[r] for r in REASONS}
 
     def rows(self) -> _Rows:
-        """The data, read on first use."""
+        """The data, read and checked on first use."""
         if self._rows is None:
             self._rows = self._read()
         return self._rows
 
     def _read(self) -> _Rows:
-        data = self.data
-        train_table = read_files(self.train_paths, "data.train_files", "train", self._check)
-        train, dropped = self._within_length(train_table, "data.train_files")
+        check = RowCheck(self.cfg, self.tokenizer())
+        train_table, sizes = read_files(self.train_paths, "data.train_files", "train", self._check)
+        sources = {"data.train_files": Sources("data.train_files", self.train_paths, sizes)}
+        checked = check(train_table, sources["data.train_files"])
+        train, dropped, first = checked.kept, Counter(checked.dropped), checked.first
         if self.val_paths:
-            val_table = read_files(self.val_paths, "data.val_files", "val", self._check)
-            heldout, dropped_val = self._within_length(val_table, "data.val_files")
-            rows = _Rows(train_table, train, val_table, heldout, "val", dropped + dropped_val)
+            val_table, sizes = read_files(self.val_paths, "data.val_files", "val", self._check)
+            sources["data.val_files"] = Sources("data.val_files", self.val_paths, sizes)
+            checked = check(val_table, sources["data.val_files"])
+            rows = _Rows(
+                train_table,
+                train,
+                val_table,
+                checked.kept,
+                "val",
+                sources,
+                dropped + checked.dropped,
+            )
         else:
             size = min(self.heldout_size, len(train) // 10)
             chosen = set(seeded_rng("data-heldout", len(train)).sample(range(len(train)), size))
@@ -156,55 +186,18 @@ class DatasetTask(Task):
                 len(heldout) + len(train),
                 self.heldout_size,
             )
-            rows = _Rows(train_table, train, train_table, heldout, "heldout", dropped)
-        if rows.dropped_long:
-            log.info(
-                "data: %d prompt(s) longer than data.max_prompt_length=%d tokens dropped",
-                rows.dropped_long,
-                data.max_prompt_length,
-            )
+            rows = _Rows(train_table, train, train_table, heldout, "heldout", sources, dropped)
         if not rows.train:
+            counts = ", ".join(f"{n} {REASONS[r]}" for r, n in dropped.items()) or "none dropped"
+            held = len(rows.heldout) if rows.heldout_tag == "heldout" else 0
             raise DataError(
-                f"data.train_files: no training rows left ({len(train_table)} read, "
-                f"{dropped} dropped as longer than data.max_prompt_length={data.max_prompt_length},"
-                f" {len(rows.heldout) if rows.heldout_tag == 'heldout' else 0} held out)"
+                f"data.train_files: no training rows left ({len(train_table)} read; dropped: "
+                f"{counts}; {held} held out)" + (f"; the first dropped: {first}" if first else "")
             )
-        # a first render finds a missing chat template or a prompt of the wrong kind before the run
-        self._make(train_table, rows.train[0], "check", "data.train_files")
         return rows
 
     def _check(self, table, key: str) -> None:
         check_columns(table.column_names, table.features, self.data, key)
-
-    def _within_length(self, table, key: str) -> tuple[list[int], int]:
-        """(the rows within ``data.max_prompt_length``, how many were dropped); the prompts are
-        rendered one by one and encoded in batches."""
-        limit = self.data.max_prompt_length
-        if limit is None:
-            return list(range(len(table))), 0
-        tokenizer, values = self.tokenizer(), table[self.data.prompt_key]
-        kept = []
-        for start in range(0, len(values), _BATCH):
-            by_kind: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
-            for row in range(start, min(start + _BATCH, len(values))):
-                where = f"row {row} of {key}"
-                text, special = render_text(values[row], tokenizer, self.data, where)
-                by_kind[special].append((row, text))
-            for special, items in by_kind.items():
-                if not items:
-                    continue
-                where = f"rows {items[0][0]}..{items[-1][0]} of {key}"
-                ids = encode([t for _, t in items], tokenizer, special, where)
-                for (row, _), row_ids in zip(items, ids):
-                    if len(row_ids) <= limit:
-                        kept.append(row)
-                    elif not self.data.drop_long_prompts:
-                        raise DataError(
-                            f"{key}: row {row}'s prompt is {len(row_ids)} tokens, above "
-                            f"data.max_prompt_length={limit}; raise the limit or set "
-                            "data.drop_long_prompts=true to drop such rows"
-                        )
-        return sorted(kept), len(table) - len(kept)
 
     def _order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s order of the training positions."""
@@ -218,9 +211,9 @@ class DatasetTask(Task):
             self._orders[epoch] = order
         return order
 
-    def _make(self, table, row: int, uid: str, key: str) -> Prompt:
+    def _make(self, table, row: int, uid: str, key: str, sources: dict[str, Sources]) -> Prompt:
         record = table[row]
-        where = f"row {row} of {key}"
+        where = sources[key].where(row)
         raw = record[self.data.prompt_key]
         text, ids = render_prompt(raw, self.tokenizer(), self.data, where)
         answer = "" if self.data.answer_key is None else dig(record, self.data.answer_key, where)
