@@ -509,3 +509,37 @@ def test_characters_the_tokenizer_cannot_encode_are_refused(tmp_path):
         )
     ok = DatasetTask(config(write_lines(tmp_path / "ok.jsonl", rows(20)), model_path=model))
     assert ok.num_rows == 18
+
+
+# --- the data's fingerprint, compared on resume -------------------------------------------------
+def test_the_fingerprint_is_of_the_bytes_and_a_change_is_refused_unless_forced(tmp_path, caplog):
+    from hybridrl.data.fingerprint import check_unchanged, data_fingerprint
+
+    a, val = write_lines(tmp_path / "a.jsonl", rows(6)), write_lines(tmp_path / "v.jsonl", rows(2))
+    saved_dir = write(tmp_path / "saved", rows(4))
+    cfg = config([a, saved_dir], val_files=val)
+    before = data_fingerprint(cfg)
+    assert len(before["data.train_files"]) == 2 and len(before["data.val_files"]) == 1
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    copy = write_lines(moved / "a.jsonl", rows(6))
+    assert data_fingerprint(config([copy, saved_dir], val_files=val)) == before
+    check_unchanged(before, before, cfg, Path("ckpt"), force=False)
+
+    write_lines(tmp_path / "a.jsonl", rows(6)[::-1])  # the same rows, another order
+    after = data_fingerprint(cfg)
+    one_line_error(
+        lambda: check_unchanged(before, after, cfg, tmp_path / "step_000004", force=False),
+        f"data.train_files '{a}' changed",
+        "step_000004",
+        "--resume-changed-data",
+    )
+    with caplog.at_level(logging.WARNING, logger="hybridrl.data"):
+        check_unchanged(before, after, cfg, tmp_path / "step_000004", force=True)
+    assert any(f"'{a}' changed" in m for m in warnings_of(caplog))
+    fewer = data_fingerprint(config([a], val_files=val))
+    one_line_error(
+        lambda: check_unchanged(before, fewer, cfg, Path("c"), force=False),
+        "data.train_files names 1 file(s) where the run read 2",
+    )
+    check_unchanged(None, after, cfg, Path("c"), force=False)  # a checkpoint that records none
