@@ -210,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         from hybridrl.driver.evaluate import evaluate_checkpoint
 
-        print(json.dumps(evaluate_checkpoint(cfg), indent=1))
+        try:
+            print(json.dumps(evaluate_checkpoint(cfg), indent=1))
+        except ConfigError as e:  # the data, read in full: one line
+            print(f"hybridrl: error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         return 0
     from hybridrl.api import run
     from hybridrl.driver.checkpoint import CheckpointError

@@ -509,6 +509,10 @@ def test_characters_the_tokenizer_cannot_encode_are_refused(tmp_path):
         )
     ok = DatasetTask(config(write_lines(tmp_path / "ok.jsonl", rows(20)), model_path=model))
     assert ok.num_rows == 18
+    invisible = rows(20)
+    invisible[2]["prompt"] = "2\u200b+1="  # a zero-width space the tokenizer removes: not lost
+    path = write_lines(tmp_path / "zw.jsonl", invisible)
+    assert DatasetTask(config(path, model_path=model)).num_rows == 18
 
 
 # --- the data's fingerprint, compared on resume -------------------------------------------------

@@ -20,6 +20,7 @@ the data as a whole (no chat template for chat messages, characters the tokenize
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
@@ -121,25 +122,25 @@ def lost_characters(texts: list[str], tokenizer, known: dict[str, bool]) -> set[
     them no token alone and none between two characters it does encode. A tokenizer without an
     unknown token does one or the other; the second loses them silently (e.g. a character
     vocabulary reloaded as Qwen2's tokenizer class drops each character outside it, spaces
-    included).
-    ``known`` keeps each character's verdict (True: lost) across calls, so each distinct character
-    is tried once. A character the tokenizer maps to its unknown token is not lost."""
+    included). A character the tokenizer maps to its unknown token is not lost, nor is a format
+    character (a zero-width space or joiner, a direction mark) it removes: those are invisible,
+    and a normalizer that removes them means to. ``known`` keeps each character's verdict (True:
+    lost) across calls, so each distinct character is tried once."""
     chars = set().union(*texts)
     new = sorted(chars - known.keys())
     if new:
         alone = dict(zip(new, _ids_each(new, tokenizer)))
         anchors = [c for c in new if alone[c] and not c.isspace()]
         anchors += [c for c, lost in known.items() if not lost and not c.isspace()]
-        anchor = anchors[0] if anchors else None
-        pair = _ids(anchor * 2, tokenizer) if anchor else None
+        pair = _ids(anchors[0] * 2, tokenizer) if anchors else None
         for c in new:
             if alone[c]:
                 known[c] = False
             elif pair is None:  # nothing to put it between: alone it is lost
-                known[c] = True
+                known[c] = alone[c] is None or unicodedata.category(c) != "Cf"
             else:
-                between = _ids(anchor + c + anchor, tokenizer)
-                known[c] = between is None or between == pair
+                between = _ids(anchors[0] + c + anchors[0], tokenizer)
+                known[c] = between is None or (between == pair and unicodedata.category(c) != "Cf")
     return {c for c in chars if known[c]}
 
 
