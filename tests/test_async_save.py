@@ -2,13 +2,17 @@
 the one a synchronous save of the same state writes, file for file; the saving step returns while
 the files are still being written and training may change the weights meanwhile (the snapshot is
 what is saved); a writer that fails leaves the previous checkpoint the newest complete one and the
-failure is raised at the next step; a run with async saves, stopped and resumed, equals a
-synchronous run bit for bit. The sharded layout (FSDP2, DCP) runs in a subprocess
-(``python tests/test_async_save.py sharded WORKDIR PORT``), as in tests/test_resume.py."""
+failure is raised at the next step (a full disk frees the partial files at once); a run that fails
+while a save is in flight, or an earlier process stopped mid-save, leaves no temporary directory; a
+run with async saves, stopped and resumed, equals a synchronous run bit for bit. The sharded layout
+(FSDP2, DCP) runs in a subprocess (``python tests/test_async_save.py sharded WORKDIR PORT``), as in
+tests/test_resume.py."""
 
 import errno
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,7 +21,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_integrity import STATE, TINY_RUN, make_cfg
+from test_checkpoint_integrity import (
+    STATE,
+    TINY_RUN,
+    error_line,
+    make_cfg,
+    run_cli,
+    small_disk,  # noqa: F401 -- a fixture
+    trained,  # noqa: F401 -- a fixture
+    tree_bytes,
+)
 from test_resume import K, assert_same_runs, cfg, critic_batch, critic_cfg, snapshot
 
 from hybridrl.config import Config, load_config
@@ -167,6 +180,110 @@ def test_a_failing_writer_keeps_the_previous_checkpoint_and_is_raised_at_the_nex
         saver.close()  # the end of the run raises it too
     assert "background write failed (RuntimeError: writer crashed mid-write)" in str(err.value)
     assert list_checkpoints(run_dir) == [good] and latest_checkpoint(run_dir)[0] == good
+
+
+def test_a_real_full_disk_is_raised_at_the_next_step_with_the_space_freed(
+    roles,
+    tmp_path,
+    small_disk,  # noqa: F811
+):
+    """ENOSPC in the middle of ``model.safetensors`` on a background thread: the rank removes its
+    partial files at once (the disk is usable again and its marker can be written), so the failure
+    reaches the next step without waiting for another save."""
+    config, roles = roles
+    measured = save_checkpoint(tmp_path / "measure", 1, roles, STATE | {"step": 1}, config)
+    weights = (measured / "model" / "model.safetensors").stat().st_size
+    disk = small_disk(tree_bytes(measured) + weights // 2)
+    run_dir = disk / "run"
+    saver = background(config, roles, run_dir)
+    saver.save(1, STATE | {"step": 1})
+    saver.wait()
+    good, free = step_dir(run_dir, 1), shutil.disk_usage(disk).free
+    saver.save(2, STATE | {"step": 2})
+    deadline, error = time.monotonic() + 30, None
+    while error is None and time.monotonic() < deadline:
+        try:
+            saver.check()  # what each step calls; never waits
+            time.sleep(0.05)
+        except CheckpointError as exc:
+            error = str(exc)
+    try:
+        assert error is not None, "the failure never reached check()"
+        assert "\n" not in error
+        assert error.startswith("step 2: checkpoint not saved, no space left on device while")
+        assert f"the last good checkpoint {good} is kept" in error
+    finally:
+        saver.close(abandon=True)
+    assert list_checkpoints(run_dir) == [good] and verify_checkpoint(good)[0] is None
+    assert not list((run_dir / "checkpoints").glob(".*"))
+    assert shutil.disk_usage(disk).free >= free  # all of the partial save's space is back
+
+
+def test_a_run_with_tensorboard_that_fills_the_disk_ends_in_one_line(
+    trained,  # noqa: F811
+    small_disk,  # noqa: F811
+    capsys,
+):
+    """End to end, as the command line runs it: background saves and TensorBoard on a disk that
+    step 2's save fills."""
+    first = step_dir(trained / "runs" / "run", 1)
+    weights = (first / "model" / "model.safetensors").stat().st_size
+    disk = small_disk(tree_bytes(first) + weights // 2 + (512 << 10))
+    extra = ["trainer.async_save=true", "trainer.loggers=[jsonl,tensorboard]"]
+    rc, lines = run_cli(capsys, trained, disk, "trainer.total_steps=3", *extra)
+    line = error_line(lines)
+    assert rc == 1 and "step 2: checkpoint not saved, no space left on device" in line
+    assert [c.name for c in list_checkpoints(disk / "run")] == ["step_000001"]
+    assert not list((disk / "run" / "checkpoints").glob(".*"))
+
+
+def test_a_run_that_fails_during_a_failing_background_save_leaves_nothing_partial(
+    roles, tmp_path, monkeypatch, caplog
+):
+    """The run stops for another reason (e.g. a logger's write on the full disk) while the
+    background write is still failing: the end of the run waits a little for the ranks, removes the
+    partial directory and logs the save's failure."""
+    from hybridrl.learner import state
+
+    config, roles = roles
+    run_dir = tmp_path / "run"
+    saver = background(config, roles, run_dir)
+    saver.save(1, STATE | {"step": 1})
+    saver.wait()
+    gate = threading.Event()
+
+    def slow_then_full(path, *args, **kwargs):
+        assert gate.wait(60), "the test never opened the gate"
+        (Path(path) / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+        (Path(path) / "model.safetensors").write_bytes(b"\0" * 1000)
+        raise OSError(
+            errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(path) / "model.safetensors")
+        )
+
+    monkeypatch.setattr(state, "_write_single", slow_then_full)
+    saver.save(2, STATE | {"step": 2})
+    threading.Timer(0.5, gate.set).start()
+    with caplog.at_level(logging.ERROR):
+        saver.close(abandon=True)  # the run's way out of a failed step
+    gate.set()
+    assert not list((run_dir / "checkpoints").glob(".*"))
+    assert list_checkpoints(run_dir) == [step_dir(run_dir, 1)]
+    assert any("no space left on device" in r.getMessage() for r in caplog.records)
+
+
+def test_a_partial_save_an_earlier_process_left_is_removed(roles, tmp_path):
+    """A process killed mid-save leaves ``.tmp-step_N/`` (never a ``step_N/``): the next run's
+    first step removes it."""
+    config, roles = roles
+    run_dir = tmp_path / "run"
+    left = run_dir / "checkpoints" / ".tmp-step_000007"
+    (left / "model").mkdir(parents=True)
+    (left / "model" / "model.safetensors").write_bytes(b"\0" * 1000)
+    (left / ".written-rank0").write_text("{}")
+    saver = background(config, roles, run_dir)
+    saver.check()
+    assert not left.exists()
+    saver.close()
 
 
 def test_a_driver_side_write_error_names_the_file(roles, tmp_path, monkeypatch):

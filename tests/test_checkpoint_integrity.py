@@ -1,13 +1,20 @@
 """Checkpoint integrity (driver/checkpoint.py): a save refuses non-finite weights and keeps the last
 good checkpoint; every checkpoint carries a manifest (size and sha256 of each file) and ``--resume``
-falls back past a damaged one with one log line; a checkpoint without a manifest is accepted with a
-warning; a save that runs out of space raises one clear error and leaves no temporary directory."""
+falls back past a damaged one with one log line; a checkpoint without a manifest is checked for
+damage it can show (truncation, a zip CRC) and otherwise stops ``--resume`` with one line until it
+is sealed or deleted; a save that runs out of space, meets an immutable directory or a symbolic link
+loop raises one clear error (or replaces the link), leaves no temporary directory and keeps the
+older checkpoints whole; every file of a checkpoint is readable by others (0644 under umask 022).
+
+The faults are real where the machine allows: a small tmpfs for a full disk and ``chattr +i`` for an
+immutable directory (both need root; the tests skip without it)."""
 
 import errno
 import json
 import logging
 import os
 import shutil
+import subprocess
 from collections import namedtuple
 from pathlib import Path
 
@@ -166,11 +173,109 @@ def test_damaged_checkpoint_is_reported_once_and_skipped(run_copy, caplog, damag
     assert str(ckpt) in warnings[0] and expected in warnings[0]
 
 
-def test_checkpoint_without_manifest_is_accepted_with_a_warning(run_copy, caplog):
-    (step_dir(run_copy, 2) / MANIFEST).unlink()  # as an older version wrote it
+def flip_byte(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, by: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - by)
+
+
+def test_checkpoint_without_manifest_stops_resume_in_one_line(run_copy, caplog):
+    """No manifest and a flipped bit in the weights: nothing can show the damage, so the checkpoint
+    is neither loaded nor dropped for an older one (the next save would delete it): ``--resume``
+    stops, naming it and the two ways on, and nothing is deleted."""
+    ckpt = step_dir(run_copy, 2)
+    (ckpt / MANIFEST).unlink()
+    flip_byte(ckpt / "model" / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        latest_checkpoint(run_copy)
+    message = str(err.value)
+    assert "\n" not in message and str(ckpt) in message and "no manifest.json" in message
+    assert "cannot be verified" in message
+    assert f"python -m hybridrl.driver.checkpoint seal {ckpt}" in message and "delete" in message
+    assert list_checkpoints(run_copy) == [step_dir(run_copy, 1), ckpt]
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("truncate_weights", "model/model.safetensors is truncated"),
+        ("truncate_train_state", "model/train_state.pt is not a whole zip archive"),
+        ("flip_train_state", "model/train_state.pt fails its CRC check"),
+    ],
+)
+def test_damage_a_checkpoint_without_manifest_shows_is_skipped(run_copy, caplog, damage, expected):
+    """Without a manifest the files are still checked for what they show by themselves: a
+    safetensors file's length against its header, a torch zip archive's CRCs."""
+    ckpt = step_dir(run_copy, 2)
+    (ckpt / MANIFEST).unlink()
+    if damage == "truncate_weights":
+        truncate(ckpt / "model" / "model.safetensors")
+    elif damage == "truncate_train_state":
+        truncate(ckpt / "model" / "train_state.pt", 1000)
+    else:
+        flip_byte(ckpt / "model" / "train_state.pt")
     found, warnings = resume_point(run_copy, caplog)
-    assert found == step_dir(run_copy, 2)
-    assert len(warnings) == 1 and "no manifest.json" in warnings[0]
+    assert found == step_dir(run_copy, 1)
+    assert len(warnings) == 1 and str(ckpt) in warnings[0] and expected in warnings[0], warnings
+
+
+def test_a_sealed_checkpoint_resumes(run_copy, capsys):
+    ckpt = step_dir(run_copy, 2)
+    (ckpt / MANIFEST).unlink()
+    assert checkpoint.main(["seal", str(ckpt)]) == 0
+    assert capsys.readouterr().out == f"sealed {ckpt}\n"
+    assert verify_checkpoint(ckpt) == (None, json.loads((ckpt / "trainer.json").read_text()), True)
+    assert latest_checkpoint(run_copy)[0] == ckpt
+    assert checkpoint.main(["seal", str(ckpt)]) == 0  # sealing twice changes nothing
+    assert capsys.readouterr().out == f"already sealed {ckpt}\n"
+
+
+def test_seal_refuses_a_damaged_checkpoint(run_copy, capsys):
+    ckpt = step_dir(run_copy, 2)
+    (ckpt / MANIFEST).unlink()
+    truncate(ckpt / "model" / "model.safetensors")
+    assert checkpoint.main(["seal", str(ckpt)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model/model.safetensors is truncated" in err
+    assert not (ckpt / MANIFEST).exists()
+
+
+def run_cli(capsys, work: Path, runs_dir: Path, *args: str) -> tuple[int, list[str]]:
+    """``hybridrl train`` in this process: its exit code and its stderr lines."""
+    from hybridrl import cli
+
+    capsys.readouterr()
+    rc = cli.main(
+        [
+            "train",
+            *TINY_RUN,
+            f"sft.checkpoint={work / 'ws'}",
+            f"trainer.runs_dir={runs_dir}",
+            "trainer.name=run",
+            *args,
+        ]
+    )
+    return rc, capsys.readouterr().err.splitlines()
+
+
+def error_line(lines: list[str]) -> str:
+    """The one ``hybridrl: error:`` line, and no traceback."""
+    errors = [x for x in lines if x.startswith("hybridrl: error: ")]
+    assert len(errors) == 1 and not any("Traceback" in x for x in lines), lines
+    return errors[0]
+
+
+def test_resume_from_an_unverifiable_checkpoint_is_one_line_and_exit_1(trained, run_copy, capsys):
+    (step_dir(run_copy, 2) / MANIFEST).unlink()
+    flip_byte(step_dir(run_copy, 2) / "model" / "model.safetensors")
+    rc, lines = run_cli(capsys, trained, run_copy.parent, "--resume")
+    assert rc == 1 and "no manifest.json" in error_line(lines)
+    assert len(list_checkpoints(run_copy)) == 2 and not list(run_copy.parent.glob("run.*"))
 
 
 def test_every_checkpoint_damaged_gives_no_resume_point(run_copy, caplog):
@@ -303,3 +408,169 @@ def test_rotation_after_a_resume_past_damaged_checkpoints_keeps_the_good_ones(tm
     (tmp_path / "checkpoints" / "step_000120").mkdir()
     rotate(tmp_path, 120, keep=2)
     assert [step_of(c) for c in list_checkpoints(tmp_path)] == [110, 120]
+
+
+# --- real faults: a full disk, immutable directories, symbolic link loops ------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(bytes)``: a fresh directory on a tmpfs of that size, unmounted afterwards."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            pytest.skip(
+                f"no small tmpfs for a full disk (mounting needs root): {out.stderr.strip()}"
+            )
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        if subprocess.run(["umount", str(disk)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture
+def immutable():
+    """``immutable(path)``: ``chattr +i`` (root bypasses permissions, not this); undone after."""
+    made = []
+
+    def make(path: Path) -> None:
+        out = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if out.returncode:
+            pytest.skip(f"chattr +i failed (needs root and ext4/xfs/tmpfs): {out.stderr.strip()}")
+        made.append(path)
+
+    yield make
+    for path in reversed(made):
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_full_disk_while_writing_the_weights_is_one_line(roles, tmp_path, small_disk):
+    """A real ENOSPC in the middle of ``model.safetensors`` (safetensors reports it as an error of
+    its own, with the errno only in its text)."""
+    cfg, roles = roles
+    measured = save(cfg, roles, tmp_path / "measure", 1)
+    weights = (measured / "model" / "model.safetensors").stat().st_size
+    run_dir = small_disk(tree_bytes(measured) + weights // 2) / "run"
+    good = save(cfg, roles, run_dir, 1)
+    with pytest.raises(CheckpointError) as err:
+        save(cfg, roles, run_dir, 2)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("step 2: checkpoint not saved, no space left on device while writing")
+    assert f"the last good checkpoint {good} is kept" in message
+    assert list_checkpoints(run_dir) == [good] and verify_checkpoint(good)[0] is None
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_run_that_fills_the_disk_ends_in_one_line_with_exit_1(
+    trained, tmp_path, small_disk, capsys
+):
+    first = step_dir(trained / "runs" / "run", 1)
+    weights = (first / "model" / "model.safetensors").stat().st_size
+    disk = small_disk(tree_bytes(first) + weights // 2 + (512 << 10))
+    rc, lines = run_cli(capsys, trained, disk)
+    line = error_line(lines)
+    assert rc == 1 and "step 2: checkpoint not saved, no space left on device" in line
+    assert [c.name for c in list_checkpoints(disk / "run")] == ["step_000001"]
+    assert verify_checkpoint(step_dir(disk / "run", 1))[0] is None
+    assert not list((disk / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_an_immutable_checkpoints_directory_is_one_line(roles, tmp_path, immutable):
+    from hybridrl.driver.checkpointer import Checkpointer
+
+    cfg, roles = roles
+    run_dir = tmp_path / "run"
+    good = save(cfg, roles, run_dir, 1)
+    immutable(run_dir / "checkpoints")
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(run_dir, roles, cfg).check()  # at the first step, before any training
+    assert "\n" not in str(err.value) and "cannot be written" in str(err.value)
+    assert str(run_dir / "checkpoints") in str(err.value)
+    with pytest.raises(CheckpointError) as err:  # made immutable during the run
+        save(cfg, roles, run_dir, 2)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("step 2: checkpoint not saved, ")
+    assert "Operation not permitted" in message and "make it writable" in message
+    assert f"the last good checkpoint {good} is kept" in message
+    assert list_checkpoints(run_dir) == [good] and verify_checkpoint(good)[0] is None
+
+
+def test_an_old_checkpoint_that_cannot_be_removed_stays_whole(roles, tmp_path, immutable, caplog):
+    """Rotation (``keep_checkpoints=1``) meets an immutable old checkpoint: the new one is saved,
+    the old one stays as it was (never half deleted), one warning says so."""
+    cfg, roles = roles
+    run_dir = tmp_path / "run"
+    old = save(cfg, roles, run_dir, 1)
+    immutable(old)
+    with caplog.at_level(logging.WARNING, logger=checkpoint.__name__):
+        new = save(cfg, roles, run_dir, 2)
+    assert verify_checkpoint(new)[0] is None and verify_checkpoint(old)[0] is None
+    warnings = damage_warnings(caplog)
+    assert (
+        len(warnings) == 1 and str(old) in warnings[0] and "Operation not permitted" in warnings[0]
+    )
+
+
+def test_an_immutable_run_directory_is_refused_before_any_work(
+    trained, run_copy, immutable, capsys
+):
+    immutable(run_copy)
+    for resume in ([], ["--resume"]):
+        rc, lines = run_cli(capsys, trained, run_copy.parent, "--print-config", *resume)
+        line = error_line(lines)
+        assert rc == 2 and str(run_copy) in line and "cannot be written" in line, line
+
+
+def test_a_checkpoint_that_is_a_symbolic_link_loop_is_reported_and_replaced(
+    roles, tmp_path, caplog
+):
+    cfg, roles = roles
+    run_dir = tmp_path / "run"
+    good = save(cfg, roles, run_dir, 1)
+    for step in (2, 9):  # the next save's name, and a later step's
+        step_dir(run_dir, step).symlink_to(step_dir(run_dir, step).name)
+    found, warnings = resume_point(run_dir, caplog)
+    assert found == good and len(warnings) == 2
+    assert all("symbolic link loop" in w for w in warnings)
+    assert save(cfg, roles, run_dir, 2) == step_dir(run_dir, 2)
+    assert list_checkpoints(run_dir) == [step_dir(run_dir, 2)]  # the later loop is gone too
+    assert verify_checkpoint(step_dir(run_dir, 2))[0] is None
+
+
+def test_a_checkpoints_directory_that_is_a_symbolic_link_loop_is_one_line(roles, tmp_path):
+    from hybridrl.driver.checkpointer import Checkpointer
+
+    cfg, roles = roles
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to("checkpoints")
+    with pytest.raises(CheckpointError, match="checkpoints is a symbolic link loop"):
+        Checkpointer(run_dir, roles, cfg).check()
+    with pytest.raises(CheckpointError) as err:
+        save(cfg, roles, run_dir, 1)
+    assert "\n" not in str(err.value) and "symbolic link loop" in str(err.value)
+
+
+def test_every_file_of_a_checkpoint_is_readable_by_others(roles, tmp_path):
+    """safetensors writes 0600 (through a temporary file): the save gives every file the mode the
+    umask gives any other file."""
+    cfg, roles = roles
+    umask = os.umask(0o022)
+    try:
+        ckpt = save(cfg, roles, tmp_path / "run", 1)
+    finally:
+        os.umask(umask)
+    modes = {p.relative_to(ckpt).as_posix(): p.stat().st_mode & 0o777 for p in ckpt.rglob("*")}
+    assert modes["model/model.safetensors"] == 0o644
+    assert {m for p, m in modes.items() if (ckpt / p).is_file()} == {0o644}

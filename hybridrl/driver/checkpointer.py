@@ -14,7 +14,15 @@ previous checkpoint the newest complete one.
 At most one save is in flight: the next save and the end of the run wait for it (a resume starts
 after the end of the run it resumes). A failed background save (a full disk, a write error) removes
 its temporary directory and is raised at the next step (:meth:`Checkpointer.check`) or at the end,
-with the synchronous path's one-line message.
+with the synchronous path's one-line message; a rank whose write fails removes its partial files at
+once (``learner/checkpoint.py``), so a full disk is usable again for its marker and the run's logs.
+A run that fails while a save is in flight gives the ranks a few seconds to end their writes, then
+completes the save or removes it; one still being written after that is left as ``.tmp-step_N/``,
+which the next run removes before its first step, as it removes any an earlier process left.
+
+Before the first step (:meth:`Checkpointer.check`) the checkpoints directory is checked: a symbolic
+link loop, an immutable or read-only directory stop the run then, in one line, not after the first
+``save_every`` steps.
 """
 
 from __future__ import annotations
@@ -22,19 +30,24 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import shutil
 import threading
+import time
 from pathlib import Path
 
 from hybridrl.config import Config
 from hybridrl.driver.checkpoint import (
     CheckpointError,
     begin,
+    check_writable,
     fail,
     kept_text,
     publish,
+    remove_partial,
+    remove_path,
+    rotate,
     save_checkpoint,
     save_error,
+    staging_dir,
     write_driver_files,
     write_manifest,
 )
@@ -43,6 +56,9 @@ log = logging.getLogger(__name__)
 
 MARKER = ".written"  # a learner rank's background writes are done: .written-rank<r>
 POLL_S = 0.02  # how often the driver thread looks for the ranks' markers
+# a failing run waits this long for the ranks' writes in flight, so that their save is completed or
+# removed rather than left half written
+ABANDON_WAIT_S = 10.0
 
 
 class BackgroundWriteError(RuntimeError):
@@ -72,6 +88,11 @@ class Checkpointer:
         self.stop = threading.Event()  # stop waiting for markers: the ranks' threads are done
         self.abandon = False  # a failed run: leave the temporary directory as it is
         self.failures: list[dict] = []  # the ranks' failures, as their wait_checkpoint said
+        remove_partial(run_dir)  # what a process stopped mid-save left
+        try:  # raised by the first check(): inside the driver's loop, which shuts the workers down
+            check_writable(run_dir)
+        except CheckpointError as exc:
+            self.error = exc
 
     def save(self, step: int, trainer_state: dict) -> None:
         """Save ``step``; in the background with ``trainer.async_save`` (after waiting for the
@@ -80,8 +101,9 @@ class Checkpointer:
             save_checkpoint(self.run_dir, step, self.roles, trainer_state, self.cfg)
             return
         self.wait()
-        tmp = begin(self.run_dir, step)
+        tmp = staging_dir(self.run_dir, step)
         try:
+            begin(tmp)
             markers = self.roles.learner.save_checkpoint(
                 str(tmp / "model"), str(tmp / "critic"), str(tmp / MARKER)
             )
@@ -100,7 +122,8 @@ class Checkpointer:
         self.thread.start()
 
     def check(self) -> None:
-        """Raise the failure of a background save that has ended, once."""
+        """Raise the failure of a background save that has ended, or of the check of the
+        checkpoints directory, once."""
         if self.error is not None:
             error, self.error = self.error, None
             raise error
@@ -118,9 +141,10 @@ class Checkpointer:
         self.check()
 
     def close(self, abandon: bool = False) -> None:
-        """The end of the run: :meth:`wait`. ``abandon``: the run failed; a save whose files are
-        all written is still completed, one still being written is left (never published), and
-        a failure is logged, not raised."""
+        """The end of the run: :meth:`wait`. ``abandon``: the run failed; a save whose ranks end
+        their writes within ``ABANDON_WAIT_S`` is completed (or removed when a write failed), one
+        still being written is left (never published: the next run removes it), and a failure is
+        logged, not raised."""
         if not abandon:
             self.wait()
             return
@@ -150,6 +174,12 @@ class Checkpointer:
         try:
             failures = self._await(markers)
             if failures is None:  # abandoned while the ranks were still writing
+                log.warning(
+                    "step %d: the run stopped while its checkpoint was still being written: %s is "
+                    "left, and removed when the run next starts",
+                    step,
+                    tmp,
+                )
                 return
             if written is not None:
                 raise written
@@ -158,7 +188,7 @@ class Checkpointer:
             for marker in markers:
                 Path(marker).unlink()
             write_manifest(tmp, step)
-            publish(self.run_dir, step, tmp, self.cfg.trainer.keep_checkpoints)
+            publish(tmp, step)
         except BaseException as exc:  # noqa: BLE001 -- raised in the driver by check()/wait()
             error = save_error(exc, step, tmp, self.run_dir) if isinstance(exc, Exception) else None
             if error is None:
@@ -169,18 +199,25 @@ class Checkpointer:
                     f"step {step}: checkpoint not saved, the background write failed ({what}); "
                     f"the partial {tmp.name} was removed, {kept_text(self.run_dir, tmp)}"
                 )
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_path(tmp)
             self.error = error
+            return
+        rotate(self.run_dir, step, self.cfg.trainer.keep_checkpoints)
 
     def _await(self, markers: list[str]) -> list[dict] | None:
         """Every rank's failure (empty: all written), once each rank has written its marker or
-        :meth:`wait` said their threads are done; None when abandoned before that."""
+        :meth:`wait` said their threads are done; None when abandoned and the markers are still
+        missing ``ABANDON_WAIT_S`` later."""
+        deadline = None
         while not all(Path(m).exists() for m in markers):
-            if self.stop.wait(POLL_S):
-                if all(Path(m).exists() for m in markers):
-                    break
-                if self.abandon:
+            if not self.stop.wait(POLL_S):
+                continue
+            if self.abandon:
+                deadline = deadline or time.monotonic() + ABANDON_WAIT_S
+                if time.monotonic() >= deadline:
                     return None
+                time.sleep(POLL_S)
+            elif not all(Path(m).exists() for m in markers):
                 # the threads are done, yet a marker is missing: writing it failed
                 return self.failures or [
                     {"type": "RuntimeError", "message": "a learner rank wrote no marker"}

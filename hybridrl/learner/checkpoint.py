@@ -5,10 +5,15 @@ rank. What a rank writes is decided here: nothing at all when a weight is NaN or
 must never hold a broken state), then the policy in whichever form it takes
 (``learner/policy_io.py``) and the critic, either written now or snapshotted now and written on a
 background thread (``trainer.async_save``, ``learner/state.py``: ``BackgroundWriter``) with one save
-in flight at most. It lives apart from the learner's passes because none of them reads it.
+in flight at most. A background write that fails removes what the rank wrote before it reports: on
+a full disk the space is back at once, for the rank's marker, the driver's files and the run's logs,
+instead of when the driver next waits. It lives apart from the learner's passes because none of them
+reads it.
 """
 
 from __future__ import annotations
+
+import shutil
 
 from hybridrl.learner import policy_io
 from hybridrl.learner.state import check_finite, save_trainable
@@ -29,8 +34,27 @@ def save(learner, path: str, critic_path: str | None, marker: str | None) -> str
         save_trainable(critic_path, c.model, c.optimizer, c.shuffle, background=writer)
     if writer is None:
         return None
+    removing_on_failure(writer, [path, critic_path])
     writer.start(f"{marker}-rank{learner.rank}")
     return f"{marker}-rank{learner.rank}"
+
+
+def removing_on_failure(writer, paths: list[str | None]) -> None:
+    """The writes queued on ``writer``, as one write that removes ``paths`` (this save's output
+    directories) when any of them fails, then fails the same way."""
+    jobs, writer.jobs = writer.jobs, []
+
+    def run() -> None:
+        try:
+            for job in jobs:
+                job()
+        except BaseException:
+            for path in paths:
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    writer.add(run)
 
 
 def load(learner, path: str, critic_path: str | None) -> None:
