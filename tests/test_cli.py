@@ -151,6 +151,22 @@ def test_unwritable_sft_checkpoint_parent(tmp_path, capsys):
     assert code == 0, err
 
 
+def test_an_immutable_sft_checkpoint_directory_is_refused_before_the_warm_start(tmp_path, capsys):
+    """The warm start replaces sft.checkpoint when done: a directory there that cannot be written
+    (immutable, even for root) is refused at once, not after the training."""
+    ckpt = tmp_path / "ws"
+    ckpt.mkdir()
+    (ckpt / "junk").write_text("")
+    if subprocess.run(["chattr", "+i", str(ckpt)], capture_output=True).returncode:
+        pytest.skip("chattr +i needs root on a filesystem that supports it")
+    try:
+        assert main(["train", "examples/arith_grpo.yaml", f"sft.checkpoint={ckpt}"]) == 2
+    finally:
+        subprocess.run(["chattr", "-i", str(ckpt)])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be written" in err and "sft.checkpoint" in err, err
+
+
 def test_cached_sft_checkpoint_is_only_read(tmp_path, capsys):
     cached = tmp_path / "ckpt"
     cached.mkdir()

@@ -44,6 +44,12 @@ def _check_writable_dir(key: str, path: str) -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{key} {path!r} is a file, not a directory")
+    # an existing directory is written into or replaced, which its own permissions decide (and an
+    # immutable one refuses even root): found now, not when the work to save is done
+    if p.is_dir() and not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{key} {path!r} cannot be written (no write permission, or immutable: chattr -i)"
+        )
     probe = p.parent
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
