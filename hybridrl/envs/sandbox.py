@@ -60,7 +60,8 @@ ISOLATIONS = ("namespaces", "landlock", "seccomp")
 # time to the status pipe. In the namespaces it is the PID namespace's init, so its exit kills
 # whatever the program left running.
 _BOOTSTRAP = r"""
-import ctypes, marshal, os, resource, signal, struct, sys
+import ctypes, marshal, os, resource, struct, sys
+import _signal as signal  # what we need of signal, without its import of enum (milliseconds)
 cfg = marshal.loads(sys.stdin.buffer.read())
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -201,8 +202,13 @@ try:
         own_ids(0, uid, gid)
         init = os.fork()
         if init:  # outside the PID namespace: wait for its init, whose end ends all in it
-            os.waitpid(init, 0)
-            os._exit(0)
+            _, status = os.waitpid(init, 0)
+            if os.WIFSIGNALED(status):  # killed before it could report: pass that on
+                sig = os.WTERMSIG(status)
+                if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+            os._exit(os.waitstatus_to_exitcode(status))
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: killed with us
         build_view(cfg["workdir"])
         run(cfg["workdir"], lock_mounts)
