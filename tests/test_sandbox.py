@@ -783,6 +783,35 @@ def test_no_interrupt_leaves_processes(box):
     assert processes_matching(marker) == []
 
 
+def test_caller_death_ends_the_call(box):
+    """A trainer killed mid-call (SIGKILL: no cleanup of its own) takes the call's program with
+    it."""
+    marker = f"hybridrl-orphan-{uuid.uuid4().hex}"
+    script = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('sandbox_under_test', sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules[spec.name] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "box = module.Sandbox(module.Limits(wall_s=60), isolation=sys.argv[2])\n"
+        "box.run(['{python}', '-I', '-c', 'import time; time.sleep(60)', sys.argv[3]])\n"
+    )
+    args = [sandbox_module.__file__, box.isolation, marker]
+    trainer = subprocess.Popen([sys.executable, "-I", "-c", script, *args])
+    try:
+        deadline = time.monotonic() + 20
+        while not processes_matching(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_matching(marker), "the program never started"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 2
+    while processes_matching(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_matching(marker) == []
+
+
 def test_cgroup_directories_found_from_proc():
     """The call's cgroups are made next to this process's own: the v2 directory under its mount
     (also a bind mount of a subtree, as in a container) and the v1 memory and pids ones."""

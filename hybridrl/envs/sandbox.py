@@ -65,6 +65,9 @@ import _signal as signal  # what we need of signal, without its import of enum (
 cfg = marshal.loads(sys.stdin.buffer.read())
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: a caller that dies ends the call
+if os.getppid() != cfg["caller"]:
+    os._exit(125)
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 RDONLY, NOSUID, NODEV = 1, 2, 4  # MOUNT_ATTR_*
 
@@ -170,6 +173,7 @@ def become_program(workdir):
     fprog = struct.pack("HxxxxxxP", len(bpf) // 8, ctypes.addressof(buf))
     fprog = ctypes.create_string_buffer(fprog)
     check(libc.prctl(22, 2, fprog, 0, 0), "seccomp")  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # killed with its parent (not its own children)
     os.execv(cfg["argv"][0], cfg["argv"])
 
 def run(workdir, isolate_child):
@@ -360,6 +364,7 @@ class Sandbox:
         shared_user = ids is None or ids == self._fixed_ids or ids[0] == NOBODY
         cfg = {
             "mode": self.isolation,
+            "caller": os.getpid(),
             "workdir": workdir,
             "files": files,
             "argv": argv,
