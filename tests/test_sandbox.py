@@ -28,6 +28,8 @@ from hybridrl.envs import sandbox as sandbox_module
 from hybridrl.envs.sandbox import Limits, Sandbox, SandboxResult
 
 REPO = Path(__file__).resolve().parents[1]
+# An interpreter any user may run: for the processes the tests start as other users.
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
 ISOLATIONS = list(sandbox_module.ISOLATIONS)
 TIGHT = Limits(cpu_s=1, wall_s=3.0, memory_mb=256, file_size_mb=1, max_procs=8, open_files=32)
 ROOT = os.geteuid() == 0
@@ -130,7 +132,7 @@ def run_with_args(box: Sandbox, code: str, *args: str) -> SandboxResult:
 def sleeper(marker: str, **popen) -> subprocess.Popen:
     """A process outside the sandbox that lives for a minute, its command line marked."""
     code = "import sys, time; time.sleep(60)"
-    return subprocess.Popen(["/usr/bin/python3", "-c", code, marker], **popen)
+    return subprocess.Popen([SYSTEM_PYTHON or sys.executable, "-c", code, marker], **popen)
 
 
 # -- Escapes ---------------------------------------------------------------------------------
@@ -477,7 +479,9 @@ def as_normal_user(request):
             pytest.skip("the test user's ids are taken on this machine")
         uid, gid, group = TEST_UID, TEST_UID, TEST_GROUP
         user = {"user": uid, "group": gid, "extra_groups": [group]}
-        python = "/usr/bin/python3"
+        python = SYSTEM_PYTHON
+        if python is None:
+            pytest.skip("no system python3 for the test user")
     else:
         uid, gid = os.getuid(), os.getgid()
         others = [g for g in os.getgroups() if g != gid]
@@ -594,7 +598,8 @@ def test_supplementary_groups_dropped_as_root():
         cfg = {"limits": {}, "isolation": isolation, "code": "import os; print(os.getgroups())"}
         cfg["args"] = []
         driver = subprocess.run(
-            ["/usr/bin/python3", "-I", "-c", DRIVER, sandbox_module.__file__, json.dumps(cfg)],
+            [SYSTEM_PYTHON or sys.executable, "-I", "-c", DRIVER, sandbox_module.__file__]
+            + [json.dumps(cfg)],
             capture_output=True,
             text=True,
             extra_groups=[TEST_GROUP],
