@@ -18,11 +18,52 @@ def check_config(cfg: Config) -> None:
     check_run_dir(cfg)
     check_step_memory(cfg)
     check_kv_pool(cfg)
-    if cfg.data.train_files is not None:
-        from hybridrl.data import check_data
-
-        check_data(cfg)
+    check_dataset(cfg)
     check_reward_columns(cfg)
+
+
+def check_dataset(cfg: Config) -> None:
+    """``data.train_files``' first rows (``data/check.py``: ``check_data``), and with an
+    environment each first row's first turn (:func:`check_first_turn`)."""
+    if cfg.data.train_files is None:
+        return
+    from hybridrl.data import check_data
+
+    first_rows = check_data(cfg)
+    if cfg.env.name is not None and first_rows:
+        from hybridrl.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg, cfg.model.path)
+        for where, prompt in first_rows:
+            check_first_turn(cfg, tokenizer, prompt, where)
+
+
+def check_first_turn(cfg: Config, tokenizer, prompt, where: str) -> None:
+    """A multi-turn prompt (``env.name`` set) whose first turn cannot fit the model's positions:
+    the prompt, the environment's reset observation (e.g. the tool schemas of ``describe_tools``)
+    and ``rollout.max_new_tokens`` for the model's first turn. Such a run would end every
+    trajectory at once, empty and truncated."""
+    positions = cfg.model.max_positions()
+    if positions is None:
+        return
+    from hybridrl.data import DataError
+    from hybridrl.rollout.multiturn import first_turn_context
+
+    ids = list(prompt.token_ids)
+    try:
+        context = first_turn_context(cfg, tokenizer, prompt, ids)
+    except Exception as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(f"{where}: the environment's reset failed on this prompt: {message}") from e
+    need = len(context) + cfg.rollout.max_new_tokens
+    if need > positions:
+        raise DataError(
+            f"{where}: the first turn needs {need} positions, above the model's {positions}: "
+            f"the prompt ({len(ids)} tokens), the environment's reset observation "
+            f"({len(context) - len(ids)} tokens) and rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}; shorten the prompts or the observation (env.kwargs, "
+            "e.g. describe_tools), or lower rollout.max_new_tokens"
+        )
 
 
 def check_plugins(cfg: Config) -> None:

@@ -75,10 +75,12 @@ def test_a_multi_turn_prompt_that_cannot_fit_the_context_is_refused(tmp_path):
         cfg.rollout.max_new_tokens = max_new_tokens
         return cfg
 
+    from hybridrl.checks import check_dataset
+
     with pytest.raises(DataError) as e:
-        check_data(with_tools(True, 64))
+        check_dataset(with_tools(True, 64))
     msg = str(e.value)
     assert "\n" not in msg and "above the model's 512" in msg and "describe_tools" in msg, msg
-    check_data(with_tools(False, 64))  # the prompt alone fits
+    check_dataset(with_tools(False, 64))  # the prompt alone fits
     with pytest.raises(DataError, match="rollout.max_new_tokens=500"):
-        check_data(with_tools(False, 500))
+        check_dataset(with_tools(False, 500))

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.config import Config
-from hybridrl.data.check import model_positions
 from hybridrl.data.files import DataError
 from hybridrl.data.render import RowError, check_encodable, dig, encode, render_text
 
@@ -96,7 +95,7 @@ def prompt_limit(cfg: Config, tokenizer) -> Limit:
     """The smaller of ``data.max_prompt_length`` and the model's positions less
     ``rollout.max_new_tokens`` (where the positions are known)."""
     asked, new = cfg.data.max_prompt_length, cfg.rollout.max_new_tokens
-    positions = model_positions(cfg, tokenizer)
+    positions = cfg.model.max_positions()
     room = None if positions is None else positions - new
     if room is not None and room < 1:
         raise DataError(

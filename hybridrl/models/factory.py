@@ -27,6 +27,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from hybridrl.config.sections.model import BUILTIN_MAX_POSITIONS
+
 log = logging.getLogger(__name__)
 
 SIZES = {
@@ -87,7 +89,7 @@ def model_size_config(name: str, tokenizer):
         vocab_size=len(tokenizer),
         tie_word_embeddings=True,
         rope_theta=1e4,
-        max_position_embeddings=512,
+        max_position_embeddings=BUILTIN_MAX_POSITIONS,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

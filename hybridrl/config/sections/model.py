@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +13,9 @@ from hybridrl.config.sections.common import (
     _check_reward_model,
     _f,
 )
+
+# the context length of the built-in models (hybridrl/models/factory.py builds them with it)
+BUILTIN_MAX_POSITIONS = 512
 
 
 @dataclass
@@ -26,6 +30,18 @@ class ModelConfig:
         "local transformers checkpoint directory (model + tokenizer) instead of a built-in size",
     )
     seed: int = _f(0, "seed of the random initialisation of a built-in model", ge=0, le=SEED_MAX)
+
+    def max_positions(self) -> int | None:
+        """The model's positions (``max_position_embeddings``): a checkpoint's config.json, or the
+        built-in models'; None where unknown."""
+        if self.path is None:
+            return BUILTIN_MAX_POSITIONS
+        try:
+            config = json.loads((Path(self.path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+        return positions if isinstance(positions, int) else None
 
     def validate(self) -> None:
         if self.path is not None:
