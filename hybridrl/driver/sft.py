@@ -190,7 +190,15 @@ MICRO_BATCHES = {False: length_grouped, True: packed}
 
 
 def _train_step(
-    model, opt, sched, ids, attn, labels, micro_batch_tokens: int, packing: bool = False
+    model,
+    opt,
+    sched,
+    ids,
+    attn,
+    labels,
+    micro_batch_tokens: int,
+    packing: bool = False,
+    grad_clip: float = 0.0,
 ) -> float:
     n_labels, loss = (labels[:, 1:] != -100).sum(), 0.0
     opt.zero_grad(set_to_none=True)
@@ -206,6 +214,8 @@ def _train_step(
         )
         part.backward()
         loss += part.item()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     sched.step()
     return loss
@@ -242,6 +252,7 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
                 labels,
                 cfg.actor.micro_batch_tokens,
                 cfg.actor.packing,
+                s.grad_clip,
             )
         )
         if check is None:

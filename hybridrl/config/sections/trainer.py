@@ -43,6 +43,12 @@ class SFTConfig:
     )
     batch_size: int = _f(256, "examples per SFT step", ge=1)
     lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
+    grad_clip: float = _f(
+        0.0,
+        "clip each SFT step's global gradient norm to this (0: off); a spike in the loss at a "
+        "high learning rate then moves the weights by a bounded step",
+        ge=0,
+    )
     checkpoint: str | None = _f(
         None,
         "warm-start checkpoint directory "
