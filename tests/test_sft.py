@@ -10,9 +10,11 @@ import pytest
 from hybridrl.config import Config, load_config
 from hybridrl.driver.sft import (
     HeldoutCheck,
+    _train_step,
     ensure_warm_start,
     lr_factor,
     run_sft,
+    sft_batch,
     warm_start_path,
 )
 from hybridrl.envs.base import Env, StepResult
@@ -109,6 +111,22 @@ def test_check_is_held_out_and_deterministic(tmp_path):
     check.trained_on([p.text for p in held])
     with pytest.raises(RuntimeError, match="held-out prompts appeared in an SFT batch"):
         check(model)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3])
+def test_grad_clip_bounds_the_step(tmp_path, clip):
+    """With sft.grad_clip the update moves the weights by at most lr x clip (plain SGD, lr 1)."""
+    import torch
+
+    cfg = cfg_for(tmp_path)
+    model, tok = load_model(cfg, None)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    ids, attn, labels, _ = sft_batch(make_task(cfg), tok, 0, 8)
+    _train_step(model, opt, sched, ids, attn, labels, 4096, False, clip)
+    moved = (torch.cat([p.detach().flatten() for p in model.parameters()]) - before).norm()
+    assert moved <= clip * 1.001 if clip else moved > 1e-2, moved.item()
 
 
 class EpisodeRan(Env):
