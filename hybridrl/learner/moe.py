@@ -17,13 +17,30 @@ the old log-probs taken from the update's own first forward, that forward *is* t
 R2 equals no replay); ``none`` routes afresh everywhere.
 
 The policy model carries a :class:`MoETraining` (attribute ``hybridrl_moe``): the forward context
-finds it there, notes the router logits for the balancing losses, counts expert loads and compares
-fresh routing with the recorded one. The reference carries none: it only replays
-(:func:`replays_routing`); a critic neither replays nor observes.
+finds it there, counts expert loads, compares fresh routing with the recorded one and adds the
+balancing losses. The reference carries none: it only replays (:func:`replays_routing`); a critic
+neither replays nor observes. A pipelined policy (``actor.pp_size`` > 1) is the module of a rank's
+stages: the pipeline runs the same context around each micro-batch's forward of a stage
+(``parallel/pipeline.py``), and the routers keep the whole model's layer numbers
+(``moe/routing.py``), so each rank replays, observes and captures the layers it holds and the step's
+sums are taken over every rank.
+
+Observed tokens: the real tokens (attention mask) of the rows that train, those with a response
+token in the loss. The fillers that keep ranks in step (data parallelism's dummy micro-batches, a
+pipeline round's padding rows) have none: they are replayed like any row, but they are no expert's
+load and no part of the balancing losses, of R2's capture or of the routing comparisons.
+
+Balancing losses: each router call of a training forward computes its layer's terms on the observed
+tokens and joins them to the gradient right there (:class:`_Balanced`, on the dispatch weights), so
+a pipeline stage's layers reach the gradient in that stage's backward. A micro-batch's terms weigh
+its share of the mini-batch's response tokens, like the policy loss; the backward reads the
+mini-batch's totals, which the loss notes (:meth:`MoETraining.add_losses`) and, on pipeline ranks
+that compute no loss, the pipelined update (:func:`note_minibatch`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -57,6 +74,16 @@ def prepare(model: nn.Module, cfg) -> nn.Module:
     if cfg.bias_update_rate > 0 and is_moe(model):
         attach_biases(model)
     return model
+
+
+def note_minibatch(model: nn.Module, totals) -> None:
+    """The global ``totals`` of the mini-batch whose micro-batches ``model``'s next training
+    forwards run: the backward weighs each micro-batch's balancing losses by them. The pipelined
+    update notes them on every rank (only the ranks holding the last stage compute a loss, where
+    :meth:`MoETraining.add_losses` notes them); a no-op for a model without MoE runtime."""
+    runtime = getattr(model, RUNTIME_ATTR, None)
+    if runtime is not None:
+        runtime.totals = totals
 
 
 def replays_routing(model: nn.Module) -> nn.Module:
@@ -93,16 +120,67 @@ def _token_places(model, mb) -> tuple[torch.Tensor, int, torch.Tensor]:
     return torch.arange(n, device=attn.device).view(attn.shape)[real], n, real
 
 
-class _Forward:
-    """The hook of one forward: replays ``forced`` (n, layers, k) when given and reports each
-    router call to the runtime."""
+def _training_rows(mb) -> torch.Tensor:
+    """(B,) bool: the rows of ``mb`` that train, those with a response token in the loss (every
+    row of a micro-batch without a loss mask, such as the drift probe)."""
+    if "response_mask" in mb:
+        return mb["response_mask"].bool().any(-1)
+    return torch.ones(mb["attention_mask"].shape[0], dtype=torch.bool)
 
-    def __init__(self, runtime, forced, recorded, real_flat, capture):
+
+class _Share:
+    """A micro-batch's weight in its mini-batch's loss, read by the backward: its response tokens
+    over the mini-batch's (the totals its runtime noted before the backward)."""
+
+    def __init__(self, runtime: MoETraining, tokens: float):
+        self.runtime, self.tokens = runtime, tokens
+
+    def value(self) -> float:
+        totals = self.runtime.totals
+        if totals is None:
+            raise RuntimeError(
+                "MoE balancing losses: a backward before the mini-batch's totals were noted "
+                "(MoETraining.add_losses in the loss, or note_minibatch)"
+            )
+        return self.tokens / max(float(totals.n_tokens), 1.0)
+
+
+class _Balanced(torch.autograd.Function):
+    """The router's dispatch weights, unchanged; in the backward the layer's balancing ``term`` gets
+    the gradient ``share.value()``, as if ``share * term`` were added to the loss. The term joins
+    the gradient on the rank that runs the router, whichever pipeline stage that is."""
+
+    @staticmethod
+    def forward(ctx, weights, term, share):
+        ctx.share = share
+        ctx.save_for_backward(term)
+        return weights.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (term,) = ctx.saved_tensors
+        return grad, torch.full_like(term, ctx.share.value()), None
+
+
+class _Forward:
+    """The hook of one forward of micro-batch ``mb`` (``places``, ``n``, ``real``: its tokens, as
+    :func:`_token_places`): replays ``forced`` (n, layers, k) when given and reports each router
+    call to the runtime."""
+
+    def __init__(self, runtime, forced, recorded, mb, places, n, real):
         self.runtime, self.forced, self.recorded = runtime, forced, recorded
-        self.real_flat, self.capture = real_flat, capture
+        seen = real & _training_rows(mb).to(real.device)[:, None]
+        keep = seen[real]  # per real token, in the order of places
+        self.seen = torch.zeros(n, dtype=torch.bool, device=places.device)
+        self.seen[places[keep]] = True
+        self.capture = None
+        if runtime is not None and runtime.store is not None and ROW in mb:
+            self.capture = (mb[ROW], mb["prompts"].shape[1], places[keep], seen)
+        tokens = float(mb["response_mask"].sum()) if "response_mask" in mb else 0.0
+        self.share = _Share(runtime, tokens) if runtime is not None else None
 
     def __call__(self, layer: int, gate: nn.Module, out: tuple):
-        logits, _, fresh = out
+        logits, weights, fresh = out
         ids = fresh
         if self.forced is not None:
             if self.forced.shape[0] != logits.shape[0]:
@@ -112,19 +190,18 @@ class _Forward:
                 )
             forced = self.forced[:, layer].to(fresh.device, torch.long)
             ids = torch.where((forced >= 0).all(-1, keepdim=True), forced, fresh)
-            out = (logits, gate_weights(gate, logits, ids), ids)
+            weights = gate_weights(gate, logits, ids)
         if self.runtime is not None:
-            rec = None if self.recorded is None else self.recorded[:, layer]
-            self.runtime.observe(layer, logits, fresh, ids, self.real_flat, rec, self.capture)
-        return out if self.forced is not None else None
+            weights = self.runtime.observe(layer, logits, fresh, ids, weights, self)
+        return logits, weights, ids
 
 
 @contextmanager
 def moe_forward(model: nn.Module, mb) -> Iterator[None]:
     """Around one forward of micro-batch ``mb``: replay its ``routing`` where ``routing_replay``
     asks (a model marked by :func:`replays_routing`), and let the model's :class:`MoETraining`
-    (when attached) observe the routing. A no-op for a dense model and for an unmarked one (a
-    critic)."""
+    (when attached) observe the routing and add the balancing losses. A no-op for a dense model and
+    for an unmarked one (a critic)."""
     runtime = getattr(model, RUNTIME_ATTR, None)
     replays = getattr(model, REPLAYS_ATTR, False)
     if (runtime is None and not replays) or not is_moe(model):
@@ -138,12 +215,7 @@ def moe_forward(model: nn.Module, mb) -> Iterator[None]:
         recorded = recorded.to(routing.device)
         recorded[places] = routing[real]
     replaying = replays and recorded is not None and REPLAY in mb and bool(mb[REPLAY].any())
-    real_flat = torch.zeros(n, dtype=torch.bool, device=places.device)
-    real_flat[places] = True
-    capture = None
-    if runtime is not None and runtime.store is not None and ROW in mb:
-        capture = (mb[ROW], mb["prompts"].shape[1], places, real)
-    hook = _Forward(runtime, recorded if replaying else None, recorded, real_flat, capture)
+    hook = _Forward(runtime, recorded if replaying else None, recorded, mb, places, n, real)
     with gate_hooks(model, hook):
         yield
 
@@ -158,8 +230,11 @@ class MoETraining:
         self.counts = torch.zeros(shape, dtype=torch.float64)  # this step's update forwards
         self.bias_loads = torch.zeros(shape, dtype=torch.float64)  # since the last optimizer step
         self.changed, self.compared = 0, 0
-        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (logits, ids) per layer
+        # this step's balancing losses: sums over (micro-batch, layer) of tokens x aux, tokens x z,
+        # tokens (a micro-batch's response tokens)
+        self.balance = torch.zeros(3, dtype=torch.float64)
         self.losses_on = cfg.aux_loss_coef > 0 or cfg.z_loss_coef > 0
+        self.totals = None  # the running mini-batch's totals (AggTotals), noted before backward
         has_bias = cfg.bias_update_rate > 0
         self.bias = ExpertBias(model, cfg.bias_update_rate) if has_bias else None
         self.health = RoutingHealth(cfg.health_max_mean_threshold, cfg.health_empty_steps)
@@ -191,46 +266,52 @@ class MoETraining:
         return batch
 
     # --- during forwards ------------------------------------------------------------------------
-    def observe(self, layer, logits, fresh, ids, real_flat, recorded, capture) -> None:
-        real = real_flat.to(ids.device)
-        if capture is not None and not torch.is_grad_enabled():
-            self._capture(layer, fresh, capture)
-        if not torch.is_grad_enabled():  # passes without gradient: only R2's capture
-            return
-        used = ids[real]
+    def observe(self, layer, logits, fresh, ids, weights, forward: _Forward) -> torch.Tensor:
+        """One router call of ``forward``: R2's capture in a pass without gradient; in a training
+        forward, the loads, the comparison with the recorded routing and the balancing losses.
+        Returns the dispatch weights (carrying the layer's balancing losses)."""
+        if not torch.is_grad_enabled():
+            if forward.capture is not None:
+                self._capture(layer, fresh, forward.capture)
+            return weights
+        seen = forward.seen.to(ids.device)
+        used = ids[seen]
         count = torch.bincount(used.reshape(-1), minlength=self.n_experts).double().cpu()
         self.counts[layer] += count
         self.bias_loads[layer] += count
-        if recorded is not None:
-            rec = recorded.to(ids.device)[real].long()
+        if forward.recorded is not None:
+            rec = forward.recorded[:, layer].to(ids.device)[seen].long()
             valid = (rec >= 0).all(-1)
-            diff = ~same_sets(fresh[real][valid], rec[valid])
+            diff = ~same_sets(fresh[seen][valid], rec[valid])
             self.changed += int(diff.sum())
             self.compared += int(valid.sum())
-        if self.losses_on:
-            self.pending.append((logits[real], used))
+        if not self.losses_on or not bool(seen.any()):
+            return weights
+        aux, z = switch_aux_loss(logits[seen], used), router_z_loss(logits[seen])
+        tokens = forward.share.tokens
+        self.balance += torch.tensor([tokens * aux.item(), tokens * z.item(), tokens])
+        # the mean over the whole model's layers, whichever of them this module holds
+        term = (self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z) / self.n_layers
+        return _Balanced.apply(weights, term, forward.share)
 
     def _capture(self, layer, fresh, capture) -> None:
-        rows, p, places, real = capture
-        width = real.shape[1]
-        out = torch.full((*real.shape, self.top_k), NOT_ROUTED, dtype=ROUTING_DTYPE)
-        out[real.cpu()] = fresh[places.to(fresh.device)].to("cpu", ROUTING_DTYPE)
+        rows, p, places, seen = capture
+        width = seen.shape[1]
+        out = torch.full((*seen.shape, self.top_k), NOT_ROUTED, dtype=ROUTING_DTYPE)
+        seen = seen.cpu()
+        out[seen] = fresh[places.to(fresh.device)].to("cpu", ROUTING_DTYPE)
         start = self.prompt_width - p
-        self.store[rows.cpu(), start : start + width, layer] = out
+        trains = seen.any(-1)  # a filler row leaves its source row's capture alone
+        self.store[rows.cpu()[trains], start : start + width, layer] = out[trains]
 
     # --- the loss -------------------------------------------------------------------------------
     def add_losses(self, loss, metrics: dict, mb, totals):
-        """``loss`` plus this micro-batch's balancing losses (noted by its forward), weighted by
-        its share of the mini-batch's response tokens; their values in ``metrics``."""
-        pending, self.pending = self.pending, []
-        if not pending:
-            return loss, metrics
-        aux = torch.stack([switch_aux_loss(lg, ids) for lg, ids in pending]).mean()
-        z = torch.stack([router_z_loss(lg) for lg, _ in pending]).mean()
-        share = float(mb["response_mask"].sum()) / max(float(totals.n_tokens), 1.0)
-        extra = self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z
-        metrics = metrics | {"moe/aux_loss": aux.item(), "moe/z_loss": z.item()}
-        return loss + share * extra.to(loss.dtype), metrics
+        """The balancing losses of micro-batch ``mb`` are in its forward's graph already (each
+        router call added its layer's, :class:`_Balanced`); this notes the mini-batch ``totals``
+        that weigh them in the backward. ``loss`` and ``metrics`` come back as they are: the
+        losses' values are step metrics (:meth:`step_metrics`)."""
+        self.totals = totals
+        return loss, metrics
 
     def update_bias(self) -> None:
         """After an optimizer step: the bias update from the loads since the previous one."""
@@ -242,26 +323,38 @@ class MoETraining:
 
     # --- metrics --------------------------------------------------------------------------------
     def step_metrics(self, batch) -> dict[str, float]:
-        """The step's ``moe/`` metrics (a collective when the world size is > 1)."""
-        counts, changed, compared = self.counts, self.changed, self.compared
+        """The step's ``moe/`` metrics (a collective when the world size is > 1): loads and
+        routing comparisons over every rank's training forwards, the balancing losses as their
+        token-weighted mean over those forwards and the layers."""
+        counts = self.counts
+        sums = torch.tensor([self.changed, self.compared, *self.balance.tolist()]).double()
         if distributed.world_size() > 1:
             counts = distributed.all_reduce(counts.flatten()).view(counts.shape)
-            changed, compared = distributed.all_reduce([changed, compared]).tolist()
+            sums = distributed.all_reduce(sums)
+        changed, compared, aux, z, tokens = sums.tolist()
         self.counts = torch.zeros_like(self.counts)
+        self.balance = torch.zeros_like(self.balance)
         self.changed, self.compared = 0, 0
+        self.totals = None  # the next step's loss notes its own
         metrics = self.health.step(counts)
         against = "old_pass" if self.cfg.routing_replay == "r2" else "rollout"
         if compared:
             metrics[f"moe/routing_changed_vs_{against}"] = changed / compared
+        if self.losses_on:
+            metrics["moe/aux_loss"] = aux / tokens if tokens else math.nan
+            metrics["moe/z_loss"] = z / tokens if tokens else math.nan
         metrics["moe/routing_changed_vs_previous_version"] = self._probe_drift(batch)
         if self.bias is not None:
-            metrics["moe/bias_abs_max"] = float(self.bias.values().abs().max())
+            held = float(self.bias.values().abs().max())  # a pipeline rank: its layers' biases
+            metrics["moe/bias_abs_max"] = float(distributed.all_reduce([held], op="max")[0])
         return metrics
 
     @torch.no_grad()
     def _probe_drift(self, batch) -> float:
-        """The fraction of the probe's real tokens whose top-k set differs from the last step's
-        (the probe: the first rows of the first batch, fixed for the run); NaN the first time."""
+        """The fraction of the probe's (real token, layer) pairs whose top-k set differs from the
+        last step's (the probe: the first rows of the first batch, fixed for the run); NaN the
+        first time. A pipelined model's call runs the forward through every rank's stages, each
+        rank recording its layers."""
         if self.probe is None:
             rows = slice(0, min(PROBE_ROWS, len(batch)))
             self.probe = (batch["input_ids"][rows].clone(), batch["attention_mask"][rows].clone())
@@ -280,8 +373,11 @@ class MoETraining:
                 use_cache=False,
             )
         self.model.train(was_training)
-        now = rec.forwards()[0][attn.reshape(-1).bool().cpu()]
+        # a pipeline forwards the probe in micro-batches of consecutive rows
+        now = torch.cat(rec.forwards())[attn.reshape(-1).bool().cpu()]
         before, self.probe_ids = self.probe_ids, now
         if before is None:
             return float("nan")
-        return float((~same_sets(now.long(), before.long())).float().mean())
+        differ = float((~same_sets(now.long(), before.long())).sum())
+        differ, pairs = distributed.all_reduce([differ, now.shape[0] * now.shape[1]]).tolist()
+        return differ / pairs

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from hybridrl.learner.metrics import mean_over_ranks
+from hybridrl.learner.moe import moe_forward
 from hybridrl.parallel import distributed
 from hybridrl.parallel.buckets import bucketed
-from hybridrl.parallel.pipeline import PipeLayout, Pipeline, check_layout
-from hybridrl.parallel.pipeline_stages import StageModules
+from hybridrl.parallel.pipeline import PipeLayout, Pipeline, StageModules, check_layout
 from hybridrl.protocol import Batch
 
 
@@ -60,19 +60,42 @@ def model_layers(cfg, path: str | None) -> int | None:
 
 def build(cfg, model, env) -> tuple[Pipeline, StageModules]:
     """This rank's stages of ``model`` (autocast as ``fsdp.mixed_precision`` resolves on the
-    device), sharded over the replicas when there are several."""
+    device), sharded over the replicas when there are several; every micro-batch's forward of a
+    stage goes through the MoE hooks of ``learner/moe.py`` (a no-op for a dense model)."""
     from hybridrl.parallel.fsdp import device_precision_of, fsdp_config_of
     from hybridrl.parallel.precision import set_autocast
 
     check_config(cfg, env.world_size, len(model.model.layers))
+    layout = layout_of(cfg, env.rank, env.world_size)
+    check_routers_per_rank(model, layout)
     if fsdp_config_of(cfg).activation_checkpointing:
         from hybridrl.parallel.fsdp import enable_activation_checkpointing
 
         enable_activation_checkpointing(model)
     prec = device_precision_of(model, fsdp_config_of(cfg), env.device)
     set_autocast(model, torch.bfloat16 if prec.bf16 else None, env.device.type)
-    pl = Pipeline(model, layout_of(cfg, env.rank, env.world_size), env.device, None, cfg.fsdp)
-    return pl, StageModules(pl.stages, model.config)
+    pl = Pipeline(model, layout, env.device, None, cfg.fsdp, around=moe_forward)
+    return pl, pl.modules
+
+
+def check_routers_per_rank(model, layout: PipeLayout) -> None:
+    """A mixture of experts needs a router on every pipeline rank: each rank's MoE runtime takes
+    part in the step's collectives (loads, routing comparisons, the bias update)."""
+    from hybridrl.moe.routing import is_moe
+    from hybridrl.parallel.pipeline_stages import layer_ranges
+
+    layers = model.model.layers
+    if not is_moe(model):
+        return
+    ranges = layer_ranges(len(layers), layout.n_stages)
+    for rank in range(layout.pp):
+        held = [i for s in layout.stages_of(rank) for i in ranges[s]]
+        if not any(is_moe(layers[i]) for i in held):
+            raise ValueError(
+                f"actor.pp_size={layout.pp}: pipeline rank {rank} would hold decoder layers "
+                f"{held}, none of them a mixture-of-experts layer; every rank needs one (fewer "
+                "stages, or another schedule)"
+            )
 
 
 def on_replica_rows(fn, batch: Batch, layout: PipeLayout):
@@ -116,11 +139,16 @@ def save(path, pl: Pipeline, modules: StageModules, optimizer, shuffle, tokenize
     path = Path(path)
     weights = pl.full_weights()
     if distributed.rank() == 0:
-        from hybridrl.parallel.sharded_checkpoint import model_class
+        from transformers import AutoModelForCausalLM
+
+        from hybridrl.moe.balance import BIAS_NAME, attach_biases
 
         with torch.device("meta"):
-            model = model_class(pl.config)._from_config(pl.config)
+            # the stages are a causal LM's (a built-in's config names no architecture)
+            model = AutoModelForCausalLM.from_config(pl.config)
         model.to_empty(device="cpu")
+        if any(name.endswith(BIAS_NAME) for name in weights):  # moe.bias_update_rate: kept
+            attach_biases(model)
         model.load_state_dict(weights, strict=False, assign=True)
         model.tie_weights()
         model.save_pretrained(path)

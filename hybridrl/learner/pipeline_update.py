@@ -23,6 +23,7 @@ import torch
 from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.algorithms.masking import zero_pad
 from hybridrl.learner.logprob import _as_sampling, dummy_micro_batch, trim
+from hybridrl.learner.moe import note_minibatch
 from hybridrl.learner.update import SkipCounter, chunk_minibatch_rows
 from hybridrl.parallel import distributed
 from hybridrl.parallel.pipeline import PipeLayout, Pipeline, sum_metrics
@@ -116,6 +117,7 @@ def run_updates(
             mini = batch.index(rows)
             optimizer.zero_grad(set_to_none=True)
             totals = replica_totals(mini, norm_len, pl.layout)
+            note_minibatch(pl.modules, totals)  # MoE: the balancing losses' weights, every rank
             state = _MiniBatch(objective, sampling, totals, max(totals.n_tokens, 1.0))
             for rb in rounds(pl, mini, section.micro_batch_tokens, batch):
                 pl.run_round(rb, partial(state.loss, rb))

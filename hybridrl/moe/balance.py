@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridrl.moe.routing import gate_weights, moe_gates
+from hybridrl.moe.routing import gate_layers, gate_weights, moe_gates
 
 BIAS_NAME = "expert_bias"
 
@@ -82,11 +82,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertBias:
-    """The bias update of every router of a model. ``loads`` (layers, E) are the tokens each expert
-    received since the last update (summed over ranks by the caller)."""
+    """The bias update of every router of a model (or of the part a pipeline rank holds).
+    ``loads`` (layers of the whole model, E) are the tokens each expert received since the last
+    update (summed over ranks by the caller)."""
 
     def __init__(self, model: nn.Module, rate: float):
-        self.gates = moe_gates(model)
+        self.gates = gate_layers(model)
         self.rate = rate
 
     @staticmethod
@@ -98,7 +99,7 @@ class ExpertBias:
     @torch.no_grad()
     def update(self, loads: torch.Tensor) -> None:
         step = self.delta(loads, self.rate)
-        for layer, gate in enumerate(self.gates):
+        for layer, gate in self.gates:
             bias = getattr(gate, BIAS_NAME)
             full = step[layer].to(_local(bias).device)
             local = _local(bias)
@@ -108,9 +109,10 @@ class ExpertBias:
             local.add_(full)
 
     def values(self) -> torch.Tensor:
-        """(layers, E): the current biases (full, gathered when sharded)."""
+        """(layers held, E): the current biases of the routers held, in layer order (full,
+        gathered when sharded)."""
         out = []
-        for gate in self.gates:
+        for _, gate in self.gates:
             bias = getattr(gate, BIAS_NAME)
             full = bias.full_tensor() if hasattr(bias, "full_tensor") else bias
             out.append(full.detach().float().cpu())

@@ -16,6 +16,11 @@ Families differ in how the top-k weights are normalised (:data:`GATE_FAMILIES`):
 Qwen3-MoE divide by their sum only when ``norm_topk_prob`` is set (Qwen2-MoE's default is off),
 Mixtral always does. Ids are stored as int16, with :data:`NOT_ROUTED` (-1) for a token that has no
 recorded routing (padding, a response's last token): replay leaves those tokens to the router.
+
+Layers: routing data is indexed by MoE layer, the routers in the whole model's order. A module that
+holds only some of them (a pipeline stage) knows each one's place from :func:`number_gates`, run on
+the whole model before it is cut: :func:`gate_layers` and :func:`routing_shape` read it, so hooks,
+recordings and counts use the whole model's layer numbers on every stage.
 """
 
 from __future__ import annotations
@@ -63,12 +68,32 @@ def is_moe(model: nn.Module) -> bool:
     return bool(moe_gates(model))
 
 
+# on a router: (its MoE layer, the MoE layers of its whole model), set by number_gates
+LAYER_ATTR = "hybridrl_moe_layer"
+
+
+def number_gates(model: nn.Module) -> None:
+    """Mark each router of the whole ``model`` with its layer and the layer count, so that a part
+    of the model (a pipeline stage) keeps the whole model's numbering; idempotent."""
+    gates = moe_gates(model)
+    for i, gate in enumerate(gates):
+        setattr(gate, LAYER_ATTR, (i, len(gates)))
+
+
+def gate_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """``(layer, router)`` of every router ``model`` holds, in layer order: the numbers of
+    :func:`number_gates` when set, else the routers' order in ``model``."""
+    gates = moe_gates(model)
+    return [(getattr(g, LAYER_ATTR, (i, len(gates)))[0], g) for i, g in enumerate(gates)]
+
+
 def routing_shape(model: nn.Module) -> tuple[int, int, int]:
-    """(MoE layers, experts, top-k) of an MoE model."""
+    """(MoE layers of the whole model, experts, top-k) of an MoE model or a part of one."""
     gates = moe_gates(model)
     if not gates:
         raise ValueError(f"{type(model).__name__} has no mixture-of-experts router")
-    return len(gates), int(gates[0].weight.shape[0]), int(gates[0].top_k)
+    n_layers = getattr(gates[0], LAYER_ATTR, (0, len(gates)))[1]
+    return n_layers, int(gates[0].weight.shape[0]), int(gates[0].top_k)
 
 
 def gate_weights(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -93,14 +118,15 @@ GateHook = Callable[[int, nn.Module, tuple], tuple | None]
 @contextmanager
 def gate_hooks(model: nn.Module, fn: GateHook) -> Iterator[list[nn.Module]]:
     """``fn(layer, gate, (logits, weights, ids))`` as a forward hook on every router while the
-    block runs; a tuple it returns replaces the router's output (what the MoE block dispatches)."""
-    gates = moe_gates(model)
+    block runs (``layer``: :func:`gate_layers`); a tuple it returns replaces the router's output
+    (what the MoE block dispatches)."""
+    layers = gate_layers(model)
     handles = [
         gate.register_forward_hook(lambda mod, args, out, layer=i: fn(layer, mod, out))
-        for i, gate in enumerate(gates)
+        for i, gate in layers
     ]
     try:
-        yield gates
+        yield [gate for _, gate in layers]
     finally:
         for h in handles:
             h.remove()
@@ -109,24 +135,26 @@ def gate_hooks(model: nn.Module, fn: GateHook) -> Iterator[list[nn.Module]]:
 class RoutingRecorder:
     """Each router call's ``top_k_ids`` (on the CPU, int16), per layer, in call order."""
 
-    def __init__(self, n_layers: int):
-        self.calls: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
+    def __init__(self, layers: list[int]):
+        self.calls: dict[int, list[torch.Tensor]] = {layer: [] for layer in sorted(layers)}
 
     def __call__(self, layer: int, gate: nn.Module, out: tuple) -> None:
         self.calls[layer].append(out[2].detach().to("cpu", ROUTING_DTYPE))
 
     def forwards(self) -> list[torch.Tensor]:
-        """One (N, layers, k) tensor per recorded forward of the model."""
-        n = len(self.calls[0]) if self.calls else 0
-        if any(len(c) != n for c in self.calls):
+        """One (N, layers, k) tensor per recorded forward of the model (the layers it holds, in
+        order)."""
+        calls = list(self.calls.values())
+        n = len(calls[0]) if calls else 0
+        if any(len(c) != n for c in calls):
             raise RuntimeError("routing recorder: the layers recorded different numbers of calls")
-        return [torch.stack([c[i] for c in self.calls], 1) for i in range(n)]
+        return [torch.stack([c[i] for c in calls], 1) for i in range(n)]
 
 
 @contextmanager
 def record(model: nn.Module) -> Iterator[RoutingRecorder]:
     """Record the experts every forward inside the block chooses (``.forwards()`` afterwards)."""
-    recorder = RoutingRecorder(len(moe_gates(model)))
+    recorder = RoutingRecorder([layer for layer, _ in gate_layers(model)])
     with gate_hooks(model, recorder):
         yield recorder
 

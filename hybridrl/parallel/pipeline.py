@@ -21,12 +21,18 @@ of our own: torch's multi-stage schedules run backward actions even in ``eval``)
 next update's first epoch would cut, and broadcast the (B, R) log-probs from the last stage to every
 rank of the replica.
 
+Around every micro-batch's forward of a stage, in training rounds and forward-only ones alike, the
+pipeline enters the caller's context ``around(modules, mb)`` with the rows of that micro-batch (the
+learner's MoE hooks: routing replay, loads, balancing losses, ``learner/moe.py``); the forward that
+a fresh schedule runs once on the first micro-batch to infer shapes stays outside it.
+
 Idle time: every stage's forward, backward and weight-gradient actions and the loss are timed
 (:class:`ComputeClock`); a rank's idle fraction is 1 - compute / wall time of the schedule steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import pipelining as pipe
 
 from hybridrl.parallel import distributed
@@ -149,12 +156,36 @@ class ComputeClock:
         return out
 
 
+def _no_context(modules, mb):
+    return contextlib.nullcontext()
+
+
+class StageModules(nn.ModuleList):
+    """A rank's stages as one module: their parameters (the optimizer's, checks, moves), the full
+    model's ``config`` (FLOPs accounting reads the model's shape), and a call like the model's, a
+    forward-only pass through the whole pipeline (a collective: every rank of the replica calls,
+    each running its stages) whose logits come back on the rank holding the last stage (None on
+    the others); positions come from the attention mask, as every stage rebuilds them."""
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__(pipeline.stages)
+        self.config = pipeline.config
+        self.pipeline = pipeline
+
+    def forward(self, input_ids, attention_mask, position_ids=None, use_cache=False):
+        return self.pipeline.forward_logits(input_ids, attention_mask)
+
+
 class Pipeline:
     """This rank's stages of ``model`` and the machinery to run them (see the module docstring).
     ``mesh``: the (dp, pp) DeviceMesh (None: built here); FSDP2 shards the stages over dp when
-    dp > 1, with ``fsdp_cfg``."""
+    dp > 1, with ``fsdp_cfg``. ``around(modules, mb)``: the context around each micro-batch's
+    forward of a stage (``modules``: this rank's :class:`StageModules`, ``mb``: the micro-batch's
+    rows of the round batch); none by default."""
 
-    def __init__(self, model, layout: PipeLayout, device=None, mesh=None, fsdp_cfg=None):
+    def __init__(
+        self, model, layout: PipeLayout, device=None, mesh=None, fsdp_cfg=None, around=None
+    ):
         from torch.distributed.device_mesh import init_device_mesh
 
         check_layout(
@@ -180,6 +211,8 @@ class Pipeline:
                 shard_modules(stage, stage.decoder_layers(), self.mesh["dp"], fsdp_cfg, self.device)
         self.tie_group = self._tie_group()
         self.clock = ComputeClock()
+        self.modules = StageModules(self)
+        self.around = around or _no_context
 
     # --- parameters ---------------------------------------------------------------------------
     def parameters(self):
@@ -244,19 +277,34 @@ class Pipeline:
         return total
 
     # --- running the schedule -----------------------------------------------------------------
-    def _schedule(self, loss_fn):
-        """A schedule over fresh stage wrappers (their activation shapes are inferred from the
-        first micro-batch, so every round may have its own width)."""
+    def _schedule(self, loss_fn, rb: Batch):
+        """A schedule over fresh stage wrappers for round batch ``rb`` (their activation shapes
+        are inferred from the first micro-batch, so every round may have its own width)."""
         cls, multi = SCHEDULES[self.layout.schedule]
         stages = []
         for stage in self.stages:
             ps = pipe.PipelineStage(
                 stage, stage.index, self.layout.n_stages, self.device, group=self.pp_group
             )
+            self._enter_around(ps, rb)
             self.clock.wrap(ps)
             stages.append(ps)
         n = self.layout.n_microbatches
         return cls(stages if multi else stages[0], n, loss_fn=loss_fn, scale_grads=False)
+
+    def _microbatch_rows(self, n_rows: int) -> list[torch.Tensor]:
+        """The rows of each micro-batch of a round of ``n_rows`` (as the schedules split it)."""
+        return list(torch.arange(n_rows).tensor_split(self.layout.n_microbatches))
+
+    def _enter_around(self, ps, rb: Batch) -> None:
+        """Run ``ps``'s micro-batch forwards inside ``around`` (its shape inference stays out)."""
+        run, rows = ps.forward_one_chunk, self._microbatch_rows(len(rb))
+
+        def forward_one_chunk(chunk, *args, **kwargs):
+            with self.around(self.modules, rb.index(rows[chunk])):
+                return run(chunk, *args, **kwargs)
+
+        ps.forward_one_chunk = forward_one_chunk
 
     def run_round(self, rb: Batch, loss_fn) -> None:
         """One training schedule step over the round batch ``rb`` (rows a multiple of
@@ -273,7 +321,7 @@ class Pipeline:
                 return output.float().sum() * 0.0
             return loss_fn(output, rows)
 
-        schedule = self._schedule(self.clock.timed(guarded))
+        schedule = self._schedule(self.clock.timed(guarded), rb)
         args, kwargs = self._inputs(rb)
         t0 = time.perf_counter()
         schedule.step(*args, target=torch.arange(len(rb)), return_outputs=False, **kwargs)
@@ -299,7 +347,7 @@ class Pipeline:
         run backward actions, even in ``eval``, on multi-stage ranks): ``consume(logits, rows)`` on
         the rank holding the last stage."""
         lay, args, kwargs = self.layout, *self._inputs(rb)
-        rows = torch.arange(len(rb)).chunk(lay.n_microbatches)
+        rows = [r for r in self._microbatch_rows(len(rb)) if len(r)]
         kw = [{k: v[r.to(v.device)] for k, v in kwargs.items()} for r in rows]
         mine = {s.index: s for s in self.stages}
         base = lay.dp_rank * lay.pp
@@ -319,7 +367,8 @@ class Pipeline:
                     x = torch.empty(shape, device=distributed._device_of_group())
                     dist.recv(x, src=base + prev, group=self.pp_group)
                     x = x.to(self.device)
-                y = mine[s](x, **kw[m])
+                with self.around(self.modules, rb.index(r)):
+                    y = mine[s](x, **kw[m])
                 if s == lay.n_stages - 1:
                     consume(y, r)
                 elif lay.holder(s + 1) == lay.pp_rank:
@@ -329,6 +378,15 @@ class Pipeline:
                     sends.append(dist.isend(out, dst=base + lay.holder(s + 1), group=self.pp_group))
         for work in sends:
             work.wait()
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids, attention_mask) -> torch.Tensor | None:
+        """Forward only over the rows of ``input_ids``: their logits (B, T, V) on the rank holding
+        the last stage, None on the others (every rank of the replica calls)."""
+        parts = []
+        rb = Batch({"input_ids": input_ids, "attention_mask": attention_mask})
+        self.forward_round(rb, lambda logits, rows: parts.append(logits))
+        return torch.cat(parts) if parts else None
 
     def broadcast_from_last(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the rank holding the last stage has it, on every rank of the replica."""

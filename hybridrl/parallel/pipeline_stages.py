@@ -175,20 +175,14 @@ class DecoderStage(nn.Module):
         return list(self.layers.values())
 
 
-class StageModules(nn.ModuleList):
-    """A rank's stages as one module (its parameters for the optimizer, checks and moves), with
-    the full model's ``config`` (FLOPs accounting reads the model's shape)."""
-
-    def __init__(self, stages: list[DecoderStage], config):
-        super().__init__(stages)
-        self.config = config
-
-
 def build_stages(model: nn.Module, indices: list[int], n_stages: int) -> list[DecoderStage]:
     """This rank's stages (``indices``) of ``model`` cut into ``n_stages``; they share the model's
-    modules (no copy, except a tied head's own weight) and its autocast mark."""
+    modules (no copy, except a tied head's own weight) and its autocast mark, and a mixture of
+    experts' routers keep their layer numbers in the whole model (``moe/routing.py``)."""
+    from hybridrl.moe.routing import number_gates
     from hybridrl.parallel.precision import autocast_device, autocast_dtype, set_autocast
 
+    number_gates(model)
     decoder, head = causal_lm_parts(model)
     ranges = layer_ranges(len(decoder.layers), n_stages)
     parts = (decoder, head, is_tied(model))
