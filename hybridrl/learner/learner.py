@@ -165,8 +165,8 @@ class Learner(Worker):
             metrics["actor/kl_ref"] = masked_mean(kl, mask).item()
         if alg.entropy_coef:
             loss = loss - alg.entropy_coef * self.aggregate(entropy, mask, totals)
-        if self.moe:  # MoE balancing losses of this forward (moe.aux_loss_coef, moe.z_loss_coef)
-            loss, metrics = self.moe.add_losses(loss, metrics, mb, totals)
+        if self.moe:  # the weights of this forward's balancing losses, in its backward
+            moe_training.note_minibatch(self.model, totals)
         return loss, metrics
 
     # --- the policy's passes (this rank's rows) -------------------------------------------------

@@ -34,8 +34,8 @@ Balancing losses: each router call of a training forward computes its layer's te
 tokens and joins them to the gradient right there (:class:`_Balanced`, on the dispatch weights), so
 a pipeline stage's layers reach the gradient in that stage's backward. A micro-batch's terms weigh
 its share of the mini-batch's response tokens, like the policy loss; the backward reads the
-mini-batch's totals, which the loss notes (:meth:`MoETraining.add_losses`) and, on pipeline ranks
-that compute no loss, the pipelined update (:func:`note_minibatch`).
+mini-batch's totals, which the update notes before the backward (:func:`note_minibatch`: the
+learner's loss, and on every pipeline rank the pipelined update).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def prepare(model: nn.Module, cfg) -> nn.Module:
 def note_minibatch(model: nn.Module, totals) -> None:
     """The global ``totals`` of the mini-batch whose micro-batches ``model``'s next training
     forwards run: the backward weighs each micro-batch's balancing losses by them. The pipelined
-    update notes them on every rank (only the ranks holding the last stage compute a loss, where
-    :meth:`MoETraining.add_losses` notes them); a no-op for a model without MoE runtime."""
+    update notes them on every rank (only the ranks holding the last stage compute a loss); a
+    no-op for a model without MoE runtime."""
     runtime = getattr(model, RUNTIME_ATTR, None)
     if runtime is not None:
         runtime.totals = totals
@@ -140,7 +140,7 @@ class _Share:
         if totals is None:
             raise RuntimeError(
                 "MoE balancing losses: a backward before the mini-batch's totals were noted "
-                "(MoETraining.add_losses in the loss, or note_minibatch)"
+                "(note_minibatch)"
             )
         return self.tokens / max(float(totals.n_tokens), 1.0)
 
@@ -305,14 +305,6 @@ class MoETraining:
         self.store[rows.cpu()[trains], start : start + width, layer] = out[trains]
 
     # --- the loss -------------------------------------------------------------------------------
-    def add_losses(self, loss, metrics: dict, mb, totals):
-        """The balancing losses of micro-batch ``mb`` are in its forward's graph already (each
-        router call added its layer's, :class:`_Balanced`); this notes the mini-batch ``totals``
-        that weigh them in the backward. ``loss`` and ``metrics`` come back as they are: the
-        losses' values are step metrics (:meth:`step_metrics`)."""
-        self.totals = totals
-        return loss, metrics
-
     def update_bias(self) -> None:
         """After an optimizer step: the bias update from the loads since the previous one."""
         loads = self.bias_loads
