@@ -13,17 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from test_default_job import torch_threads  # noqa: F401 (the fixture)
 
 from hybridrl.config import Config, load_config
 from hybridrl.driver.sync import train
-
-
-@pytest.fixture
-def torch_threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -19,7 +19,18 @@ from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, agg_totals, kl_penalty
 from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
 
-NEW_LOSSES = ["cispo", "gmpo", "clip_cov", "kl_cov", "sapo"]
+# the losses added beside the PPO family (the veRL-parity ones too: test_verl_parity.py)
+NEW_LOSSES = [
+    "cispo",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "sapo",
+    "reinforce",
+    "dro",
+    "dppo_tv",
+    "dppo_kl",
+]
 D = torch.float64
 
 
@@ -311,7 +322,7 @@ def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):
         }
     )
     dirty_logp = with_garbage(logp, mask, g)
-    c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, clip_cov_lb=0.0, clip_cov_ub=5.0)
+    c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, clip_cov_lb=0.0, clip_cov_ub=5.0, dro_beta=0.5)
     for name in NEW_LOSSES:
         loss, grad, metrics = run(name, logp, mb, c)
         loss2, grad2, metrics2 = run(name, dirty_logp, dirty, c)
@@ -334,6 +345,7 @@ def test_new_losses_finite_for_extreme_log_ratios(inputs, deltas):
     sign = torch.where(torch.rand(logp.shape, generator=g) < 0.5, -1.0, 1.0).double()
     far = mb["old_log_probs"] + sign * pick
     for name in NEW_LOSSES:
-        loss, grad, metrics = run(name, far, mb, cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3))
+        c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, dro_beta=0.5)
+        loss, grad, metrics = run(name, far, mb, c)
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), name
         assert all(math.isfinite(v) for v in metrics.values()), name
