@@ -8,6 +8,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # bf16 tests ask for bf16 explicitly.
 os.environ.setdefault("HYBRIDRL_AUTO_PRECISION", "fp32")
 
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Property tests draw the same examples on every run (a CI failure reproduces locally; set
@@ -18,3 +20,12 @@ settings.register_profile(
 )
 settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def torch_threads():
+    """``torch.set_num_threads`` for a test that runs at a thread count of its own (the job tests
+    run at 1 and 2); the count is put back afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)

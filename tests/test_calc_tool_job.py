@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-from test_default_job import torch_threads  # noqa: F401 (the fixture)
 
 from hybridrl.config import Config, load_config
 from hybridrl.driver.sync import train

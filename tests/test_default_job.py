@@ -10,17 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.driver.sync import train
-
-
-@pytest.fixture
-def torch_threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.mark.slow
