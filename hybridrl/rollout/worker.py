@@ -78,9 +78,11 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
-        """Release the weight-sync transports (mapped staging files)."""
+        """Release the weight-sync transports (mapped staging files) and shut the backend down (an
+        external engine's processes)."""
         for transport in self.transports.values():
             transport.close()
+        self.backend.close()
 
     @register(Dispatch.ONE_TO_ALL)
     def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:

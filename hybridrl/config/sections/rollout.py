@@ -26,7 +26,12 @@ class RolloutConfig:
     max_batch_size: int = _f(
         512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1
     )
-    kv_cache_bytes: int = _f(256 << 20, "native: bytes of the paged KV-cache pool", ge=1)
+    kv_cache_bytes: int = _f(
+        256 << 20,
+        "native, and vllm on a CPU: bytes of the paged KV-cache pool (vllm: unless "
+        "VLLM_CPU_KVCACHE_SPACE is set)",
+        ge=1,
+    )
     block_size: int = _f(
         16,
         "native: tokens per KV-cache block (at most 1024: a block is the unit of sharing and of "

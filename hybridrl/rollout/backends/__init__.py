@@ -7,6 +7,9 @@ A backend class may declare:
   process, else the CPU); the engine's weights, KV cache and sampling then live there. ``native``
   and ``hf`` do; the ``vllm`` / ``sglang`` adapters place themselves (their engines take the GPUs
   they are given) and keep the in-memory model on the CPU as a host mirror.
+* ``records_routing = True``: for a mixture-of-experts model, every sample carries the experts its
+  tokens were routed to (``Sample.routing``), which ``moe.routing_replay=r3`` replays in training;
+  a config asking for r3 with a backend that records none is refused before any worker starts.
 * ``package`` / ``extra``: the third-party package it drives and the hybridrl extra that installs
   it; :func:`missing_requirement` turns a missing one into a one-line config error before any
   worker starts (``hybridrl.checks.check_plugins``).

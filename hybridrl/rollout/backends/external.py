@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -83,6 +84,7 @@ class ExternalRollout(RolloutEngine):
             else "auto"
         )
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._engine_lock = threading.Lock()  # one call into the engine at a time
         self.model_path = self.cfg.engine_model_path or self._save(model, tokenizer)
         self._tokens, self._seconds, self._sync_seconds = 0, 0.0, 0.0
         self.engine = self._start(self.model_path)
@@ -112,6 +114,12 @@ class ExternalRollout(RolloutEngine):
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError
 
+    def _begin_load(self) -> None:  # noqa: B027 (optional)
+        """Before a sync's first bucket (an engine that loads a sync as one session)."""
+
+    def _end_load(self) -> None:  # noqa: B027 (optional)
+        """After a sync's last bucket, also after a sync that failed half-way."""
+
     def _reset_prefix_cache(self) -> None:
         raise NotImplementedError
 
@@ -127,9 +135,10 @@ class ExternalRollout(RolloutEngine):
             )
         live = [(i, p) for i, p in enumerate(prompts) if p.uid not in self._aborted]
         seeds = [None if params.seed is None else request_seed(params.seed, p.uid) for _, p in live]
-        version, t0 = self.version, time.perf_counter()
-        outputs = self._generate([p for _, p in live], seeds, params) if live else []
-        self._seconds += time.perf_counter() - t0
+        with self._engine_lock:
+            version, t0 = self.version, time.perf_counter()
+            outputs = self._generate([p for _, p in live], seeds, params) if live else []
+            self._seconds += time.perf_counter() - t0
         by_index = {i: outs for (i, _), outs in zip(live, outputs)}
         samples = []
         for i, p in enumerate(prompts):
@@ -176,15 +185,18 @@ class ExternalRollout(RolloutEngine):
             yield name, t
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        t0, count = time.perf_counter(), 0
-        try:
-            for bucket in bucketed(self._mirror(named_tensors), self.bucket_bytes):
-                self._load_bucket(bucket)
-                count += len(bucket)
-        finally:
-            # KV computed under the old weights must not be served (also after a sync that failed
-            # half-way)
-            self._reset_prefix_cache()
+        with self._engine_lock:
+            t0, count = time.perf_counter(), 0
+            self._begin_load()
+            try:
+                for bucket in bucketed(self._mirror(named_tensors), self.bucket_bytes):
+                    self._load_bucket(bucket)
+                    count += len(bucket)
+            finally:
+                self._end_load()
+                # KV computed under the old weights must not be served (also after a sync that
+                # failed half-way)
+                self._reset_prefix_cache()
         self._sync_seconds += time.perf_counter() - t0
         return count
 

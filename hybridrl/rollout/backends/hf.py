@@ -119,6 +119,7 @@ def sample_routing(forwards: list[torch.Tensor], rows: list[Sample], width: int)
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout(RolloutEngine):
     takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
+    records_routing = True  # MoE models: Sample.routing, for moe.routing_replay=r3
 
     def __init__(
         self,

@@ -43,6 +43,7 @@ def _load_draft(path: str, like):
 @ROLLOUT_BACKENDS.register("native")
 class NativeRollout(RolloutEngine):
     takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
+    records_routing = True  # MoE models: Sample.routing, for moe.routing_replay=r3
 
     def __init__(
         self,

