@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, prepared for a lent GPU machine (the `device` tool's `run`), in one call of about
-# 8 minutes on an H200 (the steps' time limits add up to 570 s):
+# 8 minutes on an H200 (the steps' time limits add up to 690 s, the vLLM step's 120 of them; the
+# steps before it took under 5 minutes):
 #   run(command="bash bench/gpu_check.sh", timeout_s=600)
 # Needs the machine's python3 to have torch (CUDA), transformers, peft, safetensors, pytest and
 # hybridrl's other core dependencies (pyyaml, tqdm, matplotlib, numpy); no Ray (the local controller
@@ -12,6 +13,10 @@
 #                            in which precision (rollout engine: device, dtype, KV cache; training:
 #                            device, parameter and optimizer-state dtypes, autocast), checked
 #   grpo_gpu.log             its log (the precision lines say what was chosen and why)
+#   test_vllm_gpu.log        where vllm imports: the real-engine tests (tests/test_vllm_engine.py:
+#                            generation and log-probs against transformers, weight syncs, LoRA, two
+#                            threads, and 5 GRPO steps sync and async through rollout.backend=vllm)
+#                            on the GPU; where it does not, one line saying so
 #   test_cuda.log            the GPU tests (-k cuda): tests/test_cuda.py (seeded sampling, weight
 #                            updates, memory release, the KV pool from free memory, an actor step,
 #                            bf16 placement of the rollout worker and the one-GPU learner) and the
@@ -170,6 +175,15 @@ EOF
 status=${PIPESTATUS[0]}
 rm -rf "$RUNS"
 [ "$status" -eq 0 ] || fail "GRPO on the GPU (exit $status; see $OUT/grpo_gpu.log)"
+
+echo "== vLLM on the GPU (the real-engine tests, GRPO steps included)"
+if $PY -c "import vllm" 2>/dev/null; then
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" -m vllm tests/test_vllm_engine.py \
+    2>&1 | tee "$OUT/test_vllm_gpu.log" | tail -8
+else
+  echo "vllm is not installed in $PY: skipped (pip install -e '.[vllm]' torch==<its torch>)" \
+    | tee "$OUT/test_vllm_gpu.log"
+fi
 
 echo "== GPU tests"
 timeout 180 $PY -m pytest -q -p no:cacheprovider -o addopts="" -k cuda \
