@@ -255,3 +255,34 @@ def test_grpo_trains_through_vllm(tmp_path, mode):
         assert max(m["rollout_corr/logp_gap_max"] for m in steps) <= MAX_GAP
     left = [p for p in engine_processes() if p.pid not in engines]  # the run shut its engine down
     assert not left, [(p.name(), p.status()) for p in left]
+
+
+def test_tool_episodes_run_through_vllm(tmp_path):
+    """Multi-turn rollouts with an environment drive the engine through the streaming interface, one
+    request per turn, with stop strings (a turn ends after its call: vLLM detokenizes to match
+    them). W4's calculator environment, no latency; the evaluations before and after run through
+    the engine too."""
+    from hybridrl.api import train
+
+    engines = {p.pid for p in engine_processes()}
+    overrides = [
+        "task.name=calc",
+        "env.name=calc_tool",
+        "env.kwargs={latency_s: 0.0}",
+        "env.turn_stop=[</call>]",
+        "env.max_turns=3",
+        "env.max_total_tokens=64",
+        "rollout.max_new_tokens=24",
+        "trainer.total_steps=2",
+        "algorithm.kl_coef=0.0",
+        f"sft.checkpoint={tmp_path / 'ws'}",
+        f"trainer.runs_dir={tmp_path / 'runs'}",
+    ]
+    base = [o for o in RUN if not o.startswith(("task.name", "rollout.max_new", "trainer.total"))]
+    summary = train(load_config(Config, None, [*base, *overrides]))
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").open()]
+    steps = [r for r in rows if r["step"] > 0]
+    # every step's 8 x 4 episodes (the first step's window also holds the evaluation before)
+    assert summary["steps"] == 2 and all(r["env/trajectories"] >= 8 * 4 for r in steps)
+    assert all(r["env/errors"] == 0 for r in steps)
+    assert {p.pid for p in engine_processes()} == engines
