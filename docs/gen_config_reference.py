@@ -20,6 +20,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from hybridrl.config import Config, to_dict
+from hybridrl.config.aliases import alias_table
 
 OUT = Path(__file__).resolve().parent / "configuration.md"
 BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -145,6 +146,15 @@ def render() -> str:
         "Among them: `trainer.prompts_per_step × trainer.samples_per_prompt` must be a multiple of "
         "`actor.ppo_minibatch_size`; both roles (learner, rollout) must be placed on a pool "
         "listed in `controller.pools`; `model.path` must be a directory holding `config.json`.",
+        "",
+        "## Coming from TRL or veRL",
+        "",
+        "A key from TRL or veRL is refused with hybridrl's name for it (one table, "
+        "`hybridrl/config/aliases.py`); a value is never carried over silently, and where the "
+        "units differ the note says how. A key that takes a list of strings also takes one string "
+        "(`trainer.loggers: wandb`, as TRL's `report_to`).",
+        "",
+        alias_table(),
         "",
     ]
     return "\n".join(lines)

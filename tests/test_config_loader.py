@@ -636,3 +636,36 @@ def test_async_refuses_dynamic_sampling():
         load_config(Config, None, ["algorithm.filter_groups=true", "trainer.mode=async"])
     cfg = load_config(Config, None, ["algorithm.filter_groups=false", "trainer.mode=async"])
     assert cfg.trainer.mode == "async"
+
+
+# --- names from TRL and veRL (hybridrl/config/aliases.py) -----------------------------------------
+@pytest.mark.parametrize(
+    "override, ours",
+    [
+        ("algorithm.adv_estimator=grpo", "algorithm.advantage"),  # difflib said kl_estimator
+        ("data.max_response_length=8", "rollout.max_new_tokens"),  # difflib: max_prompt_length
+        ("num_generations=8", "trainer.samples_per_prompt"),
+        ("beta=0.0", "algorithm.kl_coef"),
+        ("learning_rate=1e-6", "actor.lr"),
+        ("trainer.test_freq=5", "trainer.eval_every"),
+        ("rollout.n=8", "trainer.samples_per_prompt"),
+        ("actor_rollout_ref={rollout: {n: 8}}", "actor"),
+    ],
+)
+def test_trl_and_verl_names_are_refused_with_ours(override, ours):
+    from hybridrl.config import Config
+
+    msg = err(load_config, Config, None, [override])
+    key = override.split("=")[0]
+    assert msg.startswith(f"unknown config key '{key}'; ") and f"use '{ours}'" in msg
+    assert "did you mean" not in msg
+
+
+def test_verl_minibatch_unit_is_named_and_a_string_is_a_list_of_one():
+    from hybridrl.config import Config
+
+    msg = err(load_config, Config, None, ["actor.ppo_mini_batch_size=8"])
+    assert "veRL counts prompts, hybridrl counts samples" in msg
+    cfg = load_config(Config, None, ["trainer.loggers=wandb", "data.stop=</s>"])
+    assert cfg.trainer.loggers == ["wandb"] and cfg.data.stop == ["</s>"]
+    assert "must be one of" in err(load_config, Config, None, ["trainer.loggers=nope"])

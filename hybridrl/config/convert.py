@@ -18,6 +18,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union
 
+from hybridrl.config.aliases import alias_hint
+
 T = TypeVar("T")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of an ``int`` field
@@ -86,8 +88,9 @@ def _mismatch(tp: Any, value: Any, path: str, hint: str = "") -> _Mismatch:
 
 
 def _unknown_key(key: Any, names: list[str], path: str) -> ConfigError:
+    alias = alias_hint(_join(path, key))  # a TRL or veRL name: ours, not the nearest spelling
     close = difflib.get_close_matches(str(key), names, n=1)
-    hint = f"; did you mean '{_join(path, close[0])}'?" if close else ""
+    hint = f"; {alias}" if alias else f"; did you mean '{_join(path, close[0])}'?" if close else ""
     where = f"keys of {path}" if path else "top-level keys"
     return ConfigError(
         f"unknown config key '{_join(path, key)}'{hint} ({where}: {', '.join(names)})"
@@ -163,6 +166,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     elif tp is str:
         ok = isinstance(value, str)
     elif tp in (list, tuple) or origin in (list, tuple, collections.abc.Sequence):
+        if isinstance(value, str) and args in ((str,), (str, Ellipsis)):
+            value = [value]  # a list of strings given one string (TRL's report_to="wandb")
         if not isinstance(value, (list, tuple)):
             raise _mismatch(tp, value, path)
         if origin is tuple and args and args[-1] is not Ellipsis:  # fixed-length tuple[X, Y]

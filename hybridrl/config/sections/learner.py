@@ -22,7 +22,12 @@ class ActorConfig:
     )
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
-    ppo_minibatch_size: int = _f(64, "samples per optimizer step", ge=1)
+    ppo_minibatch_size: int = _f(
+        64,
+        "samples (not prompts: a prompt's samples_per_prompt samples count each) per optimizer "
+        "step; veRL's ppo_mini_batch_size counts prompts",
+        ge=1,
+    )
     ppo_epochs: int = _f(1, "passes over each step's batch", ge=1)
     micro_batch_tokens: int = _f(
         8192, "token budget of one forward/backward (gradient accumulation above it)", ge=1
