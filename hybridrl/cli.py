@@ -125,7 +125,7 @@ def distill_draft(argv: list[str]) -> int:
         )
         return EXIT_CONFIG
     from hybridrl.driver.distill import distill_draft as run
-    from hybridrl.models.factory import SIZES, load_model_and_tokenizer
+    from hybridrl.models.factory import SIZES, load_model_and_tokenizer, save_model_dir
     from hybridrl.tasks import TASKS
 
     try:
@@ -157,8 +157,7 @@ def distill_draft(argv: list[str]) -> int:
     except (KeyError, ValueError, FileNotFoundError) as e:
         print(f"hybridrl: error: {e.args[0] if e.args else e}", file=sys.stderr)
         return EXIT_CONFIG
-    draft.save_pretrained(args.out_dir)
-    tok.save_pretrained(args.out_dir)
+    save_model_dir(args.out_dir, draft, tok)
     print(json.dumps({**res, "out_dir": args.out_dir}, indent=1))
     return 0
 

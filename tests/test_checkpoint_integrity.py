@@ -574,3 +574,30 @@ def test_every_file_of_a_checkpoint_is_readable_by_others(roles, tmp_path):
     modes = {p.relative_to(ckpt).as_posix(): p.stat().st_mode & 0o777 for p in ckpt.rglob("*")}
     assert modes["model/model.safetensors"] == 0o644
     assert {m for p, m in modes.items() if (ckpt / p).is_file()} == {0o644}
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_a_saved_model_directory_takes_the_umask_mode(tmp_path, umask, mode):
+    """What a warm start, ``hybridrl export`` and a distilled draft write: transformers alone leaves
+    model.safetensors 0600."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from hybridrl.models import save_model_dir
+
+    tiny = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=16,
+            hidden_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=8,
+        )
+    )
+    old = os.umask(umask)
+    try:
+        out = save_model_dir(tmp_path / "m", tiny)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {mode}

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from hybridrl.config import Config, dump_yaml
+from hybridrl.models import new_file_mode
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def write_manifest(ckpt: Path, step: int) -> dict:
     """fsync every file under ``ckpt`` (each given the mode the umask gives a new file) and each
     directory, then write ``manifest.json`` (``{"format", "step", "files": {relative path:
     {"size", "sha256"}}}``), fsynced."""
-    files, mode = {}, 0o666 & ~_umask()
+    files, mode = {}, new_file_mode()
     for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST):
         if path.stat().st_mode & 0o777 != mode:
             path.chmod(mode)
@@ -236,17 +237,6 @@ def write_manifest(ckpt: Path, step: int) -> dict:
     _write_synced(ckpt / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(ckpt)
     return manifest
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (``os.umask`` sets it, for every thread)."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _hash_file(path: Path, sync: bool = False) -> tuple[int, str]:

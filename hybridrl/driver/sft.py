@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from hybridrl.config import Config, to_dict
 from hybridrl.learner.logprob import length_buckets
+from hybridrl.models import save_model_dir
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.parallel.packing import attention_key_cost, pack_micro_batches, packed_forward
 from hybridrl.protocol import pad_2d
@@ -298,8 +299,7 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
             log.warning(_cap_message(cfg, last["accuracy"]))
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_model_dir(tmp, model, tokenizer)
     (tmp / "sft.json").write_text(json.dumps(record, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out, ignore_errors=True)

@@ -12,7 +12,9 @@ balancing, ``docs/moe.md``) runs on a laptop CPU like the dense default.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -148,3 +150,32 @@ def load_model_and_tokenizer(path: str | None, size: str, seed: int, task_tokeni
             sorted(t for t, i in tokenizer.get_vocab().items() if i >= model.config.vocab_size),
         )
     return model, tokenizer
+
+
+def new_file_mode() -> int:
+    """The mode a new file gets under this process's umask (0o644 under the usual 022), read without
+    setting the umask (``os.umask`` sets it, for every thread)."""
+    mask = None
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                mask = int(line.split()[1], 8)
+    if mask is None:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
+def save_model_dir(out, model, tokenizer=None) -> Path:
+    """``model`` (and ``tokenizer``) written to the directory ``out`` by ``save_pretrained``, then
+    every file given the mode a new file gets (transformers writes ``model.safetensors`` 0600,
+    which no one else can read: a shared model directory, a serving engine run as another user)."""
+    out = Path(out)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    mode = new_file_mode()
+    for path in out.rglob("*"):
+        if path.is_file() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
+    return out

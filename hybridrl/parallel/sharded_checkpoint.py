@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridrl.models import save_model_dir
 from hybridrl.parallel import distributed
 
 COMPLETE_MARK = ".metadata"  # DCP writes it last (rank 0, after every rank's data)
@@ -207,14 +208,15 @@ def export_hf(
         model.to(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    for src in (ckpt, cdir):
-        if (src / "tokenizer_config.json").is_file():
-            transformers.AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(
-                out
-            )
-            break
-    return out
+    tokenizer = next(
+        (
+            transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+            for src in (ckpt, cdir)
+            if (src / "tokenizer_config.json").is_file()
+        ),
+        None,
+    )
+    return save_model_dir(out, model, tokenizer)
 
 
 def model_class(config):
@@ -230,7 +232,9 @@ def _copy_hf(src: Path, out: Path, dtype: torch.dtype | None) -> Path:
 
     cls = model_class(transformers.AutoConfig.from_pretrained(src, local_files_only=True))
     model = cls.from_pretrained(src, local_files_only=True, dtype=dtype or torch.float32)
-    model.save_pretrained(out)
-    if (src / "tokenizer_config.json").is_file():
-        transformers.AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(out)
-    return out
+    tokenizer = (
+        transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+        if (src / "tokenizer_config.json").is_file()
+        else None
+    )
+    return save_model_dir(out, model, tokenizer)
