@@ -335,6 +335,7 @@ def test_async_training_runs_with_the_hf_backend(tmp_path):
         for line in (tmp_path / "runs" / "reverse_grpo" / "metrics.jsonl").read_text().splitlines()
     ]
     assert all("reward/mean" in m and "actor/pg_loss" in m for m in metrics[1:])
+    assert all(m["actor/lr"] == cfg.actor.lr for m in metrics[1:])  # the schedule's rate, logged
 
 
 class FailingTask(ReverseTask):

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 from hybridrl.algorithms import LOSS_AGG, AggTotals, masked_mean, value_loss
 from hybridrl.config import Config
 from hybridrl.learner.logprob import batch_map, response_outputs
+from hybridrl.learner.lr_schedule import add_lr_schedule, planned_steps
 from hybridrl.learner.optim import make_adamw
 from hybridrl.learner.state import load_trainable, save_trainable
 from hybridrl.learner.update import SkipCounter, run_updates
@@ -72,6 +73,7 @@ class Critic:
         )
         # AdamW's default weight decay (0.01), fused where it applies (learner/optim.py)
         self.optimizer = make_adamw(self.model.parameters(), cfg.critic.lr, 0.01, "critic")
+        add_lr_schedule(self.optimizer, cfg.critic, planned_steps(cfg, cfg.critic))
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 2)
         self.skips = SkipCounter(cfg.alerts.max_nonfinite_in_a_row, "critic")

@@ -43,6 +43,7 @@ from hybridrl.learner.logprob import (
     response_sum_pi_squared,
     sampling_of,
 )
+from hybridrl.learner.lr_schedule import add_lr_schedule, planned_steps
 from hybridrl.learner.old_log_probs import NotedOldLogProbs, check_single_pass
 from hybridrl.learner.optim import make_adamw
 from hybridrl.learner.passes import (
@@ -55,7 +56,6 @@ from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import BackgroundWriter
 from hybridrl.learner.update import SkipCounter, first_epoch_map, run_updates
-from hybridrl.learner.warmup import add_warmup
 from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES
@@ -102,7 +102,8 @@ class Learner(Worker):
             params = lora_lib.trainable_parameters(self.model)
         # fused where it applies (learner/optim.py: one pass per parameter, same AdamW math)
         self.optimizer = make_adamw(params, cfg.actor.lr, cfg.actor.weight_decay, "policy")
-        add_warmup(self.optimizer, cfg.actor.lr_warmup_steps)  # actor.lr_warmup_steps
+        # actor.lr_schedule: warmup, then constant / linear / cosine decay
+        add_lr_schedule(self.optimizer, cfg.actor, planned_steps(cfg, cfg.actor))
         # MoE (docs/moe.md): routing replay, balancing, health; None for a dense model
         self.moe = moe_training.start(self.model, self.optimizer, cfg.moe)
         self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)

@@ -137,6 +137,7 @@ def run_updates(
         f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
         f"{prefix}/updates": steps,
         f"{prefix}/skipped_updates": skipped,
+        f"{prefix}/lr": optimizer.param_groups[0]["lr"],  # the last step's (schedule applied)
         "perf/pipeline_idle_fraction": pl.idle_fraction(),
     }
 

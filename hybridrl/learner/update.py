@@ -265,6 +265,7 @@ def run_updates(
         f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
         f"{prefix}/updates": steps,
         f"{prefix}/skipped_updates": skipped,
+        f"{prefix}/lr": optimizer.param_groups[0]["lr"],  # the last step's (schedule applied)
         perf_metric(prefix, "padding_fraction"): 1.0 - real / fed if fed else 0.0,
         perf_metric(prefix, "tokens_fed"): fed,
     }

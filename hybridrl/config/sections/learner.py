@@ -14,12 +14,24 @@ from hybridrl.config.sections.common import (
 @dataclass
 class ActorConfig:
     lr: float = _f(1e-4, "AdamW learning rate", gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant",
+        "after the warmup: constant, or linear or cosine decay to lr x min_lr_ratio at the run's "
+        "last optimizer step (logged as actor/lr)",
+    )
     lr_warmup_steps: int = _f(
         0,
-        "optimizer steps over which the learning rate rises linearly to lr (0: off): a fresh "
-        "AdamW's first steps move every weight by about lr, noise included",
+        "optimizer steps over which the learning rate rises linearly to lr (0: lr_warmup_ratio): "
+        "a fresh AdamW's first steps move every weight by about lr, noise included",
         ge=0,
     )
+    lr_warmup_ratio: float = _f(
+        0.0,
+        "the warmup as a share of the run's optimizer steps, when lr_warmup_steps is 0",
+        ge=0,
+        le=1,
+    )
+    min_lr_ratio: float = _f(0.0, "where linear or cosine decay ends, as a share of lr", ge=0, le=1)
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
     ppo_minibatch_size: int = _f(
@@ -276,6 +288,12 @@ class AlgorithmConfig:
 @dataclass
 class CriticConfig:
     lr: float = _f(1e-3, "critic AdamW learning rate (gae only)", gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "as actor.lr_schedule, for the critic (logged as critic/lr)"
+    )
+    lr_warmup_steps: int = _f(0, "as actor.lr_warmup_steps, for the critic", ge=0)
+    lr_warmup_ratio: float = _f(0.0, "as actor.lr_warmup_ratio, for the critic", ge=0, le=1)
+    min_lr_ratio: float = _f(0.0, "as actor.min_lr_ratio, for the critic", ge=0, le=1)
     value_clip: float = _f(0.5, "value-loss clip range around the old values", gt=0)
     grad_clip: float = _f(1.0, "max global grad norm (0: off)", ge=0)
     ppo_minibatch_size: int = _f(64, "samples per critic optimizer step", ge=1)
