@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
 
-import yaml
-
-from hybridrl.config import Config, to_dict
+from hybridrl.config import Config
 from hybridrl.config.aliases import alias_table
+from hybridrl.config.reference import allowed, default_of, fmt_value, type_name
 
 OUT = Path(__file__).resolve().parent / "configuration.md"
 BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -43,56 +40,6 @@ Values in overrides are parsed as YAML: `20`, `1e-3`, `true`, `null`, `[1, 2]`, 
 `rollout.backend`, `algorithm.advantage`, `algorithm.policy_loss`,
 `algorithm.kl_estimator`) take a registered name or a dotted path `package.module:name`.
 """
-
-
-def type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return " \\| ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " \\| ".join("null" if a is type(None) else type_name(a) for a in args)
-    if origin is dict:
-        return f"mapping {type_name(args[0])} → {type_name(args[1])}"
-    if origin in (list, tuple):
-        return f"list of {type_name(args[0])}"
-    if dataclasses.is_dataclass(tp):
-        return tp.__name__
-    return getattr(tp, "__name__", str(tp))
-
-
-def default_of(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return dataclasses.MISSING
-
-
-def fmt_value(v: Any) -> str:
-    if v is dataclasses.MISSING:
-        return "(required)"
-    if dataclasses.is_dataclass(v):
-        return "(section)"
-    if isinstance(v, dict):
-        flow = yaml.safe_dump(
-            to_dict(v), default_flow_style=True, width=10**6, sort_keys=False
-        ).strip()
-        return f"`{flow}`"
-    if v is None:
-        return "`null`"
-    if isinstance(v, bool):
-        return f"`{str(v).lower()}`"
-    return f"`{v}`"
-
-
-def allowed(tp: Any, meta: dict) -> str:
-    parts = []
-    if typing.get_origin(tp) is Literal:
-        parts.append("one of " + ", ".join(f"`{a}`" for a in typing.get_args(tp)))
-    if meta.get("choices") is not None:
-        parts.append("one of " + ", ".join(f"`{c}`" for c in meta["choices"]))
-    parts += [f"{sym} {meta[k]}" for k, sym in BOUNDS.items() if k in meta]
-    return "; ".join(parts)
 
 
 def section(cls: type, prefix: str) -> list[str]:

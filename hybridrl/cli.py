@@ -1,5 +1,5 @@
-"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``export``, ``memory``,
-``distill-draft``, ``profile``.
+"""``hybridrl`` command line: ``train``, ``sft``, ``eval``, ``config``, ``export``, ``memory``,
+``distill-draft``, ``profile`` (``hybridrl --help`` lists them, one line each).
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
     hybridrl train ... --resume-changed-data   # --resume although the data files changed
@@ -7,6 +7,7 @@
     hybridrl distill-draft TARGET_DIR DRAFT_DIR_OR_SIZE OUT_DIR --task arith --steps 300
     hybridrl memory small --world-size 2 --sharding full
     hybridrl profile runs/arith_grpo [--steps 5:8]
+    hybridrl config actor.lr                 # a key's meaning, type, default and allowed values
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
@@ -30,20 +31,27 @@ EXIT_CONFIG = 2
 EXIT_RUN_FAILED = 1  # a run stopped by a hung step or a checkpoint that could not be saved
 
 
+# the commands that run a config (parse_args below), with their one line
+RUN_COMMANDS = {
+    "train": "RL training (runs or reuses the warm start first)",
+    "sft": "supervised warm start only",
+    "eval": "held-out accuracy of the start checkpoint",
+}
+CONFIG_HELP = (
+    "every key, its type, default and meaning: docs/configuration.md, or `hybridrl config KEY` "
+    "(e.g. hybridrl config actor.lr; a section name lists its keys)"
+)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="hybridrl",
-        description="RL post-training of LLMs with a single controller. "
-        "Also: `hybridrl export CKPT OUT`, `hybridrl memory MODEL [layout flags]` and "
-        "`hybridrl distill-draft TARGET DRAFT OUT`, `hybridrl profile RUN_DIR`.",
+        description="RL post-training of LLMs with a single controller.",
+        epilog=f"`hybridrl COMMAND --help` for a command's arguments; {CONFIG_HELP}.",
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, text in [
-        ("train", "RL training (runs or reuses the warm start first)"),
-        ("sft", "supervised warm start only"),
-        ("eval", "held-out accuracy of the start checkpoint"),
-    ]:
-        s = sub.add_parser(name, help=text, description=text)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in RUN_COMMANDS.items():
+        s = sub.add_parser(name, help=text, description=text, epilog=CONFIG_HELP + ".")
         s.add_argument("config", nargs="?", help="YAML config file (optional)")
         s.add_argument(
             "overrides", nargs="*", help="dotted overrides such as trainer.total_steps=20"
@@ -61,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 help="--resume although the data files changed since the checkpoint (the run "
                 "goes on with other prompts than it would have)",
             )
+    for name, (text, _) in TOOLS.items():  # parsed by their own handlers; listed here
+        sub.add_parser(name, help=text, add_help=False)
     args = p.parse_args(argv)
     if args.config and "=" in args.config:  # no config file given, only overrides
         args.overrides.insert(0, args.config)
@@ -162,20 +172,47 @@ def distill_draft(argv: list[str]) -> int:
     return 0
 
 
+def config_key(argv: list[str]) -> int:
+    """``hybridrl config KEY [KEY ...]``: each key's meaning, type, default and allowed values (a
+    section lists its keys)."""
+    p = argparse.ArgumentParser(prog="hybridrl config", description=config_key.__doc__)
+    p.add_argument("keys", nargs="+", metavar="KEY", help="a dotted key (actor.lr) or a section")
+    from hybridrl.config.reference import describe
+
+    try:
+        print("\n\n".join(describe(k) for k in p.parse_args(argv).keys))
+    except ConfigError as e:
+        print(f"hybridrl: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def memory(argv: list[str]) -> int:
+    from hybridrl.parallel.memory_cli import main as memory_main
+
+    return memory_main(argv)
+
+
+def profile(argv: list[str]) -> int:
+    from hybridrl.telemetry.profile_report import main as profile_main
+
+    return profile_main(argv)
+
+
+# the commands with arguments of their own: name -> (one line for --help, handler(argv) -> exit)
+TOOLS = {
+    "config": ("a config key's meaning, type, default and allowed values", config_key),
+    "export": ("a transformers-format model directory from a run checkpoint", export),
+    "memory": ("the memory a model needs per device under a layout, estimated", memory),
+    "distill-draft": ("train a draft model for speculative decoding", distill_draft),
+    "profile": ("a run's phases, idle time and timeline.png", profile),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "memory":
-        from hybridrl.parallel.memory_cli import main as memory_main
-
-        return memory_main(argv[1:])
-    if argv and argv[0] == "export":
-        return export(argv[1:])
-    if argv and argv[0] == "distill-draft":
-        return distill_draft(argv[1:])
-    if argv and argv[0] == "profile":  # a run's phases, idle time and timeline.png
-        from hybridrl.telemetry.profile_report import main as profile_main
-
-        return profile_main(argv[1:])
+    if argv and argv[0] in TOOLS:
+        return TOOLS[argv[0]][1](argv[1:])
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -262,3 +262,26 @@ def test_a_run_stopped_for_a_known_reason_exits_1_with_one_line(monkeypatch, cap
     monkeypatch.setattr(sync, "train", stopped)
     assert main(["train", "examples/arith_grpo.yaml"]) == 1
     assert capsys.readouterr().err.strip() == f"hybridrl: error: {message}"
+
+
+def test_help_lists_every_command_and_points_to_the_config_reference(capsys):
+    from hybridrl.cli import RUN_COMMANDS, TOOLS
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name, text in [*RUN_COMMANDS.items(), *((n, t) for n, (t, _) in TOOLS.items())]:
+        assert name in out and " ".join(text.split()[:4]) in " ".join(out.split())
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "docs/configuration.md" in capsys.readouterr().out
+
+
+def test_config_prints_a_key_and_refuses_an_unknown_one(capsys):
+    assert main(["config", "actor.lr", "trainer"]) == 0
+    out = capsys.readouterr().out
+    assert "actor.lr: AdamW learning rate" in out and "default: `0.0001`" in out
+    assert "trainer.total_steps: int" in out  # a section lists its keys
+    assert main(["config", "algorithm.adv_estimator"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "use 'algorithm.advantage'" in err
