@@ -227,3 +227,24 @@ def test_report_partial_metrics(tmp_path, with_eval, with_timing):
 
 def test_report_empty_run(tmp_path):
     _assert_png(write_report(tmp_path))
+
+
+def test_a_console_line_every_log_every_steps(tmp_path):
+    """trainer.log_every: a run whose output is a log file gets one line of headline metrics every
+    N steps (the progress bar is for terminals)."""
+    import io
+
+    out = io.StringIO()
+    with MetricsLogger(
+        tmp_path, tensorboard=False, console_every=2, total_steps=4, console=out
+    ) as logger:
+        for step in range(1, 5):
+            logger.log(step, {"reward/mean": step / 10, "timing/step": 0.5, "other/x": 1.0})
+    assert out.getvalue().splitlines() == [
+        "step 2/4 reward=0.2 step_s=0.5",
+        "step 4/4 reward=0.4 step_s=0.5",
+    ]
+    quiet = io.StringIO()
+    with MetricsLogger(tmp_path / "q", tensorboard=False, console=quiet) as logger:
+        logger.log(10, {"reward/mean": 1.0})
+    assert quiet.getvalue() == ""  # console_every 0: never

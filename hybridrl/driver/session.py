@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,9 @@ def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) 
                 if "wandb" in t.loggers
                 else None
             ),
+            # a log file, not a terminal with a progress bar: a metrics line now and then
+            console_every=0 if t.progress and sys.stdout.isatty() else t.log_every,
+            total_steps=t.total_steps,
         )
         if restart:
             faults.restarted(run_dir, state["step"])

@@ -18,6 +18,7 @@ import json
 import math
 import numbers
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -88,6 +89,28 @@ def _truncate_after(path: Path, resume_step: int) -> None:
     os.replace(tmp, path)
 
 
+# the metrics of a console line, in order, with their short names
+CONSOLE_KEYS = {
+    "reward/mean": "reward",
+    "eval/accuracy": "eval_acc",
+    "actor/pg_loss": "pg_loss",
+    "actor/kl_ref": "kl",
+    "actor/entropy": "entropy",
+    "actor/lr": "lr",
+    "response/length_mean": "resp_len",
+    "async/staleness_mean": "stale",
+    "timing/step": "step_s",
+}
+
+
+def console_line(step: int, total: int | None, scalars: Mapping[str, float]) -> str:
+    """``step 20/200 reward=0.531 eval_acc=0.612 ... step_s=0.48``: the headline metrics a step
+    has."""
+    parts = [f"step {step}" + (f"/{total}" if total else "")]
+    parts += [f"{short}={scalars[k]:.4g}" for k, short in CONSOLE_KEYS.items() if k in scalars]
+    return " ".join(parts)
+
+
 class MetricsLogger:
     """Writes metrics to ``run_dir/metrics.jsonl``; if ``tensorboard``, to a ``SummaryWriter``
     in ``run_dir/tb``; given ``wandb`` (``project``, ``name`` and ``config`` of
@@ -103,6 +126,10 @@ class MetricsLogger:
     moved away) during a run is recreated by the next ``log`` and holds the
     later steps; TensorBoard is not affected.
 
+    ``console_every`` > 0: every that many steps, one line of the headline metrics
+    (:data:`CONSOLE_KEYS` that the step has) goes to ``console`` (standard output), for a run whose
+    output is a log file, not a terminal with a progress bar (``trainer.log_every``).
+
     ``alerts`` (the ``alerts`` config section; None or ``enabled: false``: none): check the alert
     rules on every logged step (``max_staleness``: ``asynchronous.max_staleness``, for the
     staleness rule). On resume the rules' state is rebuilt from the kept lines.
@@ -116,8 +143,13 @@ class MetricsLogger:
         alerts: AlertsConfig | None = None,
         max_staleness: int = 0,
         wandb: Mapping[str, Any] | None = None,
+        console_every: int = 0,
+        total_steps: int | None = None,
+        console=None,
     ):
         self.run_dir = Path(run_dir)
+        self.console_every, self.total_steps = console_every, total_steps
+        self.console = console or sys.stdout
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.samples_path = self.run_dir / tables.SAMPLES_FILE
@@ -187,6 +219,8 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(step, scalars)
+        if self.console_every and step % self.console_every == 0:
+            print(console_line(step, self.total_steps, scalars), file=self.console, flush=True)
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """A table of sample completions (:func:`~hybridrl.telemetry.samples.sample_rows`): one

@@ -183,6 +183,13 @@ class TrainerConfig:
     )
     log_samples: int = _f(4, "completions in each sample table", ge=1)
     progress: bool = _f(True, "show a progress bar")
+    log_every: int = _f(
+        10,
+        "when standard output is not a terminal (a batch job's log) or progress is off: one line "
+        "of headline metrics (reward, eval accuracy, losses, lr, step time) every N steps (0: "
+        "never)",
+        ge=0,
+    )
     step_timeout_s: float = _f(
         1800.0,
         "seconds one step of the driver loop may take (generation, the learning step and the "
