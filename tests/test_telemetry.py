@@ -248,3 +248,27 @@ def test_a_console_line_every_log_every_steps(tmp_path):
     with MetricsLogger(tmp_path / "q", tensorboard=False, console=quiet) as logger:
         logger.log(10, {"reward/mean": 1.0})
     assert quiet.getvalue() == ""  # console_every 0: never
+
+
+@pytest.mark.parametrize("rewards, metric", [([1.0, 0.0], 1.0), ([0.5, 1.0], 0.0)])
+def test_the_evaluation_says_whether_its_mean_reward_is_an_accuracy(rewards, metric):
+    """eval/reward_binary: 1 where every held-out reward is 0 or 1 (the mean is an accuracy), else 0
+    (report.png then titles the panel "mean reward" and summary.json's eval_metric says so)."""
+    from types import SimpleNamespace
+
+    from hybridrl.driver.evaluate import Evaluator
+    from hybridrl.rollout import SamplingParams
+    from hybridrl.tasks import Prompt
+
+    class Scored:  # the rollout group's generate: scored samples
+        def generate(self, prompts, params):
+            return [SimpleNamespace(reward=r) for r in rewards]
+
+    def tok(text):
+        return {"input_ids": [1, 2]}
+
+    prompts = [Prompt(text="1+1=", answer="2", uid=f"p{i}", task_id="t") for i in range(2)]
+    ev = Evaluator(Scored(), prompts, tok, SamplingParams(), 0)
+    out = ev()
+    assert out["eval/reward_binary"] == metric
+    assert out["eval/accuracy"] == pytest.approx(sum(rewards) / 2)

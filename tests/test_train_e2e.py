@@ -60,7 +60,9 @@ def test_two_steps_local_then_resume(tmp_path):
         "greedy_accuracy_before",
         "greedy_accuracy_after",
         "wall_seconds",
+        "final_checkpoint",
     } <= set(summary)
+    assert summary["eval_metric"] == "accuracy"  # exact match: every reward 0 or 1
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     for key in [

@@ -1,7 +1,9 @@
 """Held-out accuracy: the task's fixed held-out prompts, generated and scored on the rollout ranks.
 
 ``sampled`` draws at the rollout temperature (the distribution RL trains); ``greedy`` takes the
-argmax. Accuracy is the mean reward (exact match: the fraction answered correctly).
+argmax. Accuracy is the mean reward (exact match: the fraction answered correctly); where a reward
+takes values other than 0 and 1 it is a mean reward, and ``eval/reward_binary`` (1 or 0) says which,
+for the report's titles and ``summary.json``'s ``eval_metric``.
 :func:`model_accuracy` measures the same for a model in this process (the warm start's stopping
 check).
 """
@@ -27,18 +29,21 @@ class Evaluator:
         self.prompts = [prompt_sample(p, tokenizer) for p in prompts]
         self.params = replace(params, n=1)
 
-    def accuracy(self, greedy: bool) -> float:
+    def scored(self, greedy: bool) -> list:
         params = (
             replace(self.params, temperature=0.0)
             if greedy
             else replace(self.params, seed=self.seed)
         )
-        return mean_reward(self.rollout.generate(self.prompts, params))
+        return self.rollout.generate(self.prompts, params)
 
     def __call__(self) -> dict[str, float]:
+        sampled, greedy = self.scored(greedy=False), self.scored(greedy=True)
+        binary = all(s.reward in (0, 1) for s in sampled + greedy)
         return {
-            "eval/accuracy": self.accuracy(greedy=False),
-            "eval/greedy_accuracy": self.accuracy(greedy=True),
+            "eval/accuracy": mean_reward(sampled),
+            "eval/greedy_accuracy": mean_reward(greedy),
+            "eval/reward_binary": float(binary),
         }
 
 

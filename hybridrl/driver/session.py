@@ -15,7 +15,7 @@ from hybridrl.config import Config, to_dict
 from hybridrl.controller.health import DeathWatch
 from hybridrl.data import DatasetTask
 from hybridrl.data.fingerprint import STATE_KEY, check_unchanged, data_fingerprint
-from hybridrl.driver.checkpoint import latest_checkpoint
+from hybridrl.driver.checkpoint import latest_checkpoint, list_checkpoints
 from hybridrl.driver.evaluate import Evaluator
 from hybridrl.driver.placement import Roles, build_roles
 from hybridrl.driver.restarts import Faults
@@ -122,7 +122,11 @@ class Session:
     def close(self, last: dict) -> dict:
         """Write ``summary.json`` and ``report.png``; returns the summary."""
         t, before = self.cfg.trainer, self.state["before"]
+        checkpoints = list_checkpoints(self.run_dir)
+        binary = last.get("eval/reward_binary", before.get("eval/reward_binary", 1.0))
         summary = {
+            # the held-out mean reward: an accuracy where every reward was 0 or 1
+            "eval_metric": "accuracy" if binary else "mean reward",
             "accuracy_before": before["eval/accuracy"],
             "accuracy_after": last["eval/accuracy"],
             "greedy_accuracy_before": before["eval/greedy_accuracy"],
@@ -136,12 +140,14 @@ class Session:
             "restarts": self.faults.restarts,
             "lost_steps": self.faults.lost_steps,
             **reward_failure_totals(self.run_dir),
+            "final_checkpoint": str(checkpoints[-1]) if checkpoints else None,
         }
         write_summary(self.run_dir, summary)
-        a = self.cfg.algorithm
+        a, files = self.cfg.algorithm, self.cfg.data.train_files
+        data = Path(files[0] if isinstance(files, list) else files).name if files else None
+        data = data or self.cfg.task.name
         write_report(
-            self.run_dir,
-            title=f"{t.name}: {a.advantage} / {a.policy_loss} on {self.cfg.task.name} ({t.mode})",
+            self.run_dir, title=f"{t.name}: {a.advantage} / {a.policy_loss} on {data} ({t.mode})"
         )
         return summary
 

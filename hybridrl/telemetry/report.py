@@ -95,7 +95,9 @@ def _plot_reward(ax, records: list[dict]) -> None:
 
 
 def _plot_eval(ax, records: list[dict]) -> None:
-    ax.set_title("Held-out accuracy")
+    binary = _series(records, "eval/reward_binary")
+    what = "accuracy" if not binary or list(binary.values())[-1] else "mean reward"
+    ax.set_title(f"Held-out {what}")
     all_values = []
     for key, label in EVAL_KEYS.items():
         series = _series(records, key)
@@ -107,7 +109,7 @@ def _plot_eval(ax, records: list[dict]) -> None:
     if min(all_values) >= 0.0 and max(all_values) <= 1.0:
         ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("step")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel(what)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
 
