@@ -779,11 +779,17 @@ def test_concurrent_runs_are_independent(box):
 def test_no_interrupt_leaves_processes(box):
     """A caller interrupted mid-run (an exception in the waiting thread) leaves nothing running."""
     marker = f"hybridrl-interrupted-{uuid.uuid4().hex}"
+    # Python's own SIGINT handler, whatever this process inherited (a job started in the
+    # background of a non-interactive shell ignores SIGINT, and Python then keeps ignoring it)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        run_with_args(box, "import time; time.sleep(30)", marker)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_with_args(box, "import time; time.sleep(30)", marker)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, inherited)
     time.sleep(0.1)
     assert processes_matching(marker) == []
 
