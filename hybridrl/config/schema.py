@@ -12,7 +12,7 @@ The sections live in ``config/sections/``, grouped by concern:
 - ``controller.py``: ``controller``, its pools and the roles it places;
 - ``rollout.py``: ``rollout``, ``env``;
 - ``learner.py``: ``actor``, ``algorithm``, ``critic``, ``fsdp``, ``moe``;
-- ``trainer.py``: ``trainer``, ``sft``, ``asynchronous``, ``alerts``.
+- ``trainer.py``: ``trainer``, ``sft``, ``asynchronous``, ``alerts``, ``eval``.
 
 This module holds :class:`Config` (the checks across sections) and re-exports every name of the
 sections, so ``hybridrl.config.schema.X`` imports them all.
@@ -62,6 +62,7 @@ from hybridrl.config.sections.rollout import (
 from hybridrl.config.sections.trainer import (
     AlertsConfig,
     AsyncConfig,
+    EvalConfig,
     SFTConfig,
     TrainerConfig,
 )
@@ -84,6 +85,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         """Resolve the defaults that depend on other sections (so the saved config.yaml says what
@@ -248,6 +250,7 @@ class Config:
 __all__ = [
     "ActorConfig",
     "AlertsConfig",
+    "EvalConfig",
     "AlgorithmConfig",
     "AsyncConfig",
     "Config",

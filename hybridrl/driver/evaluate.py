@@ -1,16 +1,32 @@
-"""Held-out accuracy: the task's fixed held-out prompts, generated and scored on the rollout ranks.
+"""The held-out evaluation: the task's fixed held-out prompts, generated and scored on the rollout
+ranks (before training, every ``trainer.eval_every`` steps, after, and ``hybridrl eval``).
 
-``sampled`` draws at the rollout temperature (the distribution RL trains); ``greedy`` takes the
-argmax. Accuracy is the mean reward (exact match: the fraction answered correctly); where a reward
-takes values other than 0 and 1 it is a mean reward, and ``eval/reward_binary`` (1 or 0) says which,
-for the report's titles and ``summary.json``'s ``eval_metric``.
-:func:`model_accuracy` measures the same for a model in this process (the warm start's stopping
-check).
+Each evaluation draws ``eval.n`` samples per prompt with the evaluation's sampling settings
+(``eval.temperature``, ``top_p``, ``max_new_tokens``; null: the rollout's) and one greedy sample,
+and reports (:func:`eval_metrics`):
+
+* ``eval/accuracy``: the mean reward of the sampled responses (mean@n; exact match: the fraction
+  answered correctly), ``eval/greedy_accuracy`` the greedy one's;
+* ``eval/reward_binary``: 1 where every reward was 0 or 1, when the mean is an accuracy (the
+  report's titles and ``summary.json``'s ``eval_metric`` say "mean reward" otherwise);
+* with such rewards and ``eval.n`` > 1, ``eval/pass@k`` for k = 1, 2, 4, ... and n: the chance that
+  at least one of k samples is right, by the unbiased estimator 1 - C(n - c, k) / C(n, k) over the n
+  drawn (c of them right), averaged over prompts (Chen et al. 2021);
+* with prompts from more than one source (a dataset's ``data_source`` column, a task mix),
+  ``eval/source/<name>/accuracy`` for each.
+
+``eval.save_generations`` writes the sampled responses to ``<run>/eval/step_<N>.jsonl``.
+:func:`model_accuracy` measures the mean reward for a model in this process (the warm start's
+stopping check).
 """
 
 from __future__ import annotations
 
+import json
+import math
+from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 from hybridrl.protocol import prompt_sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
@@ -21,30 +37,95 @@ def mean_reward(samples) -> float:
     return sum(s.reward for s in samples) / max(len(samples), 1)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k samples drawn from n (c of them right) is right."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(prompts, sampled, greedy, n: int) -> dict[str, float]:
+    """The metrics of the module docstring; ``sampled``: ``n`` scored samples per prompt in prompt
+    order, ``greedy`` one."""
+    rewards = [s.reward for s in sampled + greedy]
+    binary = all(r in (0, 1) for r in rewards)
+    out = {
+        "eval/accuracy": mean_reward(sampled),
+        "eval/greedy_accuracy": mean_reward(greedy),
+        "eval/reward_binary": float(binary),
+    }
+    groups = [sampled[i * n : (i + 1) * n] for i in range(len(prompts))]
+    if binary and n > 1:
+        right = [sum(int(s.reward) for s in g) for g in groups]
+        for k in sorted({*(2**j for j in range(n.bit_length()) if 2**j <= n), n}):
+            out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(right)
+    by_source = defaultdict(list)
+    for p, g in zip(prompts, groups):
+        by_source[p.task_id].extend(s.reward for s in g)
+    if len(by_source) > 1:
+        for source, rs in sorted(by_source.items()):
+            out[f"eval/source/{source}/accuracy"] = sum(rs) / len(rs)
+    return out
+
+
 class Evaluator:
+    """``evaluate(step)``: the metrics of one evaluation; its samples written under ``save_dir``
+    (None: not written)."""
+
     def __init__(
-        self, rollout, prompts: list[Prompt], tokenizer, params: SamplingParams, seed: int
+        self,
+        rollout,
+        prompts: list[Prompt],
+        tokenizer,
+        params: SamplingParams,
+        seed: int,
+        n: int = 1,
+        save_dir: str | Path | None = None,
     ):
-        self.rollout, self.seed = rollout, seed
+        self.rollout, self.seed, self.n, self.tokenizer = rollout, seed, n, tokenizer
         self.prompts = [prompt_sample(p, tokenizer) for p in prompts]
         self.params = replace(params, n=1)
+        self.save_dir = None if save_dir is None else Path(save_dir)
 
-    def scored(self, greedy: bool) -> list:
-        params = (
-            replace(self.params, temperature=0.0)
-            if greedy
-            else replace(self.params, seed=self.seed)
+    @classmethod
+    def of(cls, cfg, rollout, prompts, tokenizer, save_dir=None) -> Evaluator:
+        """The evaluation a config asks for (``eval`` section over the rollout's sampling)."""
+        e = cfg.eval
+        params = SamplingParams.of(cfg)  # data.stop too
+        overrides = dict(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens)
+        params = replace(params, **{k: v for k, v in overrides.items() if v is not None})
+        save = save_dir if e.save_generations else None
+        return cls(rollout, prompts, tokenizer, params, cfg.trainer.seed + 10_000, e.n, save)
+
+    def __call__(self, step: int | None = None) -> dict[str, float]:
+        sampled = self.rollout.generate(
+            self.prompts, replace(self.params, n=self.n, seed=self.seed)
         )
-        return self.rollout.generate(self.prompts, params)
+        greedy = self.rollout.generate(self.prompts, replace(self.params, temperature=0.0))
+        if self.save_dir is not None and step is not None:
+            self._save(step, sampled, greedy)
+        return eval_metrics([p.metadata["prompt"] for p in self.prompts], sampled, greedy, self.n)
 
-    def __call__(self) -> dict[str, float]:
-        sampled, greedy = self.scored(greedy=False), self.scored(greedy=True)
-        binary = all(s.reward in (0, 1) for s in sampled + greedy)
-        return {
-            "eval/accuracy": mean_reward(sampled),
-            "eval/greedy_accuracy": mean_reward(greedy),
-            "eval/reward_binary": float(binary),
-        }
+    def _save(self, step: int, sampled, greedy) -> None:
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        decode = getattr(self.tokenizer, "decode", None)
+        with open(self.save_dir / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
+            for i, p in enumerate(self.prompts):
+                prompt = p.metadata["prompt"]
+                group = sampled[i * self.n : (i + 1) * self.n]
+                row = {
+                    "uid": prompt.uid,
+                    "source": prompt.task_id,
+                    "prompt": prompt.text,
+                    "answer": prompt.answer,
+                    "responses": [
+                        decode(s.response_ids) if decode else s.response_ids for s in group
+                    ],  # fmt: skip
+                    "rewards": [s.reward for s in group],
+                    "greedy": decode(greedy[i].response_ids) if decode else greedy[i].response_ids,
+                    "greedy_reward": greedy[i].reward,
+                }
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def model_accuracy(
@@ -78,8 +159,8 @@ def model_accuracy(
 
 
 def evaluate_checkpoint(cfg) -> dict[str, float]:
-    """``hybridrl eval``: accuracy of the checkpoint RL would start from (warm start or
-    ``model.path``)."""
+    """``hybridrl eval``: the evaluation of the checkpoint RL would start from (warm start or
+    ``model.path``), the same metrics as a run's."""
     from hybridrl.driver.placement import build_roles
     from hybridrl.driver.sft import ensure_warm_start
     from hybridrl.models.loading import load_tokenizer, make_task
@@ -87,14 +168,7 @@ def evaluate_checkpoint(cfg) -> dict[str, float]:
     path = ensure_warm_start(cfg, cfg.trainer.progress)
     roles = build_roles(cfg, path, path, learner=False)
     try:
-        params = SamplingParams.of(cfg)  # data.stop too
         prompts = make_task(cfg).heldout()[: cfg.task.eval_size]
-        return Evaluator(
-            roles.rollout,
-            prompts,
-            load_tokenizer(cfg, path),
-            params,
-            seed=cfg.trainer.seed + 10_000,
-        )()
+        return Evaluator.of(cfg, roles.rollout, prompts, load_tokenizer(cfg, path))()
     finally:
         roles.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -233,13 +234,8 @@ def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) 
         roles.learner.set_kl_reward_coef(state.get("kl_reward_coef"))
         tokenizer = load_tokenizer(cfg, warm)
         params = SamplingParams.of(cfg, n=t.samples_per_prompt)  # data.stop too
-        evaluate = Evaluator(
-            roles.rollout,
-            task.heldout()[: cfg.task.eval_size],
-            tokenizer,
-            params,
-            seed=t.seed + 10_000,
-        )
+        heldout = task.heldout()[: cfg.task.eval_size]
+        evaluate = Evaluator.of(cfg, roles.rollout, heldout, tokenizer, run_dir / "eval")
         for group in roles.groups:  # the rollout's generate calls (ray only: controller/health.py)
             group.set_call_timeout("rollout.generate", cfg.rollout.timeout_s, "rollout.timeout_s")
         if cfg.controller.backend == "ray" and (cfg.rollout.timeout_s or 0) >= t.step_timeout_s:
@@ -288,7 +284,9 @@ def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) 
         s.watchdog = Watchdog(t.step_timeout_s, run_dir / "hang", roles.groups)
         if "before" not in state:
             with s.timer.phase("eval"):
-                state["before"] = evaluate()
+                # eval.before off: null figures (NaN is logged as null)
+                skipped = dict.fromkeys(("eval/accuracy", "eval/greedy_accuracy"), math.nan)
+                state["before"] = evaluate(0) if cfg.eval.before else skipped
             data = task.data_metrics() if isinstance(task, DatasetTask) else {}
             logger.log(0, {**state["before"], **data})
         faults.before = state["before"]

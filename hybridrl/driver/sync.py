@@ -46,7 +46,7 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
                 if s.due(t.eval_every, done):
                     s.watchdog.arm(step)  # the evaluation gets a timeout budget of its own
                     with timer.phase("eval"):
-                        last = s.evaluate()
+                        last = s.evaluate(done)
                     metrics |= last
                 s.logger.log(done, metrics | timer.pop())
                 s.check_rewards(done, out)  # every reward failed for too long: the run stops

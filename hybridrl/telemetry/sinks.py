@@ -107,7 +107,11 @@ def console_line(step: int, total: int | None, scalars: Mapping[str, float]) -> 
     """``step 20/200 reward=0.531 eval_acc=0.612 ... step_s=0.48``: the headline metrics a step
     has."""
     parts = [f"step {step}" + (f"/{total}" if total else "")]
-    parts += [f"{short}={scalars[k]:.4g}" for k, short in CONSOLE_KEYS.items() if k in scalars]
+    parts += [
+        f"{short}={scalars[k]:.4g}"
+        for k, short in CONSOLE_KEYS.items()
+        if k in scalars and math.isfinite(scalars[k])
+    ]
     return " ".join(parts)
 
 

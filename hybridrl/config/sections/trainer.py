@@ -226,3 +226,31 @@ class TrainerConfig:
         bad = [s for s in self.profile_steps if s < 1]
         if bad:
             raise ValueError(f"profile_steps holds {bad[0]}: steps count from 1")
+
+
+@dataclass
+class EvalConfig:
+    """The held-out evaluation (``driver/evaluate.py``): before training, every
+    ``trainer.eval_every`` steps, after training, and ``hybridrl eval``. Each one generates
+    ``eval.n`` samples per held-out prompt with its own sampling settings and a greedy one."""
+
+    n: int = _f(
+        1,
+        "samples per held-out prompt: eval/accuracy is their mean reward (mean@n); with rewards "
+        "of 0 and 1 and n > 1, eval/pass@k for k = 1, 2, 4, ... and n (the unbiased estimator)",
+        ge=1,
+        le=1024,
+    )
+    temperature: float | None = _f(
+        None, "sampling temperature of the evaluation (null: rollout.temperature)", ge=0
+    )
+    top_p: float | None = _f(None, "top-p of the evaluation (null: rollout.top_p)", gt=0, le=1)
+    max_new_tokens: int | None = _f(
+        None, "new tokens per held-out response (null: rollout.max_new_tokens)", ge=1
+    )
+    before: bool = _f(True, "evaluate before training (its figures are null when off)")
+    save_generations: bool = _f(
+        True,
+        "write each evaluation's samples to <run>/eval/step_<N>.jsonl: prompt, response, reward, "
+        "per line",
+    )
