@@ -8,6 +8,7 @@
     hybridrl memory small --world-size 2 --sharding full
     hybridrl profile runs/arith_grpo [--steps 5:8]
     hybridrl config actor.lr                 # a key's meaning, type, default and allowed values
+    hybridrl generate CONFIG eval.n=4 --output out.jsonl [--train 100]
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
@@ -35,7 +36,8 @@ EXIT_RUN_FAILED = 1  # a run stopped by a hung step or a checkpoint that could n
 RUN_COMMANDS = {
     "train": "RL training (runs or reuses the warm start first)",
     "sft": "supervised warm start only",
-    "eval": "held-out accuracy of the start checkpoint",
+    "eval": "the held-out evaluation of the start checkpoint (eval section), as JSON",
+    "generate": "batch inference over the held-out (or training) prompts, written to a jsonl",
 }
 CONFIG_HELP = (
     "every key, its type, default and meaning: docs/configuration.md, or `hybridrl config KEY` "
@@ -59,6 +61,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         s.add_argument(
             "--print-config", action="store_true", help="print the resolved config and exit"
         )
+        if name == "generate":
+            s.add_argument(
+                "--output", required=True, metavar="FILE.jsonl", help="one line per prompt"
+            )
+            s.add_argument(
+                "--train",
+                type=int,
+                metavar="N",
+                help="the first N training prompts instead of the held-out ones",
+            )
         if name == "train":
             s.add_argument(
                 "--resume", action="store_true", help="continue the run from its latest checkpoint"
@@ -243,11 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)}"
         )
         return 0
-    if args.command == "eval":
+    if args.command in ("eval", "generate"):
         from hybridrl.driver.evaluate import evaluate_checkpoint
 
+        output, train = getattr(args, "output", None), getattr(args, "train", None)
         try:
-            print(json.dumps(evaluate_checkpoint(cfg), indent=1))
+            print(json.dumps(evaluate_checkpoint(cfg, output, train), indent=1))
         except ConfigError as e:  # the data, read in full: one line
             print(f"hybridrl: error: {e}", file=sys.stderr)
             return EXIT_CONFIG

@@ -106,3 +106,19 @@ def test_hybridrl_eval_prints_the_same_metrics(tmp_path, capsys):
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert {"eval/accuracy", "eval/greedy_accuracy", "eval/pass@1", "eval/pass@2"} <= set(out)
+
+
+def test_hybridrl_generate_writes_one_line_per_prompt(tmp_path, capsys):
+    from hybridrl.cli import main
+
+    out = tmp_path / "gen" / "out.jsonl"
+    args = ["generate", "sft.steps=3", "sft.batch_size=16", "eval.n=3", "rollout.backend=hf"]
+    args += [f"sft.checkpoint={tmp_path / 'ws'}", "trainer.progress=false"]
+    assert main([*args, "--output", str(out), "--train", "5"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 5 and all(len(x["responses"]) == 3 for x in lines)
+    assert len({x["uid"] for x in lines}) == 5  # the first five training prompts
+    assert metrics["eval/accuracy"] == pytest.approx(sum(sum(x["rewards"]) for x in lines) / 15)
+    with pytest.raises(SystemExit):
+        main(["generate", "sft.steps=3"])  # --output is required

@@ -15,7 +15,8 @@ and reports (:func:`eval_metrics`):
 * with prompts from more than one source (a dataset's ``data_source`` column, a task mix),
   ``eval/source/<name>/accuracy`` for each.
 
-``eval.save_generations`` writes the sampled responses to ``<run>/eval/step_<N>.jsonl``.
+``eval.save_generations`` writes the samples to ``<run>/eval/step_<N>.jsonl``; ``hybridrl generate``
+writes them for any prompts (:func:`evaluate_checkpoint`).
 :func:`model_accuracy` measures the mean reward for a model in this process (the warm start's
 stopping check).
 """
@@ -98,31 +99,38 @@ class Evaluator:
         return cls(rollout, prompts, tokenizer, params, cfg.trainer.seed + 10_000, e.n, save)
 
     def __call__(self, step: int | None = None) -> dict[str, float]:
-        sampled = self.rollout.generate(
-            self.prompts, replace(self.params, n=self.n, seed=self.seed)
-        )
-        greedy = self.rollout.generate(self.prompts, replace(self.params, temperature=0.0))
+        metrics, sampled, greedy = self.run()
         if self.save_dir is not None and step is not None:
-            self._save(step, sampled, greedy)
-        return eval_metrics([p.metadata["prompt"] for p in self.prompts], sampled, greedy, self.n)
+            self.save_dir.mkdir(parents=True, exist_ok=True)
+            self.write(self.save_dir / f"step_{step:06d}.jsonl", sampled, greedy)
+        return metrics
 
-    def _save(self, step: int, sampled, greedy) -> None:
-        self.save_dir.mkdir(parents=True, exist_ok=True)
-        decode = getattr(self.tokenizer, "decode", None)
-        with open(self.save_dir / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
+    def run(self) -> tuple[dict[str, float], list, list]:
+        """(metrics, the sampled samples, the greedy ones) of one evaluation."""
+        draw = replace(self.params, n=self.n, seed=self.seed)
+        sampled = self.rollout.generate(self.prompts, draw)
+        greedy = self.rollout.generate(self.prompts, replace(self.params, temperature=0.0))
+        prompts = [p.metadata["prompt"] for p in self.prompts]
+        return eval_metrics(prompts, sampled, greedy, self.n), sampled, greedy
+
+    def write(self, path: Path, sampled, greedy) -> None:
+        """One line per prompt: uid, source, prompt, answer, the n responses with their rewards,
+        the greedy response with its reward."""
+
+        def text(s):
+            return self.tokenizer.decode(s.response_ids) if self.tokenizer else s.response_ids
+
+        with open(path, "w", encoding="utf-8") as f:
             for i, p in enumerate(self.prompts):
-                prompt = p.metadata["prompt"]
-                group = sampled[i * self.n : (i + 1) * self.n]
+                prompt, group = p.metadata["prompt"], sampled[i * self.n : (i + 1) * self.n]
                 row = {
                     "uid": prompt.uid,
                     "source": prompt.task_id,
                     "prompt": prompt.text,
                     "answer": prompt.answer,
-                    "responses": [
-                        decode(s.response_ids) if decode else s.response_ids for s in group
-                    ],  # fmt: skip
+                    "responses": [text(s) for s in group],
                     "rewards": [s.reward for s in group],
-                    "greedy": decode(greedy[i].response_ids) if decode else greedy[i].response_ids,
+                    "greedy": text(greedy[i]),
                     "greedy_reward": greedy[i].reward,
                 }
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -158,17 +166,27 @@ def model_accuracy(
         model.train(was_training)
 
 
-def evaluate_checkpoint(cfg) -> dict[str, float]:
+def evaluate_checkpoint(cfg, output: str | None = None, train: int | None = None) -> dict:
     """``hybridrl eval``: the evaluation of the checkpoint RL would start from (warm start or
-    ``model.path``), the same metrics as a run's."""
+    ``model.path``), the same metrics as a run's. ``hybridrl generate`` too, which writes the
+    samples to ``output`` (one line per prompt) and with ``train`` takes the first that many
+    training prompts instead of the held-out ones."""
     from hybridrl.driver.placement import build_roles
     from hybridrl.driver.sft import ensure_warm_start
     from hybridrl.models.loading import load_tokenizer, make_task
 
     path = ensure_warm_start(cfg, cfg.trainer.progress)
+    task = make_task(cfg)
+    prompts = (
+        [task.prompt(i) for i in range(train)] if train else task.heldout()[: cfg.task.eval_size]
+    )
     roles = build_roles(cfg, path, path, learner=False)
     try:
-        prompts = make_task(cfg).heldout()[: cfg.task.eval_size]
-        return Evaluator.of(cfg, roles.rollout, prompts, load_tokenizer(cfg, path))()
+        evaluate = Evaluator.of(cfg, roles.rollout, prompts, load_tokenizer(cfg, path))
+        metrics, sampled, greedy = evaluate.run()
+        if output is not None:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+            evaluate.write(Path(output), sampled, greedy)
+        return metrics
     finally:
         roles.shutdown()
