@@ -286,3 +286,22 @@ def test_tool_episodes_run_through_vllm(tmp_path):
     assert summary["steps"] == 2 and all(r["env/trajectories"] >= 8 * 4 for r in steps)
     assert all(r["env/errors"] == 0 for r in steps)
     assert {p.pid for p in engine_processes()} == engines
+
+
+def test_hybridrl_generate_through_vllm(tmp_path, capsys):
+    """Batch inference with the real engine: `hybridrl generate` over the first training prompts,
+    n samples each, one line per prompt."""
+    from hybridrl.cli import main
+
+    out = tmp_path / "out.jsonl"
+    args = ["generate", "model.name=tiny", "sft.steps=3", "eval.n=2", "rollout.backend=vllm"]
+    args += [
+        f"sft.checkpoint={tmp_path / 'ws'}",
+        "trainer.progress=false",
+        "rollout.max_new_tokens=8",
+    ]
+    assert main([*args, "--output", str(out), "--train", "6"]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 6 and all(len(x["responses"]) == len(x["rewards"]) == 2 for x in lines)
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["eval/accuracy"] == pytest.approx(sum(sum(x["rewards"]) for x in lines) / 12)

@@ -257,7 +257,7 @@ def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) 
                 else None
             ),
             # a log file, not a terminal with a progress bar: a metrics line now and then
-            console_every=0 if t.progress and sys.stdout.isatty() else t.log_every,
+            console_every=0 if t.progress and sys.stderr.isatty() else t.log_every,
             total_steps=t.total_steps,
         )
         if restart:

@@ -131,8 +131,9 @@ class MetricsLogger:
     later steps; TensorBoard is not affected.
 
     ``console_every`` > 0: every that many steps, one line of the headline metrics
-    (:data:`CONSOLE_KEYS` that the step has) goes to ``console`` (standard output), for a run whose
-    output is a log file, not a terminal with a progress bar (``trainer.log_every``).
+    (:data:`CONSOLE_KEYS` that the step has) goes to ``console`` (standard error, where the logs and
+    the progress bar go; standard output keeps the run's summary), for a run whose output is a log
+    file, not a terminal with a progress bar (``trainer.log_every``).
 
     ``alerts`` (the ``alerts`` config section; None or ``enabled: false``: none): check the alert
     rules on every logged step (``max_staleness``: ``asynchronous.max_staleness``, for the
@@ -153,7 +154,7 @@ class MetricsLogger:
     ):
         self.run_dir = Path(run_dir)
         self.console_every, self.total_steps = console_every, total_steps
-        self.console = console or sys.stdout
+        self.console = console or sys.stderr
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self.samples_path = self.run_dir / tables.SAMPLES_FILE

@@ -185,7 +185,7 @@ class TrainerConfig:
     progress: bool = _f(True, "show a progress bar")
     log_every: int = _f(
         10,
-        "when standard output is not a terminal (a batch job's log) or progress is off: one line "
+        "when standard error is not a terminal (a batch job's log) or progress is off: one line "
         "of headline metrics (reward, eval accuracy, losses, lr, step time) every N steps (0: "
         "never)",
         ge=0,
