@@ -9,6 +9,7 @@
     hybridrl profile runs/arith_grpo [--steps 5:8]
     hybridrl config actor.lr                 # a key's meaning, type, default and allowed values
     hybridrl generate CONFIG eval.n=4 --output out.jsonl [--train 100]
+    printf 'hello\n' | hybridrl chat MODEL_DIR [--temperature 0]
 
 Configuration errors (unknown key, wrong type, out-of-range value, YAML
 syntax, missing model path, unknown plug-in) print one line and exit 2
@@ -205,6 +206,12 @@ def memory(argv: list[str]) -> int:
     return memory_main(argv)
 
 
+def chat(argv: list[str]) -> int:
+    from hybridrl.driver.chat import main as chat_main
+
+    return chat_main(argv)
+
+
 def profile(argv: list[str]) -> int:
     from hybridrl.telemetry.profile_report import main as profile_main
 
@@ -214,6 +221,7 @@ def profile(argv: list[str]) -> int:
 # the commands with arguments of their own: name -> (one line for --help, handler(argv) -> exit)
 TOOLS = {
     "config": ("a config key's meaning, type, default and allowed values", config_key),
+    "chat": ("talk to a model with its chat template, one message per line of input", chat),
     "export": ("a transformers-format model directory from a run checkpoint", export),
     "memory": ("the memory a model needs per device under a layout, estimated", memory),
     "distill-draft": ("train a draft model for speculative decoding", distill_draft),
