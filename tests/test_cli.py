@@ -41,7 +41,7 @@ def run(capsys, *argv):
         # paths and names that would fail only after the run directory exists
         (["rollout.draft_model_path=/nonexistent"], "'/nonexistent' does not exist"),
         (["actor.lora_rank=4", "actor.lora_target_modules=[q_proj, qkv]"], "[1] = 'qkv'"),
-        (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear]"], "'all-linear' is not"),
+        (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear, q_proj]"], "stands alone"),
         (["sft.checkpoint=/etc/passwd/ckpt"], "'/etc/passwd' is not a directory"),
         (["controller.num_threads=100000"], "'controller.num_threads' must be >= 1 and <= 1024"),
         (

@@ -364,6 +364,24 @@ def test_targets_are_spelled_out_as_linear_modules_and_a_miss_is_named():
         lora_lib.linear_targets(build_model("tiny", tok, 0), ("qkv",))
 
 
+def test_all_linear_is_every_linear_module_but_the_head():
+    """PEFT's all-linear, spelled out: the seven projections of every layer, not lm_head (tied or
+    not); a config takes it as one string."""
+    from hybridrl.config import Config, load_config
+    from hybridrl.models.factory import build_model
+    from hybridrl.tasks.tokenizer import build_char_tokenizer
+
+    model = build_model("tiny", build_char_tokenizer(), 0)
+    names = lora_lib.linear_targets(model, ("all-linear",))
+    assert len(names) == 4 * 7 and not any("lm_head" in n for n in names)
+    cfg = load_config(Config, None, ["actor.lora_rank=4", "actor.lora_target_modules=all-linear"])
+    peft_model = lora_lib.apply_lora(model, lora_lib.lora_settings(cfg))
+    adapted = {
+        n.rsplit(".lora_A", 1)[0] for n, _ in peft_model.named_parameters() if ".lora_A" in n
+    }
+    assert len(adapted) == 4 * 7
+
+
 def test_mlp_targets_that_peft_maps_onto_the_experts_are_refused():
     """A Qwen3-MoE with a dense first layer: PEFT maps the MLP names onto the routed experts'
     fused tensors, so those targets are refused with the names to leave out; attention works."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridrl.config.sections.common import (
+    ALL_LINEAR,
     LORA_MODEL_TYPES,
     LORA_TARGETS,
     MAX_SAMPLES_PER_STEP,
@@ -176,16 +177,19 @@ class Config:
                 return  # an unreadable config.json is reported when the model loads
             if model_type not in LORA_MODEL_TYPES:
                 return
-        for i, name in enumerate(self.actor.lora_target_modules):
-            if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
-                hint = (
-                    " (PEFT's 'all-linear' is not supported here: list the modules)"
-                    if name == "all-linear"
-                    else ""
+        targets = self.actor.lora_target_modules
+        if ALL_LINEAR in targets:
+            if len(targets) > 1:
+                raise ValueError(
+                    f"actor.lora_target_modules: {ALL_LINEAR!r} (every Linear module but the "
+                    f"head) stands alone, got {targets}"
                 )
+            return
+        for i, name in enumerate(targets):
+            if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
                 raise ValueError(
                     f"actor.lora_target_modules[{i}] = {name!r} names no Linear module of the "
-                    f"model{hint}; the modules: {', '.join(LORA_TARGETS)}"
+                    f"model; the modules: {', '.join(LORA_TARGETS)}, or {ALL_LINEAR!r} alone"
                 )
 
     def _validate_estimator(self) -> None:
@@ -261,6 +265,7 @@ __all__ = [
     "FORMER_ROLES",
     "FSDPConfig",
     "LORA_MODEL_TYPES",
+    "ALL_LINEAR",
     "LORA_TARGETS",
     "LOSS_AGG_MODES",
     "MAX_SAMPLES_PER_STEP",

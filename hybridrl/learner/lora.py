@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridrl.config.sections.common import ALL_LINEAR
 from hybridrl.parallel import distributed
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.rollout.base import LORA_A, LORA_B, LORA_SCALING
@@ -124,6 +125,9 @@ def linear_targets(model: nn.Module, targets: Iterable[str]) -> list[str]:
     refuses, naming the names to leave out."""
     targets = tuple(targets)
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if targets == (ALL_LINEAR,):  # PEFT's meaning: every Linear module but the output head
+        head = model.get_output_embeddings()
+        return [n for n in linear if model.get_submodule(n) is not head]
     names = [n for n in linear if any(n == t or n.endswith("." + t) for t in targets)]
     if not names:
         known = sorted({name.rsplit(".", 1)[-1] for name in linear})

@@ -18,6 +18,7 @@ MAX_THREADS = 1024
 # the Linear modules of the decoder layers of the built-in (Qwen2) models and of the Qwen2, Qwen3
 # and Llama checkpoints the native rollout serves: the names actor.lora_target_modules may take
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"  # PEFT's name for every Linear module but the output head
 LORA_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 

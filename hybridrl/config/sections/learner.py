@@ -56,7 +56,8 @@ class ActorConfig:
     lora_dropout: float = _f(0.0, "dropout on the LoRA input", ge=0, lt=1)
     lora_target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "module names that get adapters",
+        "module names that get adapters (a name or its dotted suffix), or all-linear alone: every "
+        "Linear module but the output head, as PEFT means it",
     )
     packing: bool = _f(
         True,
