@@ -179,9 +179,12 @@ class DatasetTask(Task):
             chosen = set(seeded_rng("data-heldout", len(train)).sample(range(len(train)), size))
             heldout = [r for i, r in enumerate(train) if i in chosen]
             train = [r for i, r in enumerate(train) if i not in chosen]
-            log.info(
-                "data: %d of the %d training rows held out for evaluation (no data.val_files; "
-                "at most task.heldout_size=%d, a tenth of the data)",
+            # a warning, so the Python API shows it without any logging set up: these rows are
+            # not trained on
+            log.warning(
+                "data: %d of the %d training rows held out for evaluation, not trained on (no "
+                "data.val_files; at most task.heldout_size=%d, a tenth of the data; give "
+                "data.val_files to keep every row for training)",
                 len(heldout),
                 len(heldout) + len(train),
                 self.heldout_size,
