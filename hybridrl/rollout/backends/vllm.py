@@ -87,14 +87,13 @@ class VLLMRollout(ExternalRollout):
     def _start(self, path: str):
         current_platform = importlib.import_module("vllm.platforms").current_platform
         cfg = self.cfg
-        self.sleeps = current_platform.is_sleep_mode_available()
         kwargs = dict(
             model=path,
             dtype=self.dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             tensor_parallel_size=cfg.tensor_parallel_size,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            enable_sleep_mode=self.sleeps,
+            enable_sleep_mode=current_platform.is_sleep_mode_available(),
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=self.tokenizer is None
             and not cfg.engine_model_path,  # no tokenizer was saved
@@ -102,7 +101,7 @@ class VLLMRollout(ExternalRollout):
         if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
         kwargs.update(cfg.engine_kwargs)
-        self.sleeps = kwargs["enable_sleep_mode"]
+        self.sleeps = kwargs["enable_sleep_mode"]  # engine_kwargs may say otherwise
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self._tied = _tied_names(self.model)
         before = set(multiprocessing.active_children())
