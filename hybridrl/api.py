@@ -43,6 +43,7 @@ from hybridrl.config import (
     load_config,
     to_dict,
 )
+from hybridrl.driver.resume import Resume
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def train(
     reward_weights: Sequence[float] | None = None,
     train_dataset: Any = None,
     eval_dataset: Any = None,
-    resume: bool = False,
+    resume: bool | Resume = False,
 ) -> dict:
     """Train and return the run's summary (accuracies before and after, run directory, ...).
 
@@ -63,8 +64,9 @@ def train(
     ``overrides``: ``{"trainer.total_steps": 10}`` or ``["trainer.total_steps=10"]``.
     ``reward_funcs``: replaces ``task.reward_fn``; ``reward_weights``: ``task.reward_weights``.
     ``train_dataset`` / ``eval_dataset``: a ``datasets.Dataset``, a list of dicts, or a path;
-    they replace ``data.train_files`` / ``data.val_files``. Raises :class:`ConfigError` (one line)
-    for a bad configuration, before any work starts.
+    they replace ``data.train_files`` / ``data.val_files``. ``resume``: True continues the run from
+    its latest checkpoint; ``Resume(checkpoint=PATH)`` from a chosen one (:class:`Resume`). Raises
+    :class:`ConfigError` (one line) for a bad configuration, before any work starts.
     """
     cfg = make_config(
         config,
@@ -116,7 +118,7 @@ def make_config(
     return cfg
 
 
-def run(cfg: Config, resume: bool = False) -> dict:
+def run(cfg: Config, resume: bool | Resume = False) -> dict:
     """Run a validated config (the command line's ``hybridrl train`` does the same): the steps
     that cover ``data.epochs``, then the driver of ``trainer.mode``, restarted from the last
     checkpoint after a worker died or a rollout call timed out, up to ``trainer.max_restarts``
@@ -128,6 +130,12 @@ def run(cfg: Config, resume: bool = False) -> dict:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if isinstance(resume, Resume) and resume.checkpoint:  # the run goes on in that run's directory
+        where = Path(resume.checkpoint).resolve()
+        run_dir = where if (where / "checkpoints").is_dir() else where.parent.parent
+        if run_dir != (Path(cfg.trainer.runs_dir) / cfg.trainer.name).resolve():
+            log.info("--resume-from: the run goes on in %s", run_dir)
+        cfg.trainer.runs_dir, cfg.trainer.name = str(run_dir.parent), run_dir.name
     if cfg.data.epochs is not None:
         from hybridrl.data import steps_for_epochs
         from hybridrl.models.loading import make_task

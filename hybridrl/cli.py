@@ -2,6 +2,7 @@
 ``distill-draft``, ``profile`` (``hybridrl --help`` lists them, one line each).
 
     hybridrl train examples/arith_grpo.yaml trainer.total_steps=20 [--resume] [--print-config]
+    hybridrl train ... --resume-from runs/arith_grpo/checkpoints/step_000100
     hybridrl train ... --resume-changed-data   # --resume although the data files changed
     hybridrl export runs/arith_grpo/checkpoints/step_000200 exported_model
     hybridrl distill-draft TARGET_DIR DRAFT_DIR_OR_SIZE OUT_DIR --task arith --steps 300
@@ -23,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -31,12 +33,13 @@ from hybridrl.config import Config, ConfigError, dump_yaml, load_config
 
 EXIT_CONFIG = 2
 EXIT_RUN_FAILED = 1  # a run stopped by a hung step or a checkpoint that could not be saved
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}  # a run stopped (and saved) by a signal: 128 + it
 
 
 # the commands that run a config (parse_args below), with their one line
 RUN_COMMANDS = {
     "train": "RL training (runs or reuses the warm start first)",
-    "sft": "supervised warm start only",
+    "sft": "supervised fine-tuning (sft.train_files, or the built-in warm start) only",
     "eval": "the held-out evaluation of the start checkpoint (eval section), as JSON",
     "generate": "batch inference over the held-out (or training) prompts, written to a jsonl",
 }
@@ -77,10 +80,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "--resume", action="store_true", help="continue the run from its latest checkpoint"
             )
             s.add_argument(
+                "--resume-from",
+                metavar="PATH",
+                help="continue from a chosen checkpoint (runs/<name>/checkpoints/step_N), or a "
+                "run directory's latest; the run goes on in that checkpoint's run directory",
+            )
+            s.add_argument(
                 "--resume-changed-data",
                 action="store_true",
-                help="--resume although the data files changed since the checkpoint (the run "
+                help="resume although the data files changed since the checkpoint (the run "
                 "goes on with other prompts than it would have)",
+            )
+            s.add_argument(
+                "--resume-changed-config",
+                action="store_true",
+                help="resume although keys that change training differ from the checkpoint's "
+                "config (they are listed when refused)",
             )
     for name, (text, _) in TOOLS.items():  # parsed by their own handlers; listed here
         sub.add_parser(name, help=text, add_help=False)
@@ -258,9 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sft":
         from hybridrl.driver.sft import run_sft, warm_start_path
 
+        try:
+            out = run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)
+        except ConfigError as e:  # the SFT data, read in full: one line
+            print(f"hybridrl: error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        record = json.loads((out / "sft.json").read_text())
+        record.pop("checks", None)
+        print(json.dumps({"checkpoint": str(out), **record}, indent=1))
         print(
-            "warm-start checkpoint written to "
-            f"{run_sft(cfg, warm_start_path(cfg), cfg.trainer.progress)}"
+            f"SFT model written to {out}: RL starts from it with model.path={out} (or "
+            "`hybridrl train` with this config, which reuses it)",
+            file=sys.stderr,
         )
         return 0
     if args.command in ("eval", "generate"):
@@ -276,12 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     from hybridrl.api import run
     from hybridrl.driver.checkpoint import CheckpointError
     from hybridrl.driver.restarts import RestartsExhaustedError
-    from hybridrl.driver.session import RESUME_CHANGED_DATA
+    from hybridrl.driver.resume import Resume
     from hybridrl.rollout.scoring import RewardsFailedError
     from hybridrl.telemetry.watchdog import StepTimeoutError
 
     try:
-        summary = run(cfg, resume=RESUME_CHANGED_DATA if args.resume_changed_data else args.resume)
+        resume = args.resume or args.resume_from or args.resume_changed_data
+        resume = resume or args.resume_changed_config
+        how = Resume(args.resume_from, args.resume_changed_data, args.resume_changed_config)
+        summary = run(cfg, resume=how if resume else False)
     except ConfigError as e:  # the data, read in full when the run starts: one line
         print(f"hybridrl: error: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -295,7 +322,27 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RUN_FAILED
     print(json.dumps(summary, indent=1))
     print(f"report: {Path(summary['run_dir']) / 'report.png'}")
+    if summary["stopped_by"]:  # the run saved and ended early: say how to go on
+        again = _resume_command(argv, summary["run_dir"])
+        print(
+            f"hybridrl: stopped by {summary['stopped_by']} after step {summary['steps']}; "
+            f"checkpoint {summary['final_checkpoint']}; go on with: {again}",
+            file=sys.stderr,
+        )
+        return EXIT_SIGNAL[summary["stopped_by"]]
     return 0
+
+
+def _resume_command(argv: list[str], run_dir: str) -> str:
+    """The command line that goes on with a stopped run: ``argv`` with ``--resume-from RUN_DIR``
+    instead of its resume options."""
+    out, skip = ["hybridrl"], False
+    for arg in argv:
+        if skip or arg.startswith("--resume"):
+            skip = arg == "--resume-from"
+            continue
+        out.append(arg)
+    return shlex.join([*out, "--resume-from", run_dir])
 
 
 if __name__ == "__main__":

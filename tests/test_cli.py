@@ -280,7 +280,7 @@ def test_help_lists_every_command_and_points_to_the_config_reference(capsys):
 def test_config_prints_a_key_and_refuses_an_unknown_one(capsys):
     assert main(["config", "actor.lr", "trainer"]) == 0
     out = capsys.readouterr().out
-    assert "actor.lr: AdamW learning rate" in out and "default: `0.0001`" in out
+    assert "actor.lr: AdamW learning rate" in out and "1e-6 for a model.path" in out
     assert "trainer.total_steps: int" in out  # a section lists its keys
     assert main(["config", "algorithm.adv_estimator"]) == 2
     err = capsys.readouterr().err

@@ -8,8 +8,10 @@ FSDP2 on a 1-rank gloo group, which must not outlive its process (see the exit t
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -313,3 +315,99 @@ if __name__ == "__main__":
         # abort the interpreter's exit; the results are written by now
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
+
+
+def cli_args(tmp_path, name, steps, *extra) -> list[str]:
+    return [
+        "train",
+        *TINY,
+        f"sft.checkpoint={tmp_path / 'ws'}",
+        f"trainer.runs_dir={tmp_path / 'runs'}",
+        f"trainer.name={name}",
+        f"trainer.total_steps={steps}",
+        *extra,
+    ]
+
+
+def metric_rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
+
+
+def test_resume_from_a_chosen_checkpoint_continues_exactly_from_it(tmp_path, capsys):
+    """--resume-from an earlier checkpoint: the steps after it are the first run's again, bit for
+    bit; the run goes on in the checkpoint's run directory (another trainer.name in the config)."""
+    from hybridrl.cli import main
+
+    keep = ("trainer.save_every=1", "trainer.keep_checkpoints=3")
+    assert main(cli_args(tmp_path, "a", 4, *keep)) == 0
+    first = metric_rows(tmp_path / "runs/a")
+    ckpt = tmp_path / "runs/a/checkpoints/step_000002"
+    capsys.readouterr()
+    assert main([*cli_args(tmp_path, "other", 4, *keep), "--resume-from", str(ckpt)]) == 0
+    summary = json.loads(capsys.readouterr().out.split("\nreport:")[0])
+    assert summary["resumed_from_step"] == 2 and summary["run_dir"].endswith("runs/a")
+    assert not (tmp_path / "runs/other").exists()
+    again = metric_rows(tmp_path / "runs/a")
+    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)]
+
+
+def test_a_resume_under_keys_that_change_training_is_refused_naming_them(tmp_path, capsys):
+    from hybridrl.cli import main
+
+    assert main(cli_args(tmp_path, "a", 1, "trainer.save_every=1")) == 0
+    capsys.readouterr()
+    assert (
+        main([*cli_args(tmp_path, "a", 2, "actor.lr=2e-4", "rollout.top_p=0.9"), "--resume"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "actor.lr: 0.0001 -> 0.0002" in err, err
+    assert "rollout.top_p: 1.0 -> 0.9" in err and "--resume-changed-config" in err, err
+    assert not (tmp_path / "runs/a/checkpoints/step_000002").exists()
+    # how long, how often and where to log may change; the rest with --resume-changed-config
+    assert main([*cli_args(tmp_path, "a", 2, "trainer.eval_every=2"), "--resume"]) == 0
+    assert main([*cli_args(tmp_path, "a", 3, "actor.lr=2e-4"), "--resume-changed-config"]) == 0
+    assert main([*cli_args(tmp_path, "a", 3), "--resume-from", str(tmp_path)]) == 2
+    assert "is not a checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, signum):
+    args = cli_args(tmp_path, "a", 500, "trainer.save_every=0")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "tests")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridrl.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        # SIGINT as a terminal's Ctrl-C sends it (a background child would inherit it ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
+    metrics = tmp_path / "runs/a/metrics.jsonl"
+    for _ in range(600):
+        if proc.poll() is not None or (
+            metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+        ):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-2000:]
+    summary = json.loads(out.split("\nreport:")[0])
+    step = summary["steps"]
+    assert summary["stopped_by"] == signal.Signals(signum).name and 2 <= step < 500
+    assert summary["final_checkpoint"].endswith(f"step_{step:06d}")
+    line = err.strip().splitlines()[-1]
+    assert f"stopped by {signal.Signals(signum).name} after step {step}" in line, err[-2000:]
+    assert line.endswith(f"--resume-from {tmp_path / 'runs/a'}"), line
+    from hybridrl.cli import main
+
+    resumed = [
+        *args[:-2],
+        f"trainer.total_steps={step + 1}",
+        "--resume-from",
+        str(tmp_path / "runs/a"),
+    ]
+    assert main(resumed) == 0
+    assert json.loads((tmp_path / "runs/a/summary.json").read_text())["resumed_from_step"] == step

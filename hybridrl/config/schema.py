@@ -68,6 +68,15 @@ from hybridrl.config.sections.trainer import (
     TrainerConfig,
 )
 
+# defaults that depend on the model: (a model.path checkpoint, a built-in toy model). A real LLM
+# gets TRL's and veRL's values; the built-in 1M-parameter models learn their tasks with these
+MODEL_DEFAULTS = {
+    ("actor", "lr"): (1e-6, 1e-4),
+    ("rollout", "max_new_tokens"): (256, 16),
+    ("algorithm", "kl_coef"): (0.0, 0.001),
+    ("sft", "lr"): (2e-5, 3e-3),
+}
+
 
 @dataclass
 class Config:
@@ -91,8 +100,14 @@ class Config:
     def __post_init__(self):
         """Resolve the defaults that depend on other sections (so the saved config.yaml says what
         ran)."""
+        real = self.model.path is not None  # a checkpoint; the built-in models are toys
+        for (section, key), (checkpoint, builtin) in MODEL_DEFAULTS.items():
+            if getattr(getattr(self, section), key) is None:
+                setattr(getattr(self, section), key, checkpoint if real else builtin)
         if self.sft.enabled is None:  # the arithmetic warm start suits only the built-in setup
-            self.sft.enabled = self.model.path is None and self.data.train_files is None
+            self.sft.enabled = self.sft.train_files is not None or (
+                self.model.path is None and self.data.train_files is None
+            )
         if self.trainer.name is None:  # one path component: a plug-in's path gives its last part
             advantage = self.algorithm.advantage.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
             self.trainer.name = f"{self.source_name}_{advantage}"

@@ -83,7 +83,7 @@ def check_unchanged(
         return
     raise DataError(
         f"{message}; restore the data, start a new run (another trainer.name), or resume on the "
-        "changed data with --resume-changed-data (Python: resume='changed-data')"
+        "changed data with --resume-changed-data (Python: resume=Resume(changed_data=True))"
     )
 
 

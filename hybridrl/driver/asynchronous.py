@@ -71,11 +71,14 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
                     acc=f"{last['eval/accuracy']:.3f}",
                     stale=stale,
                 )
-                if s.due(t.save_every, done):
+                stop = s.watchdog.stop_requested  # SIGTERM or SIGINT: save, then end
+                if s.due(t.save_every, done) or stop:
                     s.watchdog.arm(step)  # so does the checkpoint
                     kl = roles.learner.kl_reward_coef()
                     extra = buffer.state() | {"step": done, "last": last, "kl_reward_coef": kl}
                     saver.save(done, state | extra)
+                if stop:
+                    break
                 # evaluation and checkpoints do not count as the learner's idleness
                 tick = time.perf_counter()
             saver.close()  # the save in flight, if any

@@ -20,6 +20,7 @@ from hybridrl.driver.checkpoint import latest_checkpoint, list_checkpoints
 from hybridrl.driver.evaluate import Evaluator
 from hybridrl.driver.placement import Roles, build_roles
 from hybridrl.driver.restarts import Faults
+from hybridrl.driver.resume import Resume, check_config_unchanged, chosen_checkpoint
 from hybridrl.driver.run_dir import open_run_dir, run_path, write_summary
 from hybridrl.driver.sft import ensure_warm_start
 from hybridrl.models.loading import load_tokenizer, make_task
@@ -33,8 +34,6 @@ from hybridrl.telemetry.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 TRACE_FILE = "trajectories.jsonl"  # per step the trained prompts' uids (async: their staleness)
-# open_session's resume value that resumes although the data files changed since the checkpoint
-RESUME_CHANGED_DATA = "changed-data"
 
 
 class FaultLogger:
@@ -132,7 +131,9 @@ class Session:
             "accuracy_after": last["eval/accuracy"],
             "greedy_accuracy_before": before["eval/greedy_accuracy"],
             "greedy_accuracy_after": last["eval/greedy_accuracy"],
-            "steps": t.total_steps,
+            "steps": self.faults.reached if self.watchdog.stop_requested else t.total_steps,
+            # the signal that stopped the run early (it saved a checkpoint first), or null
+            "stopped_by": self.watchdog.stop_requested,
             "wall_seconds": time.perf_counter() - self.t_start,
             "run_dir": str(self.run_dir),
             "warm_start": self.warm,
@@ -178,18 +179,22 @@ def _truncate_trace(run_dir: Path, step: int) -> None:
         path.write_text("".join(x for x in lines if x.strip() and json.loads(x)["step"] <= step))
 
 
-def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) -> Session:
-    """Warm start, latest checkpoint (``resume``), roles with the checkpoint's weights synced to the
-    rollout, and the held-out evaluation before training (once per run). ``faults``: the run's
-    restart counters (``driver/restarts.py``); when it says a restart is under way, the newest
-    checkpoint is restored like ``resume``, and without one the run starts again from step 0 in its
-    own directory. The data files' hashes go into the trainer state; ``--resume`` refuses files
-    that differ from the checkpoint's unless ``resume`` is :data:`RESUME_CHANGED_DATA`."""
+def open_session(cfg: Config, resume: bool | Resume, faults: Faults | None = None) -> Session:
+    """Warm start, the checkpoint to resume from (``resume``, :class:`Resume`), roles with the
+    checkpoint's weights synced to the rollout, and the held-out evaluation before training (once
+    per run). ``faults``: the run's restart counters (``driver/restarts.py``); when it says a
+    restart is under way, the newest checkpoint is restored like ``resume``, and without one the run
+    starts again from step 0 in its own directory. The data files' hashes go into the trainer state;
+    a resume refuses files that differ from the checkpoint's, and keys that change training."""
     t_start, t = time.perf_counter(), cfg.trainer
     faults = faults or Faults(t.max_restarts)
     restart = faults.restarting is not None
+    resume = Resume() if resume is True else resume or None
     warm = ensure_warm_start(cfg, t.progress)
-    found = latest_checkpoint(run_path(cfg)) if resume or restart else None
+    if resume and resume.checkpoint and not restart:
+        found = chosen_checkpoint(Path(resume.checkpoint))
+    else:
+        found = latest_checkpoint(run_path(cfg)) if resume or restart else None
     if resume and not found and not restart:
         log.warning(
             "--resume: no complete checkpoint that verifies under %s, starting a fresh run",
@@ -200,8 +205,8 @@ def open_session(cfg: Config, resume: bool | str, faults: Faults | None = None) 
     # a restart goes on with the state it left; a fresh run records the data, --resume compares
     prints = data_fingerprint(cfg) if not (restart and found) else None
     if found and not restart:
-        force = resume == RESUME_CHANGED_DATA
-        check_unchanged(found[1].get(STATE_KEY), prints, cfg, found[0], force)
+        check_unchanged(found[1].get(STATE_KEY), prints, cfg, found[0], resume.changed_data)
+        check_config_unchanged(found[0], cfg, resume.changed_config)
     task = make_task(cfg)
     if isinstance(task, DatasetTask):  # every row read and checked before any model is built
         task.rows()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -31,7 +32,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hybridrl.config import Config, to_dict
+from hybridrl.config.sections.common import ALL_LINEAR
+from hybridrl.data.files import as_paths
+from hybridrl.data.fingerprint import path_sha256
+from hybridrl.data.sft_examples import read_sft_examples
+from hybridrl.data.source import seeded_rng
 from hybridrl.learner.logprob import length_buckets
+from hybridrl.learner.lora import ADAPTER_DIR, LoraSettings, apply_lora
 from hybridrl.models import save_model_dir
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.parallel.packing import attention_key_cost, pack_micro_batches, packed_forward
@@ -48,11 +55,10 @@ def warm_start_path(cfg: Config) -> Path:
     if cfg.sft.checkpoint:
         return Path(cfg.sft.checkpoint)
     digest = hashlib.sha256(json.dumps(cache_key(cfg), sort_keys=True).encode()).hexdigest()[:10]
-    return (
-        Path("checkpoints")
-        / "warmstart"
-        / f"{cfg.task.name}-{cfg.model.name if not cfg.model.path else 'custom'}-{digest}"
-    )
+    files = cfg.sft.train_files
+    source = Path(files if isinstance(files, str) else files[0]).stem if files else cfg.task.name
+    model = cfg.model.name if not cfg.model.path else Path(cfg.model.path).name or "custom"
+    return Path("checkpoints") / "warmstart" / f"{source}-{model}-{digest}"
 
 
 def cache_key(cfg: Config) -> dict:
@@ -65,7 +71,11 @@ def cache_key(cfg: Config) -> dict:
         "seed": cfg.trainer.seed,
         "sft": {k: v for k, v in to_dict(cfg.sft).items() if k not in ("checkpoint", "enabled")},
     }
-    if cfg.sft.steps is None:
+    if cfg.sft.train_files:  # the data's bytes, and how its prompts are rendered
+        files = {"sft.train_files": cfg.sft.train_files, "sft.val_files": cfg.sft.val_files}
+        key["data"] = {k: [path_sha256(p) for p in as_paths(f, k)] for k, f in files.items() if f}
+        key["render"] = [cfg.data.apply_chat_template, cfg.data.system_prompt]
+    elif cfg.sft.steps is None:
         key["check"] = {
             "reward_fn": to_dict(cfg.task.reward_fns()),  # a callable by its module:name
             "heldout_size": cfg.task.heldout_size,
@@ -222,27 +232,110 @@ def _train_step(
     return loss
 
 
+class DataBatches:
+    """The steps' batches of the user's SFT data (``sft.train_files``, read and checked at once):
+    ``sft.batch_size`` examples each, through the rows in a new seeded order (``trainer.seed``)
+    every epoch."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        self.examples = read_sft_examples(cfg, tokenizer, "sft.train_files")
+        self.size, self.seed = cfg.sft.batch_size, cfg.trainer.seed
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._orders: dict[int, list[int]] = {}
+
+    def steps(self, epochs: float) -> int:
+        return max(1, math.ceil(epochs * len(self.examples) / self.size))
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+        n = len(self.examples)
+        rows = [self._order(i // n)[i % n] for i in range(step * self.size, (step + 1) * self.size)]
+        return _padded(self.examples, rows, self.pad) + ([],)
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.examples)))
+            seeded_rng("sft", self.seed, epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self._orders[epoch]
+
+
+class ValLoss:
+    """The loss (mean over the labelled tokens) of ``sft.val_files``, without gradients."""
+
+    def __init__(self, cfg: Config, tokenizer):
+        self.examples = read_sft_examples(cfg, tokenizer, "sft.val_files")
+        self.cfg, self.pad = cfg, tokenizer.pad_token_id or 0
+
+    @torch.no_grad()
+    def __call__(self, model) -> float:
+        total, count, a = 0.0, 0, self.cfg.actor
+        model.eval()
+        for start in range(0, len(self.examples), self.cfg.sft.batch_size):
+            rows = range(start, min(start + self.cfg.sft.batch_size, len(self.examples)))
+            ids, attn, labels = _padded(self.examples, rows, self.pad)
+            for logits, targets in MICRO_BATCHES[a.packing](
+                model, ids, attn, labels, a.micro_batch_tokens
+            ):
+                total += F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]),
+                    targets.reshape(-1),
+                    ignore_index=-100,
+                    reduction="sum",
+                ).item()
+                count += int((targets != -100).sum())
+        model.train()
+        return total / max(count, 1)
+
+
+def _padded(examples, rows, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = [examples.ids[r] for r in rows]
+    return (
+        pad_2d(ids, pad, torch.long),
+        pad_2d([[1] * len(r) for r in ids], 0, torch.long),
+        pad_2d([examples.labels[r] for r in rows], -100, torch.long),
+    )
+
+
 def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = True) -> Path:
-    """Train (until the target, the cap or ``sft.steps``), then write the checkpoint atomically
-    (temporary directory renamed when complete) with ``sft.json``."""
+    """Train (until the target, the cap, ``sft.steps`` or ``sft.epochs`` over ``sft.train_files``),
+    then write the checkpoint atomically (temporary directory renamed when complete) with
+    ``sft.json``."""
     s = cfg.sft
     out = Path(out_dir) if out_dir else warm_start_path(cfg)
-    task = make_task(cfg)
     model, tokenizer = load_model(cfg, cfg.model.path)
-    total = s.steps if s.steps is not None else s.max_steps
-    check = HeldoutCheck(cfg, task, tokenizer) if s.steps is None else None
-    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, total))
+    check = val = None
+    if s.train_files:
+        batch = DataBatches(cfg, tokenizer)
+        total = s.steps if s.steps is not None else batch.steps(s.epochs)
+        val = ValLoss(cfg, tokenizer) if s.val_files else None
+        warmup = min(20, max(1, total // 10))
+        desc = f"SFT on {len(batch.examples)} rows of sft.train_files"
+    else:
+        task = make_task(cfg)
+
+        def batch(step):
+            return sft_batch(task, tokenizer, step * s.batch_size, s.batch_size)
+
+        total = s.steps if s.steps is not None else s.max_steps
+        check = HeldoutCheck(cfg, task, tokenizer) if s.steps is None else None
+        warmup = 20
+        desc = (
+            "warm start (SFT)"
+            if check is None
+            else f"warm start (SFT, to {s.target_accuracy:.0%} sampled accuracy)"
+        )
+    if s.lora_rank:
+        model = apply_lora(model, LoraSettings(s.lora_rank, s.lora_alpha, targets=(ALL_LINEAR,)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.98), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i, total, warmup))
     model.train()
     t0, losses, checks, met = time.perf_counter(), [], [], False
-    desc = (
-        "warm start (SFT)"
-        if check is None
-        else f"warm start (SFT, to {s.target_accuracy:.0%} sampled accuracy)"
-    )
+    if val is not None:  # the loss before training, for comparison
+        checks.append({"step": 0, "loss": None, "val_loss": val(model)})
     bar = tqdm(range(total), desc=desc, disable=not progress, dynamic_ncols=True)
     for step in bar:
-        ids, attn, labels, texts = sft_batch(task, tokenizer, step * s.batch_size, s.batch_size)
+        ids, attn, labels, texts = batch(step)
         losses.append(
             _train_step(
                 model,
@@ -256,11 +349,22 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
                 s.grad_clip,
             )
         )
+        done = step + 1
+        if val is not None and (done % s.eval_every == 0 or done == total):
+            checks.append({"step": done, "loss": losses[-1], "val_loss": val(model)})
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", val_loss=f"{checks[-1]['val_loss']:.3f}")
+            log.info(
+                "SFT step %d/%d: loss %.4f, val_loss %.4f",
+                done,
+                total,
+                losses[-1],
+                checks[-1]["val_loss"],
+            )
+            continue
         if check is None:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             continue
         check.trained_on(texts)
-        done = step + 1
         if done % s.eval_every == 0 or done == total:
             acc, n = check(model)
             checks.append({"step": done, "accuracy": acc, "loss": losses[-1], "prompts": n})
@@ -275,6 +379,14 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
         "final_loss": losses[-1] if losses else None,
         "seconds": seconds,
     }
+    if s.train_files:
+        record |= {
+            "rows": len(batch.examples),
+            "dropped_rows": dict(batch.examples.dropped),
+            "trained_tokens_per_epoch": batch.examples.trained_tokens,
+            "val_loss": checks[-1]["val_loss"] if checks else None,
+            "checks": checks,
+        }
     if check is not None:
         last = checks[-1] if checks else {"accuracy": None, "prompts": 0}
         record |= {
@@ -299,6 +411,10 @@ def run_sft(cfg: Config, out_dir: str | Path | None = None, progress: bool = Tru
             log.warning(_cap_message(cfg, last["accuracy"]))
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    if s.lora_rank:  # the adapter as PEFT loads it, then the merged model the RL starts from
+        model.peft_config["default"].base_model_name_or_path = cfg.model.path
+        model.save_pretrained(tmp / ADAPTER_DIR)
+        model = model.merge_and_unload()
     save_model_dir(tmp, model, tokenizer)
     (tmp / "sft.json").write_text(json.dumps(record, indent=1))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -54,11 +54,14 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
                 bar.set_postfix(
                     reward=f"{metrics['reward/mean']:.3f}", acc=f"{last['eval/accuracy']:.3f}"
                 )
-                if s.due(t.save_every, done):
+                stop = s.watchdog.stop_requested  # SIGTERM or SIGINT: save, then end
+                if s.due(t.save_every, done) or stop:
                     s.watchdog.arm(step)  # so does the checkpoint
                     kl = roles.learner.kl_reward_coef()
                     saved = dict(step=done, last=last, prompt_cursor=cursor, kl_reward_coef=kl)
                     saver.save(done, state | saved)
+                if stop:
+                    break
             saver.close()  # the save in flight, if any
         finally:  # a failed step still leaves the metrics flushed and the workers stopped
             s.watchdog.disarm()  # the shutdown is not part of the step

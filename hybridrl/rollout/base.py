@@ -155,7 +155,9 @@ class SamplingParams:
         r = getattr(cfg, "rollout", cfg)
         data = getattr(cfg, "data", None)
         fields = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        fields |= dict(max_new_tokens=r.max_new_tokens, stop=tuple(data.stop) if data else ())
+        fields |= dict(stop=tuple(data.stop) if data else ())
+        if r.max_new_tokens is not None:  # a RolloutConfig alone leaves it to the model's default
+            fields["max_new_tokens"] = r.max_new_tokens
         return cls(**(fields | overrides))
 
 

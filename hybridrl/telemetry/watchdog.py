@@ -77,7 +77,8 @@ class Watchdog:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._target: int | None = None  # the thread to interrupt (its ident)
-        self._sigint = None  # SIGINT's disposition before __enter__ replaced it (see there)
+        self._previous: dict = {}  # SIGINT's and SIGTERM's handlers before __enter__ (see there)
+        self.stop_requested: str | None = None  # the signal that asked for a graceful stop
 
     # --- the driver's side ------------------------------------------------------
     def steps(self, steps: Iterable[int]) -> Iterator[int]:
@@ -116,27 +117,37 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def __enter__(self) -> Watchdog:
-        # A process started in the background by a script (nohup, `&`) inherits SIGINT ignored;
-        # Python then installs no handler, and neither SIGINT nor interrupt_main() reaches the
-        # driver's thread. While the watchdog runs, SIGINT gets a handler that raises once a step
-        # has timed out and otherwise keeps the inherited behaviour.
+        # While the watchdog runs (in the main thread), SIGINT and SIGTERM ask for a graceful
+        # stop: the first sets stop_requested (the driver finishes the step, saves and ends), a
+        # second one stops at once (KeyboardInterrupt). A process started in the background by a
+        # script (nohup, `&`) inherits SIGINT ignored: it stays ignored, but the watchdog's own
+        # SIGINT still interrupts a timed-out step.
         if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-            if not callable(previous):
-                self._sigint = previous
-                signal.signal(signal.SIGINT, self._on_sigint)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._on_signal)
         return self
 
-    def _on_sigint(self, signum, frame) -> None:
-        if self.error is None and self._sigint == signal.SIG_IGN:
-            return  # not ours, and SIGINT was ignored before
+    def _on_signal(self, signum, frame) -> None:
+        if self.error is not None:  # the interrupt of a timed-out step
+            raise KeyboardInterrupt
+        if self._previous.get(signum) == signal.SIG_IGN:
+            return  # not ours, and it was ignored before
+        if self.stop_requested is None:
+            self.stop_requested = signal.Signals(signum).name
+            log.warning(
+                "%s: the run stops after this step, saves a checkpoint and closes its trackers "
+                "(send it again to stop at once, without saving)",
+                self.stop_requested,
+            )
+            return
         raise KeyboardInterrupt
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
-        if self._sigint is not None:
-            signal.signal(signal.SIGINT, self._sigint)
-            self._sigint = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
         if self.error is None:
             return
         error = self.error

@@ -13,7 +13,12 @@ from hybridrl.config.sections.common import (
 
 @dataclass
 class ActorConfig:
-    lr: float = _f(1e-4, "AdamW learning rate", gt=0)
+    lr: float | None = _f(
+        None,
+        "AdamW learning rate (null: 1e-6 for a model.path checkpoint, TRL's and veRL's rate; 1e-4 "
+        "for the built-in toy models)",
+        gt=0,
+    )
     lr_schedule: Literal["constant", "linear", "cosine"] = _f(
         "constant",
         "after the warmup: constant, or linear or cosine decay to lr x min_lr_ratio at the run's "
@@ -213,8 +218,12 @@ class AlgorithmConfig:
     loss_agg_norm_len: int | None = _f(
         None, "seq-mean-token-sum-norm: the fixed length (null: rollout.max_new_tokens)", ge=1
     )
-    kl_coef: float = _f(
-        0.001, "weight of the KL-to-reference loss term (the KL is always measured)", ge=0
+    kl_coef: float | None = _f(
+        None,
+        "weight of the KL-to-reference loss term; 0: no term and no reference model unless "
+        "kl_reward_coef needs one (null: 0 for a model.path checkpoint, as TRL's beta and veRL's "
+        "use_kl_loss default; 0.001 for the built-in toy models)",
+        ge=0,
     )
     kl_estimator: str = _f(
         "k3",

@@ -22,7 +22,12 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature (0: greedy)", ge=0)
     top_p: float = _f(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = _f(0, "top-k sampling (0: off)", ge=0)
-    max_new_tokens: int = _f(16, "longest response in tokens", ge=1)
+    max_new_tokens: int | None = _f(
+        None,
+        "longest response in tokens (null: 256 for a model.path checkpoint, as TRL's default; 16 "
+        "for the built-in toy models)",
+        ge=1,
+    )
     max_batch_size: int = _f(
         512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1
     )

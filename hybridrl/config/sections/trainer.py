@@ -19,10 +19,41 @@ RUN_NAME_MAX = 200
 
 @dataclass
 class SFTConfig:
+    """The supervised warm start (``hybridrl sft``, and before RL when enabled): on the built-in
+    task's correct examples, or on the user's own data (``train_files``)."""
+
+    train_files: str | list[str] | None = _f(
+        None,
+        "the user's SFT data (.jsonl, .json, .parquet, .csv or a save_to_disk directory): a "
+        "'messages' column (chat, loss on the assistant turns) or 'prompt' and 'completion' "
+        "columns (loss on the completion) (null: the built-in task's examples)",
+    )
+    val_files: str | list[str] | None = _f(
+        None,
+        "held-out SFT data in the same format; its loss is measured every eval_every steps and "
+        "at the end (with train_files; null: none)",
+    )
+    epochs: float = _f(
+        1.0, "passes over train_files when steps is null (the last step may be partial)", gt=0
+    )
+    max_length: int | None = _f(
+        None,
+        "rows of train_files longer than this many tokens are dropped and counted (null: the "
+        "model's context)",
+        ge=1,
+    )
+    lora_rank: int = _f(
+        0,
+        "train LoRA adapters of this rank on every linear layer (PEFT's all-linear) instead of "
+        "the whole model; the checkpoint is the merged model, the adapter beside it in adapter/ "
+        "(0: full fine-tuning)",
+        ge=0,
+    )
+    lora_alpha: float = _f(32.0, "LoRA scale numerator (scale = lora_alpha / lora_rank)", gt=0)
     steps: int | None = _f(
         None,
-        "fixed number of warm-start optimizer steps, no accuracy check (null: train until "
-        "target_accuracy is reached, at most max_steps)",
+        "fixed number of warm-start optimizer steps, no accuracy check (null: with train_files, "
+        "epochs passes over it; else train until target_accuracy is reached, at most max_steps)",
         ge=0,
     )
     target_accuracy: float = _f(
@@ -37,12 +68,22 @@ class SFTConfig:
         "cap on warm-start steps when steps is null (a warning says the target was not reached)",
         ge=1,
     )
-    eval_every: int = _f(10, "accuracy check every N warm-start steps (when steps is null)", ge=1)
+    eval_every: int = _f(
+        10,
+        "accuracy check every N warm-start steps (when steps is null); with train_files, the "
+        "val_files loss every N steps",
+        ge=1,
+    )
     eval_size: int = _f(
         256, "held-out prompts per accuracy check (those that no SFT batch so far contained)", ge=1
     )
     batch_size: int = _f(256, "examples per SFT step", ge=1)
-    lr: float = _f(3e-3, "SFT AdamW learning rate", gt=0)
+    lr: float | None = _f(
+        None,
+        "SFT AdamW learning rate (null: 2e-5 for a model.path checkpoint, TRL's SFT rate; 3e-3 "
+        "for the built-in toy models)",
+        gt=0,
+    )
     grad_clip: float = _f(
         0.0,
         "clip each SFT step's global gradient norm to this (0: off); a spike in the loss at a "
@@ -56,8 +97,8 @@ class SFTConfig:
     )
     enabled: bool | None = _f(
         None,
-        "run (or reuse) the warm start before RL (null: on for a built-in model and task, off "
-        "with model.path or data.train_files)",
+        "run (or reuse) the warm start before RL (null: on with train_files, or for a built-in "
+        "model and task; off with model.path or data.train_files)",
     )
 
     def validate(self) -> None:

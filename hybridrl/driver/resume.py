@@ -1,0 +1,138 @@
+"""A resume: which checkpoint a run goes on from, and what may differ since it was saved.
+
+``hybridrl train --resume`` goes on from the run's latest checkpoint, ``--resume-from PATH`` from a
+chosen one (a checkpoint directory, or a run directory for its latest); the run goes on in that
+checkpoint's run directory, and the checkpoints of later steps are replaced as the run saves again.
+A resume is refused, in one line, when the data files' bytes changed since the checkpoint was saved
+(``data/fingerprint.py``; ``--resume-changed-data`` goes on) and when the config differs from the
+checkpoint's ``config.yaml`` in a key that changes what is trained (``--resume-changed-config`` goes
+on): every key but those of :data:`RESUMABLE_CHANGES`, which say how long to train, how often to
+save, evaluate and log, where metrics go, timeouts, threads and engine memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from hybridrl.config import Config, ConfigError, dump_yaml
+
+log = logging.getLogger(__name__)
+
+# the config keys a resume may change without changing what is trained: how long, how often to
+# save, evaluate and log, where metrics go, timeouts and threads (prefixes end with a dot)
+RESUMABLE_CHANGES = (
+    "trainer.total_steps",
+    "trainer.save_every",
+    "trainer.keep_checkpoints",
+    "trainer.async_save",
+    "trainer.eval_every",
+    "trainer.log_every",
+    "trainer.log_samples",
+    "trainer.log_samples_every",
+    "trainer.loggers",
+    "trainer.wandb_project",
+    "trainer.progress",
+    "trainer.profile_steps",
+    "trainer.profile_record_shapes",
+    "trainer.prefetch_steps",
+    "trainer.step_timeout_s",
+    "trainer.max_restarts",
+    "trainer.name",
+    "trainer.runs_dir",
+    "controller.num_threads",
+    "controller.pg_timeout_s",
+    "rollout.timeout_s",
+    "rollout.max_batch_size",  # the engine's memory and batching: the same samples' distribution
+    "rollout.kv_cache_bytes",
+    "rollout.block_size",
+    "rollout.max_num_batched_tokens",
+    "rollout.enable_prefix_caching",
+    "rollout.kv_cache_memory_fraction",
+    "rollout.gpu_memory_utilization",
+    "controller.ray_address",
+    "env.step_timeout_s",
+    "env.max_concurrent_steps",
+    "task.reward_timeout_s",
+    "task.eval_size",
+    "data.train_files",  # moved files are the same data: their bytes are compared instead
+    "data.val_files",
+    "model.path",  # the weights come from the checkpoint
+    "sft.",
+    "eval.",
+    "alerts.",
+)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """How a run resumes (``hybridrl train --resume``, ``--resume-from PATH``; the Python API's
+    ``resume=Resume(...)``, where ``True`` is ``Resume()``): from ``checkpoint`` (a checkpoint
+    directory, or a run directory for its latest checkpoint; None: the run's own latest), refused
+    when the data files changed since it was saved unless ``changed_data``, and when keys that
+    change training differ from its config unless ``changed_config``."""
+
+    checkpoint: str | None = None
+    changed_data: bool = False
+    changed_config: bool = False
+
+
+def changed_training_keys(saved: dict, cfg: Config) -> list[str]:
+    """``"key: old -> new"`` for each key outside :data:`RESUMABLE_CHANGES` whose value in ``cfg``
+    differs from ``saved`` (a checkpoint's config.yaml, read)."""
+    now = yaml.safe_load(dump_yaml(cfg))
+    changes = []
+    for section in now.keys() | saved.keys():
+        old, new = saved.get(section) or {}, now.get(section) or {}
+        for key in sorted(old.keys() | new.keys()):
+            name = f"{section}.{key}"
+            if old.get(key) != new.get(key) and not any(
+                name == k or (k.endswith(".") and name.startswith(k)) for k in RESUMABLE_CHANGES
+            ):
+                changes.append(f"{name}: {old.get(key)!r} -> {new.get(key)!r}")
+    return changes
+
+
+def chosen_checkpoint(path: Path) -> tuple[Path, dict]:
+    """``--resume-from PATH``: the checkpoint at ``path``, or a run directory's latest, with its
+    ``trainer.json``; a :class:`ConfigError` (one line) when it is neither or does not verify."""
+    from hybridrl.driver.checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
+
+    if (path / "checkpoints").is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise ConfigError(
+                f"--resume-from {str(path)!r}: the run holds no checkpoint that verifies"
+            )
+        return found
+    if not (path / "trainer.json").is_file():
+        raise ConfigError(
+            f"--resume-from {str(path)!r} is not a checkpoint (runs/<name>/checkpoints/step_N) "
+            "or a run directory (runs/<name>)"
+        )
+    problem, state, has_manifest = verify_checkpoint(path)
+    if problem or not has_manifest:
+        raise CheckpointError(f"--resume-from {str(path)!r}: {problem or 'it has no manifest'}")
+    return path, state
+
+
+def check_config_unchanged(ckpt: Path, cfg: Config, force: bool) -> None:
+    """Refuse (:class:`ConfigError`, one line listing them) a resume under keys that change
+    training; with ``force``, log them and go on."""
+    if not (ckpt / "config.yaml").is_file():
+        return
+    changes = changed_training_keys(yaml.safe_load((ckpt / "config.yaml").read_text()), cfg)
+    if not changes:
+        return
+    what = f"the config differs from the checkpoint {str(ckpt)!r}'s in keys that change training: "
+    what += "; ".join(changes)
+    if force:
+        log.warning("--resume-changed-config: %s; the run goes on with the new values", what)
+        return
+    raise ConfigError(
+        f"{what}. Resume under the checkpoint's config.yaml, start a new run (another "
+        "trainer.name), or go on with the new values: --resume-changed-config"
+    )
