@@ -112,14 +112,19 @@ def export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hybridrl export", description=export.__doc__)
     p.add_argument(
         "checkpoint",
-        help="a run checkpoint (runs/<name>/checkpoints/step_N) or its model/ directory",
+        help="a run checkpoint (runs/<name>/checkpoints/step_N), a run directory (its newest "
+        "checkpoint) or a model directory: the forms model.path takes",
     )
     p.add_argument("out_dir")
     args = p.parse_args(argv)
+    from hybridrl.config.sections.model import model_dir
     from hybridrl.parallel.sharded_checkpoint import export_hf
 
-    ckpt = Path(args.checkpoint)
-    ckpt = ckpt / "model" if (ckpt / "model").is_dir() else ckpt
+    try:
+        ckpt = model_dir(args.checkpoint, "checkpoint")
+    except ValueError as e:
+        print(f"hybridrl: error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if not (ckpt / "config.json").is_file() and not (ckpt / "dcp").is_dir():
         print(
             f"hybridrl: error: {args.checkpoint!r} is not a checkpoint (no config.json or dcp/ in "

@@ -285,3 +285,23 @@ def test_config_prints_a_key_and_refuses_an_unknown_one(capsys):
     assert main(["config", "algorithm.adv_estimator"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "use 'algorithm.advantage'" in err
+
+
+def test_model_path_and_export_take_the_same_path_forms(tmp_path, capsys):
+    from hybridrl.models.chat_model import build_chat_model
+
+    run = tmp_path / "runs" / "x"
+    model = build_chat_model(run / "checkpoints/step_000002/model", ["1+1=2"], size="tiny")
+    (run / "checkpoints/step_000001/model").mkdir(parents=True)  # an older one
+    for form in (run, run / "checkpoints/step_000002", model):
+        assert load_config(Config, None, [f"model.path={form}"]).model.path == str(model)
+        out = tmp_path / f"out-{len(str(form))}"
+        assert main(["export", str(form), str(out)]) == 0
+        assert (out / "config.json").is_file()
+    sharded = tmp_path / "sharded"
+    (sharded / "dcp").mkdir(parents=True)
+    (sharded / "config.json").write_text("{}")
+    assert main(["train", f"model.path={sharded}"]) == 2
+    err = capsys.readouterr().err
+    assert "is a sharded checkpoint" in err and "hybridrl export" in err
+    assert main(["export", str(tmp_path / "runs"), str(tmp_path / "o")]) == 2  # none of them

@@ -5,6 +5,7 @@ length limit, dotted answer keys, the one-line errors and steps_for_epochs."""
 from __future__ import annotations
 
 import json
+import math
 import logging
 from collections import Counter
 from pathlib import Path
@@ -324,6 +325,16 @@ def test_the_heldout_split_is_fixed_small_and_never_trained_on(tmp_path):
     trained = {task.prompt(i).text for i in range(2 * task.num_rows)}
     assert task.num_rows == 96 and trained.isdisjoint(p.text for p in held)
     assert len(DatasetTask(config(path, heldout_size=50)).heldout()) == 10  # a tenth at most
+    every = DatasetTask(config(path, heldout_size=4, holdout=False))  # switched off
+    assert every.num_rows == 100 and every.heldout() == []
+
+
+def test_no_heldout_prompts_give_null_figures_not_zero():
+    from hybridrl.driver.evaluate import Evaluator
+    from hybridrl.rollout import SamplingParams
+
+    metrics, sampled, _ = Evaluator(None, [], None, SamplingParams(), seed=0).run()
+    assert math.isnan(metrics["eval/accuracy"]) and sampled == []
 
 
 def test_long_prompts_are_dropped_and_counted_or_an_error(tmp_path):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from hybridrl.config import Config, load_config
-from hybridrl.driver.evaluate import eval_metrics, pass_at_k
+from hybridrl.driver.evaluate import eval_metrics, final_answer, pass_at_k
 from hybridrl.tasks import Prompt
 
 
@@ -50,6 +50,33 @@ def test_metrics_of_an_evaluation():
     assert partial["eval/reward_binary"] == 0.0 and not any("pass@" in k for k in partial)
     one_source = eval_metrics(prompts[:2], sampled[:8], greedy[:2], 4)
     assert not any(k.startswith("eval/source/") for k in one_source)
+
+
+@pytest.mark.parametrize(
+    "response, answer",
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}} or 7", "\\frac{1}{2}"),  # the last box, nested
+        ("3 apples and 4 pears: 1,234.5 in all", "1234.5"),  # the last number
+        ("  blue \n", "blue"),
+    ],
+)
+def test_final_answer(response, answer):
+    assert final_answer(response) == answer
+
+
+def test_maj_at_k_votes_on_final_answers():
+    prompts = [prompt(0, "a"), prompt(1, "a")]
+    # prompt 0: answers 7, 5, 5, 5 (5 right): the majority of all four is right, and of the runs
+    # of two: [7, 5] ties (7 first: wrong), [5, 5] right; prompt 1: 3 right once, 8 twice
+    rewards = (0, 1, 1, 1, 1, 0, 0, 0)
+    answers = ["7", "5", "5", "5", "3", "8", "8", "9"]
+    out = eval_metrics(prompts, [sample(r) for r in rewards], [sample(0)] * 2, 4, answers)
+    assert out["eval/maj@4"] == pytest.approx((1 + 0) / 2)
+    assert out["eval/maj@2"] == pytest.approx((1 / 2 + 1 / 2) / 2)  # [3, 8] tie: 3, right
+    assert out["eval/pass@4"] == 1.0  # pass@k counts any right sample, maj@k the vote
+    assert "eval/maj@1" not in out and "eval/maj@2" not in eval_metrics(
+        prompts, [sample(r) for r in rewards], [sample(0)] * 2, 4
+    )
 
 
 def test_a_run_evaluates_with_its_own_settings_and_writes_the_generations(tmp_path):

@@ -105,8 +105,9 @@ class DatasetTask(Task):
 
     def sft_example(self, index: int) -> tuple[str, str]:
         raise DataError(
-            "a dataset (data.train_files) gives prompts, not supervised examples: there is no "
-            "warm start on it; set sft.enabled=false and start from model.path"
+            "a dataset (data.train_files) gives prompts, not supervised examples: fine-tune on "
+            "your own examples with sft.train_files, or set sft.enabled=false and start from "
+            "model.path"
         )
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
@@ -175,20 +176,26 @@ class DatasetTask(Task):
                 dropped + checked.dropped,
             )
         else:
-            size = min(self.heldout_size, len(train) // 10)
+            size = min(self.heldout_size, len(train) // 10) if self.data.holdout else 0
             chosen = set(seeded_rng("data-heldout", len(train)).sample(range(len(train)), size))
             heldout = [r for i, r in enumerate(train) if i in chosen]
             train = [r for i, r in enumerate(train) if i not in chosen]
             # a warning, so the Python API shows it without any logging set up: these rows are
             # not trained on
-            log.warning(
-                "data: %d of the %d training rows held out for evaluation, not trained on (no "
-                "data.val_files; at most task.heldout_size=%d, a tenth of the data; give "
-                "data.val_files to keep every row for training)",
-                len(heldout),
-                len(heldout) + len(train),
-                self.heldout_size,
-            )
+            if self.data.holdout:
+                log.warning(
+                    "data: %d of the %d training rows held out for evaluation, not trained on (no "
+                    "data.val_files; at most task.heldout_size=%d, a tenth of the data; give "
+                    "data.val_files, or data.holdout=false, to keep every row for training)",
+                    len(heldout),
+                    len(heldout) + len(train),
+                    self.heldout_size,
+                )
+            else:
+                log.warning(
+                    "data: every training row is trained on and none evaluated on (data.holdout="
+                    "false, no data.val_files): the run's evaluations are skipped"
+                )
             rows = _Rows(train_table, train, train_table, heldout, "heldout", sources, dropped)
         if not rows.train:
             counts = ", ".join(f"{n} {REASONS[r]}" for r, n in dropped.items()) or "none dropped"

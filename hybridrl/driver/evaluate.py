@@ -11,7 +11,10 @@ and reports (:func:`eval_metrics`):
   report's titles and ``summary.json``'s ``eval_metric`` say "mean reward" otherwise);
 * with such rewards and ``eval.n`` > 1, ``eval/pass@k`` for k = 1, 2, 4, ... and n: the chance that
   at least one of k samples is right, by the unbiased estimator 1 - C(n - c, k) / C(n, k) over the n
-  drawn (c of them right), averaged over prompts (Chen et al. 2021);
+  drawn (c of them right), averaged over prompts (Chen et al. 2021); and ``eval/maj@k`` for k > 1:
+  whether the most frequent final answer of k samples is right (:func:`final_answer`: the last
+  ``\\boxed{}``, else the last number, else the response), averaged over the n / k disjoint runs
+  of k samples a prompt has and over prompts (self-consistency, Wang et al. 2022);
 * with prompts from more than one source (a dataset's ``data_source`` column, a task mix),
   ``eval/source/<name>/accuracy`` for each.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +36,9 @@ from pathlib import Path
 from hybridrl.protocol import prompt_sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.tasks import Prompt
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 1,234.5 -> 1234.5 (a vote's key)
 
 
 def mean_reward(samples) -> float:
@@ -45,9 +52,36 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_metrics(prompts, sampled, greedy, n: int) -> dict[str, float]:
+def final_answer(response: str) -> str:
+    """What a response answers, for a vote: the content of its last ``\\boxed{}``, else its last
+    number, else the whole response stripped."""
+    boxed = response.rfind("\\boxed{")
+    if boxed >= 0:
+        depth, start = 0, boxed + len("\\boxed{")
+        for i in range(start, len(response)):
+            depth += {"{": 1, "}": -1}.get(response[i], 0)
+            if depth < 0:
+                return response[start:i].strip()
+    numbers = NUMBER.findall(response)
+    return numbers[-1].replace(",", "") if numbers else response.strip()
+
+
+def majority_right(rewards: list[float], answers: list[str], k: int) -> float:
+    """maj@k of one prompt's samples (their rewards and final answers, in order): over its disjoint
+    runs of ``k`` samples, the fraction whose most frequent final answer (ties: the one seen first)
+    was scored right."""
+    right, runs = 0, range(0, len(answers) - k + 1, k)
+    for start in runs:
+        keys = answers[start : start + k]
+        top = max(keys, key=lambda a: (keys.count(a), -keys.index(a)))
+        right += rewards[start + keys.index(top)] == 1
+    return right / len(runs)
+
+
+def eval_metrics(prompts, sampled, greedy, n: int, answers=None) -> dict[str, float]:
     """The metrics of the module docstring; ``sampled``: ``n`` scored samples per prompt in prompt
-    order, ``greedy`` one."""
+    order, ``greedy`` one; ``answers``: each sampled response's :func:`final_answer`, in the same
+    order (None: no maj@k)."""
     rewards = [s.reward for s in sampled + greedy]
     binary = all(r in (0, 1) for r in rewards)
     out = {
@@ -60,6 +94,12 @@ def eval_metrics(prompts, sampled, greedy, n: int) -> dict[str, float]:
         right = [sum(int(s.reward) for s in g) for g in groups]
         for k in sorted({*(2**j for j in range(n.bit_length()) if 2**j <= n), n}):
             out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in right) / len(right)
+            if k > 1 and answers is not None:
+                votes = [
+                    majority_right([s.reward for s in g], answers[i * n : (i + 1) * n], k)
+                    for i, g in enumerate(groups)
+                ]
+                out[f"eval/maj@{k}"] = sum(votes) / len(votes)
     by_source = defaultdict(list)
     for p, g in zip(prompts, groups):
         by_source[p.task_id].extend(s.reward for s in g)
@@ -106,12 +146,18 @@ class Evaluator:
         return metrics
 
     def run(self) -> tuple[dict[str, float], list, list]:
-        """(metrics, the sampled samples, the greedy ones) of one evaluation."""
+        """(metrics, the sampled samples, the greedy ones) of one evaluation; no prompts (no
+        held-out data): null figures, nothing generated."""
+        if not self.prompts:
+            return dict.fromkeys(("eval/accuracy", "eval/greedy_accuracy"), math.nan), [], []
         draw = replace(self.params, n=self.n, seed=self.seed)
         sampled = self.rollout.generate(self.prompts, draw)
         greedy = self.rollout.generate(self.prompts, replace(self.params, temperature=0.0))
         prompts = [p.metadata["prompt"] for p in self.prompts]
-        return eval_metrics(prompts, sampled, greedy, self.n), sampled, greedy
+        answers = None
+        if self.tokenizer is not None:
+            answers = [final_answer(self.tokenizer.decode(s.response_ids)) for s in sampled]
+        return eval_metrics(prompts, sampled, greedy, self.n, answers), sampled, greedy
 
     def write(self, path: Path, sampled, greedy) -> None:
         """One line per prompt: uid, source, prompt, answer, the n responses with their rewards,

@@ -45,13 +45,33 @@ class ModelConfig:
 
     def validate(self) -> None:
         if self.path is not None:
-            p = Path(self.path).expanduser()
-            if not p.is_dir():
-                raise ValueError(f"model.path {self.path!r} does not exist or is not a directory")
+            p = model_dir(self.path, "model.path")
             if not (p / "config.json").is_file():
                 raise ValueError(
                     f"model.path {self.path!r} holds no config.json (not a transformers checkpoint)"
                 )
+            if (p / "dcp").is_dir() and not any(p.glob("*.safetensors")):
+                raise ValueError(
+                    f"model.path {self.path!r} is a sharded checkpoint: write a transformers "
+                    f"directory from it with `hybridrl export {self.path} OUT_DIR` and use that"
+                )
+            self.path = str(p) if p != Path(self.path).expanduser() else self.path
+
+
+def model_dir(path: str, key: str) -> Path:
+    """The model directory ``path`` names, in any of the forms ``model.path`` and ``hybridrl
+    export`` take: a transformers directory, a run checkpoint (``runs/<name>/checkpoints/step_N``,
+    its ``model/``) or a run directory (``runs/<name>``, its newest checkpoint's ``model/``). A
+    ValueError (one line, naming ``key``) when it is none of them."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"{key} {path!r} does not exist or is not a directory")
+    if (p / "checkpoints").is_dir() and not (p / "config.json").is_file():  # a run directory
+        steps = sorted(c for c in (p / "checkpoints").glob("step_*") if (c / "model").is_dir())
+        if not steps:
+            raise ValueError(f"{key} {path!r} is a run directory with no checkpoint")
+        p = steps[-1]
+    return p / "model" if (p / "model").is_dir() and not (p / "config.json").is_file() else p
 
 
 @dataclass
@@ -151,7 +171,12 @@ class DataConfig:
     val_files: str | list[str] | None = _f(
         None,
         "held-out data in the same formats (null: task.heldout_size rows of the training data are "
-        "held out, at most a tenth of it)",
+        "held out, at most a tenth of it, unless holdout is false)",
+    )
+    holdout: bool = _f(
+        True,
+        "without val_files: hold out min(task.heldout_size, a tenth) of the training rows for "
+        "the evaluations, never trained on (false: train on every row, no held-out evaluation)",
     )
     prompt_key: str = _f(
         "prompt", "column holding the prompt: a string, or a list of chat messages {role, content}"
