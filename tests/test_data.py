@@ -5,8 +5,8 @@ length limit, dotted answer keys, the one-line errors and steps_for_epochs."""
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 from collections import Counter
 from pathlib import Path
 

@@ -37,7 +37,6 @@ from hybridrl.protocol import prompt_sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.tasks import Prompt
 
-
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")  # 1,234.5 -> 1234.5 (a vote's key)
 
 
