@@ -184,7 +184,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yam
 
 def example_assets(example: Path, tmp_path: Path) -> list[str]:
     """Overrides that point an example at assets it makes first (a model, data files)."""
-    if example.name != "chat_math_grpo.yaml":
+    if not example.name.startswith("chat_math_"):
         return []
     from hybridrl.models.chat_model import build_chat_model
     from hybridrl.tasks.word_problems import write_word_problems
@@ -192,7 +192,9 @@ def example_assets(example: Path, tmp_path: Path) -> list[str]:
     model = build_chat_model(tmp_path / "model", ["user assistant 12 apples"], vocab_size=280)
     train = write_word_problems(tmp_path / "train.jsonl", 8, seed=0)
     val = write_word_problems(tmp_path / "val.jsonl", 4, seed=1)
-    return [f"model.path={model}", f"data.train_files={train}", f"data.val_files={val}"]
+    data = [f"data.train_files={train}", f"data.val_files={val}"]
+    sft = [f"sft.train_files={train}", f"sft.val_files={val}", f"sft.checkpoint={tmp_path / 'o'}"]
+    return [f"model.path={model}", *(sft if "sft" in example.name else data)]
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)

@@ -73,16 +73,22 @@ def chat(
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hybridrl chat", description=__doc__.split("\n\n")[0])
-    p.add_argument("model_dir", help="a transformers model directory with a chat template")
+    p.add_argument(
+        "model_dir",
+        help="a model directory with a chat template, a run checkpoint or a run directory (its "
+        "newest checkpoint): the forms model.path takes",
+    )
     p.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--system", default=None, help="a system message that starts every chat")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from hybridrl.config.sections.model import model_dir
+
     try:
         chat(
-            args.model_dir,
+            str(model_dir(args.model_dir, "MODEL_DIR")),
             sys.stdin,
             sys.stdout,
             args.temperature,
