@@ -99,7 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             )
     for name, (text, _) in TOOLS.items():  # parsed by their own handlers; listed here
         sub.add_parser(name, help=text, add_help=False)
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    # overrides after an option (`--output out.jsonl eval.n=4`): argparse leaves them over
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        p.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides += extra
     if args.config and "=" in args.config:  # no config file given, only overrides
         args.overrides.insert(0, args.config)
         args.config = None
@@ -287,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         record.pop("checks", None)
         print(json.dumps({"checkpoint": str(out), **record}, indent=1))
         print(
-            f"SFT model written to {out}: RL starts from it with model.path={out} (or "
-            "`hybridrl train` with this config, which reuses it)",
+            f"SFT model written to {out}: RL starts from it with model.path={out}",
             file=sys.stderr,
         )
         return 0

@@ -307,3 +307,14 @@ def test_model_path_and_export_take_the_same_path_forms(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a sharded checkpoint" in err and "hybridrl export" in err
     assert main(["export", str(tmp_path / "runs"), str(tmp_path / "o")]) == 2  # none of them
+
+
+def test_overrides_may_follow_an_option(capsys):
+    example = str(EXAMPLES[0])
+    code, out, _ = run(
+        capsys, "generate", example, "--output", "x.jsonl", "eval.n=3", "--print-config"
+    )
+    assert code == 0 and "n: 3" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", example, "--output", "x.jsonl", "stray", "--print-config"])
+    assert exit_.value.code == 2 and "unrecognized arguments: stray" in capsys.readouterr().err

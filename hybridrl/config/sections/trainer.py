@@ -278,7 +278,8 @@ class EvalConfig:
     n: int = _f(
         1,
         "samples per held-out prompt: eval/accuracy is their mean reward (mean@n); with rewards "
-        "of 0 and 1 and n > 1, eval/pass@k for k = 1, 2, 4, ... and n (the unbiased estimator)",
+        "of 0 and 1 and n > 1, eval/pass@k for k = 1, 2, 4, ... and n (the unbiased estimator) "
+        "and eval/maj@k for k > 1 (majority vote on the final answer)",
         ge=1,
         le=1024,
     )
