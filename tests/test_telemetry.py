@@ -262,10 +262,16 @@ def test_the_evaluation_says_whether_its_mean_reward_is_an_accuracy(rewards, met
 
     class Scored:  # the rollout group's generate: scored samples
         def generate(self, prompts, params):
-            return [SimpleNamespace(reward=r) for r in rewards]
+            return [SimpleNamespace(reward=r, response_ids=[3]) for r in rewards]
 
-    def tok(text):
-        return {"input_ids": [1, 2]}
+    class Tok:
+        def __call__(self, text):
+            return {"input_ids": [1, 2]}
+
+        def decode(self, ids):
+            return "2"
+
+    tok = Tok()
 
     prompts = [Prompt(text="1+1=", answer="2", uid=f"p{i}", task_id="t") for i in range(2)]
     ev = Evaluator(Scored(), prompts, tok, SamplingParams(), 0)

@@ -172,8 +172,8 @@ def _tokens(pieces, tokenizer, where: str) -> tuple[list[int], list[int]]:
     """Token ids and labels of ``[(text, trained, special)]``; text None is ``<eos>``."""
     ids, labels = [], []
     for text, trained, special in pieces:
-        if text is None:
-            part = [tokenizer.eos_token_id]
+        if text is None:  # <eos>, where the tokenizer has one
+            part = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         elif not text:
             continue
         else:
