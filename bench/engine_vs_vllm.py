@@ -6,7 +6,8 @@
 The same model weights (a built-in size, random initialisation from seed 0), the same W1 prompts
 (3-digit additions, the character tokenizer), the same sampling (temperature 1, end of sequence
 ignored, so every request generates exactly its new tokens) and the same torch thread count for
-both engines, through hybridrl's own backends (``native`` and ``vllm``, eager), as RL uses them:
+both engines, through hybridrl's own backends (``native`` and ``vllm``; vLLM eager, or with its
+default compiled graphs with ``--vllm-compiled``), as RL uses them:
 every sample's tokens and their log-probs. Shapes: the ``tiny`` and ``small`` models × 16 and 128
 new tokens. The sides alternate (native, vLLM, native, vLLM, ...) and the faster of ``--repeats``
 runs counts for each, after one warm-up call each (vLLM's first call compiles and allocates).
@@ -48,7 +49,7 @@ def cpu_seconds() -> float:
     return total
 
 
-def engines(model_name: str, dtype: str, max_batch: int):
+def engines(model_name: str, dtype: str, max_batch: int, eager: bool = True):
     import torch
 
     from hybridrl.config import RolloutConfig
@@ -73,7 +74,7 @@ def engines(model_name: str, dtype: str, max_batch: int):
             backend="vllm",
             kv_cache_bytes=kv,
             max_batch_size=max_batch,
-            engine_kwargs={"enforce_eager": True, "max_num_seqs": max_batch},
+            engine_kwargs={"enforce_eager": eager, "max_num_seqs": max_batch},
         ),
     )
     return tok, {"native": native, "vllm": vllm}
@@ -103,6 +104,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="32 prompts, 1 repeat (a smoke test)")
     p.add_argument("--only", default=None, help="one shape, e.g. small_16")
+    p.add_argument(
+        "--vllm-compiled",
+        action="store_true",
+        help="vLLM with its default torch.compile graphs instead of eager (compiles at start)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.quick:
@@ -119,11 +125,12 @@ def main() -> None:
         "prompts": args.prompts,
         "dtype": args.dtype,
         "repeats": args.repeats,
+        "vllm_mode": "compiled" if args.vllm_compiled else "eager",
         "torch": torch.__version__,
     }
     shapes = [s for s in SHAPES if args.only in (None, f"{s[0]}_{s[1]}")]
     for model_name in dict.fromkeys(m for m, _ in shapes):
-        tok, sides = engines(model_name, args.dtype, args.prompts)
+        tok, sides = engines(model_name, args.dtype, args.prompts, not args.vllm_compiled)
         try:
             import vllm
 
