@@ -226,8 +226,8 @@ def make_cfg(tmp_path, *extra) -> Config:
     )
 
 
-def trace(tmp_path) -> list[dict]:
-    path = tmp_path / "runs" / "reverse_grpo" / "trajectories.jsonl"
+def trace(tmp_path, advantage: str = "grpo") -> list[dict]:
+    path = tmp_path / "runs" / f"reverse_{advantage}" / "trajectories.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -366,3 +366,101 @@ def test_cli_runs_the_async_trainer(tmp_path, capsys):
     example = str(Path(__file__).parents[1] / "examples" / "reverse_async.yaml")
     assert main(["train", example, *args, "controller.backend=local"]) == 0
     assert json.loads(capsys.readouterr().out.split("\nreport:")[0])["mode"] == "async"
+
+
+# --- group hooks in the asynchronous stream: DAPO's dynamic sampling, ReMax's greedy baseline ----
+def test_dynamic_sampling_drops_uniform_groups_while_credit_lasts():
+    from hybridrl.rollout.group_hooks import DynamicSampling
+
+    cfg = load_config(
+        Config,
+        None,
+        ["algorithm.filter_groups=true", "algorithm.max_sampling_rounds=3",
+         "trainer.prompts_per_step=2", "trainer.samples_per_prompt=2",
+         "actor.ppo_minibatch_size=4"],
+    )  # fmt: skip
+
+    def group(*rewards):
+        return [Sample(prompt_ids=[1], uid="u", reward=r) for r in rewards]
+
+    rule = DynamicSampling(cfg)  # credit (3 - 1) x 2 = 4
+    assert [rule.keep(group(0, 0)) for _ in range(5)] == [False] * 4 + [True]
+    assert rule.keep(group(0, 1))  # an informative group earns 2 drops
+    assert [rule.keep(group(1, 1)) for _ in range(3)] == [False, False, True]
+    stats = rule.stats()
+    assert stats["async/dropped_groups"] == 6 and stats["rollout/informative_frac"] == 1 / 3
+
+
+def group_rewards(prompt, response: str, **_) -> float:
+    """Partial credit (digits in place): some groups differ, some do not."""
+    return sum(a == b for a, b in zip(response, prompt.answer)) / max(len(prompt.answer), 1)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "remax"])
+def test_dapo_trains_in_async_mode_and_never_trains_a_dropped_prompt(tmp_path, advantage):
+    cfg = make_cfg(
+        tmp_path,
+        f"algorithm.advantage={advantage}",
+        "algorithm.filter_groups=true",
+        "algorithm.max_sampling_rounds=3",
+        f"task.reward_fn={__name__}:group_rewards",
+        "trainer.total_steps=4",
+    )
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / f"runs/reverse_{advantage}/metrics.jsonl").open()]
+    dropped = sum(r.get("async/dropped_groups", 0) for r in rows)
+    assert dropped > 0, rows
+    trained = [uid for r in trace(tmp_path, advantage) for uid in r["uids"]]
+    assert len(set(trained)) == 4 * 4  # every step full: 4 groups
+    state = json.loads(
+        sorted((tmp_path / f"runs/reverse_{advantage}/checkpoints").glob("step_*"))[-1]
+        .joinpath("trainer.json")
+        .read_text()
+    )
+    # more prompts were admitted than trained or pending: the dropped ones, never handed out again
+    assert state["prompt_cursor"] >= 16 + len(state["pending_prompts"]) + dropped
+
+
+def test_remax_gets_each_prompts_greedy_baseline_in_the_stream():
+    from hybridrl.rollout.buffer import BufferHandle
+    from hybridrl.rollout.stream import RolloutStream
+
+    cfg = load_config(
+        Config,
+        None,
+        ["algorithm.advantage=remax", "trainer.mode=async", "trainer.prompts_per_step=2",
+         "trainer.samples_per_prompt=2", "actor.ppo_minibatch_size=4",
+         "rollout.max_new_tokens=6"],
+    )  # fmt: skip
+    model = tiny_model(0)
+    eng = NativeRollout(model, Tok(), RolloutConfig(backend="native", kv_cache_bytes=1 << 20))
+
+    class Task:  # prompts of the tiny vocabulary
+        def prompt(self, i):
+            from hybridrl.tasks import Prompt
+
+            return Prompt(uid=f"p{i}", text="", answer="", task_id="t", token_ids=[1, 5 + i, 9])
+
+    def score(samples):  # the reward: the response's first token
+        for s in samples:
+            s.reward = float(s.response_ids[0])
+        return samples
+
+    buffer = BufferHandle(TrajectoryBuffer(batch_groups=2, max_staleness=0))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, n=2, ignore_eos=True)
+    stream = RolloutStream(eng, buffer, Task(), None, score, params, 0, 2, prefetch=0, cfg=cfg)
+    stream.start()
+    samples = buffer.get_batch(0, 60)
+    stream.stop()
+    groups = {}
+    for s in samples:
+        groups.setdefault(s.uid, []).append(s)
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups.values())
+    for group in groups.values():
+        prompt = Sample(prompt_ids=group[0].prompt_ids, uid="x")
+        greedy = eng.generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+        )
+        assert {s.reward_extras["baseline_rewards"] for s in group} == {
+            float(greedy[0].response_ids[0])
+        }

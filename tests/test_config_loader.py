@@ -627,15 +627,12 @@ def test_property_unknown_keys_always_rejected(key):
     )
 
 
-def test_async_refuses_dynamic_sampling():
-    """Dynamic sampling lives in the synchronous loop: asking for it in async mode is an error
-    naming both settings, not a silently ignored option."""
-    from hybridrl.config import Config, ConfigError, load_config
+def test_async_takes_dynamic_sampling():
+    """Dynamic sampling is a group hook of both modes (tests/test_async.py trains it)."""
+    from hybridrl.config import Config, load_config
 
-    with pytest.raises(ConfigError, match=r"filter_groups=true with trainer.mode=async"):
-        load_config(Config, None, ["algorithm.filter_groups=true", "trainer.mode=async"])
-    cfg = load_config(Config, None, ["algorithm.filter_groups=false", "trainer.mode=async"])
-    assert cfg.trainer.mode == "async"
+    cfg = load_config(Config, None, ["algorithm.filter_groups=true", "trainer.mode=async"])
+    assert cfg.trainer.mode == "async" and cfg.algorithm.filter_groups
 
 
 # --- names from TRL and veRL (hybridrl/config/aliases.py) -----------------------------------------

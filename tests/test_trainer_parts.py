@@ -4,13 +4,14 @@ import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
-from hybridrl.driver.collect import differs, groups_of
+from hybridrl.driver.collect import groups_of
 from hybridrl.learner import Learner
 from hybridrl.learner.passes import needs_critic
 from hybridrl.learner.shaping import RewardShaper, overlong_penalty
 from hybridrl.models.loading import make_task
 from hybridrl.protocol import Batch, Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.group_hooks import differs
 from hybridrl.rollout.worker import RolloutWorker
 
 

@@ -219,11 +219,6 @@ class Config:
         except KeyError:
             return  # an unknown name is reported by the plug-in check, with the registered names
         name = self.algorithm.advantage
-        if self.trainer.mode == "async" and getattr(est, "needs_greedy_baseline", False):
-            raise ValueError(
-                f"algorithm.advantage={name} needs a greedy baseline response per prompt, which "
-                "trainer.mode=async does not generate; use trainer.mode=sync"
-            )
         if getattr(est, "needs_sum_pi_squared", False):
             # the plain policy's old-log-prob pass adds sum_pi_squared; bypass skips that pass
             # and a pipelined policy's pass returns log-probs only
@@ -243,12 +238,6 @@ class Config:
             )
 
     def _validate_async(self) -> None:
-        if self.algorithm.filter_groups:
-            raise ValueError(
-                "algorithm.filter_groups=true with trainer.mode=async: dynamic sampling (drop "
-                "groups whose rewards are all equal, sample more prompts) runs in the synchronous "
-                "loop only; set algorithm.filter_groups=false or use trainer.mode=sync"
-            )
         place = self.controller.placement
         if self.controller.backend == "ray" and place["rollout"] == place["learner"]:
             raise ValueError(

@@ -10,22 +10,20 @@ more than ``samples_per_prompt`` samples.
 An advantage estimator with ``needs_greedy_baseline = True`` (ReMax) also gets one greedy response
 per prompt, generated and scored like the samples but never trained on: only its reward reaches the
 samples, as ``reward_extras["baseline_rewards"]``. What is generated is decided by that attribute,
-not by a name.
+not by a name. Both rules are the group hooks the asynchronous stream applies too
+(``rollout/group_hooks.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
-from hybridrl.algorithms import ADVANTAGES
 from hybridrl.algorithms.advantages import group_rows
 from hybridrl.config import Config
 from hybridrl.data.prefetch import PromptPrefetcher
-from hybridrl.learner.shaping import overlong_penalty
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.group_hooks import differs, needs_greedy_baseline, set_baselines
 
 
 def groups_of(samples: list[Sample]) -> list[list[Sample]]:
@@ -35,30 +33,12 @@ def groups_of(samples: list[Sample]) -> list[list[Sample]]:
     return [[samples[i] for i in g] for g in group_rows([s.uid for s in samples])]
 
 
-def differs(group: list[Sample]) -> bool:
-    """Whether the group's rewards are not all equal (equal rewards: zero group advantage)."""
-    return len({s.reward for s in group}) > 1
-
-
-def needs_greedy_baseline(cfg: Config) -> bool:
-    return getattr(ADVANTAGES.get(cfg.algorithm.advantage), "needs_greedy_baseline", False)
-
-
 def add_greedy_baselines(
     rollout, prompts: list[Sample], samples: list[Sample], cfg: Config, params
 ) -> None:
-    """Each sample's ``reward_extras["baseline_rewards"]``: the reward of one greedy (temperature 0)
-    response to its prompt, plus the soft overlong penalty the samples get, so that r_i - baseline
-    compares like with like."""
+    """The greedy baselines of a step's prompts, in one call (``rollout/group_hooks.py``)."""
     greedy = rollout.generate(prompts, replace(params, n=1, temperature=0.0))
-    alg = cfg.algorithm
-    lengths = torch.tensor([len(s.response_ids) for s in greedy])
-    penalty = overlong_penalty(
-        lengths, cfg.rollout.max_new_tokens, alg.overlong_buffer, alg.overlong_penalty
-    )
-    by_uid = {s.uid: s.reward + p for s, p in zip(greedy, penalty.tolist())}
-    for s in samples:
-        s.reward_extras["baseline_rewards"] = by_uid[s.uid]
+    set_baselines(samples, greedy, cfg)
 
 
 def collect(

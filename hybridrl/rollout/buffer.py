@@ -95,6 +95,13 @@ class TrajectoryBuffer:
             self.ready.append(group)
             self.cond.notify_all()
 
+    def discard(self, index: int) -> None:
+        """The group of prompt ``index`` was dropped (dynamic sampling): it is no longer running,
+        will not be trained, and is not handed out again."""
+        with self.cond:
+            self.running.pop(index, None)
+            self.cond.notify_all()
+
     # --- learner side ---------------------------------------------------------------------------
     def _pick(self, version: int) -> list[Group] | None:
         """The batch for ``version``, or None while training now could force a later sample past its

@@ -9,7 +9,10 @@ driver. Weight updates arrive on another thread between engine steps (``update_w
 engine lock); the engine then drops its stale KV and continues every in-flight sequence, and each
 token keeps the version that produced it. The admitted prompts' samples come from a
 :class:`~hybridrl.data.prefetch.PromptPrefetcher`: the ``prefetch`` prompts after the last one
-admitted are prepared on a background thread (default ``max_groups``; 0: off).
+admitted are prepared on a background thread (default ``max_groups``; 0: off). Given the run's
+config, the stream applies the group hooks of ``group_hooks.py`` as the synchronous step does: each
+prompt's greedy baseline request is queued beside its samples (ReMax), and a group whose rewards
+are all equal is dropped while dynamic sampling has credit (DAPO; the buffer forgets its prompt).
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from dataclasses import replace
 from hybridrl.data.prefetch import PromptPrefetcher
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.group_hooks import (
+    DynamicSampling,
+    greedy_request,
+    needs_greedy_baseline,
+    set_baselines,
+)
 from hybridrl.rollout.sequence import derive_seed
 
 log = logging.getLogger(__name__)
@@ -41,8 +50,16 @@ class RolloutStream:
         seed: int,
         max_groups: int,
         prefetch: int | None = None,
+        cfg=None,
     ):
         self.backend, self.buffer, self.task, self.tokenizer = backend, buffer, task, tokenizer
+        # the group hooks (group_hooks.py): a greedy baseline request beside each prompt's samples,
+        # and dynamic sampling
+        self.cfg = cfg
+        self.greedy = cfg is not None and needs_greedy_baseline(cfg)
+        self.filter = (
+            DynamicSampling(cfg) if cfg is not None and cfg.algorithm.filter_groups else None
+        )
         self.scorer, self.params, self.seed, self.max_groups = scorer, params, seed, max_groups
         ahead = max_groups if prefetch is None else prefetch
         self.prompts = PromptPrefetcher(task, tokenizer, ahead)
@@ -83,16 +100,27 @@ class RolloutStream:
             prompt = self.prompts.get(index)
             prompt.metadata |= {"index": index, "admitted": version}
             self.backend.add([prompt], replace(self.params, seed=derive_seed(self.seed, index)))
+            if self.greedy:
+                self.backend.add(
+                    [greedy_request(prompt)], replace(self.params, n=1, temperature=0.0)
+                )
             self.pending.append(prompt)
 
     def _deliver(self) -> None:
         n, keep = self.params.n, []
         for prompt in self.pending:
-            if not self.backend.done(prompt, n):
+            greedy = greedy_request(prompt) if self.greedy else None
+            if not self.backend.done(prompt, n) or (greedy and not self.backend.done(greedy, 1)):
                 keep.append(prompt)
                 continue
-            self.buffer.put(self.scorer(self.backend.take(prompt, n)))
-            self.groups += 1
+            group = self.scorer(self.backend.take(prompt, n))
+            if greedy is not None:
+                set_baselines(group, self.scorer(self.backend.take(greedy, 1)), self.cfg)
+            if self.filter is not None and not self.filter.keep(group):
+                self.buffer.discard(prompt.metadata["index"])
+            else:
+                self.buffer.put(group)
+                self.groups += 1
         self.pending = keep
 
     def _run(self) -> None:
@@ -123,6 +151,8 @@ class RolloutStream:
             "async/generated_groups": float(self.groups),
             "async/inflight_groups": float(len(self.pending)),
         }
+        if self.filter is not None:
+            out |= self.filter.stats()
         self.idle_s = self.busy_s = 0.0
         self.groups = 0
         return out

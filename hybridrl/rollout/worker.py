@@ -104,6 +104,7 @@ class RolloutWorker(Worker):
             seed,
             self.cfg.asynchronous.max_concurrent_prompts,
             prefetch=self.cfg.trainer.prefetch_steps * self.cfg.trainer.prompts_per_step,
+            cfg=self.cfg,
         )
         self.stream.start()
 
