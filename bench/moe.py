@@ -84,7 +84,7 @@ from hybridrl.moe.routing import record, same_sets  # noqa: E402
 from hybridrl.parallel.precision import autocast  # noqa: E402
 from hybridrl.protocol import Batch, prompt_sample, samples_to_batch  # noqa: E402
 from hybridrl.rollout.backends.native import NativeRollout  # noqa: E402
-from hybridrl.rollout.base import SamplingParams  # noqa: E402
+from hybridrl.sampling import SamplingParams  # noqa: E402
 from hybridrl.tasks import REWARDS, TASKS  # noqa: E402
 
 EXAMPLE = BENCH.parent / "examples" / "arith_grpo_moe.yaml"

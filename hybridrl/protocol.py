@@ -12,6 +12,12 @@ from typing import Any
 
 import torch
 
+# the adapter entries of a LoRA weight sync: <module>.lora_A / .lora_B / .lora_scaling
+LORA_A, LORA_B, LORA_SCALING = (".lora_A", ".lora_B", ".lora_scaling")
+# the asynchronous buffer's error while a dead rollout is replaced (the learner's step and the
+# driver retry on it)
+REPLACING = "the rollout is being replaced"
+
 
 @dataclass
 class Sample:

@@ -28,7 +28,7 @@ from hybridrl.config import AlgorithmConfig
 from hybridrl.learner.logprob import response_log_probs
 from hybridrl.learner.update import run_updates as plain_updates
 from hybridrl.protocol import Batch
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.sampling import SamplingParams
 
 SAMPLING = SamplingParams(temperature=0.7)
 ROWS, PROMPT, RESP, VOCAB = 12, 5, 6, 64

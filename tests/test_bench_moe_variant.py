@@ -18,7 +18,7 @@ from hybridrl.models.factory import model_size_config
 from hybridrl.models.loading import load_model, make_task
 from hybridrl.protocol import prompt_sample
 from hybridrl.rollout.backends.native import NativeRollout
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

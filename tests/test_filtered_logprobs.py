@@ -120,7 +120,7 @@ def test_a_sampled_token_outside_the_recomputed_filter_keeps_a_finite_log_prob()
     """Rounding can move a sampled token just past a filter's edge in the trainer's
     forward; it stays in the support (finite log-prob, finite entropy and gradients)
     instead of becoming -inf."""
-    from hybridrl.rollout.sampler import filtered_log_softmax
+    from hybridrl.sampling import filtered_log_softmax
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]], requires_grad=True)
     params = SamplingParams(temperature=1.0, top_k=2)
@@ -136,7 +136,7 @@ def test_chunked_filtering_equals_the_sampler_rows(monkeypatch):
     """The trainer filters its (many) rows in chunks; each chunk gives what the
     sampler gives for those rows."""
     from hybridrl.rollout import sampler
-    from hybridrl.rollout.sampler import SamplingTensors, filtered_log_softmax, processed_logprobs
+    from hybridrl.sampling import SamplingTensors, filtered_log_softmax, processed_logprobs
 
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50) * 3

@@ -101,3 +101,16 @@ def test_the_cycle_finder_finds_a_planted_cycle(tmp_path):
     assert cycle is not None and cycle[0] == cycle[-1] and set(cycle) == {"alpha", "beta", "gamma"}
     (pkg / "gamma" / "__init__.py").write_text("import os\n")
     assert find_cycle(package_imports(pkg)) is None
+
+
+def test_the_learner_and_the_rollout_never_import_each_other():
+    """They meet through ``protocol.py`` (Sample, the LoRA entry names, the buffer's message) and
+    ``sampling.py`` (SamplingParams and the one filter both sample and recompute log-probs with),
+    never directly, in either direction (the rollout's own imports of learner code would tie the
+    engine to the trainer's internals)."""
+    edges = package_imports(ROOT)
+    assert edges["learner"], "no imports found: the scan is broken"
+    assert "rollout" not in edges["learner"], edges["learner"]["rollout"]
+    assert "learner" not in edges["rollout"], edges["rollout"]["learner"]
+    # the scan sees such an import where one exists: the driver imports both
+    assert {"rollout", "learner"} <= edges["driver"].keys()

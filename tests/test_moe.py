@@ -43,7 +43,7 @@ from hybridrl.moe.health import RoutingHealth, load_stats
 from hybridrl.moe.routing import moe_gates, record, replay, same_sets
 from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout.backends.hf import HFRollout
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.sampling import SamplingParams
 from hybridrl.tasks import TASKS
 
 torch.manual_seed(0)

@@ -352,7 +352,7 @@ def test_interrupted_buffer_hands_the_running_prompts_out_again():
     """A dead rollout (driver/replace.py): the buffer admits nothing, drops a late group of the old
     rollout, stops a waiting learner with REPLACING unless a batch is ready, and hands the
     generating prompts out first once unpaused; nothing is lost or trained twice."""
-    from hybridrl.rollout.buffer import REPLACING, TrajectoryBuffer
+    from hybridrl.protocol import REPLACING, TrajectoryBuffer
 
     buf = TrajectoryBuffer(batch_groups=2, max_staleness=1)
     assert buf.admit(3, 0) == [0, 1, 2]
@@ -378,7 +378,7 @@ def test_replacer_retries_the_step_after_replacing(monkeypatch):
     from types import SimpleNamespace
 
     from hybridrl.driver.replace import RolloutReplacer
-    from hybridrl.rollout.buffer import REPLACING
+    from hybridrl.protocol import REPLACING
 
     calls = []
 

@@ -3,9 +3,9 @@
 import pytest
 
 import hybridrl.rollout.block_manager as bmod
-from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.sequence import Sequence
+from hybridrl.sampling import SamplingParams
 
 P = SamplingParams()
 

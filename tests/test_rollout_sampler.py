@@ -10,16 +10,16 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.sampler import (
+from hybridrl.rollout.spec_decode import accept_tokens
+from hybridrl.sampling import (
     STREAM_DRAFT,
+    SamplingParams,
     SamplingTensors,
     draw,
     processed_logprobs,
     sample,
     uniform,
 )
-from hybridrl.rollout.spec_decode import accept_tokens
 
 torch.set_num_threads(1)
 

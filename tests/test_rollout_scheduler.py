@@ -1,9 +1,9 @@
 """Scheduler: continuous batching, token budget, chunked prefill, preemption. No model."""
 
-from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.sequence import Sequence, Status
+from hybridrl.sampling import SamplingParams
 
 
 def make(num_blocks=64, block_size=4, max_seqs=8, budget=64):

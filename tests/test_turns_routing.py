@@ -6,8 +6,8 @@ import torch
 
 from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.turns import Group, Trajectory
+from hybridrl.sampling import SamplingParams
 
 
 def rows(values: list[int]) -> torch.Tensor:

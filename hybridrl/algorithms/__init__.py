@@ -12,6 +12,7 @@ from hybridrl.algorithms.advantages import (
     group_normalise,
     group_rows,
     masked_whiten,
+    overlong_penalty,
     token_level_scores,
 )
 from hybridrl.algorithms.aggregation import LOSS_AGG, AggTotals, agg_totals
@@ -41,6 +42,7 @@ __all__ = [
     "kl_penalty",
     "masked_mean",
     "masked_whiten",
+    "overlong_penalty",
     "token_level_scores",
     "value_loss",
 ]

@@ -34,6 +34,17 @@ ADVANTAGES = Registry("advantage estimator")
 
 
 # --- helpers -----------------------------------------------------------------------------------
+def overlong_penalty(
+    lengths: torch.Tensor, max_len: int, buffer: int, factor: float
+) -> torch.Tensor:
+    """DAPO (2503.14476) soft overlong punishment: 0 up to max_len - buffer, then linear down to
+    -factor at max_len."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    expected = max_len - buffer
+    return (-(lengths.float() - expected) / buffer * factor).clamp(min=-factor, max=0.0)
+
+
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(B,) scores -> (B, R): each score at its row's last valid token, 0 elsewhere.
 

@@ -20,7 +20,7 @@ import logging
 from hybridrl.controller import WorkerGroup
 from hybridrl.controller.worker import WorkerDiedError, WorkerError
 from hybridrl.parallel import weight_sync
-from hybridrl.rollout.buffer import REPLACING
+from hybridrl.protocol import REPLACING
 from hybridrl.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)

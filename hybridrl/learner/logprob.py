@@ -18,7 +18,7 @@ gathers each response token's output back to the ``(B, R)`` layout, so everythin
 
 Distribution: log-probs are taken under the distribution the rollout samples from, the logits
 filtered by the rollout's temperature, top-k, top-p and min-p (:func:`sampling_of`), with the
-sampler's own filter code (``rollout/sampler.py``). The engine's behaviour log-probs and these are
+sampler's own filter code (``sampling.py``). The engine's behaviour log-probs and these are
 then the same quantity, and at equal weights an importance ratio between them is 1. The entropy is
 that distribution's too (see docs/algorithms.md, "Filtered log-probs").
 
@@ -50,8 +50,7 @@ from hybridrl.parallel.packing import (
 )
 from hybridrl.parallel.precision import autocast
 from hybridrl.protocol import Batch
-from hybridrl.rollout.base import SamplingParams
-from hybridrl.rollout.sampler import filtered_log_softmax
+from hybridrl.sampling import SamplingParams, filtered_log_softmax
 
 # a packed micro-batch's columns: each sequence's row and first position in the packed rows
 PACK_ROW, PACK_OFFSET = "pack_row", "pack_offset"

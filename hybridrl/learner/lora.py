@@ -46,7 +46,7 @@ from torch import nn
 from hybridrl.config.sections.common import ALL_LINEAR
 from hybridrl.parallel import distributed
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
-from hybridrl.rollout.base import LORA_A, LORA_B, LORA_SCALING
+from hybridrl.protocol import LORA_A, LORA_B, LORA_SCALING
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")

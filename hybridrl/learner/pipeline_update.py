@@ -37,7 +37,7 @@ def logits_log_probs(logits, mb: Batch, sampling, with_entropy: bool = False):
     """(log_probs, entropy or None) of ``mb``'s response tokens from the full-sequence logits,
     each (B, R), zero where ``response_mask`` is 0: the post-forward half of
     ``learner.logprob.response_log_probs`` (same sampling filters, fp32 math)."""
-    from hybridrl.rollout.sampler import filtered_log_softmax
+    from hybridrl.sampling import filtered_log_softmax
 
     responses, mask = mb["responses"], mb["response_mask"]
     logits = logits[:, -responses.shape[1] - 1 : -1].float()

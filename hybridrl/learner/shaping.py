@@ -7,27 +7,15 @@ weight a fixed or adaptive controller sets.
 
 from __future__ import annotations
 
-import torch
-
 from hybridrl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
+    overlong_penalty,
     token_level_scores,
 )
 from hybridrl.config import AlgorithmConfig
 from hybridrl.protocol import Batch
-
-
-def overlong_penalty(
-    lengths: torch.Tensor, max_len: int, buffer: int, factor: float
-) -> torch.Tensor:
-    """DAPO (2503.14476) soft overlong punishment: 0 up to max_len - buffer, then linear down to
-    -factor at max_len."""
-    if buffer <= 0:
-        return torch.zeros_like(lengths, dtype=torch.float32)
-    expected = max_len - buffer
-    return (-(lengths.float() - expected) / buffer * factor).clamp(min=-factor, max=0.0)
 
 
 class RewardShaper:

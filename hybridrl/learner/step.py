@@ -22,8 +22,7 @@ from hybridrl.learner.update import first_epoch_minibatches
 from hybridrl.moe.ep import traffic_metrics as ep_traffic_metrics
 from hybridrl.parallel import distributed
 from hybridrl.parallel.balance import balance_for_ranks
-from hybridrl.protocol import Batch, Sample, samples_to_batch
-from hybridrl.rollout.buffer import REPLACING
+from hybridrl.protocol import REPLACING, Batch, Sample, samples_to_batch
 from hybridrl.telemetry.flops import learner_perf
 
 

@@ -44,21 +44,15 @@ import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
-from hybridrl.protocol import Sample
+from hybridrl.protocol import LORA_A, LORA_B, LORA_SCALING, Sample
 from hybridrl.registry import Registry
+from hybridrl.sampling import SamplingParams
 
 ROLLOUT_BACKENDS = Registry("rollout backend")  # name -> cls(model, tokenizer, cfg: RolloutConfig)
 
-# adapter entries of a weight sync
-LORA_A, LORA_B, LORA_SCALING = (
-    ".lora_A",
-    ".lora_B",
-    ".lora_scaling",
-)
 _LORA_SUFFIXES = (LORA_A, LORA_B, LORA_SCALING)
 # buffers some checkpoints carry; computed from the config, never synced
 _IGNORED = ("rotary_emb.inv_freq",)
@@ -124,41 +118,6 @@ class SyncCheck:
                 f"model by its transformers name (e.g. {example}), or LoRA adapter entries "
                 f"(<module>{LORA_A}, {LORA_B}, {LORA_SCALING}) only"
             )
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    n: int = 1
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    min_p: float = 0.0
-    # stop strings: the response ends with the token that completes one (rollout/stop.py)
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    return_raw_log_probs: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @classmethod
-    def of(cls, cfg, **overrides) -> SamplingParams:
-        """The sampling a run's rollout is configured for (``rollout.temperature``, ``top_p``,
-        ``top_k``, ``max_new_tokens``), with ``overrides`` (``n``, ``seed`` ...). ``cfg``: the run's
-        Config, whose ``data.stop`` strings end responses too, or its RolloutConfig alone. (Every
-        eos id of the tokenizer and the model's generation_config ends a response in the
-        backends.)"""
-        r = getattr(cfg, "rollout", cfg)
-        data = getattr(cfg, "data", None)
-        fields = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-        fields |= dict(stop=tuple(data.stop) if data else ())
-        if r.max_new_tokens is not None:  # a RolloutConfig alone leaves it to the model's default
-            fields["max_new_tokens"] = r.max_new_tokens
-        return cls(**(fields | overrides))
 
 
 def _by_params(

@@ -31,10 +31,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from hybridrl.protocol import Sample
+from hybridrl.protocol import REPLACING, Sample
 
-# the learner's error while the rollout is replaced (driver/replace.py retries the step)
-REPLACING = "the rollout is being replaced"
 # the scored samples of one prompt; metadata: "index" (stream position), "admitted"
 Group = list[Sample]
 

@@ -21,15 +21,14 @@ from typing import Any
 import torch
 
 from hybridrl.moe.routing import NOT_ROUTED
-from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.kv_capacity import check_fits, pool_blocks
 from hybridrl.rollout.model_runner import ModelRunner
 from hybridrl.rollout.precision import resolve_engine_dtype
-from hybridrl.rollout.sampler import SamplingTensors, sample
 from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 from hybridrl.rollout.stop import as_tuple, stop_hit
+from hybridrl.sampling import SamplingParams, SamplingTensors, sample
 
 
 class LLMEngine:

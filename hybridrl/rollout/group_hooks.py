@@ -48,7 +48,7 @@ def greedy_request(prompt: Sample) -> Sample:
 def set_baselines(samples: list[Sample], greedy: list[Sample], cfg) -> None:
     """Each sample's ``reward_extras["baseline_rewards"]``: the scored greedy response to its prompt
     (matched by uid) plus the soft overlong penalty (module doc)."""
-    from hybridrl.learner.shaping import overlong_penalty
+    from hybridrl.algorithms import overlong_penalty
 
     alg = cfg.algorithm
     lengths = torch.tensor([len(s.response_ids) for s in greedy])

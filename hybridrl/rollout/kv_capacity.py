@@ -14,8 +14,8 @@ import logging
 
 import torch
 
-from hybridrl.rollout.base import SamplingParams
 from hybridrl.rollout.block_manager import BlockManager
+from hybridrl.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from hybridrl.rollout.sampler import (
+from hybridrl.sampling import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_SAMPLE,

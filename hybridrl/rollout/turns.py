@@ -53,7 +53,7 @@ from tokenizers import Tokenizer
 from hybridrl.data.render import chat_messages
 from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import SamplingParams
+from hybridrl.sampling import SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The ``hf`` rollout backend: transformers ``generate`` behind the rollout interface.
 
 Simple and always available. Sampled tokens: the native sampler's own filters (temperature, top-k,
-top-p, min-p: ``rollout/sampler.py``, the code the trainer also recomputes log-probs with) shape
+top-p, min-p: ``sampling.py``, the code the trainer also recomputes log-probs with) shape
 each row's distribution, then the row's token is drawn from it with the native engine's
 counter-based randomness (a hash of the sample's seed and the token's position) instead of the
 batch's shared RNG stream, so a sample's tokens do not depend on the other prompts of the call.
@@ -44,9 +44,9 @@ from hybridrl.moe.routing import NOT_ROUTED, is_moe, moe_gates, record
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.precision import resolve_engine_dtype
-from hybridrl.rollout.sampler import STREAM_SAMPLE, draw, filtered_log_softmax, uniform
 from hybridrl.rollout.sequence import derive_seed, request_seed
 from hybridrl.rollout.stop import as_tuple, eos_token_ids, stop_hit
+from hybridrl.sampling import STREAM_SAMPLE, draw, filtered_log_softmax, uniform
 
 
 class _SeededDraw(LogitsProcessor):

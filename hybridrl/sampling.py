@@ -1,4 +1,7 @@
-"""Batched token sampling with per-sequence reproducible randomness.
+"""Sampling: what a request asks for (:class:`SamplingParams`) and the batched token sampling with
+per-sequence reproducible randomness. Below both the rollout, which samples, and the learner, which
+recomputes the log-probs of the same distribution (:func:`filtered_log_softmax`): the one place
+their sampling math lives.
 
 The sampling distribution of a row is the softmax of its logits divided by the
 temperature, restricted by top-k, top-p (nucleus) and min-p; the log-prob
@@ -26,6 +29,42 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    min_p: float = 0.0
+    # stop strings: the response ends with the token that completes one (rollout/stop.py)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    return_raw_log_probs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def of(cls, cfg, **overrides) -> SamplingParams:
+        """The sampling a run's rollout is configured for (``rollout.temperature``, ``top_p``,
+        ``top_k``, ``max_new_tokens``), with ``overrides`` (``n``, ``seed`` ...). ``cfg``: the run's
+        Config, whose ``data.stop`` strings end responses too, or its RolloutConfig alone. (Every
+        eos id of the tokenizer and the model's generation_config ends a response in the
+        backends.)"""
+        r = getattr(cfg, "rollout", cfg)
+        data = getattr(cfg, "data", None)
+        fields = dict(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        fields |= dict(stop=tuple(data.stop) if data else ())
+        if r.max_new_tokens is not None:  # a RolloutConfig alone leaves it to the model's default
+            fields["max_new_tokens"] = r.max_new_tokens
+        return cls(**(fields | overrides))
+
 
 _M32 = 0xFFFFFFFF
 STREAM_SAMPLE, STREAM_DRAFT, STREAM_ACCEPT = 0, 1, 2
