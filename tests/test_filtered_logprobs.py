@@ -135,7 +135,7 @@ def test_a_sampled_token_outside_the_recomputed_filter_keeps_a_finite_log_prob()
 def test_chunked_filtering_equals_the_sampler_rows(monkeypatch):
     """The trainer filters its (many) rows in chunks; each chunk gives what the
     sampler gives for those rows."""
-    from hybridrl.rollout import sampler
+    from hybridrl import sampling as sampler
     from hybridrl.sampling import SamplingTensors, filtered_log_softmax, processed_logprobs
 
     torch.manual_seed(0)

@@ -352,7 +352,8 @@ def test_interrupted_buffer_hands_the_running_prompts_out_again():
     """A dead rollout (driver/replace.py): the buffer admits nothing, drops a late group of the old
     rollout, stops a waiting learner with REPLACING unless a batch is ready, and hands the
     generating prompts out first once unpaused; nothing is lost or trained twice."""
-    from hybridrl.protocol import REPLACING, TrajectoryBuffer
+    from hybridrl.protocol import REPLACING
+    from hybridrl.rollout.buffer import TrajectoryBuffer
 
     buf = TrajectoryBuffer(batch_groups=2, max_staleness=1)
     assert buf.admit(3, 0) == [0, 1, 2]
