@@ -7,7 +7,7 @@ CONFIG  ?= examples/arith_grpo.yaml
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test test-all test-vllm lint venv clean
+.PHONY: train test test-all test-vllm test-floor lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,21 @@ $(VLLM_BIN)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_BIN)/.installed
 	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -q -m vllm $(PYTEST_ARGS)
+
+# The oldest transformers pyproject.toml allows (its floor, also the vLLM build's): the default tests
+# against it in a venv of its own, so the floor is a version that is tested, not a guess.
+TRANSFORMERS_FLOOR := 5.19.0
+FLOOR_VENV := .venv-floor
+FLOOR_BIN  := $(FLOOR_VENV)/bin
+
+$(FLOOR_BIN)/.installed: pyproject.toml
+	test -x $(FLOOR_BIN)/python || $(PY) -m venv $(FLOOR_VENV)
+	$(FLOOR_BIN)/python -m pip install -q torch==2.13.0
+	$(FLOOR_BIN)/python -m pip install -q -e '.[dev]' torch==2.13.0 'transformers==$(TRANSFORMERS_FLOOR)'
+	touch $@
+
+test-floor: $(FLOOR_BIN)/.installed
+	HF_HUB_OFFLINE=1 $(FLOOR_BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

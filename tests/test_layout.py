@@ -114,3 +114,14 @@ def test_the_learner_and_the_rollout_never_import_each_other():
     assert "learner" not in edges["rollout"], edges["rollout"]["learner"]
     # the scan sees such an import where one exists: the driver imports both
     assert {"rollout", "learner"} <= edges["driver"].keys()
+
+
+def test_the_transformers_floor_is_the_version_ci_tests():
+    """pyproject.toml's lowest transformers is the one ``make test-floor`` installs and tests."""
+    import re
+
+    root = ROOT.parent
+    floor = re.search(r'"transformers>=([\d.]+)', (root / "pyproject.toml").read_text())
+    tested = re.search(r"^TRANSFORMERS_FLOOR := ([\d.]+)$", (root / "Makefile").read_text(), re.M)
+    assert floor and tested, "pyproject.toml or the Makefile lost the floor"
+    assert tested.group(1).removesuffix(".0") == floor.group(1).removesuffix(".0")
