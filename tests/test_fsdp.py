@@ -93,7 +93,11 @@ def layout(learner) -> dict:
         "numel": sum(p.numel() for p in params),
         "reshard_after_forward": layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info
         is not None,
-        "checkpointing": bool(getattr(learner.model, "is_activation_checkpointing", False)),
+        # transformers >= 5.20 says is_activation_checkpointing, 5.19 is_gradient_checkpointing
+        "checkpointing": bool(
+            getattr(learner.model, "is_activation_checkpointing", None)
+            or getattr(learner.model, "is_gradient_checkpointing", False)
+        ),
     }
 
 

@@ -125,12 +125,10 @@ class DecoderStage(nn.Module):
 
         h = self.embed_tokens(x) if self.is_first else x
         masks = {
+            # the cache (None) by position: transformers 5.19 names it past_key_values, later
+            # releases cache
             "full_attention": create_causal_mask(
-                config=self.config,
-                inputs_embeds=h,
-                attention_mask=attention_mask,
-                cache=None,
-                position_ids=position_ids,
+                self.config, h, attention_mask, None, position_ids=position_ids
             )
         }
         if getattr(self.config, "sliding_window", None) and any(
@@ -139,11 +137,7 @@ class DecoderStage(nn.Module):
             from transformers.masking_utils import create_sliding_window_causal_mask
 
             masks["sliding_attention"] = create_sliding_window_causal_mask(
-                config=self.config,
-                inputs_embeds=h,
-                attention_mask=attention_mask,
-                cache=None,
-                position_ids=position_ids,
+                self.config, h, attention_mask, None, position_ids=position_ids
             )
         rotary = self.rotary_emb(h, position_ids)
         types = getattr(self.config, "layer_types", None)
