@@ -351,25 +351,28 @@ def test_four_ranks_ep4_and_ep2_with_fsdp(runs):
 
 
 def test_bad_ep_size_fails_at_config_time():
+    """``moe.ep_size`` must divide the learner's data-parallel size (world size / actor.pp_size)
+    and the experts per layer; expert and pipeline parallelism compose when it does."""
     from hybridrl.checks import check_moe
     from hybridrl.moe.ep import check_ep_size
 
-    with pytest.raises(ValueError, match=r"ep_size=3 must divide the learner's world size 4"):
+    with pytest.raises(
+        ValueError, match=r"ep_size=3 must divide the learner's data-parallel size 4"
+    ):
         check_ep_size(3, 4, 8)
-    with pytest.raises(ValueError, match=r"number of experts per layer 6 .*allowed.*: 1, 2\)"):
+    with pytest.raises(ValueError, match=r"number of experts per layer 6 \(allowed .*: 1, 2\)"):
         check_ep_size(4, 4, 6)
     check_ep_size(2, 4, 8)
     cfg = make_cfg(2)  # the default learner pool has one worker
-    with pytest.raises(ConfigError, match=r"moe.ep_size=2 must divide the learner's world size 1"):
+    with pytest.raises(ConfigError, match=r"moe.ep_size=2 must divide the learner's data-paral"):
         check_moe(cfg)
     cfg.controller.pools[cfg.controller.placement["learner"]].workers_per_node = 2
     check_moe(cfg)  # 2 learner ranks, 8 experts: fine
-    for key, value in (("pp_size", 2),):
-        other = make_cfg(2)
-        other.controller.pools[other.controller.placement["learner"]].workers_per_node = 2
-        setattr(other.actor, key, value)
-        with pytest.raises(ConfigError, match=f"not supported with actor.{key}={value}"):
-            check_moe(other)
+    cfg.actor.pp_size = 2  # one replica of two stages: nothing to split the experts over
+    with pytest.raises(ConfigError, match=r"data-parallel size 1 \(world size / actor.pp_size"):
+        check_moe(cfg)
+    cfg.controller.pools[cfg.controller.placement["learner"]].workers_per_node = 4
+    check_moe(cfg)  # two replicas of two stages, each stage's experts split over the replicas
     dense = make_cfg(1)
     dense.model.name = "tiny"
     dense.moe.ep_size = 2

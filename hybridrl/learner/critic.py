@@ -23,6 +23,7 @@ from hybridrl.learner.update import SkipCounter, run_updates
 from hybridrl.models.factory import model_size_config
 from hybridrl.models.loading import load_tokenizer
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
+from hybridrl.parallel.mesh import ParallelDims
 from hybridrl.protocol import Batch
 
 
@@ -65,11 +66,15 @@ def response_values(model, mb: Batch) -> torch.Tensor:
 class Critic:
     """The value model of one learner rank and its own optimizer (part of the learner)."""
 
-    def __init__(self, cfg: Config, model_path: str | None, dist):
+    def __init__(self, cfg: Config, model_path: str | None, dist, dims: ParallelDims | None = None):
         self.cfg = cfg
         # an MoE trunk splits its experts over ranks like the policy's (moe.ep_size)
+        model = build_value_model(cfg, model_path)
         self.model = prepare_model(
-            build_value_model(cfg, model_path), fsdp_config_of(cfg), dist, ep_size=cfg.moe.ep_size
+            model,
+            fsdp_config_of(cfg),
+            dist,
+            mesh=(dims or ParallelDims.of(dist, ep=cfg.moe.ep_size)).unpipelined,
         )
         # AdamW's default weight decay (0.01), fused where it applies (learner/optim.py)
         self.optimizer = make_adamw(self.model.parameters(), cfg.critic.lr, 0.01, "critic")

@@ -60,6 +60,7 @@ from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
+from hybridrl.parallel.mesh import ParallelDims
 from hybridrl.protocol import Batch
 from hybridrl.telemetry import PhaseTimer
 from hybridrl.telemetry.timeline import SpanLog
@@ -77,6 +78,8 @@ class Learner(Worker):
         super().__init__(ctx)
         self.cfg = cfg
         self.dist = distributed.init_distributed(ctx)
+        # every group the models are sharded, split or pipelined over (parallel/mesh.py)
+        self.dims = ParallelDims.of(self.dist, cfg.actor.pp_size, cfg.moe.ep_size)
         model, self.tokenizer = load_model(cfg, model_path)
         self.lora = lora_lib.lora_settings(cfg)
         self.base_source = model_path  # where the (LoRA base) weights came from; None: built-in
@@ -88,11 +91,11 @@ class Learner(Worker):
         # actor.pp_size > 1: this rank's pipeline stages (learner/pipeline_policy.py)
         self.pipeline = None
         if cfg.actor.pp_size > 1:
-            self.pipeline, self.model = pipeline_policy.build(cfg, model, self.dist)
+            mesh = self.dims.pipelined
+            self.pipeline, self.model = pipeline_policy.build(cfg, model, self.dist, mesh)
         else:
-            self.model = prepare_model(
-                model, fsdp_config_of(cfg), self.dist, ep_size=cfg.moe.ep_size
-            )
+            mesh = self.dims.unpipelined
+            self.model = prepare_model(model, fsdp_config_of(cfg), self.dist, mesh=mesh)
             # actor.compile: the decoder layers compiled in place (learner/compile.py)
             self.model = maybe_compile(
                 cfg.actor.compile, self.model, model_device(self.model), "policy"
@@ -114,11 +117,13 @@ class Learner(Worker):
         self.skips = SkipCounter(cfg.alerts.max_nonfinite_in_a_row, "actor")
         self.old = NotedOldLogProbs()  # old log-probs noted by the running / last update
         ref_path = reference_path or model_path
-        self.reference = Reference(cfg, ref_path, self.dist) if needs_reference(cfg) else None
+        self.reference = (
+            Reference(cfg, ref_path, self.dist, self.dims) if needs_reference(cfg) else None
+        )
         if self.reference is not None:  # MoE r3: the reference replays the rollout's routing too
             moe_training.replays_routing(self.reference.model)
         critic_from = critic_path or ref_path
-        self.critic = Critic(cfg, critic_from, self.dist) if needs_critic(cfg) else None
+        self.critic = Critic(cfg, critic_from, self.dist, self.dims) if needs_critic(cfg) else None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         # each phase is also a span of the run's timeline (telemetry/timeline.py)
         self.spans = SpanLog(ctx.role)

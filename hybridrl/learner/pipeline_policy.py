@@ -58,10 +58,12 @@ def model_layers(cfg, path: str | None) -> int | None:
     return SIZES.get(cfg.model.name, {}).get("num_hidden_layers")
 
 
-def build(cfg, model, env) -> tuple[Pipeline, StageModules]:
+def build(cfg, model, env, mesh) -> tuple[Pipeline, StageModules]:
     """This rank's stages of ``model`` (autocast as ``fsdp.mixed_precision`` resolves on the
-    device), sharded over the replicas when there are several; every micro-batch's forward of a
-    stage goes through the MoE hooks of ``learner/moe.py`` (a no-op for a dense model)."""
+    device) on ``mesh`` (the learner's pipelined ``ModelMesh``): sharded over the replicas when
+    there are several, their experts split over them with ``moe.ep_size``; every micro-batch's
+    forward of a stage goes through the MoE hooks of ``learner/moe.py`` (a no-op for a dense
+    model)."""
     from hybridrl.parallel.fsdp import device_precision_of, fsdp_config_of
     from hybridrl.parallel.precision import set_autocast
 
@@ -74,7 +76,7 @@ def build(cfg, model, env) -> tuple[Pipeline, StageModules]:
         enable_activation_checkpointing(model)
     prec = device_precision_of(model, fsdp_config_of(cfg), env.device)
     set_autocast(model, torch.bfloat16 if prec.bf16 else None, env.device.type)
-    pl = Pipeline(model, layout, env.device, None, cfg.fsdp, around=moe_forward)
+    pl = Pipeline(model, layout, env.device, mesh, cfg.fsdp, around=moe_forward)
     return pl, pl.modules
 
 
@@ -158,7 +160,7 @@ def save(path, pl: Pipeline, modules: StageModules, optimizer, shuffle, tokenize
         torch.save({"shuffle_rng": shuffle.get_state()}, path / "pipeline" / "extra.pt")
     distributed.barrier()
     where = path / "pipeline" / f"stage{pl.layout.pp_rank}"
-    dp_group = pl.mesh.get_group("dp")
+    dp_group = pl.mesh.dp.get_group()
     dcp.save(
         _states(modules, optimizer),
         storage_writer=dcp.FileSystemWriter(where),
@@ -186,7 +188,7 @@ def load(path, pl: Pipeline, modules: StageModules, optimizer, shuffle) -> None:
 
     state = _states(modules, optimizer)
     dcp.load(
-        state, storage_reader=dcp.FileSystemReader(where), process_group=pl.mesh.get_group("dp")
+        state, storage_reader=dcp.FileSystemReader(where), process_group=pl.mesh.dp.get_group()
     )
     set_model_state_dict(modules, state["model"])
     set_optimizer_state_dict(modules, optimizer, state["optim"])

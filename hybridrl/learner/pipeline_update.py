@@ -198,7 +198,8 @@ def rounds(pl, mini: Batch, token_budget: int, pad_from: Batch) -> list[Batch]:
     rows = max(1, math.ceil(len(mini) / (count * n)))
     out = []
     for r in range(count):
-        real = torch.arange(r * rows * n, min((r + 1) * rows * n, len(mini)))
+        # a replica with fewer rows than the busiest may have none left for its last rounds
+        real = torch.arange(min(r * rows * n, len(mini)), min((r + 1) * rows * n, len(mini)))
         pad = rows * n - len(real)
         idx = torch.cat([real, torch.zeros(pad, dtype=torch.long)])
         rb = source.index(idx)

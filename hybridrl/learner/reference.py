@@ -1,6 +1,7 @@
 """The reference policy: a frozen copy of the initial policy, giving log-probs for the KL terms.
 Part of the learner (``learner/learner.py``), sharded with FSDP2 like the policy when there is more
-than one rank (and its experts split over ranks like the policy's with ``moe.ep_size``)."""
+than one rank (and its experts split over ranks like the policy's with ``moe.ep_size``), on every
+learner rank even when the policy is pipelined."""
 
 from __future__ import annotations
 
@@ -12,16 +13,21 @@ from hybridrl.learner.logprob import model_device, response_log_probs, sampling_
 from hybridrl.learner.update import first_epoch_map
 from hybridrl.models.loading import load_model
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
+from hybridrl.parallel.mesh import ParallelDims
 from hybridrl.protocol import Batch
 
 
 class Reference:
-    def __init__(self, cfg: Config, model_path: str | None, dist):
+    def __init__(self, cfg: Config, model_path: str | None, dist, dims: ParallelDims | None = None):
         self.cfg = cfg
         model, _ = load_model(cfg, model_path)
         model.requires_grad_(False).eval()
         self.model = prepare_model(
-            model, fsdp_config_of(cfg), dist, trainable=False, ep_size=cfg.moe.ep_size
+            model,
+            fsdp_config_of(cfg),
+            dist,
+            trainable=False,
+            mesh=(dims or ParallelDims.of(dist, ep=cfg.moe.ep_size)).unpipelined,
         )
         # actor.compile: the same choice as the policy's (learner/compile.py)
         self.model = maybe_compile(

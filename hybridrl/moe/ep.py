@@ -40,24 +40,23 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 # --- config -------------------------------------------------------------------------------------
-def check_ep_size(ep_size: int, world_size: int, n_experts: int | None) -> None:
-    """``moe.ep_size`` must divide the learner's world size and the number of experts (None:
-    unknown, not checked); raises ValueError naming the values and what is allowed."""
-    if ep_size <= 1:
+def check_ep_size(ep_size: int, dp_size: int, n_experts: int | None) -> None:
+    """``moe.ep_size`` must divide the learner's data-parallel size (its world size / actor.pp_size)
+    and the number of experts (None: unknown, not checked); raises ValueError naming the values
+    and what is allowed."""
+    if ep_size == 1:
         return
-    if world_size % ep_size:
-        allowed = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if ep_size < 1 or dp_size % ep_size:
+        allowed = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
         raise ValueError(
-            f"moe.ep_size={ep_size} must divide the learner's world size {world_size} "
-            f"(allowed: {', '.join(map(str, allowed))})"
+            f"moe.ep_size={ep_size} must divide the learner's data-parallel size {dp_size} "
+            f"(world size / actor.pp_size; allowed: {', '.join(map(str, allowed))})"
         )
     if n_experts is not None and n_experts % ep_size:
-        allowed = [
-            d for d in range(1, world_size + 1) if world_size % d == 0 and n_experts % d == 0
-        ]
+        allowed = [d for d in range(1, dp_size + 1) if dp_size % d == 0 and n_experts % d == 0]
         raise ValueError(
             f"moe.ep_size={ep_size} must divide the number of experts per layer {n_experts} "
-            f"(allowed with world size {world_size}: {', '.join(map(str, allowed))})"
+            f"(allowed with data-parallel size {dp_size}: {', '.join(map(str, allowed))})"
         )
 
 
@@ -79,18 +78,15 @@ def experts_per_layer(cfg) -> int | None:
 
 
 def check_config(cfg) -> None:
-    """``moe.ep_size`` against the rest of the config (before any work): the learner's world size
-    and the model's experts must divide by it; the pipeline-parallel actor does not support it.
+    """``moe.ep_size`` against the rest of the config (before any work): the learner's
+    data-parallel size (world size / ``actor.pp_size``) and the model's experts must divide by it.
     Raises ValueError."""
     ep = cfg.moe.ep_size
     if ep <= 1:
         return
     pool = cfg.controller.pools[cfg.controller.placement["learner"]]
-    check_ep_size(ep, pool.nodes * pool.workers_per_node, experts_per_layer(cfg))
-    if cfg.actor.pp_size > 1:
-        raise ValueError(
-            f"moe.ep_size={ep} is not supported with actor.pp_size={cfg.actor.pp_size} yet"
-        )
+    world = pool.nodes * pool.workers_per_node
+    check_ep_size(ep, world // max(cfg.actor.pp_size, 1), experts_per_layer(cfg))
 
 
 # --- the exchange -------------------------------------------------------------------------------

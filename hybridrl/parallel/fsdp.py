@@ -34,6 +34,7 @@ from hybridrl.config import FSDPConfig
 from hybridrl.parallel import distributed
 from hybridrl.parallel.buckets import BUCKET_BYTES, bucketed
 from hybridrl.parallel.distributed import DistEnv
+from hybridrl.parallel.mesh import ModelMesh, ParallelDims
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,12 @@ def cpu_precision_of(model: nn.Module, cfg: FSDPConfig):
 
 
 def prepare_model(
-    model: nn.Module, cfg: FSDPConfig, env: DistEnv, *, trainable: bool = True, ep_size: int = 1
+    model: nn.Module,
+    cfg: FSDPConfig,
+    env: DistEnv,
+    *,
+    trainable: bool = True,
+    mesh: ModelMesh | None = None,
 ) -> nn.Module:
     """Activation checkpointing (when trained and asked for), then ``fully_shard`` per decoder
     layer + root when the rank has a process group (world size > 1, or a launcher-made group of one:
@@ -138,8 +144,9 @@ def prepare_model(
     model on CUDA gets FSDP2's bf16 parameters with fp32 reduction (:func:`mixed_precision_policy`),
     and an unsharded one (one GPU, or any CPU rank) is marked for bf16 autocast over its fp32
     parameters (fp32 master weights, gradients and optimizer state). One log line says which
-    precision runs and why. ``ep_size`` > 1 (``moe.ep_size``): expert parallelism
-    (``parallel/ep_fsdp.py``)."""
+    precision runs and why. ``mesh``: the groups to shard over (the learner's
+    ``ParallelDims``, ``parallel/mesh.py``; with an ``ep`` dimension, expert parallelism:
+    ``parallel/ep_fsdp.py``); None: data parallelism over ``env``'s ranks."""
     from hybridrl.parallel.precision import set_autocast
 
     what = "training" if trainable else "reference / log-prob"
@@ -147,7 +154,7 @@ def prepare_model(
     # backward measurement, cached): at equal weights its log-probs equal the actor's, so the KL
     # term starts at exactly 0
     prec = device_precision_of(model, cfg, env.device)
-    model = _prepare(model, cfg, env, trainable, prec.bf16, ep_size)
+    model = _prepare(model, cfg, env, trainable, prec.bf16, mesh)
     if is_sharded(model) and env.device.type == "cuda":
         params = "bf16 params + fp32 reduce" if prec.bf16 else "fp32"
         log.info("%s precision: %s (FSDP2; %s)", what, params, prec.reason)
@@ -157,24 +164,22 @@ def prepare_model(
 
 
 def _prepare(
-    model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool, bf16: bool, ep_size: int = 1
+    model: nn.Module, cfg: FSDPConfig, env: DistEnv, trainable: bool, bf16: bool, mesh
 ) -> nn.Module:
     if trainable and cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if ep_size > 1:  # moe.ep_size: experts split over ranks (parallel/ep_fsdp.py)
+    if mesh is not None and mesh.ep is not None:  # moe.ep_size: experts split over ranks
         from hybridrl.parallel.ep_fsdp import shard_with_experts
 
-        return shard_with_experts(model, cfg, env, ep_size, bf16)
+        return shard_with_experts(model, decoder_layers(model), mesh, cfg, env.device, bf16)
     if env.backend is None or (cfg.strategy == "none" and not env.distributed):
         return model.to(env.device)
     if cfg.strategy != "fsdp2":
         raise ValueError(
             f"world size {env.world_size} needs fsdp.strategy 'fsdp2' (got {cfg.strategy!r})"
         )
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
-    shard_modules(model, decoder_layers(model), mesh, cfg, env.device, bf16)
+    mesh = mesh or ParallelDims.of(env).unpipelined
+    shard_modules(model, decoder_layers(model), mesh.dp, cfg, env.device, bf16)
     return model
 
 
@@ -223,25 +228,38 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: measure only); the
     norm before."""
     params = [p for p in model.parameters() if p.grad is not None]
-    by_mesh: dict[int, list[torch.Tensor]] = {}
-    for p in params:
-        by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p)
-    if len(by_mesh) <= 1:
+    groups = _by_mesh(params)
+    if len(groups) <= 1:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm.item())
-    # expert parallelism: the experts' gradients live on another mesh than the dense ones, and
-    # DTensor ops do not mix meshes; each mesh's norm is global over its ranks, then combined
-    norms = []
-    for group in by_mesh.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in group])
-        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+        return float((norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item())
+    total = grad_norm([p.grad for p in params])
     if max_norm:
-        for group in by_mesh.values():
+        for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return float(total.item())
+
+
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` over every rank's shards, a plain tensor (a collective when they
+    are DTensors). Expert parallelism leaves the experts' gradients on another mesh than the
+    dense ones, and DTensor ops do not mix meshes: each mesh's norm is taken on its own, then
+    combined."""
+    norms = []
+    for group in _by_mesh(grads).values():
+        n = torch.nn.utils.get_total_norm(group, 2.0)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    if len(norms) <= 1:
+        return norms[0] if norms else torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """``tensors`` (or parameters, by their gradient's) grouped by the DeviceMesh they live on."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        g = t.grad if isinstance(t, nn.Parameter) else t
+        out.setdefault(id(getattr(g, "device_mesh", None)), []).append(t)
+    return out
 
 
 # --- full weights ---------------------------------------------------------------------------------

@@ -178,16 +178,16 @@ class StageModules(nn.ModuleList):
 
 class Pipeline:
     """This rank's stages of ``model`` and the machinery to run them (see the module docstring).
-    ``mesh``: the (dp, pp) DeviceMesh (None: built here); FSDP2 shards the stages over dp when
-    dp > 1, with ``fsdp_cfg``. ``around(modules, mb)``: the context around each micro-batch's
-    forward of a stage (``modules``: this rank's :class:`StageModules`, ``mb``: the micro-batch's
-    rows of the round batch); none by default."""
+    ``mesh``: the pipelined :class:`~hybridrl.parallel.mesh.ModelMesh` of the learner's
+    ``ParallelDims`` (None: built here for ``layout``, without expert parallelism); FSDP2 shards
+    the stages over its ``dp`` dimension when dp > 1, with ``fsdp_cfg``, and splits their experts
+    over its ``ep`` dimension when it has one (``parallel/ep_fsdp.py``). ``around(modules, mb)``:
+    the context around each micro-batch's forward of a stage (``modules``: this rank's
+    :class:`StageModules`, ``mb``: the micro-batch's rows of the round batch); none by default."""
 
     def __init__(
         self, model, layout: PipeLayout, device=None, mesh=None, fsdp_cfg=None, around=None
     ):
-        from torch.distributed.device_mesh import init_device_mesh
-
         check_layout(
             layout.pp * layout.dp,
             layout.pp,
@@ -196,19 +196,26 @@ class Pipeline:
             len(model.model.layers),
         )
         self.layout, self.device = layout, device or torch.device("cpu")
-        self.mesh = mesh or init_device_mesh(
-            self.device.type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp")
-        )
-        self.pp_group = self.mesh.get_group("pp")
+        if mesh is None:
+            from hybridrl.parallel.mesh import ParallelDims
+
+            mesh = ParallelDims(layout.pp * layout.dp, layout.pp, 1, self.device.type).pipelined
+        self.mesh, self.pp_group = mesh, mesh.pp.get_group()
         self.config, self.tied = model.config, is_tied(model)
         self.stages = build_stages(model, layout.stages_of(layout.pp_rank), layout.n_stages)
         for stage in self.stages:
             stage.to(self.device)
-        if layout.dp > 1:
-            from hybridrl.parallel.fsdp import shard_modules
+        for stage in self.stages:
+            if mesh.ep is not None:  # moe.ep_size: experts split over the replicas' ranks
+                from hybridrl.config import FSDPConfig
+                from hybridrl.parallel.ep_fsdp import shard_with_experts
 
-            for stage in self.stages:
-                shard_modules(stage, stage.decoder_layers(), self.mesh["dp"], fsdp_cfg, self.device)
+                layers = stage.decoder_layers()
+                shard_with_experts(stage, layers, mesh, fsdp_cfg or FSDPConfig(), self.device)
+            elif layout.dp > 1:
+                from hybridrl.parallel.fsdp import shard_modules
+
+                shard_modules(stage, stage.decoder_layers(), mesh.dp, fsdp_cfg, self.device)
         self.tie_group = self._tie_group()
         self.clock = ComputeClock()
         self.modules = StageModules(self)
@@ -216,7 +223,21 @@ class Pipeline:
 
     # --- parameters ---------------------------------------------------------------------------
     def parameters(self):
+        """The stages' parameters as the optimizer holds them: sharded, with their gradients
+        (:meth:`reshard` first)."""
+        self.reshard()
         return [p for s in self.stages for p in s.parameters()]
+
+    def reshard(self) -> None:
+        """Put every FSDP2 unit of the stages back in its sharded state. A stage's root unit
+        stays gathered after a forward, and while it is, the module holds its unsharded
+        parameters, which carry no gradient."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for stage in self.stages:
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def train(self, mode: bool = True):
         for s in self.stages:
@@ -260,12 +281,10 @@ class Pipeline:
         """The global gradient norm (over every stage and replica; a tied weight once), then
         every gradient scaled so it is at most ``max_norm`` (0: measure only)."""
         _, head = self._tied_pair()
+        from hybridrl.parallel.fsdp import grad_norm
+
         counted = [p.grad for p in self.parameters() if p.grad is not None and p is not head]
-        sq = torch.zeros((), dtype=torch.float64)
-        if counted:
-            norm = torch.nn.utils.get_total_norm(counted, 2.0)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            sq = norm.detach().double().cpu() ** 2
+        sq = grad_norm(counted).detach().double().cpu() ** 2
         sq = sq.to(distributed._device_of_group())
         dist.all_reduce(sq, group=self.pp_group)
         total = float(sq.sqrt().item())
@@ -312,7 +331,15 @@ class Pipeline:
 
         A fresh schedule infers the shapes of the backward by calling the loss once, before the
         micro-batches, on placeholder activations: that call is answered with a zero loss of the
-        output (no metrics, no finiteness check); the count is checked afterwards."""
+        output (no metrics, no finiteness check); the count is checked afterwards.
+
+        Gradients add up over the rounds of a mini-batch. The shape inference of a sharded stage
+        runs a real forward and backward and then drops every gradient of the stage (torch 2.13:
+        ``_post_metadata_inference_cleanup``), the earlier rounds' too; so they are set aside
+        during the step and added back after it."""
+        kept = [(p, p.grad) for p in self.parameters() if p.grad is not None]
+        for p, _ in kept:
+            p.grad = None
         calls = [0]
 
         def guarded(output, rows):
@@ -326,6 +353,8 @@ class Pipeline:
         t0 = time.perf_counter()
         schedule.step(*args, target=torch.arange(len(rb)), return_outputs=False, **kwargs)
         self.clock.wall += time.perf_counter() - t0
+        for p, grad in kept:
+            p.grad = grad if p.grad is None else grad.add_(p.grad)
         if self.holds_last() and calls[0] != self.layout.n_microbatches + 1:
             raise RuntimeError(
                 f"pipeline: the schedule called the loss {calls[0]} times for "
