@@ -172,8 +172,8 @@ def check_kv_pool(cfg: Config) -> None:
     config cannot be read here (the engine checks each request as it arrives)."""
     import torch
 
+    from hybridrl.models.spec import ModelSpec
     from hybridrl.rollout.kv_capacity import bytes_per_block, pool_blocks
-    from hybridrl.rollout.model_spec import ModelSpec
 
     r = cfg.rollout
     if r.backend != "native" or r.kv_cache_memory_fraction:

@@ -7,6 +7,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import hybridrl
 
 ROOT = Path(hybridrl.__file__).parent
@@ -125,3 +127,39 @@ def test_the_transformers_floor_is_the_version_ci_tests():
     tested = re.search(r"^TRANSFORMERS_FLOOR := ([\d.]+)$", (root / "Makefile").read_text(), re.M)
     assert floor and tested, "pyproject.toml or the Makefile lost the floor"
     assert tested.group(1).removesuffix(".0") == floor.group(1).removesuffix(".0")
+
+
+# the config fields only a decoder's shape has; the model spec reads them for everyone
+SHAPE_FIELDS = ("num_key_value_heads", "num_experts_per_tok", "moe_intermediate_size", "head_dim")
+# the built-in sizes set them, the precision cache keys on the model's shape
+SHAPE_WRITERS = {"models/spec.py", "models/factory.py", "parallel/precision.py"}
+
+
+def test_one_module_reads_a_decoders_shape_from_its_config():
+    """Every part that needs a decoder's shape (the engine, the memory estimator, FLOP accounting,
+    the expert-parallel check) gets it from ``models/spec.py``: none reads the fields itself."""
+    readers = set()
+    for path in ROOT.rglob("*.py"):
+        text = path.read_text()
+        if any(f'"{field}"' in text for field in SHAPE_FIELDS):
+            readers.add(path.relative_to(ROOT).as_posix())
+    assert readers <= SHAPE_WRITERS, sorted(readers - SHAPE_WRITERS)
+
+
+def test_the_spec_estimates_any_decoder_and_the_engine_runs_the_listed_families():
+    from transformers import MistralConfig, Qwen3MoeConfig
+
+    from hybridrl.models.spec import ModelSpec
+
+    mistral = ModelSpec.from_config(MistralConfig(num_hidden_layers=2))
+    assert (mistral.family, mistral.num_kv_heads, mistral.head_dim, mistral.moe) == (
+        None,
+        8,
+        128,
+        None,
+    )
+    with pytest.raises(ValueError, match="native rollout supports .*qwen3_moe.* not 'mistral'"):
+        mistral.require_family("native rollout")
+    moe = ModelSpec.from_config(Qwen3MoeConfig(num_hidden_layers=4, mlp_only_layers=[1]))
+    assert moe.require_family("native rollout").family == "qwen3_moe"
+    assert moe.moe.sparse_layers == (True, False, True, True) and moe.num_moe_layers == 3

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridrl.models.spec import MoEShape
 from hybridrl.rollout.layers import hf_view
-from hybridrl.rollout.moe_block import MoEBlock, MoEShape, combine
+from hybridrl.rollout.moe_block import MoEBlock, combine
 
 torch.set_num_threads(1)
 

@@ -61,20 +61,22 @@ def check_ep_size(ep_size: int, dp_size: int, n_experts: int | None) -> None:
 
 
 def experts_per_layer(cfg) -> int | None:
-    """The configured model's experts per MoE layer: the built-in's, or its config.json's (None
-    when unreadable)."""
-    import json
-    from pathlib import Path
-
+    """The configured model's experts per MoE layer: the built-in's, or its config's as the model
+    spec reads it (None when unreadable or dense)."""
     from hybridrl.models.factory import MOE_SIZES
 
     if cfg.model.path is None:
         return MOE_SIZES.get(cfg.model.name, {}).get("num_experts")
+    from transformers import AutoConfig
+
+    from hybridrl.models.spec import ModelSpec
+
     try:
-        config = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        moe = ModelSpec.from_config(config).moe
     except (OSError, ValueError):
         return None
-    return next((int(config[k]) for k in ("num_experts", "num_local_experts") if k in config), None)
+    return moe.num_experts if moe is not None else None
 
 
 def check_config(cfg) -> None:

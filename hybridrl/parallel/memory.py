@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from hybridrl.parallel.memory_moe import Experts, split_states
+from hybridrl.parallel.memory_moe import MoECost, split_states
 
 SHARDING = ("none", "optim", "grad_op", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -133,44 +133,29 @@ class Shape:
     o_bias: bool
     max_positions: int
     qk_norm: bool = False  # Qwen3: RMSNorms of q and k per head (head_dim weights each)
-    moe: Experts | None = None
+    moe: MoECost | None = None
 
     @classmethod
     def from_config(cls, cfg) -> Shape:
-        """The shape of a transformers ``PretrainedConfig``. Its fields differ between model types
-        (and may be absent or None), so they are looked up by name with getattr."""
+        """The shape of a transformers ``PretrainedConfig``, as the model spec reads it
+        (``models/spec.py``)."""
+        from hybridrl.models.spec import ModelSpec
 
-        def get(*names: str, default=None):
-            """The first of ``names`` that ``cfg`` has and is not None; ``default`` otherwise."""
-            return next(
-                (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
-            )
-
-        h, L, H = get("hidden_size"), get("num_hidden_layers"), get("num_attention_heads")
-        inter, V = get("intermediate_size"), get("vocab_size")
-        if None in (h, L, H, inter, V):
-            raise ValueError(
-                "config lacks hidden_size / num_hidden_layers / num_attention_heads / "
-                "intermediate_size / vocab_size"
-            )
-        model_type = getattr(cfg, "model_type", "")
-        attn_bias = get("attention_bias", default=None)
+        s = ModelSpec.from_config(cfg)
         return cls(
-            layers=L,
-            hidden=h,
-            intermediate=inter,
-            heads=H,
-            kv_heads=get("num_key_value_heads", default=H),
-            head_dim=get("head_dim", default=h // H),
-            vocab=V,
-            tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-            qkv_bias=bool(attn_bias)
-            if attn_bias is not None
-            else bool(get("qkv_bias", default=model_type == "qwen2")),  # Qwen2-MoE's flag
-            o_bias=bool(attn_bias) if attn_bias is not None else False,
-            max_positions=get("max_position_embeddings", default=4096),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            moe=Experts.from_config(get, cfg, L, inter),
+            layers=s.num_layers,
+            hidden=s.hidden_size,
+            intermediate=s.intermediate_size,
+            heads=s.num_heads,
+            kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            vocab=s.vocab_size,
+            tied=s.tie_word_embeddings,
+            qkv_bias=s.attn_bias,
+            o_bias=s.o_bias,
+            max_positions=s.max_positions,
+            qk_norm=s.qk_norm,
+            moe=MoECost.of(s.moe) if s.moe is not None else None,
         )
 
     def attention_params(self) -> int:

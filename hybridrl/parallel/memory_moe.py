@@ -27,12 +27,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# config.json keys counting the routed experts per layer
-EXPERT_KEYS = ("num_experts", "num_local_experts")
-
 
 @dataclass
-class Experts:
+class MoECost:
     """The mixture-of-experts dimensions of a decoder (see the module docstring)."""
 
     count: int  # E
@@ -42,29 +39,14 @@ class Experts:
     shared_inter: int = 0  # I_s
 
     @classmethod
-    def from_config(cls, get, cfg, layers: int, dense_inter: int) -> Experts | None:
-        """The experts of a transformers config (``get``: its first non-None field of the names
-        given), None for a dense one. Qwen2-MoE / Qwen3-MoE name the expert width
-        ``moe_intermediate_size`` and may keep some layers dense (``mlp_only_layers``,
-        ``decoder_sparse_step``); Mixtral's experts have ``intermediate_size``, every layer sparse.
-        """
-        if get("n_routed_experts"):
-            raise ValueError(
-                "DeepSeek-style configs (n_routed_experts) are not supported by the estimator; "
-                "Qwen2-MoE, Qwen3-MoE and Mixtral are"
-            )
-        count = get(*EXPERT_KEYS)
-        if not count:
-            return None
-        step = get("decoder_sparse_step", default=1) or 1
-        dense_only = set(get("mlp_only_layers", default=[]) or [])
-        moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    def of(cls, shape) -> MoECost:
+        """From the model spec's :class:`~hybridrl.models.spec.MoEShape`."""
         return cls(
-            count=int(count),
-            top_k=int(get("num_experts_per_tok", default=2)),
-            inter=int(get("moe_intermediate_size", default=dense_inter)),
-            moe_layers=moe_layers,
-            shared_inter=int(get("shared_expert_intermediate_size", default=0) or 0),
+            count=shape.num_experts,
+            top_k=shape.top_k,
+            inter=shape.intermediate,
+            moe_layers=shape.moe_layers,
+            shared_inter=shape.shared_intermediate,
         )
 
     def layer_params(self, hidden: int) -> int:

@@ -1,5 +1,5 @@
 """The native engine's model: one decoder definition for every supported family (Qwen2, Qwen3,
-Llama, Qwen2-MoE, Qwen3-MoE, Mixtral), built from a :class:`~hybridrl.rollout.model_spec.ModelSpec`.
+Llama, Qwen2-MoE, Qwen3-MoE, Mixtral), built from a :class:`~hybridrl.models.spec.ModelSpec`.
 
 The families differ only through the spec's switches (biases, q/k norm, which layers are MoE
 blocks and how their routers normalise), so there is one ``CausalLM`` and no class per family. The
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridrl.models.spec import ModelSpec
 from hybridrl.rollout.layers import (
     MLP,
     Attention,
@@ -26,7 +27,6 @@ from hybridrl.rollout.layers import (
     RMSNorm,
     mirror_attributes,
 )
-from hybridrl.rollout.model_spec import ModelSpec
 from hybridrl.rollout.moe_block import MoEBlock
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def bytes_per_block(spec, block_size: int, dtype: torch.dtype, routing_bytes: int = 0) -> int:
     """What one block of ``block_size`` token slots costs in the pool of a model of ``spec`` (a
-    :class:`~hybridrl.rollout.model_spec.ModelSpec`): its keys and values in every layer, in
+    :class:`~hybridrl.models.spec.ModelSpec`): its keys and values in every layer, in
     ``dtype``, and ``routing_bytes`` per slot of recorded expert ids (MoE models)."""
     kv = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.finfo(dtype).bits // 8
     return block_size * (kv + routing_bytes)

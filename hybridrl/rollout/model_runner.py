@@ -24,11 +24,11 @@ from collections.abc import Iterable
 
 import torch
 
+from hybridrl.models.spec import ModelSpec
 from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE
 from hybridrl.rollout.decoder import CausalLM
 from hybridrl.rollout.kv_capacity import bytes_per_block
 from hybridrl.rollout.layers import rope_tables
-from hybridrl.rollout.model_spec import ModelSpec, default_inv_freq
 from hybridrl.rollout.sequence import Sequence
 from hybridrl.rollout.step_inputs import StepInputs, StepPreparation
 from hybridrl.rollout.weights import WeightMap
@@ -46,7 +46,7 @@ class ModelRunner(StepPreparation):
         keep_gathered: bool | None = None,
     ):
         self.config = config
-        self.spec = s = ModelSpec.from_config(config)
+        self.spec = s = ModelSpec.from_config(config).require_family("native rollout")
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -211,3 +211,14 @@ class ModelRunner(StepPreparation):
         x = self.prepare(seqs, num_tokens)
         idx = torch.arange(x.input_ids.shape[0], device=self.device) if all_logits else None
         return self.forward(x, idx)
+
+
+def default_inv_freq(cfg, head_dim: int) -> tuple[torch.Tensor, float]:
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rp.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(
+            f"rope type {rope_type!r} needs the live model's rotary embedding (pass hf_model)"
+        )
+    theta = rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0

@@ -25,83 +25,13 @@ after undoing the sort.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from hybridrl.models.spec import MoEShape
 from hybridrl.rollout.layers import MLP, EngineModule, Linear, frozen
 
 BIAS_NAME = "expert_bias"
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """One model's MoE layout, read from its transformers config."""
-
-    num_experts: int
-    top_k: int
-    intermediate: int  # of each routed expert
-    shared_intermediate: int  # 0: no shared expert
-    normalise: bool  # top-k weights divided by their sum
-    cast_weights: bool  # dispatch weights cast to the activations' dtype (Qwen) or kept fp32
-    sparse_layers: tuple[bool, ...]  # per decoder layer: MoE block (True) or dense MLP
-
-
-def _qwen_sparse(cfg) -> tuple[bool, ...]:
-    """Qwen-MoE: layer i is sparse unless listed in ``mlp_only_layers`` or off the
-    ``decoder_sparse_step`` grid."""
-    only = set(getattr(cfg, "mlp_only_layers", None) or ())
-    step = getattr(cfg, "decoder_sparse_step", 1) or 1
-    return tuple(
-        i not in only and cfg.num_experts > 0 and (i + 1) % step == 0
-        for i in range(cfg.num_hidden_layers)
-    )
-
-
-def _qwen3_moe(cfg) -> MoEShape:
-    return MoEShape(
-        num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok,
-        intermediate=cfg.moe_intermediate_size,
-        shared_intermediate=0,
-        normalise=bool(cfg.norm_topk_prob),
-        cast_weights=True,
-        sparse_layers=_qwen_sparse(cfg),
-    )
-
-
-def _qwen2_moe(cfg) -> MoEShape:
-    return MoEShape(
-        num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok,
-        intermediate=cfg.moe_intermediate_size,
-        shared_intermediate=cfg.shared_expert_intermediate_size,
-        normalise=bool(cfg.norm_topk_prob),  # off by default in this family
-        cast_weights=True,
-        sparse_layers=_qwen_sparse(cfg),
-    )
-
-
-def _mixtral(cfg) -> MoEShape:
-    return MoEShape(
-        num_experts=cfg.num_local_experts,
-        top_k=cfg.num_experts_per_tok,
-        intermediate=cfg.intermediate_size,
-        shared_intermediate=0,
-        normalise=True,  # always renormalised
-        cast_weights=False,
-        sparse_layers=(True,) * cfg.num_hidden_layers,
-    )
-
-
-# model_type -> how its config describes the experts
-MOE_FAMILIES: dict[str, Callable[[object], MoEShape]] = {
-    "qwen3_moe": _qwen3_moe,
-    "qwen2_moe": _qwen2_moe,
-    "mixtral": _mixtral,
-}
 
 
 class Router(EngineModule):

@@ -93,15 +93,18 @@ class DecoderShape:
 
     @classmethod
     def from_config(cls, config, head_out: int | None = None) -> DecoderShape:
-        heads = config.num_attention_heads
+        """As the model spec reads ``config`` (``models/spec.py``)."""
+        from hybridrl.models.spec import ModelSpec
+
+        s = ModelSpec.from_config(config)
         return cls(
-            hidden=config.hidden_size,
-            layers=config.num_hidden_layers,
-            heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=config.intermediate_size,
-            head_out=config.vocab_size if head_out is None else head_out,
+            hidden=s.hidden_size,
+            layers=s.num_layers,
+            heads=s.num_heads,
+            kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            intermediate=s.intermediate_size,
+            head_out=s.vocab_size if head_out is None else head_out,
         )
 
     @classmethod

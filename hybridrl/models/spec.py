@@ -1,0 +1,228 @@
+"""The model spec: the one reader of a decoder's transformers config. The native engine builds its
+model from it, the memory estimator counts its parameters and activations, FLOP accounting counts
+its matmuls; none of them reads the config's fields itself.
+
+Decoder families differ only in a few switches (biases on the attention projections, a norm on q
+and k) and in their MLP: dense, or a mixture of experts. Each family the engine runs is one entry
+of :data:`DECODER_FAMILIES` (and of :data:`MOE_FAMILIES` for its experts); adding a family is
+adding an entry. A config of another family is still read, by the field names most decoders share
+(``attention_bias``, ``mlp_bias``, ``num_experts`` ...), with ``family`` None: the estimates work
+for it, the engine refuses it (:meth:`ModelSpec.require_family`).
+
+Fields differ between model types and may be absent or None, so each is the first of its names
+that the config has and is not None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def _get(cfg, *names: str, default=None):
+    """The first of ``names`` that ``cfg`` has and is not None; ``default`` otherwise."""
+    return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
+
+
+def _flag(name: str, default: bool = False) -> Callable[[object], bool]:
+    return lambda cfg: bool(_get(cfg, name, default=default))
+
+
+def _never(cfg) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """The attention switches of one ``model_type``."""
+
+    attn_bias: Callable[[object], bool]  # q/k/v projections carry a bias
+    o_bias: Callable[[object], bool]  # the output projection carries a bias
+    qk_norm: bool  # RMSNorm on each head's q and k (Qwen3)
+    mlp_bias: Callable[[object], bool] = _flag("mlp_bias")
+
+
+# model_type -> attention switches; the MLP is dense unless MOE_FAMILIES lists the type
+DECODER_FAMILIES: dict[str, DecoderFamily] = {
+    "qwen2": DecoderFamily(lambda cfg: True, _never, qk_norm=False),
+    "qwen3": DecoderFamily(_flag("attention_bias"), _flag("attention_bias"), qk_norm=True),
+    "llama": DecoderFamily(_flag("attention_bias"), _flag("attention_bias"), qk_norm=False),
+    "qwen2_moe": DecoderFamily(_flag("qkv_bias", True), _never, qk_norm=False),
+    "qwen3_moe": DecoderFamily(_flag("attention_bias"), _flag("attention_bias"), qk_norm=True),
+    "mixtral": DecoderFamily(_never, _never, qk_norm=False),
+}
+# a family the table does not list: the field names most decoders share
+GENERIC_FAMILY = DecoderFamily(
+    lambda cfg: bool(_get(cfg, "attention_bias", "qkv_bias", default=False)),
+    _flag("attention_bias"),
+    qk_norm=False,
+)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One model's mixture-of-experts layout."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int  # of each routed expert
+    shared_intermediate: int  # 0: no shared expert
+    normalise: bool  # top-k weights divided by their sum
+    cast_weights: bool  # dispatch weights cast to the activations' dtype (Qwen) or kept fp32
+    sparse_layers: tuple[bool, ...]  # per decoder layer: MoE block (True) or dense MLP
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+
+def _qwen_sparse(cfg, experts: int) -> tuple[bool, ...]:
+    """Qwen-MoE: layer i is sparse unless listed in ``mlp_only_layers`` or off the
+    ``decoder_sparse_step`` grid."""
+    only = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return tuple(
+        i not in only and experts > 0 and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)
+    )
+
+
+def _qwen3_moe(cfg) -> MoEShape:
+    return MoEShape(
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        intermediate=cfg.moe_intermediate_size,
+        shared_intermediate=0,
+        normalise=bool(cfg.norm_topk_prob),
+        cast_weights=True,
+        sparse_layers=_qwen_sparse(cfg, cfg.num_experts),
+    )
+
+
+def _qwen2_moe(cfg) -> MoEShape:
+    return MoEShape(
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        intermediate=cfg.moe_intermediate_size,
+        shared_intermediate=cfg.shared_expert_intermediate_size,
+        normalise=bool(cfg.norm_topk_prob),  # off by default in this family
+        cast_weights=True,
+        sparse_layers=_qwen_sparse(cfg, cfg.num_experts),
+    )
+
+
+def _mixtral(cfg) -> MoEShape:
+    return MoEShape(
+        num_experts=cfg.num_local_experts,
+        top_k=cfg.num_experts_per_tok,
+        intermediate=cfg.intermediate_size,
+        shared_intermediate=0,
+        normalise=True,  # always renormalised
+        cast_weights=False,
+        sparse_layers=(True,) * cfg.num_hidden_layers,
+    )
+
+
+def _generic_moe(cfg) -> MoEShape | None:
+    """The experts of a config the table does not list, by the Qwen-MoE / Mixtral field names;
+    None for a dense one."""
+    if _get(cfg, "n_routed_experts"):
+        raise ValueError(
+            "DeepSeek-style configs (n_routed_experts) are not supported; Qwen2-MoE, Qwen3-MoE "
+            "and Mixtral are"
+        )
+    count = int(_get(cfg, "num_experts", "num_local_experts", default=0) or 0)
+    if not count:
+        return None
+    return MoEShape(
+        num_experts=count,
+        top_k=int(_get(cfg, "num_experts_per_tok", default=2)),
+        intermediate=int(_get(cfg, "moe_intermediate_size", "intermediate_size")),
+        shared_intermediate=int(_get(cfg, "shared_expert_intermediate_size", default=0)),
+        normalise=bool(_get(cfg, "norm_topk_prob", default=True)),
+        cast_weights=True,
+        sparse_layers=_qwen_sparse(cfg, count),
+    )
+
+
+# model_type -> how its config describes the experts
+MOE_FAMILIES: dict[str, Callable[[object], MoEShape]] = {
+    "qwen3_moe": _qwen3_moe,
+    "qwen2_moe": _qwen2_moe,
+    "mixtral": _mixtral,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder's shape and switches (module docstring)."""
+
+    model_type: str
+    family: str | None  # model_type when DECODER_FAMILIES lists it, else None
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    tie_word_embeddings: bool
+    attn_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    o_bias: bool
+    max_positions: int
+    moe: MoEShape | None = None  # None: every layer has a dense MLP
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.moe.moe_layers if self.moe is not None else 0
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def require_family(self, who: str) -> ModelSpec:
+        """This spec, when its family is one the table lists; else ValueError naming them."""
+        if self.family is None:
+            raise ValueError(
+                f"{who} supports {', '.join(sorted(DECODER_FAMILIES))} models, not "
+                f"{self.model_type!r}"
+            )
+        return self
+
+    @staticmethod
+    def from_config(cfg) -> ModelSpec:
+        """The spec of a transformers ``PretrainedConfig`` (or any object with its fields)."""
+        h, layers, heads = (
+            _get(cfg, "hidden_size"),
+            _get(cfg, "num_hidden_layers"),
+            _get(cfg, "num_attention_heads"),
+        )
+        inter, vocab = _get(cfg, "intermediate_size"), _get(cfg, "vocab_size")
+        if None in (h, layers, heads, inter, vocab):
+            raise ValueError(
+                "config lacks hidden_size / num_hidden_layers / num_attention_heads / "
+                "intermediate_size / vocab_size"
+            )
+        mt = getattr(cfg, "model_type", "") or ""
+        family = DECODER_FAMILIES.get(mt, GENERIC_FAMILY)
+        moe = MOE_FAMILIES[mt](cfg) if mt in MOE_FAMILIES else _generic_moe(cfg)
+        return ModelSpec(
+            model_type=mt,
+            family=mt if mt in DECODER_FAMILIES else None,
+            vocab_size=vocab,
+            hidden_size=h,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=_get(cfg, "num_key_value_heads", default=heads),
+            head_dim=_get(cfg, "head_dim", default=h // heads),
+            intermediate_size=inter,
+            rms_eps=_get(cfg, "rms_norm_eps", default=1e-6),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attn_bias=family.attn_bias(cfg),
+            mlp_bias=family.mlp_bias(cfg),
+            qk_norm=family.qk_norm,
+            o_bias=family.o_bias(cfg),
+            max_positions=_get(cfg, "max_position_embeddings", default=4096),
+            moe=moe if moe is not None and any(moe.sparse_layers) else None,
+        )
