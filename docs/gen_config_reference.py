@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from hybridrl.config import Config
-from hybridrl.config.aliases import alias_table
+from hybridrl.config.aliases import MOVED, alias_table
 from hybridrl.config.reference import allowed, default_of, fmt_value, type_name
 
 OUT = Path(__file__).resolve().parent / "configuration.md"
@@ -51,7 +51,8 @@ def section(cls: type, prefix: str) -> list[str]:
             continue
         tp, meta = hints[f.name], dict(f.metadata)
         key = f"{prefix}.{f.name}"
-        if typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+        value_type = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+        if value_type not in (None, typing.Any) and dataclasses.is_dataclass(value_type):
             nested.append((typing.get_args(tp)[1], f"{key}.<name>"))
         help_text = (
             meta.get("help", "").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
@@ -66,6 +67,47 @@ def section(cls: type, prefix: str) -> list[str]:
             *section(sub_cls, sub_prefix),
         ]
     return out
+
+
+def plugin_options() -> list[str]:
+    """Each registered advantage estimator's and policy loss's own options (their ``options``
+    dataclass), and the keys they replaced."""
+    from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES
+
+    lines = [
+        "## Plug-in options",
+        "",
+        "An advantage estimator or a policy loss may declare options of its own: a dataclass as "
+        "its `options` attribute, whose fields are "
+        "`hybridrl.registry.option(default, help, ge=...)` like the ones above. They are "
+        "given under `algorithm.advantage_options` and "
+        "`algorithm.policy_loss_options` for the chosen plug-in, e.g. "
+        "`algorithm.policy_loss=cispo algorithm.policy_loss_options.clip_high=0.3`, and checked "
+        "against its dataclass when the config loads (unknown keys, types and bounds, one line "
+        "each); a plug-in that declares none takes none. A plug-in given by dotted path declares "
+        "options the same way. The plug-in reads them with "
+        '`cfg.options(ItsOptions, "policy_loss")` (or `"advantage"`).',
+        "",
+    ]
+    for registry, key in (
+        (ADVANTAGES, "advantage_options"),
+        (POLICY_LOSSES, "policy_loss_options"),
+    ):
+        for name in registry.names():
+            declared = getattr(registry.get(name), "options", None)
+            if declared is not None:
+                what = "advantage" if registry is ADVANTAGES else "policy_loss"
+                lines += [f"### `algorithm.{what}: {name}`", ""]
+                lines += section(declared, f"algorithm.{key}")
+    lines += [
+        "Keys these options replaced are refused in one line naming the new key:",
+        "",
+        "| old key | now | of |",
+        "|---|---|---|",
+        *(f"| `{old}` | `{new}` | {owner} |" for old, (new, owner) in MOVED.items()),
+        "",
+    ]
+    return lines
 
 
 def render() -> str:
@@ -85,6 +127,7 @@ def render() -> str:
         for c in [Config, *(hints[f.name] for f in dataclasses.fields(Config))]
         if "validate" in vars(c)
     ]
+    lines += plugin_options()
     lines += [
         "## Cross-field checks",
         "",

@@ -17,10 +17,22 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+
+def option(default, help: str, **checks):
+    """A field of a config dataclass, or of a plug-in's options dataclass (a policy loss's or an
+    advantage estimator's ``options`` attribute): its default, its ``help`` text and its checks
+    (``ge``, ``gt``, ``le``, ``lt``, ``choices``), which the config loader applies."""
+    if isinstance(default, (dict, list)):
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"help": help, **checks}
+        )
+    return field(default=default, metadata={"help": help, **checks})
 
 
 class Registry(Generic[T]):

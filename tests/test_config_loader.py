@@ -342,10 +342,9 @@ def test_validate_errors_get_the_section_path():
         msg == "config 'trainer': "
         "prompts_per_step*samples_per_prompt must be divisible by minibatch_size"
     )
-    # a multi-line message from the root's validate() becomes one line
-    assert (
-        err(from_dict, Root, {**MODEL, "tags": ["ok", "bad"]}) == "config: tag 'bad' is not allowed"
-    )
+    # a ConfigError from validate() is whole already (it names its key): kept as it is, and a
+    # multi-line message becomes one line
+    assert err(from_dict, Root, {**MODEL, "tags": ["ok", "bad"]}) == "tag 'bad' is not allowed"
 
 
 def test_from_dict_rejects_non_mapping_and_non_dataclass():

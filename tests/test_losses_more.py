@@ -65,7 +65,9 @@ def test_cispo_by_hand():
     # default: no lower bound, upper 1 + .28 -> weights [1.28, .5, 1.1, 1.28]; loss = -w A logp
     # [-1.28 * -.594535, -.5 * -2.693147, 2.2 * -.404690, -1.28 * -.806853 (A = -1: +1.28 * logp)]
     logp, mb = cispo_case()
-    loss, grad, m = run("cispo", logp, mb, cfg(cispo_clip_low=None, cispo_clip_high=0.28))
+    loss, grad, m = run(
+        "cispo", logp, mb, cfg(policy_loss_options={"clip_low": None, "clip_high": 0.28})
+    )
     assert close(loss, [[0.7610047, 1.3465736, -0.8903176, -1.0327716]])
     # gradient -w A: every token keeps one, even the clipped ones (ppo_clip gives token 0 none)
     assert close(grad, [[-1.28, -0.5, 2.2, 1.28]])
@@ -73,14 +75,16 @@ def test_cispo_by_hand():
     assert m["actor/clip_frac"] == pytest.approx(2 / 4)
     assert m["actor/is_weight_mean"] == pytest.approx((1.28 + 0.5 + 1.1 + 1.28) / 4)
     # lower bound .8: token 1's weight .5 -> .8: loss .8 * 2.693147 = 2.154518, gradient -.8
-    loss, grad, m = run("cispo", logp, mb, cfg(cispo_clip_low=0.2, cispo_clip_high=0.28))
+    loss, grad, m = run(
+        "cispo", logp, mb, cfg(policy_loss_options={"clip_low": 0.2, "clip_high": 0.28})
+    )
     assert close(loss, [[0.7610047, 2.1545177, -0.8903176, -1.0327716]])
     assert close(grad, [[-1.28, -0.8, 2.2, 1.28]])
     assert m["actor/clip_frac_low"] == pytest.approx(1 / 4) and m[
         "actor/clip_frac"
     ] == pytest.approx(3 / 4)
-    with pytest.raises(ValueError, match="cispo_clip_low"):
-        run("cispo", logp, mb, cfg(cispo_clip_low=1.5))
+    with pytest.raises(ValueError, match="policy_loss_options.clip_low"):
+        run("cispo", logp, mb, cfg(policy_loss_options={"clip_low": 1.5}))
 
 
 # --- GMPO -----------------------------------------------------------------------------------------
@@ -101,7 +105,7 @@ def test_gmpo_by_hand():
         "gmpo",
         old + lr,
         mb_of(old + lr, old, adv, mask),
-        cfg(gmpo_log_clip_low=0.4, gmpo_log_clip_high=0.4),
+        cfg(policy_loss_options={"log_clip_low": 0.4, "log_clip_high": 0.4}),
     )
     assert close(
         loss, [[-1.284025, -1.284025, 0], [2.210342, 2.210342, 2.210342], [-0.674929, 0, 0]]
@@ -130,14 +134,14 @@ def test_clip_cov_by_hand():
     # all ratios 1: PPO loss -A = [-3, -1, 1, 3]; ratio .5 -> n = int(.5 * 4) = 2: both candidates
     #   cut (loss 0, no grad)
     logp, mb = cov_case([0.0] * 4, [3.0, 1.0, -1.0, -3.0])
-    c = cfg(clip_cov_ratio=0.5, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    c = cfg(policy_loss_options={"ratio": 0.5, "lb": 1.0, "ub": 5.0})
     loss, grad, m = run("clip_cov", logp, mb, c)
     assert close(loss, [[0, -1, 1, 0]]) and close(grad, [[0, -1, 1, 0]])
     assert m["actor/cov_clip_frac"] == pytest.approx(2 / 4)
     assert m["actor/cov_mean"] == pytest.approx((3 + 0.5 + 0.5 + 3) / 4)
     # lb 3.5: no candidate -> plain PPO
     loss, _, m = run(
-        "clip_cov", logp, mb, cfg(clip_cov_ratio=0.5, clip_cov_lb=3.5, clip_cov_ub=5.0)
+        "clip_cov", logp, mb, cfg(policy_loss_options={"ratio": 0.5, "lb": 3.5, "ub": 5.0})
     )
     assert close(loss, [[-3, -1, 1, 3]]) and m["actor/cov_clip_frac"] == 0.0
     # token 0 at ratio 1.5 (A = 3 > 0) is already cut by the PPO clip (1 + .28): loss -3 * 1.28 =
@@ -148,14 +152,14 @@ def test_clip_cov_by_hand():
     assert m["actor/clip_frac_high"] == pytest.approx(1 / 4) and m[
         "actor/cov_clip_frac"
     ] == pytest.approx(1 / 4)
-    with pytest.raises(ValueError, match="clip_cov_lb"):
-        run("clip_cov", logp, mb, cfg(clip_cov_lb=5.0, clip_cov_ub=1.0))
+    with pytest.raises(ValueError, match="lb .5.0. must be below ub .1.0."):
+        run("clip_cov", logp, mb, cfg(policy_loss_options={"lb": 5.0, "ub": 1.0}))
 
 
 def test_clip_cov_random_draw_is_seeded():
     # n = int(.25 * 4) = 1 of the two candidates (tokens 0 and 3)
     logp, mb = cov_case([0.0] * 4, [3.0, 1.0, -1.0, -3.0])
-    c = cfg(clip_cov_ratio=0.25, clip_cov_lb=1.0, clip_cov_ub=5.0, clip_cov_seed=0)
+    c = cfg(policy_loss_options={"ratio": 0.25, "lb": 1.0, "ub": 5.0, "seed": 0})
     picks = set()
     for seed in range(16):
         loss, _, m = run("clip_cov", logp, mb, c, generator=torch.Generator().manual_seed(seed))
@@ -167,7 +171,7 @@ def test_clip_cov_random_draw_is_seeded():
         assert torch.equal(loss, again)
         picks.add(cut[0])
     assert picks == {0, 3}  # the draw is random, not always the first candidate
-    # without a generator: derived from clip_cov_seed and the data; the global RNG is neither used
+    # without a generator: derived from the seed option and the data; the global RNG is neither used
     # nor moved
     state = torch.get_rng_state()
     first, _, _ = run("clip_cov", logp, mb, c)
@@ -175,10 +179,14 @@ def test_clip_cov_random_draw_is_seeded():
     torch.manual_seed(123)
     assert torch.equal(run("clip_cov", logp, mb, c)[0], first)
     by_seed = {
-        tuple(run("clip_cov", logp, mb, cfg(clip_cov_ratio=0.25, clip_cov_seed=s))[0][0].tolist())
+        tuple(
+            run("clip_cov", logp, mb, cfg(policy_loss_options={"ratio": 0.25, "seed": s}))[0][
+                0
+            ].tolist()
+        )
         for s in range(16)
     }
-    assert len(by_seed) == 2  # clip_cov_seed changes the draw
+    assert len(by_seed) == 2  # the seed option changes the draw
 
 
 # --- KL-Cov ---------------------------------------------------------------------------------------
@@ -189,14 +197,14 @@ def test_kl_cov_by_hand():
     logp, mb = cov_case([0.2, -0.1, 0.3, 0.1], [3.0, 1.0, -1.0, -2.0])
     # k = int(.25 * 4) = 1: token 0 (cov 2.75): -3.664208 + .2; gradient -3 e^.2 + sign(.2) =
     # -2.664208
-    loss, grad, m = run("kl_cov", logp, mb, cfg(kl_cov_ratio=0.25, kl_cov_coef=1.0))
+    loss, grad, m = run("kl_cov", logp, mb, cfg(policy_loss_options={"ratio": 0.25, "coef": 1.0}))
     assert close(loss, [[-3.464208, -0.904837, 1.349859, 2.210342]])
     assert close(grad, [[-2.664208, -0.904837, 1.349859, 2.210342]])
     assert m["actor/kl_cov_frac"] == pytest.approx(1 / 4) and m[
         "actor/kl_cov_abs"
     ] == pytest.approx(0.2)
     # k = 2: tokens 0 and 3 (cov 2.25): token 3 2.210342 + .1, gradient 2 e^.1 + 1 = 3.210342
-    loss, grad, _ = run("kl_cov", logp, mb, cfg(kl_cov_ratio=0.5, kl_cov_coef=1.0))
+    loss, grad, _ = run("kl_cov", logp, mb, cfg(policy_loss_options={"ratio": 0.5, "coef": 1.0}))
     assert close(loss, [[-3.464208, -0.904837, 1.349859, 2.310342]])
     assert close(grad, [[-2.664208, -0.904837, 1.349859, 3.210342]])
     # the default ratio (2e-3) still penalises one token (at least one)
@@ -220,7 +228,7 @@ def test_sapo_by_hand():
         "sapo",
         logp,
         mb_of(logp, old, t([[1.0, 1.0, -1.0, -1.0]])),
-        cfg(sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+        cfg(policy_loss_options={"tau_pos": 1.0, "tau_neg": 1.05}),
     )
     assert close(loss, [[-2.0, -2.489837, 1.415938, 2.822000]])
     assert close(grad, [[-1.0, -1.410022, 0.467070, 1.536220]])
@@ -228,8 +236,8 @@ def test_sapo_by_hand():
         (1 + 0.940015 + 0.934140 + 0.768110) / 4, abs=1e-6
     )
     assert m["actor/gate_weight_min"] == pytest.approx(0.768110, abs=1e-6)
-    with pytest.raises(ValueError, match="sapo_tau_neg"):
-        run("sapo", logp, mb_of(logp, old, t([[1.0] * 4])), cfg(sapo_tau_neg=0.0))
+    with pytest.raises(ValueError, match="policy_loss_options.tau_neg"):
+        run("sapo", logp, mb_of(logp, old, t([[1.0] * 4])), cfg(policy_loss_options={"tau_neg": 0}))
 
 
 # --- gspo_token: the e^10 bound, as veRL ----------------------------------------------------------
@@ -290,18 +298,33 @@ def test_algorithm_config_rejects_bad_values():
     from hybridrl.config import Config
     from hybridrl.config.loader import ConfigError, load_config
 
-    for bad in (
-        "algorithm.sapo_tau_pos=0",
-        "algorithm.clip_cov_ratio=0",
-        "algorithm.kl_cov_ratio=1.5",
-        "algorithm.gmpo_log_clip_low=0",
-        "algorithm.cispo_clip_low=2",
-        "algorithm.loss_agg=token_sum",
+    for loss, bad in (
+        ("sapo", "tau_pos=0"),
+        ("clip_cov", "ratio=0"),
+        ("kl_cov", "ratio=1.5"),
+        ("gmpo", "log_clip_low=0"),
+        ("cispo", "clip_low=2"),
+        ("cispo", "ratio=0.1"),  # clip_cov's option, not cispo's
     ):
-        with pytest.raises(ConfigError):
-            load_config(Config, None, [bad])
-    with pytest.raises(ConfigError, match="clip_cov_lb"):
-        load_config(Config, None, ["algorithm.clip_cov_lb=6"])
+        key = bad.partition("=")[0]
+        with pytest.raises(ConfigError, match=f"'algorithm.policy_loss_options.{key}'"):
+            load_config(
+                Config,
+                None,
+                [f"algorithm.policy_loss={loss}", f"algorithm.policy_loss_options.{bad}"],
+            )
+    with pytest.raises(ConfigError):
+        load_config(Config, None, ["algorithm.loss_agg=token_sum"])
+    with pytest.raises(ConfigError, match="lb .6.0. must be below ub .5.0."):
+        load_config(
+            Config, None, ["algorithm.policy_loss=clip_cov", "algorithm.policy_loss_options.lb=6"]
+        )
+    # a loss that declares no options takes none
+    with pytest.raises(ConfigError, match="'ppo_clip' declares no options, got ratio"):
+        load_config(Config, None, ["algorithm.policy_loss_options.ratio=0.1"])
+    # a key that moved under a plug-in's options is refused in one line naming the new key
+    with pytest.raises(ConfigError, match="use 'algorithm.policy_loss_options.lb'"):
+        load_config(Config, None, ["algorithm.clip_cov_lb=1"])
     assert (
         load_config(Config, None, ["algorithm.loss_agg=token-sum"]).algorithm.loss_agg
         == "token-sum"
@@ -322,8 +345,13 @@ def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):
         }
     )
     dirty_logp = with_garbage(logp, mask, g)
-    c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, clip_cov_lb=0.0, clip_cov_ub=5.0, dro_beta=0.5)
+    options = {
+        "clip_cov": {"ratio": 0.3, "lb": 0.0},
+        "kl_cov": {"ratio": 0.3},
+        "dro": {"beta": 0.5},
+    }
     for name in NEW_LOSSES:
+        c = cfg(policy_loss_options=options.get(name, {}))
         loss, grad, metrics = run(name, logp, mb, c)
         loss2, grad2, metrics2 = run(name, dirty_logp, dirty, c)
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), name
@@ -336,6 +364,9 @@ def test_new_losses_zero_on_padding_and_blind_to_it(inputs, seed):
             )
 
 
+LOOSE = {"clip_cov": {"ratio": 0.3}, "kl_cov": {"ratio": 0.3}, "dro": {"beta": 0.5}}
+
+
 @SETTINGS
 @given(loss_inputs(), st.lists(st.floats(20.5, 1e4), min_size=1, max_size=4))
 def test_new_losses_finite_for_extreme_log_ratios(inputs, deltas):
@@ -345,7 +376,49 @@ def test_new_losses_finite_for_extreme_log_ratios(inputs, deltas):
     sign = torch.where(torch.rand(logp.shape, generator=g) < 0.5, -1.0, 1.0).double()
     far = mb["old_log_probs"] + sign * pick
     for name in NEW_LOSSES:
-        c = cfg(clip_cov_ratio=0.3, kl_cov_ratio=0.3, dro_beta=0.5)
+        c = cfg(policy_loss_options=LOOSE.get(name, {}))
         loss, grad, metrics = run(name, far, mb, c)
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), name
         assert all(math.isfinite(v) for v in metrics.values()), name
+
+
+PLUGIN = """
+from dataclasses import dataclass
+
+from hybridrl.algorithms.losses import POLICY_LOSSES
+from hybridrl.registry import option
+
+
+@dataclass
+class ScaledOptions:
+    scale: float = option(1.0, "multiplies ppo_clip's loss", gt=0)
+
+
+def scaled_ppo(logp, mb, cfg):
+    loss, metrics = POLICY_LOSSES.get("ppo_clip")(logp, mb, cfg)
+    return loss * cfg.options(ScaledOptions, "policy_loss").scale, metrics
+
+
+scaled_ppo.options = ScaledOptions
+"""
+
+
+def test_a_plugin_by_dotted_path_declares_its_own_options(tmp_path):
+    """A loss loaded from a file declares an options dataclass: the config checks its keys and
+    bounds when it loads, and the loss reads the values."""
+    from hybridrl.config import Config
+    from hybridrl.config.loader import ConfigError, load_config
+
+    path = tmp_path / "my_loss.py"
+    path.write_text(PLUGIN)
+    loss = f"algorithm.policy_loss={path}:scaled_ppo"
+    cfg = load_config(Config, None, [loss, "algorithm.policy_loss_options.scale=3"])
+    logp = t([[-1.0, -2.0]])
+    mb = mb_of(logp, t([[-1.1, -2.2]]), t([[1.0, -1.0]]))
+    scaled, _, _ = run(f"{path}:scaled_ppo", logp, mb, cfg.algorithm)
+    plain, _, _ = run("ppo_clip", logp, mb, cfg.algorithm)
+    assert close(scaled, (3 * plain).tolist())
+    with pytest.raises(ConfigError, match="policy_loss_options.scal'.*did you mean"):
+        load_config(Config, None, [loss, "algorithm.policy_loss_options.scal=3"])
+    with pytest.raises(ConfigError, match="policy_loss_options.scale' must be > 0"):
+        load_config(Config, None, [loss, "algorithm.policy_loss_options.scale=0"])

@@ -64,7 +64,7 @@ def test_gmpo_takes_the_geometric_mean_of_the_rollout_weights_per_row():
     old = torch.full((2, 2), -1.0, dtype=D)
     weights = t([[4.0, 1.0], [0.0, 1.0]])
     mb = mb_of(old, old, t([[1.0, 1.0], [-2.0, -2.0]]), **{WEIGHT_KEY: weights})
-    c = cfg(gmpo_log_clip_low=0.4, gmpo_log_clip_high=0.4)
+    c = cfg(policy_loss_options={"log_clip_low": 0.4, "log_clip_high": 0.4})
     loss, grad, _ = run("gmpo", old, mb, c)
     assert close(loss, [[-2.0, -2.0], [2e-5, 2e-5]], atol=1e-10)
     # d loss_i / d logp_t = -A g / |y| per token; loss.sum() counts each row twice -> -A g
@@ -83,7 +83,7 @@ def test_gmpo_keeps_the_row_sign_and_counts_only_gradient_cuts():
     old = torch.full((2, 3), -1.0, dtype=D)
     lr = t([[0.6, 0.6, 0.6], [-0.6, 0.0, 0.0]])
     adv = t([[1.0, -1.0, 1.0], [1.0, 1.0, 1.0]])
-    c = cfg(gmpo_log_clip_low=0.4, gmpo_log_clip_high=0.4)
+    c = cfg(policy_loss_options={"log_clip_low": 0.4, "log_clip_high": 0.4})
     loss, _, m = run("gmpo", old + lr, mb_of(old + lr, old, adv), c)
     assert loss[0, 0].item() == pytest.approx(-math.exp(0.4) / 3)
     assert loss[1, 0].item() == pytest.approx(-math.exp(-0.2))
@@ -281,18 +281,21 @@ def test_gdpo_normalises_each_component_then_whitens_the_weighted_sum():
         },
         {"uid": ["a", "a", "a", "b", "b"]},
     )
-    c = cfg(advantage="gdpo", gdpo_reward_keys=["fmt", "acc"], gdpo_reward_weights=[1.0, 2.0])
+    c = cfg(
+        advantage="gdpo",
+        advantage_options={"reward_keys": ["fmt", "acc"], "reward_weights": [1.0, 2.0]},
+    )
     out = ADVANTAGES.get("gdpo")(batch, c)["advantages"]
     assert close(out[:, :1], expected, atol=1e-5)
     assert close(out * (1 - mask), torch.zeros(5, 3).tolist())  # 0 on padding
     assert close(out[3], [expected[3][0]] * 3, atol=1e-5)
     # a missing component names the columns there are
     with pytest.raises(KeyError, match="reward/acc"):
-        ADVANTAGES.get("gdpo")(batch, cfg(gdpo_reward_keys=["fmt", "len"]))
+        ADVANTAGES.get("gdpo")(batch, cfg(advantage_options={"reward_keys": ["fmt", "len"]}))
 
 
 def test_gdpo_config_needs_its_components():
-    with pytest.raises(ConfigError, match="gdpo_reward_keys"):
+    with pytest.raises(ConfigError, match="advantage_options.: reward_keys is required"):
         load_config(Config, None, ["algorithm.advantage=gdpo"])
     with pytest.raises(ConfigError, match="one weight per component"):
         load_config(
@@ -300,8 +303,8 @@ def test_gdpo_config_needs_its_components():
             None,
             [
                 "algorithm.advantage=gdpo",
-                "algorithm.gdpo_reward_keys=[fmt,acc]",
-                "algorithm.gdpo_reward_weights=[1.0]",
+                "algorithm.advantage_options.reward_keys=[fmt,acc]",
+                "algorithm.advantage_options.reward_weights=[1.0]",
             ],
         )
 
@@ -316,9 +319,13 @@ def rloo_batch():
 
 def test_rloo_group_of_one_rule():
     # a: A_i = r_i - mean of the others: 1 - .25 = .75, 0 - .75 = -.75, .5 - .5 = 0
-    score = ADVANTAGES.get("rloo")(rloo_batch(), cfg(rloo_group_of_one="score"))["advantages"]
+    score = ADVANTAGES.get("rloo")(rloo_batch(), cfg(advantage_options={"group_of_one": "score"}))[
+        "advantages"
+    ]
     assert close(score[:, 0], [0.75, -0.75, 0.0, 2.0])
-    zero = ADVANTAGES.get("rloo")(rloo_batch(), cfg(rloo_group_of_one="zero"))["advantages"]
+    zero = ADVANTAGES.get("rloo")(rloo_batch(), cfg(advantage_options={"group_of_one": "zero"}))[
+        "advantages"
+    ]
     assert close(zero[:, 0], [0.75, -0.75, 0.0, 0.0])
     assert close(ADVANTAGES.get("rloo")(rloo_batch(), cfg())["advantages"], score.tolist())
 
@@ -418,12 +425,14 @@ def test_dro_by_hand():
     # token 0: logp -1, old -1.2, A 1: -(-1 - .25 * .04) = 1.01; gradient -1 + .1 = -.9
     # token 1: logp -2, old -1.5, A -2: -(4 - .25 * .25) = -3.9375; gradient 2 - .25 = 1.75
     logp, old = t([[-1.0, -2.0]]), t([[-1.2, -1.5]])
-    loss, grad, m = run("dro", logp, mb_of(logp, old, t([[1.0, -2.0]])), cfg(dro_beta=0.5))
+    loss, grad, m = run(
+        "dro", logp, mb_of(logp, old, t([[1.0, -2.0]])), cfg(policy_loss_options={"beta": 0.5})
+    )
     assert close(loss, [[1.01, -3.9375]]) and close(grad, [[-0.9, 1.75]])
     assert m["actor/approx_kl_old"] == pytest.approx((-0.2 + 0.5) / 2)
-    with pytest.raises(ValueError, match="dro_beta"):
+    with pytest.raises(ValueError, match="beta is required"):
         run("dro", logp, mb_of(logp, old, t([[1.0, -2.0]])), cfg())
-    with pytest.raises(ConfigError, match="dro_beta"):
+    with pytest.raises(ConfigError, match="policy_loss_options.: beta is required"):
         load_config(Config, None, ["algorithm.policy_loss=dro"])
 
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from hybridrl.algorithms.masking import as_bool, zero_pad
 from hybridrl.protocol import Batch
-from hybridrl.registry import Registry
+from hybridrl.registry import Registry, option
 
 ADVANTAGES = Registry("advantage estimator")
 
@@ -179,23 +181,61 @@ def _group_outcome_advantage(batch: Batch, norm_by_std: bool) -> dict[str, torch
 RLOO_GROUP_OF_ONE = {"score": lambda s: s, "zero": torch.zeros_like}
 
 
+@dataclass
+class RlooOptions:
+    group_of_one: Literal["score", "zero"] = option(
+        "score",
+        "the advantage of a sample alone in its group, which has no other sample to leave out: "
+        "score (A = r, veRL's rloo) or zero (A = 0, veRL's rloo_vectorized)",
+    )
+
+
 @ADVANTAGES.register("rloo")
 def rloo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     """RLOO (Ahmadian et al. 2402.14740): A_i = r_i - mean_{j != i} r_j = n/(n-1) (r_i - mean_g).
 
-    A group of size one has no other sample to leave out; ``cfg.rloo_group_of_one`` decides:
+    A group of size one has no other sample to leave out; the option ``group_of_one`` decides:
     ``score`` gives A = r (no baseline: veRL's ``rloo``), ``zero`` gives A = 0 (the sample teaches
     nothing without a comparison: veRL's ``rloo_vectorized``).
     """
     scores = _sequence_scores(batch)
     sd = scores.double()
     out = sd.clone()
-    alone = RLOO_GROUP_OF_ONE[cfg.rloo_group_of_one]
+    alone = RLOO_GROUP_OF_ONE[cfg.options(RlooOptions, "advantage").group_of_one]
     for rows in group_rows(batch["uid"]):
         idx = torch.tensor(rows, device=sd.device)
         s = sd[idx]
         out[idx] = (s * len(rows) - s.sum()) / (len(rows) - 1) if len(rows) > 1 else alone(s)
     return {"advantages": _broadcast(out.to(scores.dtype), batch["response_mask"])}
+
+
+rloo_advantage.options = RlooOptions
+
+
+@dataclass
+class GdpoOptions:
+    reward_keys: list[str] = option(
+        [],
+        "the reward components normalised one by one, each read from the batch column "
+        "reward/<key> (a number a reward function returns beside its score, or a reward "
+        "function's name when there are several)",
+    )
+    reward_weights: list[float] | None = option(
+        None, "the weight of each component in the sum (null: 1 each)"
+    )
+
+    def __post_init__(self):
+        if not self.reward_keys:
+            raise ValueError(
+                "reward_keys is required: the reward components to normalise one by one "
+                "(numbers the reward function returns beside its score)"
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_keys):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries for "
+                f"{len(self.reward_keys)} reward_keys: give one weight per component (or null "
+                "for 1 each)"
+            )
 
 
 @ADVANTAGES.register("gdpo")
@@ -208,20 +248,20 @@ def gdpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
 
     Normalising each component before the sum keeps a component with a large spread (a length
     bonus) from drowning one with a small spread (correctness). Component k is the batch column
-    ``reward/<k>`` (``cfg.gdpo_reward_keys``), weights ``cfg.gdpo_reward_weights`` (null: 1 each).
+    ``reward/<k>`` (the option ``reward_keys``), weights ``reward_weights`` (null: 1 each).
     As veRL, the components replace ``token_level_rewards``: a KL penalty in the reward does not
     enter.
     """
-    check_gdpo_config(cfg)
+    o = cfg.options(GdpoOptions, "advantage")
     mask, uids = batch["response_mask"], batch["uid"]
-    weights = cfg.gdpo_reward_weights or [1.0] * len(cfg.gdpo_reward_keys)
+    weights = o.reward_weights or [1.0] * len(o.reward_keys)
     total = None
-    for key, weight in zip(cfg.gdpo_reward_keys, weights):
+    for key, weight in zip(o.reward_keys, weights):
         column = f"reward/{key}"
         if column not in batch:
             have = sorted(k for k in batch.tensors if k.startswith("reward/"))
             raise KeyError(
-                f"gdpo: no batch column {column!r} for algorithm.gdpo_reward_keys entry {key!r} "
+                f"gdpo: no batch column {column!r} for reward_keys entry {key!r} "
                 f"(the reward columns: {', '.join(have) or 'none'}); a reward function returns "
                 "it beside its score, e.g. {'score': ..., " + repr(key) + ": ...}"
             )
@@ -230,23 +270,7 @@ def gdpo_advantage(batch: Batch, cfg) -> dict[str, torch.Tensor]:
     return {"advantages": masked_whiten(_broadcast(total, mask), mask).float()}
 
 
-def check_gdpo_config(cfg) -> None:
-    """``gdpo`` needs its components, and one weight per component when weights are given."""
-    keys, weights = cfg.gdpo_reward_keys, cfg.gdpo_reward_weights
-    if not keys:
-        raise ValueError(
-            "algorithm.advantage=gdpo needs algorithm.gdpo_reward_keys: the reward components to "
-            "normalise one by one (numbers the reward function returns beside its score)"
-        )
-    if weights is not None and len(weights) != len(keys):
-        raise ValueError(
-            f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} "
-            "gdpo_reward_keys: give one weight per component (or null for 1 each)"
-        )
-
-
-# AlgorithmConfig.validate calls it when the config loads
-gdpo_advantage.check_config = check_gdpo_config
+gdpo_advantage.options = GdpoOptions
 
 
 @ADVANTAGES.register("gpg")

@@ -11,12 +11,15 @@ log π_θ) (veRL's ``actor/ppo_kl``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hybridrl.algorithms.losses import POLICY_LOSSES, _clips, _log_ratio
 from hybridrl.algorithms.masking import as_bool, masked_mean, zero_pad
 from hybridrl.algorithms.rollout_correction import current_policy_weights
 from hybridrl.protocol import Batch
+from hybridrl.registry import option
 
 # keeps log(1 - p) finite in DPPO's binary KL when p reaches 1 (veRL's constant)
 BINARY_KL_EPS = 1e-8
@@ -62,29 +65,33 @@ reinforce_loss.bypass_is = True
 
 
 # --- DRO ------------------------------------------------------------------------------------------
+@dataclass
+class DroOptions:
+    beta: float | None = option(
+        None, "weight of the quadratic penalty (log pi - log pi_old)^2 / 2 (required)", gt=0
+    )
+
+    def __post_init__(self):
+        if self.beta is None:
+            raise ValueError("beta is required: the weight of dro's quadratic penalty, > 0")
+
+
 @POLICY_LOSSES.register("dro")
 def dro_loss(logp: torch.Tensor, mb: Batch, cfg) -> tuple[torch.Tensor, dict[str, float]]:
     """DRO (Direct Reward Optimisation, as veRL's ``dro`` loss): ℓ_t = −(A_t·log π_θ(y_t) −
-    β/2·(log π_θ(y_t) − log π_old(y_t))²), β = ``dro_beta``.
+    β/2·(log π_θ(y_t) − log π_old(y_t))²), β = the option ``beta``.
 
     The policy gradient plus a quadratic pull back to the old policy, whose gradient β·(log π_θ −
     log π_old) is 0 on-policy and grows with the step: a soft trust region in place of a clip. The
     log-ratio here is not clamped (the square stays finite), as veRL.
     """
-    check_dro_config(cfg)
+    beta = cfg.options(DroOptions, "policy_loss").beta
     m, lp, old, adv = _inputs(logp, mb)
-    loss = -(adv * lp - 0.5 * cfg.dro_beta * (lp - old).square())
+    loss = -(adv * lp - 0.5 * beta * (lp - old).square())
     return zero_pad(loss, m), _kl_metric(logp, old, m)
 
 
-def check_dro_config(cfg) -> None:
-    beta = cfg.dro_beta
-    if beta is None or beta <= 0:
-        raise ValueError(f"algorithm.dro_beta must be > 0 for policy_loss dro, got {beta!r}")
-
-
-# AlgorithmConfig.validate calls it when the config loads
-dro_loss.check_config = check_dro_config
+dro_loss.options = DroOptions
 
 
 # --- DPPO -----------------------------------------------------------------------------------------

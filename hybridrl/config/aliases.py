@@ -67,8 +67,42 @@ ALIASES: dict[str, tuple[str, str, str]] = {
 }
 
 
+# keys a plug-in's options replaced: old key -> (new key, the plug-in it belongs to)
+MOVED: dict[str, tuple[str, str]] = {
+    "algorithm.rloo_group_of_one": ("algorithm.advantage_options.group_of_one", "advantage rloo"),
+    "algorithm.gdpo_reward_keys": ("algorithm.advantage_options.reward_keys", "advantage gdpo"),
+    "algorithm.gdpo_reward_weights": (
+        "algorithm.advantage_options.reward_weights",
+        "advantage gdpo",
+    ),
+    "algorithm.cispo_clip_low": ("algorithm.policy_loss_options.clip_low", "policy_loss cispo"),
+    "algorithm.cispo_clip_high": ("algorithm.policy_loss_options.clip_high", "policy_loss cispo"),
+    "algorithm.gmpo_log_clip_low": (
+        "algorithm.policy_loss_options.log_clip_low",
+        "policy_loss gmpo",
+    ),
+    "algorithm.gmpo_log_clip_high": (
+        "algorithm.policy_loss_options.log_clip_high",
+        "policy_loss gmpo",
+    ),
+    "algorithm.clip_cov_ratio": ("algorithm.policy_loss_options.ratio", "policy_loss clip_cov"),
+    "algorithm.clip_cov_lb": ("algorithm.policy_loss_options.lb", "policy_loss clip_cov"),
+    "algorithm.clip_cov_ub": ("algorithm.policy_loss_options.ub", "policy_loss clip_cov"),
+    "algorithm.clip_cov_seed": ("algorithm.policy_loss_options.seed", "policy_loss clip_cov"),
+    "algorithm.kl_cov_ratio": ("algorithm.policy_loss_options.ratio", "policy_loss kl_cov"),
+    "algorithm.kl_cov_coef": ("algorithm.policy_loss_options.coef", "policy_loss kl_cov"),
+    "algorithm.sapo_tau_pos": ("algorithm.policy_loss_options.tau_pos", "policy_loss sapo"),
+    "algorithm.sapo_tau_neg": ("algorithm.policy_loss_options.tau_neg", "policy_loss sapo"),
+    "algorithm.dro_beta": ("algorithm.policy_loss_options.beta", "policy_loss dro"),
+}
+
+
 def alias_hint(key: str) -> str | None:
-    """What to write instead of ``key`` (a dotted key), when it is a TRL or veRL name."""
+    """What to write instead of ``key`` (a dotted key): a key that moved under a plug-in's
+    options, or a TRL or veRL name."""
+    if key in MOVED:
+        new, owner = MOVED[key]
+        return f"'{key}' moved to the {owner} options: use '{new}'"
     matches = [name for name in ALIASES if key == name or key.endswith("." + name)]
     if not matches:
         return None

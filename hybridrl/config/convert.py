@@ -259,6 +259,8 @@ def from_dict(cls: type[T], data: Mapping, path: str = "") -> T:
         validate = getattr(obj, "validate", None)
         if callable(validate):
             validate()
+    except ConfigError:  # names its key already
+        raise
     except ValueError as err:
         raise ConfigError(f"config '{path}': {err}" if path else f"config: {err}") from err
     return obj

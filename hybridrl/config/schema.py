@@ -147,6 +147,7 @@ class Config:
                 "give the reward model's checkpoint or drop placement.reward_model"
             )
         self._validate_estimator()
+        self.algorithm.check_plugins()  # after policy_loss "auto" is resolved
         if (
             self.env.cross_policy_frac > 0
             and self.env.cross_policy_tokens == "weighted"

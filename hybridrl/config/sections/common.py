@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import field
 from pathlib import Path
+
+from hybridrl.registry import option
 
 SEED_MAX = 2**63 - 1  # seeds reach torch.manual_seed and torch.Generator (64-bit)
 # a step's prompts, samples and their tokens are held in host memory at once: a bound far above
@@ -22,12 +23,8 @@ ALL_LINEAR = "all-linear"  # PEFT's name for every Linear module but the output 
 LORA_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
-def _f(default, help: str, **checks):
-    if isinstance(default, (dict, list)):
-        return field(
-            default_factory=lambda: type(default)(default), metadata={"help": help, **checks}
-        )
-    return field(default=default, metadata={"help": help, **checks})
+# the schema's short name for a field with its help text and checks
+_f = option
 
 
 def _check_checkpoint_dir(key: str, path: str) -> None:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from hybridrl.config.sections.common import (
-    SEED_MAX,
     _f,
 )
 
@@ -123,20 +122,6 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = _f(
         True, "grpo, grpo_passk, gdpo: divide by the group's std (false: Dr.GRPO)"
     )
-    rloo_group_of_one: Literal["score", "zero"] = _f(
-        "score",
-        "rloo: the advantage of a sample alone in its group, which has no other sample to "
-        "leave out: score (A = r, veRL's rloo) or zero (A = 0, veRL's rloo_vectorized)",
-    )
-    gdpo_reward_keys: list[str] = _f(
-        [],
-        "gdpo: the reward components normalised one by one, each read from the batch column "
-        "reward/<key> (a number a reward function returns beside its score, or a reward "
-        "function's name when there are several)",
-    )
-    gdpo_reward_weights: list[float] | None = _f(
-        None, "gdpo: the weight of each component in the sum (null: 1 each)"
-    )
     task_norm: bool = _f(
         False,
         "task-level normalisation (AgentRL): after the estimator, whiten the advantages within "
@@ -159,60 +144,17 @@ class AlgorithmConfig:
     behav_imp_weight_cap: float | None = _f(
         None, "decoupled_ppo: cap of the behaviour importance weight (null: none)", gt=0
     )
-    cispo_clip_low: float | None = _f(
-        None,
-        "cispo: the detached IS weight is >= 1 - cispo_clip_low (null: no lower bound, "
-        "as the CISPO paper)",
-        ge=0,
-        le=1,
+    advantage_options: dict[str, Any] = _f(
+        {},
+        "the advantage estimator's own options, as the estimator declares them (listed per "
+        "estimator under 'Plug-in options' in docs/configuration.md); e.g. "
+        "algorithm.advantage_options.group_of_one=zero with rloo",
     )
-    cispo_clip_high: float = _f(
-        0.28, "cispo: the detached IS weight is <= 1 + cispo_clip_high", ge=0
-    )
-    gmpo_log_clip_low: float = _f(
-        0.4,
-        "gmpo: token log-ratios are clipped at -gmpo_log_clip_low (log space; the paper's 0.4)",
-        gt=0,
-    )
-    gmpo_log_clip_high: float = _f(
-        0.4, "gmpo: token log-ratios are clipped at +gmpo_log_clip_high (log space)", gt=0
-    )
-    clip_cov_ratio: float = _f(
-        2e-4,
-        "clip_cov: share of a micro-batch's valid tokens whose gradient is cut (at least one)",
-        gt=0,
-        le=1,
-    )
-    clip_cov_lb: float = _f(1.0, "clip_cov: only tokens with covariance above this are candidates")
-    clip_cov_ub: float = _f(
-        5.0,
-        "clip_cov: only tokens with covariance below this are candidates (must be > clip_cov_lb)",
-    )
-    clip_cov_seed: int = _f(
-        0,
-        "clip_cov: seed of the random choice among candidates "
-        "(mixed with a hash of the micro-batch)",
-        ge=0,
-        le=SEED_MAX,
-    )
-    kl_cov_ratio: float = _f(
-        2e-3,
-        "kl_cov: share of a micro-batch's valid tokens, those of highest covariance, that get "
-        "the KL penalty (at least one)",
-        gt=0,
-        le=1,
-    )
-    kl_cov_coef: float = _f(
-        1.0, "kl_cov: weight of |log pi - log pi_old| on the selected tokens", ge=0
-    )
-    sapo_tau_pos: float = _f(
-        1.0, "sapo: temperature of the soft gate for positive advantages", gt=0
-    )
-    sapo_tau_neg: float = _f(
-        1.05, "sapo: temperature of the soft gate for negative and zero advantages", gt=0
-    )
-    dro_beta: float | None = _f(
-        None, "dro: weight of the quadratic penalty (log pi - log pi_old)^2 / 2 (required)", gt=0
+    policy_loss_options: dict[str, Any] = _f(
+        {},
+        "the policy loss's own options, as the loss declares them (listed per loss under "
+        "'Plug-in options' in docs/configuration.md); e.g. "
+        "algorithm.policy_loss_options.clip_high=0.3 with cispo",
     )
     loss_agg: str = _f("token-mean", "loss aggregation", choices=LOSS_AGG_MODES)
     loss_agg_norm_len: int | None = _f(
@@ -276,23 +218,45 @@ class AlgorithmConfig:
         "(policy_loss reinforce) the weight is pi/pi_rollout of the current policy",
     )
 
-    def validate(self) -> None:
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ValueError(
-                f"clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub}): "
-                "the candidates of clip_cov have a covariance between the two"
-            )
-        # lazy: the algorithms import the config. An estimator or a loss with settings of its
-        # own checks them through its check_config attribute (never by name here)
+    def check_plugins(self) -> None:
+        """The chosen estimator's and loss's options, read into the dataclass each declares (its
+        ``options`` attribute), and each one's own checks of the rest of the config (its
+        ``check_config`` attribute); never by name here. The whole config's ``validate`` calls
+        it, once ``policy_loss: auto`` is resolved."""
+        # lazy: the algorithms import the config
         from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES
+        from hybridrl.config.convert import ConfigError
 
-        for registry, name in ((ADVANTAGES, self.advantage), (POLICY_LOSSES, self.policy_loss)):
+        for registry, role in ((ADVANTAGES, "advantage"), (POLICY_LOSSES, "policy_loss")):
+            name = getattr(self, role)
             try:
-                check = getattr(registry.get(name), "check_config", None)
+                plugin = registry.get(name)
             except KeyError:  # unknown, or "auto": reported or resolved elsewhere
                 continue
+            declared, given = getattr(plugin, "options", None), getattr(self, f"{role}_options")
+            if declared is None and given:
+                raise ConfigError(
+                    f"config key 'algorithm.{role}_options': {role} {name!r} declares no "
+                    f"options, got {', '.join(map(str, given))}"
+                )
+            if declared is not None:
+                self.options(declared, role)
+            check = getattr(plugin, "check_config", None)
             if check is not None:
                 check(self)
+
+    def options(self, declared: type, role: str):
+        """``<role>_options`` (role: "advantage" or "policy_loss") read into the plug-in's
+        options dataclass ``declared``: every key checked, the others at their defaults
+        (ConfigError naming the key). Read once per value."""
+        from hybridrl.config.convert import from_dict
+
+        given = getattr(self, f"{role}_options")
+        cache = self.__dict__.setdefault("_read_options", {})
+        key = (declared, role, repr(given))
+        if key not in cache:
+            cache[key] = from_dict(declared, given, f"algorithm.{role}_options")
+        return cache[key]
 
 
 @dataclass
