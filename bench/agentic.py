@@ -58,7 +58,7 @@ def run(name: str, mode: str, steps: int, overrides: list[str], common: list[str
     import torch
 
     from hybridrl.config import Config, load_config
-    from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver import loop
 
     cfg = load_config(
         Config,
@@ -76,7 +76,7 @@ def run(name: str, mode: str, steps: int, overrides: list[str], common: list[str
         ],
     )
     torch.set_num_threads(cfg.controller.num_threads)
-    summary = {"sync": sync.train, "async": asynchronous.train}[mode](cfg)
+    summary = loop.train(cfg)
     rows = [
         json.loads(line)
         for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()

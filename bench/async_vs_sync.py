@@ -60,7 +60,7 @@ def run(
     import torch
 
     from hybridrl.config import Config, load_config
-    from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver import loop
 
     overrides = [
         *mode,
@@ -77,7 +77,7 @@ def run(
     cfg = load_config(Config, str(EXAMPLES[task]), overrides)
     torch.set_num_threads(cfg.controller.num_threads)
     try:
-        summary = {"sync": sync.train, "async": asynchronous.train}[cfg.trainer.mode](cfg)
+        summary = loop.train(cfg)
     finally:
         if ray.is_initialized():
             ray.shutdown()

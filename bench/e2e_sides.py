@@ -160,7 +160,7 @@ def run_hybridrl(spec: dict) -> dict:
     import hybridrl.data.prefetch as prefetch_mod  # where the training prompts are made
     import hybridrl.driver.session as session_mod
     from hybridrl.config import Config, load_config
-    from hybridrl.driver import sync
+    from hybridrl.driver import loop
 
     seen: list[list[int]] = []
     original = prefetch_mod.prompt_sample
@@ -207,7 +207,7 @@ def run_hybridrl(spec: dict) -> dict:
     logging.getLogger("hybridrl").addHandler(Notes(logging.INFO))
     logging.getLogger("hybridrl").setLevel(logging.INFO)
     torch.set_num_threads(spec["threads"])
-    summary = sync.train(cfg)
+    summary = loop.train(cfg)
     rows = [
         json.loads(line)
         for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()

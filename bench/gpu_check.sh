@@ -112,10 +112,10 @@ cfg = load_config(Config, "examples/arith_grpo.yaml", [
     "trainer.name=gpu_grpo_check", f"trainer.runs_dir={runs}", "task.heldout_size=128",
     "controller.backend=local", "controller.num_threads=8",
 ])  # fmt: skip
-from hybridrl.driver import sync  # noqa: E402
+from hybridrl.driver import loop  # noqa: E402
 
 t0 = time.perf_counter()
-summary = sync.train(cfg)
+summary = loop.train(cfg)
 wall = time.perf_counter() - t0
 records = [json.loads(x) for x in open(f"{summary['run_dir']}/{METRICS_FILE}")]
 records = [r for r in records if "timing/step" in r]

@@ -43,7 +43,7 @@ def run(name: str, layout: list[str], steps: int, out_dir: Path) -> Path:
     import ray
 
     from hybridrl.config import Config, load_config
-    from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver import loop
 
     cfg = load_config(
         Config,
@@ -65,7 +65,7 @@ def run(name: str, layout: list[str], steps: int, out_dir: Path) -> Path:
         ],
     )
     try:
-        summary = {"sync": sync.train, "async": asynchronous.train}[cfg.trainer.mode](cfg)
+        summary = loop.train(cfg)
     finally:
         if ray.is_initialized():
             ray.shutdown()

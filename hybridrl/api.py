@@ -125,7 +125,7 @@ def run(cfg: Config, resume: bool | Resume = False) -> dict:
     times (``driver/restarts.py``; past it :class:`RestartsExhaustedError`, one line)."""
     import torch
 
-    from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver import loop
     from hybridrl.driver.restarts import run_with_restarts
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,8 +143,7 @@ def run(cfg: Config, resume: bool | Resume = False) -> dict:
         cfg.trainer.total_steps = steps_for_epochs(cfg, make_task(cfg))
         log.info("data.epochs=%d: %d steps", cfg.data.epochs, cfg.trainer.total_steps)
     torch.set_num_threads(cfg.controller.num_threads)
-    trainers = {"sync": sync.train, "async": asynchronous.train}  # trainer.mode
-    return run_with_restarts(trainers[cfg.trainer.mode], cfg, resume)
+    return run_with_restarts(loop.train, cfg, resume)
 
 
 def _override_strings(overrides: Mapping[str, Any] | Sequence[str]) -> list[str]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from hybridrl.config import Config, RolloutConfig, load_config
-from hybridrl.driver.asynchronous import train
+from hybridrl.driver.loop import train
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout

@@ -42,8 +42,8 @@ from hybridrl.driver.checkpoint import (
     verify_checkpoint,
 )
 from hybridrl.driver.checkpointer import Checkpointer
+from hybridrl.driver.loop import train
 from hybridrl.driver.placement import build_roles
-from hybridrl.driver.sync import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -370,15 +370,15 @@ def test_lora_and_critic_runs_save_in_the_background(tmp_path):
 def test_an_asynchronous_run_saves_in_the_background_and_resumes(tmp_path):
     from test_async import make_cfg as async_cfg
 
-    from hybridrl.driver import asynchronous
+    from hybridrl.driver import loop
 
     every = ["trainer.async_save=true", "trainer.save_every=1", "rollout.max_new_tokens=16"]
-    asynchronous.train(async_cfg(tmp_path, "trainer.total_steps=2", *every))
+    loop.train(async_cfg(tmp_path, "trainer.total_steps=2", *every))
     run_dir = tmp_path / "runs" / "reverse_grpo"
     found = latest_checkpoint(run_dir)
     assert found is not None and found[0] == step_dir(run_dir, 2)
     assert {"pending_prompts", "trained_groups"} <= found[1].keys()
-    summary = asynchronous.train(async_cfg(tmp_path, "trainer.total_steps=3", *every), resume=True)
+    summary = loop.train(async_cfg(tmp_path, "trainer.total_steps=3", *every), resume=True)
     assert summary["resumed_from_step"] == 2 and latest_checkpoint(run_dir)[0] == step_dir(
         run_dir, 3
     )

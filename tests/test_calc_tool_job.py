@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.config import Config, load_config
-from hybridrl.driver.sync import train
+from hybridrl.driver.loop import train
 
 
 @pytest.mark.slow

@@ -31,8 +31,8 @@ from hybridrl.driver.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from hybridrl.driver.loop import train
 from hybridrl.driver.placement import build_roles
-from hybridrl.driver.sync import train
 
 TINY_RUN = [
     "sft.steps=3",

@@ -247,7 +247,7 @@ def test_config_reference_is_up_to_date():
 
 @pytest.mark.parametrize("error", ["StepTimeoutError", "CheckpointError", "RewardsFailedError"])
 def test_a_run_stopped_for_a_known_reason_exits_1_with_one_line(monkeypatch, capsys, error):
-    from hybridrl.driver import checkpoint, sync
+    from hybridrl.driver import checkpoint, loop
     from hybridrl.rollout import scoring
     from hybridrl.telemetry import watchdog
 
@@ -261,7 +261,7 @@ def test_a_run_stopped_for_a_known_reason_exits_1_with_one_line(monkeypatch, cap
     def stopped(cfg, resume=False, **kwargs):
         raise cls[error](message)
 
-    monkeypatch.setattr(sync, "train", stopped)
+    monkeypatch.setattr(loop, "train", stopped)
     assert main(["train", "examples/arith_grpo.yaml"]) == 1
     assert capsys.readouterr().err.strip() == f"hybridrl: error: {message}"
 

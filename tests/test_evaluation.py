@@ -80,7 +80,7 @@ def test_maj_at_k_votes_on_final_answers():
 
 
 def test_a_run_evaluates_with_its_own_settings_and_writes_the_generations(tmp_path):
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     cfg = load_config(
         Config,

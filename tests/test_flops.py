@@ -114,7 +114,7 @@ def test_mfu_counts_a_shared_prompt_once(monkeypatch):
 
 
 def test_mfu_in_a_real_runs_metrics(tmp_path):
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     cfg = load_config(
         Config,

@@ -142,7 +142,7 @@ def test_colocated_role_calls_are_named_by_role(tmp_path, monkeypatch):
 def test_train_with_a_hung_learner_stops_with_the_role_named(tmp_path, monkeypatch):
     from test_train_e2e import make_cfg
 
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
     from hybridrl.learner.learner import Learner
 
     started = []

@@ -319,7 +319,7 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
 
 # --- the trainer ----------------------------------------------------------------------------------
 def test_train_two_steps_with_lora_then_resume(tmp_path):
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     tiny = [
         *TINY_RUN,

@@ -78,7 +78,7 @@ def test_per_task_metrics_and_the_mean_over_ranks_of_a_key_some_ranks_lack():
 
 @pytest.mark.parametrize("mode", ["sync"])
 def test_a_mixed_run_logs_per_task_rewards(tmp_path, mode):
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     cfg = load_config(
         Config,

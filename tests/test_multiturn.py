@@ -627,7 +627,7 @@ RUN = [
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_w4_trains_in_both_modes(tmp_path, mode):
-    from hybridrl.driver import asynchronous, sync
+    from hybridrl.driver import loop
 
     cfg = load_config(
         Config,
@@ -641,7 +641,7 @@ def test_w4_trains_in_both_modes(tmp_path, mode):
             f"env.cross_policy_frac={0.5 if mode == 'async' else 0.0}",
         ],
     )
-    summary = {"sync": sync, "async": asynchronous}[mode].train(cfg)
+    summary = loop.train(cfg)
     assert summary["steps"] == 2
     rows = [json.loads(x) for x in (tmp_path / "runs" / "calc_grpo" / "metrics.jsonl").open()]
     trained = [r for r in rows if r["step"] > 0]

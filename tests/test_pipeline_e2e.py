@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridrl.config import Config, load_config
-from hybridrl.driver.sync import train
+from hybridrl.driver.loop import train
 
 RUN = [
     "sft.steps=2",

@@ -12,7 +12,7 @@ from test_resume import assert_same_runs, cfg
 
 from hybridrl.config import Config, load_config
 from hybridrl.data.prefetch import PromptPrefetcher
-from hybridrl.driver import asynchronous, sync
+from hybridrl.driver import loop
 from hybridrl.models.loading import make_task
 from hybridrl.protocol import prompt_sample
 from hybridrl.tasks.reverse import ReverseTask
@@ -98,7 +98,7 @@ def test_a_failing_prompt_source_stops_a_synchronous_run_with_its_error(tmp_path
     )
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="row 6 of the prompt source is unreadable"):
-        sync.train(config)
+        loop.train(config)
     assert time.perf_counter() - t0 < 120
     rows = (tmp_path / "runs" / "failingtask_grpo" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 2  # the evaluation before training and step 1 (prompts 0..3)
@@ -113,14 +113,14 @@ def test_a_failing_prompt_source_stops_an_asynchronous_run_with_its_error(tmp_pa
     )
     t0 = time.perf_counter()
     with pytest.raises(Exception, match="row 6 of the prompt source is unreadable"):
-        asynchronous.train(config)
+        loop.train(config)
     assert time.perf_counter() - t0 < 120  # not the batch timeout
 
 
 def test_a_tiny_run_is_the_same_with_and_without_prefetch(tmp_path):
     """Dynamic sampling (a variable number of rounds per step) and the adaptive KL coefficient
     (tests/test_resume.py's run): every metric equal, bit for bit."""
-    sync.train(cfg(tmp_path, "plain", 3, "trainer.prefetch_steps=0"))
-    sync.train(cfg(tmp_path, "ahead", 3, "trainer.prefetch_steps=2"))
+    loop.train(cfg(tmp_path, "plain", 3, "trainer.prefetch_steps=0"))
+    loop.train(cfg(tmp_path, "ahead", 3, "trainer.prefetch_steps=2"))
     rows = assert_same_runs(tmp_path, "plain", "ahead", 3)
     assert any(rows[s]["rollout/sampling_rounds"] > 1 for s in rows if s > 0)

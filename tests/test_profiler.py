@@ -46,7 +46,7 @@ def tiny_cfg(tmp, name: str, *extra: str) -> Config:
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     """A 2-step tiny local run whose second step is traced."""
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     tmp = tmp_path_factory.mktemp("profiler")
     cfg = tiny_cfg(tmp, "local", "trainer.profile_steps=[2]")
@@ -234,7 +234,7 @@ def test_ray_colocated_run_writes_a_trace_per_worker_process(tmp_path, local_run
     driver from the bytes the worker returned, and its spans of both roles in one row."""
     import ray
 
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     shutil.copytree(local_run.parent.parent / "ws", tmp_path / "ws")  # the same warm start
     cfg = tiny_cfg(tmp_path, "ray", "controller.backend=ray", "trainer.profile_steps=[1]")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
-from hybridrl.driver.sync import train
+from hybridrl.driver.loop import train
 from hybridrl.parallel.distributed import DistEnv, init_distributed
 from hybridrl.protocol import Batch
 

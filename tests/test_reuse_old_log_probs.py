@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
-from hybridrl.driver.sync import train
+from hybridrl.driver.loop import train
 from hybridrl.learner import Learner
 from hybridrl.learner.logprob import batch_log_probs, response_log_probs
 from hybridrl.learner.passes import reuses_old_log_probs
@@ -306,7 +306,7 @@ def test_the_async_learner_skips_the_pass_alike(tmp_path):
     """The asynchronous learner runs the same step (decoupled PPO: pi_prox from the update's
     forward, mu the engine's); on-policy (max_staleness 0) its learning metrics equal those of a
     learner forced to run the pass."""
-    from hybridrl.driver.asynchronous import train as train_async
+    from hybridrl.driver.loop import train as train_async
 
     rows = {}
     for name, extra in (("auto", []), ("never", ["actor.reuse_old_log_probs=never"])):

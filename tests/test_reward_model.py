@@ -175,7 +175,7 @@ def check_reward_is_the_models(rows, steps):
 
 
 def test_local_run_adds_the_models_score(tmp_path, rm_path):
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     cfg = cfg_with(
         tmp_path,
@@ -195,7 +195,7 @@ def test_local_run_adds_the_models_score(tmp_path, rm_path):
 
 
 def test_local_async_run_scores_in_the_stream(tmp_path, rm_path):
-    from hybridrl.driver.asynchronous import train
+    from hybridrl.driver.loop import train
 
     cfg = cfg_with(
         tmp_path,
@@ -256,7 +256,7 @@ def test_ray_colocated_with_the_rollout_scores_in_memory(tmp_path, rm_path, ray_
 
 @pytest.mark.slow  # a Ray run on two pools (~17 s); the colocated Ray test stays fast
 def test_ray_run_with_the_reward_model_on_its_own_pool(tmp_path, rm_path, ray_cluster):
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     cfg = cfg_with(
         tmp_path,

@@ -249,7 +249,7 @@ def test_run_with_inf_and_overflowing_rewards_keeps_finite_weights(tmp_path, cap
     from test_train_e2e import make_cfg
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     with caplog.at_level(logging.WARNING, logger=scoring.__name__):
         summary = train(
@@ -284,7 +284,7 @@ def test_run_whose_every_reward_fails_stops_naming_the_function(tmp_path):
     line naming the function and its first error; the steps done so far stay logged."""
     from test_train_e2e import make_cfg
 
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
     from hybridrl.rollout.scoring import RewardsFailedError
 
     cfg = make_cfg(

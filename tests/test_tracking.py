@@ -243,7 +243,7 @@ def check_rows(rows, steps, per_step):
 def test_sync_run_writes_tables_everywhere_and_resume_appends(tmp_path, offline_wandb):
     from test_train_e2e import make_cfg
 
-    from hybridrl.driver.sync import train
+    from hybridrl.driver.loop import train
 
     extra = [
         f"task.reward_fn={__name__}:length_reward",
@@ -271,7 +271,7 @@ def test_sync_run_writes_tables_everywhere_and_resume_appends(tmp_path, offline_
 def test_async_run_writes_tables_from_the_rollouts_latest_groups(tmp_path):
     from test_async import make_cfg
 
-    from hybridrl.driver.asynchronous import train
+    from hybridrl.driver.loop import train
 
     cfg = make_cfg(
         tmp_path,

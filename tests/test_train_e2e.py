@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from hybridrl.config import Config, load_config
-from hybridrl.driver.sync import train
+from hybridrl.driver.loop import train
 
 TINY_RUN = [
     "sft.steps=3",

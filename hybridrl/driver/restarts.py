@@ -1,7 +1,7 @@
 """Runs that come back: after a worker died or a rollout call timed out, the run restarts by itself
 from its newest complete checkpoint, up to ``trainer.max_restarts`` times.
 
-:func:`run_with_restarts` wraps a driver (``driver/sync.py`` or ``driver/asynchronous.py``). A step
+:func:`run_with_restarts` wraps the driver (``driver/loop.py``). A step
 that fails for one of these reasons
 
 * a worker process died (:class:`~hybridrl.controller.WorkerDiedError`: SIGKILL, out of memory,

@@ -117,7 +117,7 @@ class SFTConfig:
 
 @dataclass
 class AsyncConfig:
-    """Fully asynchronous training (``trainer.mode: async``, ``driver/asynchronous.py``)."""
+    """Fully asynchronous training (``trainer.mode: async``, the stream feed of driver/loop.py)."""
 
     max_staleness: int = _f(
         1, "a trained sample is at most this many weight versions old (0: on-policy)", ge=0
