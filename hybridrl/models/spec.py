@@ -86,25 +86,15 @@ def _qwen_sparse(cfg, experts: int) -> tuple[bool, ...]:
     )
 
 
-def _qwen3_moe(cfg) -> MoEShape:
+def _qwen_moe(cfg) -> MoEShape:
+    """Qwen3-MoE and Qwen2-MoE (which adds a shared expert, and leaves norm_topk_prob off by
+    default)."""
     return MoEShape(
         num_experts=cfg.num_experts,
         top_k=cfg.num_experts_per_tok,
         intermediate=cfg.moe_intermediate_size,
-        shared_intermediate=0,
+        shared_intermediate=_get(cfg, "shared_expert_intermediate_size", default=0),
         normalise=bool(cfg.norm_topk_prob),
-        cast_weights=True,
-        sparse_layers=_qwen_sparse(cfg, cfg.num_experts),
-    )
-
-
-def _qwen2_moe(cfg) -> MoEShape:
-    return MoEShape(
-        num_experts=cfg.num_experts,
-        top_k=cfg.num_experts_per_tok,
-        intermediate=cfg.moe_intermediate_size,
-        shared_intermediate=cfg.shared_expert_intermediate_size,
-        normalise=bool(cfg.norm_topk_prob),  # off by default in this family
         cast_weights=True,
         sparse_layers=_qwen_sparse(cfg, cfg.num_experts),
     )
@@ -146,8 +136,8 @@ def _generic_moe(cfg) -> MoEShape | None:
 
 # model_type -> how its config describes the experts
 MOE_FAMILIES: dict[str, Callable[[object], MoEShape]] = {
-    "qwen3_moe": _qwen3_moe,
-    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen_moe,
+    "qwen2_moe": _qwen_moe,
     "mixtral": _mixtral,
 }
 
