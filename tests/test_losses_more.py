@@ -422,3 +422,14 @@ def test_a_plugin_by_dotted_path_declares_its_own_options(tmp_path):
         load_config(Config, None, [loss, "algorithm.policy_loss_options.scal=3"])
     with pytest.raises(ConfigError, match="policy_loss_options.scale' must be > 0"):
         load_config(Config, None, [loss, "algorithm.policy_loss_options.scale=0"])
+
+
+def test_hybridrl_config_lists_each_plugins_options():
+    from hybridrl.config.reference import describe
+
+    text = describe("algorithm.policy_loss_options")
+    assert "with policy_loss cispo: clip_low (float | null, default `null`)" in text
+    assert "with policy_loss ppo_clip" not in text  # declares none
+    assert "with advantage rloo: group_of_one ('score' | 'zero', default `score`)" in describe(
+        "algorithm.advantage_options"
+    )

@@ -68,6 +68,25 @@ def allowed(tp: Any, meta: dict) -> str:
     return "; ".join(parts)
 
 
+def plugin_options(role: str) -> list[str]:
+    """One line per registered ``role`` plug-in ("advantage" or "policy_loss") that declares
+    options: its options with their types and defaults."""
+    from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES  # lazy: they import the config
+
+    registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES}[role]
+    lines = []
+    for name in registry.names():
+        declared = getattr(registry.get(name), "options", None)
+        if declared is not None:
+            hints = typing.get_type_hints(declared)
+            opts = ", ".join(
+                f"{f.name} ({type_name(hints[f.name])}, default {fmt_value(default_of(f))})"
+                for f in dataclasses.fields(declared)
+            )
+            lines.append(f"  with {role} {name}: {opts}")
+    return lines
+
+
 def describe(key: str) -> str:
     """``key`` (dotted, e.g. ``actor.lr``) as text: meaning, type, default and allowed values; a
     section lists its keys. An unknown key raises the loader's ConfigError (did-you-mean, or the
@@ -90,6 +109,8 @@ def describe(key: str) -> str:
             lines.append(f"  default: {fmt_value(default_of(field))}")
             if allowed(tp, meta):
                 lines.append(f"  allowed: {allowed(tp, meta)}")
+            if "options_of" in meta:  # a plug-in role's options: each plug-in's own
+                lines += plugin_options(meta["options_of"])
             return "\n".join(lines).replace("\\|", "|")
     hints = typing.get_type_hints(cls)
     doc = (cls.__doc__ or "").strip()

@@ -149,12 +149,14 @@ class AlgorithmConfig:
         "the advantage estimator's own options, as the estimator declares them (listed per "
         "estimator under 'Plug-in options' in docs/configuration.md); e.g. "
         "algorithm.advantage_options.group_of_one=zero with rloo",
+        options_of="advantage",
     )
     policy_loss_options: dict[str, Any] = _f(
         {},
         "the policy loss's own options, as the loss declares them (listed per loss under "
         "'Plug-in options' in docs/configuration.md); e.g. "
         "algorithm.policy_loss_options.clip_high=0.3 with cispo",
+        options_of="policy_loss",
     )
     loss_agg: str = _f("token-mean", "loss aggregation", choices=LOSS_AGG_MODES)
     loss_agg_norm_len: int | None = _f(
