@@ -96,7 +96,11 @@ class DecoderShape:
         """As the model spec reads ``config`` (``models/spec.py``)."""
         from hybridrl.models.spec import ModelSpec
 
-        s = ModelSpec.from_config(config)
+        return cls.from_spec(ModelSpec.from_config(config), head_out)
+
+    @classmethod
+    def from_spec(cls, s, head_out: int | None = None) -> DecoderShape:
+        """From a :class:`~hybridrl.models.spec.ModelSpec` (``head_out`` None: its vocabulary)."""
         return cls(
             hidden=s.hidden_size,
             layers=s.num_layers,
@@ -286,7 +290,7 @@ def rollout_perf(stats: dict[str, float], backend) -> dict[str, float]:
     if runner is None or not generated or not rate:
         return {}
     tokens = generated + stats.get("engine/prompt_tokens_computed", 0.0)
-    shape = DecoderShape.from_config(runner.config)
+    shape = DecoderShape.from_spec(runner.spec)  # the spec the engine was built from
     flops = 2 * shape.matmul_params * tokens
     return {
         "perf/mfu_rollout": utilisation(flops / (generated / rate), runner.device, runner.dtype)
