@@ -1,9 +1,10 @@
 """An MoE policy through the pipeline (``actor.pp_size=2``, two gloo ranks, the real Learner on
-``tiny_moe``, fp32) trains like one process. With R3 replay of a random recorded routing (1F1B; R2
-and schedules with two stages per rank in the slow set), the auxiliary loss, the z-loss and the
-expert bias all on, the old log-probs, the expert loads and every ``moe/`` metric of two steps, the
-gradients of every parameter after them and the updated weights (the bias included) equal the
-unpipelined learner's on the same batch, and the pipelined checkpoint keeps the expert biases.
+``tiny_moe``, fp32) trains like one process (the two-rank cases are in the slow set). With R3
+replay of a random recorded routing (1F1B; R2 and schedules with two stages per rank), the
+auxiliary loss, the z-loss and the expert bias all on, the old log-probs, the expert loads and
+every ``moe/`` metric of two steps, the gradients of every parameter after them and the updated
+weights (the bias included) equal the unpipelined learner's on the same batch, and the pipelined
+checkpoint keeps the expert biases.
 
 Rows of one length and a token budget of two rows per micro-batch make the pipeline's micro-batches
 the single process's, so the per-micro-batch balancing losses are the same losses. The 12 rows form
@@ -11,8 +12,9 @@ two mini-batches of 6, so the old log-probs come from the forward-only pass, the
 the two optimizer steps, and each round of 4 micro-batches ends with one of filler rows, which no
 load counts.
 
-Four ranks compose expert and pipeline parallelism: two replicas of the two-stage pipeline, each
-stage's experts split over the replicas (``moe.ep_size=2``), against the same single process.
+In the default set, four ranks compose expert and pipeline parallelism: two replicas of the
+two-stage pipeline, each stage's experts split over the replicas (``moe.ep_size=2``), R3 and every
+balancing option, against the same single process.
 """
 
 from __future__ import annotations
@@ -109,9 +111,9 @@ def step(lrn, batch: Batch) -> dict:
     return {"old": batch["old_log_probs"], "metrics": metrics, "loads": loads}
 
 
-def train(lrn, batch: Batch) -> list[dict]:
-    """Two steps on ``batch`` (the second one's routing drift compares with the first's)."""
-    return [step(lrn, Batch(dict(batch.tensors))) for _ in range(2)]
+def train(lrn, batch: Batch, steps: int = 2) -> list[dict]:
+    """``steps`` steps on ``batch`` (the second one's routing drift compares with the first's)."""
+    return [step(lrn, Batch(dict(batch.tensors))) for _ in range(steps)]
 
 
 def named_grads(stages) -> dict[str, torch.Tensor]:
@@ -141,7 +143,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         if ep > 1:  # each rank holds half of every layer's experts
             experts = lrn.pipeline.stages[0].layers["0" if rank % 2 == 0 else "2"].mlp.experts
             assert experts.gate_up_proj.to_local().shape[0] == 4
-        out = {"steps": train(lrn, Batch(saved["tensors"]))}
+        out = {"steps": train(lrn, Batch(saved["tensors"]), saved["steps"])}
         lrn.pipeline.reshard()  # the stages' roots hold their gathered weights after a forward
         out["grads"] = named_grads(lrn.pipeline.stages)
         out["weights"] = lrn.pipeline.full_weights()  # rank 0: the whole model
@@ -158,20 +160,22 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     os._exit(0)  # see parallel/distributed.py: teardown after FSDP2 may abort at exit
 
 
-def run(tmp_path, modes: list[tuple[str, str]], world=WORLD, ep=1, rows=ROWS, per_mb=2) -> None:
+def run(tmp_path, modes, world=WORLD, ep=1, rows=ROWS, per_mb=2, steps=2) -> None:
     """Each (replay, schedule) of ``modes`` on ``world`` ranks (two pipeline stages, ``ep`` ranks
-    per expert group) against one process; ``per_mb`` rows per micro-batch."""
+    per expert group) against one process, for ``steps`` steps; ``per_mb`` rows per
+    micro-batch."""
     from rank_processes import launch_ranks, wait_ranks
 
     replays = {replay for replay, _ in modes}
     single = {replay: learner(replay, rows=rows, per_mb=per_mb) for replay in replays}
     batch = make_batch(next(iter(single.values())).model.config.vocab_size, rows)
     shape = {"world": world, "ep": ep, "rows": rows, "per_mb": per_mb, "modes": modes}
+    shape["steps"] = steps
     torch.save(shape | {"tensors": dict(batch.tensors)}, tmp_path / "batch.pt")
     procs = launch_ranks(__file__, world, tmp_path)
     want = {}
     for replay, lrn in single.items():
-        want[replay] = {"steps": train(lrn, batch)}
+        want[replay] = {"steps": train(lrn, batch, steps)}
         params = dict(lrn.model.named_parameters())
         want[replay]["grads"] = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         want[replay]["weights"] = {n: p.detach().clone() for n, p in params.items()}
@@ -263,6 +267,7 @@ def test_every_pipeline_rank_needs_a_router():
         check_routers_per_rank(model([0, 1]), layout)
 
 
+@pytest.mark.slow  # the four-rank test below runs R3 through the pipeline in the default set
 def test_pipelined_moe_update_equals_one_process_r3(tmp_path):
     run(tmp_path, [("r3", "1f1b")])
 
@@ -270,11 +275,12 @@ def test_pipelined_moe_update_equals_one_process_r3(tmp_path):
 def test_expert_and_pipeline_parallelism_compose(tmp_path):
     """Four ranks: two replicas of two pipeline stages, each stage's experts split over the two
     replicas' ranks that hold it (``moe.ep_size=2``, FSDP2 over the replicas for the rest), R3,
-    against one process. Micro-batches of one row make the replicas' micro-batches the single
+    against one process over one step (two optimizer steps; the two-rank tests check the second
+    step's routing drift). Micro-batches of one row make the replicas' micro-batches the single
     process's, so even the per-micro-batch auxiliary loss is the same loss; 16 rows in
     mini-batches of 8 give each replica rounds of four rows (as many rounds as the busier
     replica). The sharded checkpoint loads back on the same layout with equal weights."""
-    run(tmp_path, [("r3", "1f1b")], world=4, ep=2, rows=16, per_mb=1)
+    run(tmp_path, [("r3", "1f1b")], world=4, ep=2, rows=16, per_mb=1, steps=1)
 
 
 @pytest.mark.slow

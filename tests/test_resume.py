@@ -371,7 +371,10 @@ def test_a_resume_under_keys_that_change_training_is_refused_naming_them(tmp_pat
     assert "is not a checkpoint" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+# ~9 s each: SIGTERM (what schedulers send) runs by default, SIGINT with the slow tests
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)]
+)
 def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, signum):
     args = cli_args(tmp_path, "a", 500, "trainer.save_every=0")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "tests")}
