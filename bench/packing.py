@@ -49,7 +49,7 @@ from hybridrl.learner import Learner  # noqa: E402
 from hybridrl.learner.update import (  # noqa: E402
     first_epoch_minibatches,
     global_totals,
-    local_minibatches,
+    minibatch_rows,
 )
 from hybridrl.models.loading import make_task  # noqa: E402
 from hybridrl.parallel.balance import balance_for_ranks  # noqa: E402
@@ -114,7 +114,8 @@ def naive_update(lrn: Learner, batch: Batch) -> dict[str, float]:
     lrn.model.train()
     fed = real = 0
     per_mb = max(1, a.micro_batch_tokens // batch["input_ids"].shape[1])
-    for mini in local_minibatches(batch, lrn.shuffle, a.ppo_minibatch_size):
+    for rows in minibatch_rows(len(batch), lrn.shuffle, a.ppo_minibatch_size):
+        mini = batch.index(rows)
         lrn.optimizer.zero_grad(set_to_none=True)
         totals = global_totals(mini, lrn.cfg.loss_norm_len)
         for mb in mini.split(per_mb):

@@ -26,7 +26,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, kl_penalty
 from hybridrl.config import AlgorithmConfig
 from hybridrl.learner.logprob import response_log_probs
-from hybridrl.learner.update import run_updates as plain_updates
+from hybridrl.learner.update import MicroBatches, run_updates
 from hybridrl.protocol import Batch
 from hybridrl.sampling import SamplingParams
 
@@ -113,22 +113,24 @@ def single_process(loss_agg: str) -> dict:
 
     sgd = torch.optim.SGD(model.parameters(), lr=0.0)
     g = torch.Generator().manual_seed(1)
-    plain_updates(model, sgd, batch, loss_fn, section(ROWS, 0.0), generator=g, norm_len=RESP,
-                  prefix="actor")  # fmt: skip
+    sec = section(ROWS, 0.0)
+    run_updates(MicroBatches(model, loss_fn, sec), sgd, batch, sec, generator=g, norm_len=RESP,
+                prefix="actor")  # fmt: skip
     out["loss"], out["grads"] = sum(losses), hf_grads(model)
     with torch.no_grad():
         out["logp"] = response_log_probs(model, batch, SAMPLING)[0]
     model = tiny_model()
     adam = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(2)
-    plain_updates(model, adam, batch, loss_fn, section(ROWS // 2, 0.5), generator=g,
-                  norm_len=RESP, prefix="actor")  # fmt: skip
+    sec = section(ROWS // 2, 0.5)
+    run_updates(MicroBatches(model, loss_fn, sec), adam, batch, sec, generator=g, norm_len=RESP,
+                prefix="actor")  # fmt: skip
     out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 
 def pipelined(schedule: str, pp: int, dp: int, loss_agg: str, rank: int) -> dict:
-    from hybridrl.learner.pipeline_update import first_epoch_log_probs, run_updates
+    from hybridrl.learner.pipeline_update import PipelineRounds, first_epoch_log_probs
     from hybridrl.parallel.pipeline import PipeLayout, Pipeline
 
     layout = PipeLayout(pp=pp, dp=dp, rank=rank, schedule=schedule)
@@ -139,8 +141,10 @@ def pipelined(schedule: str, pp: int, dp: int, loss_agg: str, rank: int) -> dict
     objective, losses = objective_for(loss_agg)
     sgd = torch.optim.SGD(pl.parameters(), lr=0.0)
     g = torch.Generator().manual_seed(1)
-    kw = dict(norm_len=RESP, sampling=SAMPLING, prefix="actor")
-    metrics = run_updates(pl, sgd, part, objective, section(ROWS, 0.0), generator=g, **kw)
+    kw = dict(norm_len=RESP, prefix="actor")
+    sec = section(ROWS, 0.0)
+    metrics = run_updates(PipelineRounds(pl, objective, sec, SAMPLING), sgd, part, sec,
+                          generator=g, **kw)  # fmt: skip
     out["loss"], out["grads"], out["idle"] = sum(losses), stage_values(pl, "grad"), metrics
     g = torch.Generator().manual_seed(1)
     logp = first_epoch_log_probs(pl, part, g, section(ROWS, 0.0), SAMPLING)
@@ -148,7 +152,8 @@ def pipelined(schedule: str, pp: int, dp: int, loss_agg: str, rank: int) -> dict
     pl = Pipeline(tiny_model(), layout)
     adam = torch.optim.SGD(pl.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(2)
-    run_updates(pl, adam, part, objective, section(ROWS // 2, 0.5), generator=g, **kw)
+    sec = section(ROWS // 2, 0.5)
+    run_updates(PipelineRounds(pl, objective, sec, SAMPLING), adam, part, sec, generator=g, **kw)
     out["weights"] = stage_values(pl, "data")
     return out
 

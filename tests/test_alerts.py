@@ -23,7 +23,7 @@ from rank_processes import launch_ranks, wait_ranks
 
 from hybridrl.config import Config
 from hybridrl.config.schema import AlertsConfig
-from hybridrl.learner.update import NonFiniteUpdateError, SkipCounter, run_updates
+from hybridrl.learner.update import MicroBatches, NonFiniteUpdateError, SkipCounter, run_updates
 from hybridrl.protocol import Batch
 from hybridrl.telemetry import Alerts, MetricsLogger, read_alerts, read_metrics
 
@@ -72,10 +72,9 @@ def toy(seed: int = 0):
 
 def update(model, opt, loss_fn, *, prefix="actor", skips=None, batch=None):
     return run_updates(
-        model,
+        MicroBatches(model, loss_fn, SECTION),
         opt,
         toy_batch() if batch is None else batch,
-        loss_fn,
         SECTION,
         generator=torch.Generator().manual_seed(1),
         norm_len=2,
@@ -94,10 +93,9 @@ def test_nonfinite_loss_skips_the_step_and_is_counted():
     # one mini-batch of 4 rows, its loss NaN: no optimizer step at all
     one = SimpleNamespace(**{**vars(SECTION), "ppo_minibatch_size": 4})
     m = run_updates(
-        model,
+        MicroBatches(model, ToyLoss(model, nan_calls={0}), one),
         opt,
         toy_batch(),
-        ToyLoss(model, nan_calls={0}),
         one,
         generator=torch.Generator().manual_seed(1),
         norm_len=2,
@@ -158,10 +156,10 @@ def test_nonfinite_in_a_row_within_one_call_and_the_config_default():
     model, opt = toy()
     with pytest.raises(NonFiniteUpdateError, match=r"^actor: 3 optimizer steps in a row"):
         run_updates(
-            model,
+            # no counter given: 3 in a row, the config default
+            MicroBatches(model, ToyLoss(model, nan_calls={0, 1, 2}), SECTION),
             opt,
             toy_batch(6),
-            ToyLoss(model, nan_calls={0, 1, 2}),  # no counter given: 3 in a row, the config default
             SECTION,
             generator=torch.Generator().manual_seed(1),
             norm_len=2,

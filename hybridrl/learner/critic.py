@@ -19,7 +19,7 @@ from hybridrl.learner.logprob import batch_map, response_outputs
 from hybridrl.learner.lr_schedule import add_lr_schedule, planned_steps
 from hybridrl.learner.optim import make_adamw
 from hybridrl.learner.state import load_trainable, save_trainable
-from hybridrl.learner.update import SkipCounter, run_updates
+from hybridrl.learner.update import MicroBatches, SkipCounter, run_updates
 from hybridrl.models.factory import model_size_config
 from hybridrl.models.loading import load_tokenizer
 from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
@@ -98,17 +98,16 @@ class Critic:
         return loss, metrics | {"critic/vf_loss": masked_mean(per_token.detach(), mask).item()}
 
     def update(self, batch: Batch) -> dict[str, float]:
+        passes = MicroBatches(self.model, self.loss, self.cfg.critic, self.cfg.actor.packing)
         return run_updates(
-            self.model,
+            passes,
             self.optimizer,
             batch,
-            self.loss,
             self.cfg.critic,
             generator=self.shuffle,
             norm_len=self.cfg.loss_norm_len,
             prefix="critic",
             skips=self.skips,
-            packing=self.cfg.actor.packing,
         )
 
     def save(self, path: str) -> None:

@@ -55,7 +55,7 @@ from hybridrl.learner.passes import (
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import BackgroundWriter
-from hybridrl.learner.update import SkipCounter, first_epoch_map, run_updates
+from hybridrl.learner.update import MicroBatches, SkipCounter, first_epoch_map, run_updates
 from hybridrl.models.loading import load_model
 from hybridrl.parallel import distributed, shm_staging, weight_sync
 from hybridrl.parallel.buckets import BUCKET_BYTES
@@ -223,15 +223,16 @@ class Learner(Worker):
         if self.pipeline is not None:
             if loss_fn is not None:
                 raise ValueError("update_policy: a pipelined policy trains on objective() only")
-            metrics = pipeline_update.run_updates(
-                self.pipeline,
+            passes = pipeline_update.PipelineRounds(
+                self.pipeline, self.objective, self.cfg.actor, self.sampling
+            )
+            metrics = run_updates(
+                passes,
                 self.optimizer,
                 batch,
-                self.objective,
                 self.cfg.actor,
                 generator=self.shuffle,
                 norm_len=self.cfg.loss_norm_len,
-                sampling=self.sampling,
                 prefix="actor",
                 skips=self.skips,
             )
@@ -239,10 +240,9 @@ class Learner(Worker):
                 self.old.taken = self.pipeline.broadcast_from_last(self.old.taken)
             return metrics | {"actor/old_log_prob_reused": float(reuse)}
         metrics = run_updates(
-            self.model,
+            MicroBatches(self.model, loss_fn or self.policy_loss, self.cfg.actor),
             self.optimizer,
             batch,
-            loss_fn or self.policy_loss,
             self.cfg.actor,
             generator=self.shuffle,
             norm_len=self.cfg.loss_norm_len,

@@ -24,9 +24,9 @@ from hybridrl.algorithms import AggTotals, agg_totals
 from hybridrl.algorithms.masking import zero_pad
 from hybridrl.learner.logprob import _as_sampling, dummy_micro_batch, trim
 from hybridrl.learner.moe import note_minibatch
-from hybridrl.learner.update import SkipCounter, chunk_minibatch_rows
+from hybridrl.learner.update import chunk_minibatch_rows
 from hybridrl.parallel import distributed
-from hybridrl.parallel.pipeline import PipeLayout, Pipeline, sum_metrics
+from hybridrl.parallel.pipeline import PipeLayout, Pipeline
 from hybridrl.protocol import Batch
 
 # objective(logp, entropy, mb, totals) -> (micro-batch loss, metrics): the loss on the last stage
@@ -87,59 +87,38 @@ class _MiniBatch:
         return loss
 
 
-def run_updates(
-    pl: Pipeline,
-    optimizer,
-    batch: Batch,
-    objective: Objective,
-    section,
-    *,
-    generator: torch.Generator,
-    norm_len: float,
-    sampling,
-    prefix: str,
-    skips=None,
-) -> dict[str, float]:
-    """``update.run_updates`` through the pipeline: ``section.ppo_epochs`` passes over ``batch``
-    (this replica's rows) in global mini-batches of ``section.ppo_minibatch_size``; each mini-batch
-    in rounds of the schedule (``Pipeline.rounds``); tied gradients summed, the global norm clipped
-    at ``section.grad_clip``; metrics token-weighted over the optimizer steps taken, on every
-    rank. Adds ``perf/pipeline_idle_fraction``."""
+class PipelineRounds:
+    """The backward passes of a pipelined policy over its replica's rows of a mini-batch, for
+    ``update.run_updates``: the mini-batch in rounds of the schedule (:func:`rounds`), each
+    micro-batch's ``objective`` on the last stage with the global totals, tied gradients summed;
+    reports ``perf/pipeline_idle_fraction``."""
 
-    skips = skips or SkipCounter(3, prefix)
-    pl.train()
-    sums: dict[str, float] = defaultdict(float)
-    grad_norm, steps, skipped = 0.0, 0, 0
-    for _ in range(section.ppo_epochs):
-        for rows in replica_minibatch_rows(
-            len(batch), generator, section.ppo_minibatch_size, pl.layout
-        ):
-            mini = batch.index(rows)
-            optimizer.zero_grad(set_to_none=True)
-            totals = replica_totals(mini, norm_len, pl.layout)
-            note_minibatch(pl.modules, totals)  # MoE: the balancing losses' weights, every rank
-            state = _MiniBatch(objective, sampling, totals, max(totals.n_tokens, 1.0))
-            for rb in rounds(pl, mini, section.micro_batch_tokens, batch):
-                pl.run_round(rb, partial(state.loss, rb))
-            pl.sync_tied_grads()
-            norm = pl.clip_grad_norm(section.grad_clip)
-            bad = 0.0 if state.ok and math.isfinite(norm) else 1.0
-            finite = distributed.all_reduce([bad], op="max")[0].item() == 0
-            for k, v in state.sums.items():
-                sums[k] += v if finite else 0.0
-            if skips.step(optimizer, finite):
-                grad_norm, steps = grad_norm + norm, steps + 1
-            else:
-                skipped += 1
-    sums = sum_metrics(sums)
-    out = {k: v / steps if steps else math.nan for k, v in sums.items()}
-    return out | {
-        f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
-        f"{prefix}/updates": steps,
-        f"{prefix}/skipped_updates": skipped,
-        f"{prefix}/lr": optimizer.param_groups[0]["lr"],  # the last step's (schedule applied)
-        "perf/pipeline_idle_fraction": pl.idle_fraction(),
-    }
+    def __init__(self, pl: Pipeline, objective: Objective, section, sampling):
+        self.pl, self.objective, self.sampling = pl, objective, sampling
+        self.budget = section.micro_batch_tokens
+
+    def train(self) -> None:
+        self.pl.train()
+
+    def minibatch_rows(self, n_local: int, generator, size: int) -> list[torch.Tensor]:
+        return replica_minibatch_rows(n_local, generator, size, self.pl.layout)
+
+    def totals(self, mini: Batch, norm_len: float) -> AggTotals:
+        return replica_totals(mini, norm_len, self.pl.layout)
+
+    def backward(self, mini: Batch, totals: AggTotals, batch: Batch) -> tuple[bool, dict]:
+        note_minibatch(self.pl.modules, totals)  # MoE: the balancing losses' weights, every rank
+        state = _MiniBatch(self.objective, self.sampling, totals, max(totals.n_tokens, 1.0))
+        for rb in rounds(self.pl, mini, self.budget, batch):
+            self.pl.run_round(rb, partial(state.loss, rb))
+        self.pl.sync_tied_grads()
+        return state.ok, state.sums
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.pl.clip_grad_norm(max_norm)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        return {"perf/pipeline_idle_fraction": self.pl.idle_fraction()}
 
 
 @torch.no_grad()
@@ -173,7 +152,8 @@ def _stash(part, rb, first, n_real, sampling, logits, idx) -> None:
 def first_epoch_log_probs(
     pl: Pipeline, batch: Batch, generator: torch.Generator, section, sampling
 ) -> torch.Tensor:
-    """Log-probs over the mini-batches and rounds the next :func:`run_updates` with ``generator``
+    """Log-probs over the mini-batches and rounds the next update (:class:`PipelineRounds`) with
+    ``generator``
     cuts in its first epoch (the generator only peeked at), so that they equal that update's first
     forward."""
     peek = torch.Generator()

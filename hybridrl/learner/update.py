@@ -143,12 +143,6 @@ def first_epoch_minibatches(n: int, generator: torch.Generator, size: int) -> li
     return [perm[i : i + size] for i in range(0, n, size)]
 
 
-def local_minibatches(batch: Batch, generator: torch.Generator, minibatch_size: int) -> list[Batch]:
-    """This rank's part of each global mini-batch of one epoch (world size 1:
-    ``batch.shuffle(g).split(m)``)."""
-    return [batch.index(rows) for rows in minibatch_rows(len(batch), generator, minibatch_size)]
-
-
 def first_epoch_map(
     model, batch: Batch, generator: torch.Generator, section, fn, packing: bool | None = None
 ) -> torch.Tensor:
@@ -182,70 +176,115 @@ def global_totals(mini: Batch, norm_len: float) -> AggTotals:
     return AggTotals(n_tokens=n_tokens, n_seqs=n_seqs, norm_len=t.norm_len)
 
 
+class MicroBatches:
+    """The backward passes of a model that is not pipelined (one process, or FSDP2-sharded) over
+    its rows of a mini-batch: micro-batches under ``section.micro_batch_tokens`` (packed rows with
+    ``packing``; None: the section's ``packing`` field), each ``loss_fn(mb, totals)`` backward,
+    gradients accumulated. A rank with fewer micro-batches than another runs dummy ones (no
+    contribution) so that the collectives line up."""
+
+    def __init__(self, model, loss_fn: LossFn, section, packing: bool | None = None):
+        self.model, self.loss_fn, self.budget = model, loss_fn, section.micro_batch_tokens
+        self.pack = packing_of(section, packing)
+        self.key_cost = attention_key_cost(model) if self.pack else 0.0  # when packed rows pay off
+        self.share_prompts = self.pack and can_share(model)  # a group's samples share one prompt
+        self.fed = self.real = 0  # token positions fed to the model, and the real tokens among them
+
+    def train(self) -> None:
+        self.model.train()
+
+    def minibatch_rows(self, n_local: int, generator, size: int) -> list[torch.Tensor]:
+        return minibatch_rows(n_local, generator, size)
+
+    def totals(self, mini: Batch, norm_len: float) -> AggTotals:
+        return global_totals(mini, norm_len)
+
+    def backward(self, mini: Batch, totals: AggTotals, batch: Batch) -> tuple[bool, dict]:
+        """(every loss finite, the metrics summed token-weighted) of one mini-batch."""
+        device = model_device(self.model)
+        n_tokens = max(totals.n_tokens, 1.0)
+        mbs, n_real, _ = dp_micro_batches(
+            mini, self.budget, batch, self.pack, self.key_cost, self.share_prompts
+        )
+        sums: dict[str, float] = defaultdict(float)
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        for i, mb in enumerate(mbs):
+            if device.type != "cpu":
+                mb = mb.to(device)
+            loss, metrics = self.loss_fn(mb, totals)
+            if i >= n_real:  # dummy: keeps the collectives in step, contributes nothing
+                loss = loss * 0.0
+            else:
+                ok &= torch.isfinite(loss.detach()).all()
+            loss.backward()
+            if i < n_real:
+                fed, real = token_counts(mb)
+                self.fed, self.real = self.fed + fed, self.real + real
+                share = float(mb["response_mask"].sum()) / n_tokens  # token-weighted mean
+                for k, v in metrics.items():
+                    sums[k] += v * share
+            else:
+                for k in metrics:
+                    sums[k] += 0.0
+        return bool(ok.item()), sums
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.model, max_norm)  # global over ranks: the same on every rank
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        fed, real = self.fed, self.real
+        if distributed.world_size() > 1:
+            fed, real = distributed.all_reduce([fed, real]).tolist()
+        return {
+            perf_metric(prefix, "padding_fraction"): 1.0 - real / fed if fed else 0.0,
+            perf_metric(prefix, "tokens_fed"): fed,
+        }
+
+
+def sum_over_ranks(sums: dict[str, float]) -> dict[str, float]:
+    """Metric sums of every rank added up, keys lined up first (a rank may lack some: a pipeline's
+    metrics live on its last stages)."""
+    keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
+    return dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
+
+
 def run_updates(
-    model,
+    passes,
     optimizer,
     batch: Batch,
-    loss_fn: LossFn,
     section,
     *,
     generator: torch.Generator,
     norm_len: float,
     prefix: str,
     skips: SkipCounter | None = None,
-    packing: bool | None = None,
 ) -> dict[str, float]:
-    """Train ``section.ppo_epochs`` passes over ``batch`` (shuffled by ``generator``) in
-    mini-batches of ``section.ppo_minibatch_size``, micro-batches under
-    ``section.micro_batch_tokens``, gradients clipped at ``section.grad_clip`` (``section``: the
-    role's config, ActorConfig or CriticConfig); metrics averaged over the optimizer steps taken.
-    ``packing``: packed micro-batches (None: the section's ``packing`` field).
+    """Train ``section.ppo_epochs`` passes over ``batch`` (this rank's rows, shuffled by
+    ``generator``) in global mini-batches of ``section.ppo_minibatch_size``, gradients clipped at
+    ``section.grad_clip`` (``section``: the role's config, ActorConfig or CriticConfig); metrics
+    token-weighted and averaged over the optimizer steps taken, the same on every rank.
+
+    ``passes`` runs a mini-batch's forward and backward passes on the model it wraps: a
+    :class:`MicroBatches`, or a pipeline's ``PipelineRounds`` (``learner/pipeline_update.py``).
+    It gives this rank's rows of each mini-batch, the mini-batch's global totals, ``backward``
+    (whether every loss was finite, the metrics' sums), the clipped global gradient norm and its
+    own ``perf/`` metrics; the loop around them, one for every form of model, is this function.
 
     A mini-batch with a non-finite loss or gradient norm is skipped (see the module docstring) and
     counted by ``skips`` (the owner's counter; None: a fresh one that stops at 3 in a row), which
     raises :class:`NonFiniteUpdateError` naming the role when too many come in a row."""
-    minibatch_size, epochs = section.ppo_minibatch_size, section.ppo_epochs
-    micro_batch_tokens, grad_clip = section.micro_batch_tokens, section.grad_clip
     skips = skips or SkipCounter(3, prefix)
-    pack = packing_of(section, packing)
-    key_cost = attention_key_cost(model) if pack else 0.0  # how wide packed rows pay off
-    share_prompts = pack and can_share(model)  # a group's samples share one prompt copy
-    fed, real = 0, 0  # token positions fed to the model, and the real tokens among them
-    model.train()
-    device = model_device(model)
+    passes.train()
     sums: dict[str, float] = defaultdict(float)
     grad_norm, steps, skipped = 0.0, 0, 0
-    for _ in range(epochs):
-        for mini in local_minibatches(batch, generator, minibatch_size):
+    for _ in range(section.ppo_epochs):
+        for rows in passes.minibatch_rows(len(batch), generator, section.ppo_minibatch_size):
+            mini = batch.index(rows)
             optimizer.zero_grad(set_to_none=True)
-            totals = global_totals(mini, norm_len)
-            n_tokens = max(totals.n_tokens, 1.0)
-            mbs, n_real, _ = dp_micro_batches(
-                mini, micro_batch_tokens, batch, pack, key_cost, share_prompts
-            )
-            mini_sums: dict[str, float] = defaultdict(float)
-            loss_ok = torch.ones((), dtype=torch.bool, device=device)
-            for i, mb in enumerate(mbs):
-                if device.type != "cpu":
-                    mb = mb.to(device)
-                loss, metrics = loss_fn(mb, totals)
-                if i >= n_real:  # dummy: keeps the collectives in step, contributes nothing
-                    loss = loss * 0.0
-                else:
-                    loss_ok &= torch.isfinite(loss.detach()).all()
-                loss.backward()
-                if i < n_real:
-                    fed_mb, real_mb = token_counts(mb)
-                    fed, real = fed + fed_mb, real + real_mb
-                    # token-weighted mean over the mini-batch
-                    share = float(mb["response_mask"].sum()) / n_tokens
-                    for k, v in metrics.items():
-                        mini_sums[k] += v * share
-                else:
-                    for k in metrics:
-                        mini_sums[k] += 0.0
-            norm = clip_grad_norm(model, grad_clip)  # global over ranks: the same on every rank
-            finite = bool(loss_ok.item()) and math.isfinite(norm)
+            totals = passes.totals(mini, norm_len)
+            ok, mini_sums = passes.backward(mini, totals, batch)
+            norm = passes.clip_grad_norm(section.grad_clip)
+            finite = ok and math.isfinite(norm)
             if distributed.world_size() > 1:  # a loss that is non-finite on one rank skips on all
                 finite = distributed.all_reduce([0.0 if finite else 1.0], op="max").item() == 0
             for k, v in mini_sums.items():  # the keys line up across ranks even when skipped
@@ -256,16 +295,16 @@ def run_updates(
                 skipped += 1
     # each rank summed its tokens' shares: the sum over ranks is the global mean
     if distributed.world_size() > 1:
-        fed, real = distributed.all_reduce([fed, real]).tolist()
-        keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
-        sums = dict(zip(keys, distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()))
+        sums = sum_over_ranks(sums)
     # no step taken (all skipped): no value to report; NaN is logged as null ("no data")
     out = {k: v / steps if steps else math.nan for k, v in sums.items()}
-    return out | {
-        f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
-        f"{prefix}/updates": steps,
-        f"{prefix}/skipped_updates": skipped,
-        f"{prefix}/lr": optimizer.param_groups[0]["lr"],  # the last step's (schedule applied)
-        perf_metric(prefix, "padding_fraction"): 1.0 - real / fed if fed else 0.0,
-        perf_metric(prefix, "tokens_fed"): fed,
-    }
+    return (
+        out
+        | {
+            f"{prefix}/grad_norm": grad_norm / steps if steps else math.nan,
+            f"{prefix}/updates": steps,
+            f"{prefix}/skipped_updates": skipped,
+            f"{prefix}/lr": optimizer.param_groups[0]["lr"],  # the last step's (schedule applied)
+        }
+        | passes.metrics(prefix)
+    )

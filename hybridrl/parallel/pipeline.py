@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -445,11 +444,3 @@ class Pipeline:
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def sum_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """Metric sums that only some ranks (the last stages) hold, summed over every rank (keys
-    lined up first)."""
-    keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
-    vals = distributed.all_reduce([sums.get(k, 0.0) for k in keys]).tolist()
-    return defaultdict(float, zip(keys, vals))
