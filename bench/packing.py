@@ -114,7 +114,7 @@ def naive_update(lrn: Learner, batch: Batch) -> dict[str, float]:
     lrn.model.train()
     fed = real = 0
     per_mb = max(1, a.micro_batch_tokens // batch["input_ids"].shape[1])
-    for rows in minibatch_rows(len(batch), lrn.shuffle, a.ppo_minibatch_size):
+    for rows in minibatch_rows(len(batch), lrn.policy.shuffle, a.ppo_minibatch_size):
         mini = batch.index(rows)
         lrn.optimizer.zero_grad(set_to_none=True)
         totals = global_totals(mini, lrn.cfg.loss_norm_len)
@@ -132,7 +132,7 @@ def timed_update(lrn: Learner, batch: Batch, setting: str, start: dict) -> tuple
     """(seconds, metrics) of one update from the weights and optimizer state in ``start``."""
     lrn.model.load_state_dict(start["model"])
     lrn.optimizer.load_state_dict(start["optimizer"])
-    lrn.shuffle.set_state(start["shuffle"])
+    lrn.policy.shuffle.set_state(start["shuffle"])
     lrn.cfg.actor.packing = setting == "packed"
     t0 = time.perf_counter()
     metrics = naive_update(lrn, batch) if setting == "naive" else lrn.update_policy(batch)
@@ -146,7 +146,7 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
     task, tokenizer = make_task(cfg), lrn.tokenizer
     # every update starts from these weights and a fresh AdamW state (it has taken no step yet)
     start = {"model": {k: v.clone() for k, v in lrn.model.state_dict().items()}}
-    start |= {"optimizer": lrn.optimizer.state_dict(), "shuffle": lrn.shuffle.get_state()}
+    start |= {"optimizer": lrn.optimizer.state_dict(), "shuffle": lrn.policy.shuffle.get_state()}
     pad: dict[str, list[float]] = {s: [] for s in SETTINGS}
     imb: dict[str, list[float]] = {"balanced": [], "unbalanced": []}
     per_mini: dict[str, list[float]] = {"balanced": [], "unbalanced": []}
@@ -158,7 +158,9 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
         lengths += [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         batch = update_inputs(lrn, samples, tokenizer.pad_token_id)
         for key, on in (("balanced", True), ("unbalanced", False)):
-            minis = first_epoch_minibatches(len(batch), lrn.shuffle, cfg.actor.ppo_minibatch_size)
+            minis = first_epoch_minibatches(
+                len(batch), lrn.policy.shuffle, cfg.actor.ppo_minibatch_size
+            )
             metrics = balance_for_ranks(batch, 2, on, minis)[1]
             imb[key].append(metrics["perf/dp_token_imbalance"])
             per_mini[key].append(metrics["perf/dp_token_imbalance_minibatch"])

@@ -178,11 +178,11 @@ def test_the_learner_and_its_critic_count_with_the_configured_limit():
     cfg.algorithm.advantage = "gae"  # the learner builds a critic
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
     learner = Learner(ctx, cfg, None)
-    assert (learner.skips.limit, learner.skips.role) == (1, "actor")
+    assert (learner.policy.skips.limit, learner.policy.skips.role) == (1, "actor")
     assert (learner.critic.skips.limit, learner.critic.skips.role) == (1, "critic")
     model, opt = toy()
     with pytest.raises(NonFiniteUpdateError, match="max_nonfinite_in_a_row=1"):
-        update(model, opt, ToyLoss(model, nan_calls={0}), skips=learner.skips)
+        update(model, opt, ToyLoss(model, nan_calls={0}), skips=learner.policy.skips)
 
 
 WORLD = 2
@@ -224,16 +224,16 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         def __init__(self, nan_rank: int, calls):
             self.nan_rank, self.calls, self.n = nan_rank, calls, 0
 
-        def loss(self, mb, totals):
-            loss, metrics = learner.policy_loss(mb, totals)
+        def objective(self, logp, entropy, mb, totals):
+            loss, metrics = learner.objective(logp, entropy, mb, totals)
             if rank == self.nan_rank and self.n in self.calls:
                 loss = loss * float("nan")
             self.n += 1
             return loss, metrics
 
-    out = {"first": learner.update_policy(part, loss_fn=Poisoned(1, {0}).loss)}
+    out = {"first": learner.policy.update(part, Poisoned(1, {0}).objective)}
     try:
-        learner.update_policy(part, loss_fn=Poisoned(0, set(range(100))).loss)
+        learner.policy.update(part, Poisoned(0, set(range(100))).objective)
         out["error"] = None
     except NonFiniteUpdateError as e:
         out["error"] = str(e)

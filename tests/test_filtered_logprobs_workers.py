@@ -65,7 +65,7 @@ def setup():
     batch = (
         batch
         | learner.compute_log_prob(batch)
-        | with_ref.reference.log_probs(batch, with_ref.shuffle)
+        | with_ref.reference.log_probs(batch, with_ref.policy.shuffle)
     )
     return cfg, learner, batch
 

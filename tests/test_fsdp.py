@@ -163,7 +163,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         name: all(isinstance(p, DTensor) for p in held.model.parameters())
         for name, held in (("reference", ppo.reference), ("critic", ppo.critic))
     }
-    out["reference"] = ppo.reference.log_probs(part, ppo.shuffle)["ref_log_probs"]
+    out["reference"] = ppo.reference.log_probs(part, ppo.policy.shuffle)["ref_log_probs"]
     out["values"] = ppo.critic.values(part)["values"]
     out["critic_metrics"] = ppo.critic.update(part)
     out["critic_weights"] = {n: t.clone() for n, t in full_state_dict(ppo.critic.model).items()}
@@ -185,7 +185,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         "trained": full_weights(trained),
         "loaded": full_weights(fresh),
         "same_optim": same_optim,
-        "same_rng": torch.equal(trained.shuffle.get_state(), fresh.shuffle.get_state()),
+        "same_rng": torch.equal(
+            trained.policy.shuffle.get_state(), fresh.policy.shuffle.get_state()
+        ),
     }
     trained.update_policy(part)
     fresh.update_policy(part)
@@ -254,7 +256,7 @@ def runs(tmp_path_factory):
         "weights": full_weights(bf16),
     }
     ppo = Learner(ctx1, make_cfg(advantage="gae"), None)
-    reference["reference"] = ppo.reference.log_probs(batch, ppo.shuffle)["ref_log_probs"]
+    reference["reference"] = ppo.reference.log_probs(batch, ppo.policy.shuffle)["ref_log_probs"]
     reference["values"] = ppo.critic.values(batch)["values"]
     reference["critic_metrics"] = ppo.critic.update(batch)
     reference["critic_weights"] = {

@@ -148,9 +148,12 @@ def test_first_sync_resets_a_rollout_built_from_merged_weights(trained):
     merged = merged_model(actor)
     want = logits(merged, batch)
     rollout = hf_rollout(actor.cfg, merged_model(actor))
-    actor._base_synced = False
+    actor.policy.base_synced = False
     auto = actor.weight_buckets()
-    assert any(n == "model.embed_tokens.weight" for b in auto for n, _ in b) and actor._base_synced
+    assert (
+        any(n == "model.embed_tokens.weight" for b in auto for n, _ in b)
+        and actor.policy.base_synced
+    )
     rollout.update_weights((item for b in auto for item in b), 1)
     assert (logits(rollout.model, batch) - want).abs().max().item() <= TOL
     rollout.update_weights(
@@ -223,7 +226,7 @@ def test_checkpoint_resume_and_export(trained, tmp_path):
     ):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(actor.optimizer.state[p1][k], resumed.optimizer.state[p2][k])
-    assert torch.equal(actor.shuffle.get_state(), resumed.shuffle.get_state())
+    assert torch.equal(actor.policy.shuffle.get_state(), resumed.policy.shuffle.get_state())
     # export: a transformers directory with the merged model's logits
     import transformers
 

@@ -280,7 +280,7 @@ def test_sys_exit_in_an_environment_call_fails_the_call_not_the_loop():
 def test_a_step_whose_every_environment_fails_counts_as_failed_rewards():
     """The environment's reward is the reward: a trajectory whose environment failed has none,
     and the stop rule (task.max_failed_reward_steps) counts it with its message."""
-    from hybridrl.learner.step import reward_failures
+    from hybridrl.learner.metrics import reward_failures
 
     turn = ids("<call>1*2</call>")
     mt = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"turns": 2, "fail_on": "reset"})

@@ -468,7 +468,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
 def test_two_rank_packed_balanced_update_equals_one_process(tmp_path):
     single = learner(True)
     batch = make_batch(n=16, seed=9)
-    minis = first_epoch_minibatches(len(batch), single.shuffle, single.cfg.actor.ppo_minibatch_size)
+    minis = first_epoch_minibatches(
+        len(batch), single.policy.shuffle, single.cfg.actor.ppo_minibatch_size
+    )
     batch, balance = balance_for_ranks(batch, WORLD, True, minis)
     assert balance["perf/dp_token_imbalance_minibatch"] <= 0.1
     torch.save(batch.tensors, tmp_path / "batch.pt")

@@ -95,17 +95,16 @@ def make_batch(vocab: int, rows: int = ROWS) -> Batch:
 
 
 def step(lrn, batch: Batch) -> dict:
-    """The learning step's policy passes (as ``learner/step.py`` runs them, each data-parallel
+    """The learning step's policy passes (as ``Learner.train_step`` runs them, each data-parallel
     replica on its rows): replay marks, the old log-probs, R2's capture, one update (two optimizer
     steps), the step's ``moe/`` metrics."""
-    from hybridrl.learner.step import policy_rows
     from hybridrl.parallel import distributed
 
     moe = lrn.moe
     batch = moe.mark(batch)
-    batch = batch | policy_rows(lrn, lrn.compute_log_prob, batch)
+    batch = batch | lrn.policy.rows(lrn.compute_log_prob, batch)
     batch = moe.after_old_pass(batch)
-    metrics = policy_rows(lrn, lrn.update_policy, batch)
+    metrics = lrn.policy.rows(lrn.update_policy, batch)
     loads = distributed.all_reduce(moe.counts.flatten().clone()).view(moe.counts.shape)
     metrics |= moe.step_metrics(batch)
     return {"old": batch["old_log_probs"], "metrics": metrics, "loads": loads}
@@ -141,18 +140,20 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     for replay, schedule in saved["modes"]:
         lrn = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb)
         if ep > 1:  # each rank holds half of every layer's experts
-            experts = lrn.pipeline.stages[0].layers["0" if rank % 2 == 0 else "2"].mlp.experts
+            experts = (
+                lrn.policy.pipeline.stages[0].layers["0" if rank % 2 == 0 else "2"].mlp.experts
+            )
             assert experts.gate_up_proj.to_local().shape[0] == 4
         out = {"steps": train(lrn, Batch(saved["tensors"]), saved["steps"])}
-        lrn.pipeline.reshard()  # the stages' roots hold their gathered weights after a forward
-        out["grads"] = named_grads(lrn.pipeline.stages)
-        out["weights"] = lrn.pipeline.full_weights()  # rank 0: the whole model
+        lrn.policy.pipeline.reshard()  # the stages keep their gathered roots
+        out["grads"] = named_grads(lrn.policy.pipeline.stages)
+        out["weights"] = lrn.policy.pipeline.full_weights()  # rank 0: the whole model
         path = str(work / f"checkpoint-{replay}-{schedule}")
         lrn.save_checkpoint(path)
         if ep > 1:  # the sharded checkpoint (split experts and all) loads back on this layout
             fresh = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb)
             fresh.load_state(path)
-            out["reloaded"] = fresh.pipeline.full_weights()
+            out["reloaded"] = fresh.policy.pipeline.full_weights()
         results[replay, schedule] = out
     torch.save(results, work / f"out-{rank}.pt")
     distributed.barrier()

@@ -154,7 +154,7 @@ def steps():
         before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
         batch = out.get("batch") or make_batch(make_learner(make_cfg("fp32")))
         shuffle = torch.Generator()  # the update's mini-batch generator before the update draws
-        shuffle.set_state(actor.shuffle.get_state())
+        shuffle.set_state(actor.policy.shuffle.get_state())
         logp = actor.compute_log_prob(batch)["old_log_probs"]
         metrics = actor.update_policy(batch)
         out |= {

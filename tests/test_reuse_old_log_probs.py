@@ -24,7 +24,7 @@ from hybridrl.config import Config, load_config
 from hybridrl.controller import WorkerContext
 from hybridrl.driver.loop import train
 from hybridrl.learner import Learner
-from hybridrl.learner.logprob import batch_log_probs, response_log_probs
+from hybridrl.learner.logprob import batch_log_probs
 from hybridrl.learner.passes import reuses_old_log_probs
 from hybridrl.protocol import Batch
 
@@ -168,16 +168,15 @@ def test_the_pass_is_the_update_forward_bit_for_bit():
     batch = batch | Batch({"row": torch.arange(ROWS)})
     old = learner.compute_log_prob(batch)["old_log_probs"]
     regrouped = batch_log_probs(
-        learner.model, batch, learner.cfg.actor.micro_batch_tokens, learner.sampling
+        learner.model, batch, learner.cfg.actor.micro_batch_tokens, learner.policy.sampling
     )
-    loss = learner.policy_loss
+    objective = learner.objective
 
-    def record(mb, totals):
-        logp, _ = response_log_probs(learner.model, mb, learner.sampling)
+    def record(logp, entropy, mb, totals):  # the log-probs of the update's own forward
         seen[mb["row"], : logp.shape[1]] = logp.detach()
-        return loss(mb, totals)
+        return objective(logp, entropy, mb, totals)
 
-    learner.policy_loss = record
+    learner.objective = record
     learner.update_policy(batch | Batch({"old_log_probs": old}))
     assert torch.equal(seen, old)
     assert torch.allclose(regrouped, old, atol=1e-5)  # the same numbers up to rounding

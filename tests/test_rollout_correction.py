@@ -137,7 +137,11 @@ class StubLearner:
         self.timer, self.reference, self.critic = PhaseTimer(), None, None
         self.shape = RewardShaper(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.tokenizer = SimpleNamespace(pad_token_id=0)
-        self.shuffle, self.pipeline, self.moe, self.rank = torch.Generator(), None, None, 0
+        self.moe, self.rank = None, 0
+        # one process: the policy's rows are the whole batch
+        self.policy = SimpleNamespace(shuffle=torch.Generator(), replicas=1, rows=lambda f, b: f(b))
+
+    take_samples = Learner.take_samples
 
     def compute_log_prob(self, batch):
         self.calls.append("old")
@@ -146,8 +150,7 @@ class StubLearner:
     def policy_loss(self, mb, totals):  # never called: the stub's update does not run micro-batches
         raise AssertionError("policy_loss called")
 
-    def update_policy(self, batch, loss_fn=None):
-        assert loss_fn is None  # train_step trains the default objective, policy_loss
+    def update_policy(self, batch):
         self.updated = batch
         return {"actor/pg_loss": 0.0}
 

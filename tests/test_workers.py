@@ -306,7 +306,7 @@ def train_batch(cfg, tokenizer, prompts, rollout):
     assert "reward_errors" in batch
     assert cfg.algorithm.kl_coef > 0  # a KL term reads the reference: the learner holds one
     learner = group(Learner, cfg, "learner").workers[0]
-    batch = batch | learner.reference.log_probs(batch, learner.shuffle)
+    batch = batch | learner.reference.log_probs(batch, learner.policy.shuffle)
     batch = batch | learner.compute_log_prob(batch)
     batch = compute_advantages(batch, cfg.algorithm)
     assert batch["advantages"].abs().sum() > 0

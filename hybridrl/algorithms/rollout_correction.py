@@ -24,7 +24,7 @@ per row); dropped tokens still count in the aggregation's denominators, as ``dec
 does. The
 train-rollout gap metrics are logged whenever both log-probs exist, with the correction on or off
 (after the update on a step that takes the old log-probs from the update's own forward,
-``learner/step.py``; the weights, an input of the loss, keep the separate pass).
+``Learner.train_step``; the weights, an input of the loss, keep the separate pass).
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
-"""The learner: the trained models of one training rank and the passes a learning step runs on them.
+"""The learner: the trained models of one training rank and the learning step that runs on them.
 
-Both drivers make one call per step, :meth:`Learner.train_step`, with the step's scored samples
-(synchronous training) or with the trajectory buffer to take them from (asynchronous training; the
-synchronous driver is the asynchronous one without staleness). Everything the step needs stays in
-this process: the batch is built here, once, from the samples; the reference and old log-probs, the
-values, the advantages and both updates run here; the driver gets metrics back, never tensors. The
-order of those passes is ``learner/step.py``; this class holds the models and registers the passes
-that the driver (or the step) calls by name.
+Both feeds of the driver loop make one call per step, :meth:`Learner.train_step`, with the step's
+scored samples (synchronous training) or with the trajectory buffer to take them from (asynchronous
+training). Everything the step needs stays in this process: the batch is built here, once, from
+the samples; the reference and old log-probs, the values, the advantages and both updates run here,
+each pass adding its columns to the batch; the driver gets metrics back, never tensors. The order
+of the passes is :meth:`Learner.train_step`, which reads as docs/architecture.md draws it.
 
-The policy (its model and AdamW, optionally LoRA adapters) belongs to the learner itself; the
-reference (``learner/reference.py``) exists when a KL term reads it, the critic
-(``learner/critic.py``) when the advantage estimator needs values. With more than one rank the
-models are sharded with FSDP2, every rank gets the whole step, and each per-row pass runs on the
-rank's contiguous share of the rows (the ranks' results gathered), so the update equals the
-single-process one (``learner/update.py``).
+The learner holds its trained models: the policy, in whichever form it takes (plain or FSDP2,
+LoRA, pipelined: ``learner/policy.py``, one interface), the reference (``learner/reference.py``)
+when a KL term reads it, the critic (``learner/critic.py``) when the advantage estimator needs
+values. With more than one rank the models are sharded with FSDP2 over the meshes of one
+:class:`~hybridrl.parallel.mesh.ParallelDims`, every rank runs the whole step, and each per-row pass
+runs on the rank's contiguous share of the rows (the ranks' results gathered), so the step equals
+the single-process one (``learner/update.py``).
 
 Decoupled PPO's three policies: behaviour = the rollout's log-probs (``rollout_log_probs``, possibly
 stale and mixed across versions), proximal = ``old_log_probs`` (these weights before the update),
@@ -21,48 +21,65 @@ current = the policy being updated. On-policy (one epoch over one mini-batch) th
 forward runs the proximal weights on the same micro-batches as a separate pass would, so the learner
 takes the old log-probs from it instead (π_old := sg[π_θ], ratio exactly 1) and runs no separate
 pass (``learner/old_log_probs.py``).
+
+A run checkpoint's learner share (:meth:`Learner.save_checkpoint`): nothing at all when a weight is
+NaN or inf (a checkpoint must never hold a broken state), then the policy in its form and the
+critic, either written now or snapshotted now and written on a background thread
+(``trainer.async_save``, ``learner/state.py``: ``BackgroundWriter``) with one save in flight at
+most. A background write that fails removes what the rank wrote before it reports: on a full disk
+the space is back at once, for the rank's marker, the driver's files and the run's logs.
+
+Colocation (:meth:`Learner.sleep`, :meth:`Learner.wake`): when the learner shares its device with
+the rollout, every model it holds and their optimizers' states leave the device while the rollout
+generates; on a CPU rank everything already lives in host memory and nothing moves.
 """
 
 from __future__ import annotations
 
+import shutil
+import time
+
 import torch
 
-from hybridrl.algorithms import LOSS_AGG, POLICY_LOSSES, AggTotals, kl_penalty, masked_mean
-from hybridrl.algorithms.rollout_correction import weighted_policy_loss
+from hybridrl.algorithms import (
+    LOSS_AGG,
+    POLICY_LOSSES,
+    AggTotals,
+    compute_advantages,
+    kl_penalty,
+    masked_mean,
+)
+from hybridrl.algorithms.rollout_correction import (
+    bypass_old_log_probs,
+    rollout_correction,
+    weighted_policy_loss,
+)
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
-from hybridrl.learner import checkpoint, offload, pipeline_policy, pipeline_update, policy_io
-from hybridrl.learner import lora as lora_lib
 from hybridrl.learner import moe as moe_training
-from hybridrl.learner import step as learning_step
-from hybridrl.learner.compile import maybe_compile
 from hybridrl.learner.critic import Critic
-from hybridrl.learner.logprob import (
-    model_device,
-    response_log_probs,
-    response_sum_pi_squared,
-    sampling_of,
-)
-from hybridrl.learner.lr_schedule import add_lr_schedule, planned_steps
+from hybridrl.learner.metrics import batch_metrics, reward_failures, staleness_metrics
 from hybridrl.learner.old_log_probs import NotedOldLogProbs, check_single_pass
-from hybridrl.learner.optim import make_adamw
 from hybridrl.learner.passes import (
     dropout_in_training,
     needs_critic,
     needs_reference,
-    needs_sum_pi_squared,
+    reuses_old_log_probs,
 )
+from hybridrl.learner.policy import on_my_rows, policy_form
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
-from hybridrl.learner.state import BackgroundWriter
-from hybridrl.learner.update import MicroBatches, SkipCounter, first_epoch_map, run_updates
+from hybridrl.learner.state import BackgroundWriter, check_finite, save_trainable
+from hybridrl.learner.update import first_epoch_minibatches
 from hybridrl.models.loading import load_model
+from hybridrl.moe.ep import traffic_metrics as ep_traffic_metrics
 from hybridrl.parallel import distributed, shm_staging, weight_sync
+from hybridrl.parallel.balance import balance_for_ranks
 from hybridrl.parallel.buckets import BUCKET_BYTES
-from hybridrl.parallel.fsdp import fsdp_config_of, prepare_model
 from hybridrl.parallel.mesh import ParallelDims
-from hybridrl.protocol import Batch
+from hybridrl.protocol import REPLACING, Batch, Sample, samples_to_batch
 from hybridrl.telemetry import PhaseTimer
+from hybridrl.telemetry.flops import learner_perf
 from hybridrl.telemetry.timeline import SpanLog
 
 
@@ -81,40 +98,12 @@ class Learner(Worker):
         # every group the models are sharded, split or pipelined over (parallel/mesh.py)
         self.dims = ParallelDims.of(self.dist, cfg.actor.pp_size, cfg.moe.ep_size)
         model, self.tokenizer = load_model(cfg, model_path)
-        self.lora = lora_lib.lora_settings(cfg)
-        self.base_source = model_path  # where the (LoRA base) weights came from; None: built-in
-        # LoRA: the rollout has our base weights (the first sync sends them)
-        self._base_synced = False
-        if self.lora is not None:
-            model = lora_lib.apply_lora(model, self.lora, seed=cfg.model.seed)
-        model = moe_training.prepare(model, cfg.moe)  # MoE: expert biases, before sharding
-        # actor.pp_size > 1: this rank's pipeline stages (learner/pipeline_policy.py)
-        self.pipeline = None
-        if cfg.actor.pp_size > 1:
-            mesh = self.dims.pipelined
-            self.pipeline, self.model = pipeline_policy.build(cfg, model, self.dist, mesh)
-        else:
-            mesh = self.dims.unpipelined
-            self.model = prepare_model(model, fsdp_config_of(cfg), self.dist, mesh=mesh)
-            # actor.compile: the decoder layers compiled in place (learner/compile.py)
-            self.model = maybe_compile(
-                cfg.actor.compile, self.model, model_device(self.model), "policy"
-            )
-        params = self.model.parameters()
-        if self.lora is not None:
-            params = lora_lib.trainable_parameters(self.model)
-        # fused where it applies (learner/optim.py: one pass per parameter, same AdamW math)
-        self.optimizer = make_adamw(params, cfg.actor.lr, cfg.actor.weight_decay, "policy")
-        # actor.lr_schedule: warmup, then constant / linear / cosine decay
-        add_lr_schedule(self.optimizer, cfg.actor, planned_steps(cfg, cfg.actor))
+        # plain / FSDP2, LoRA or pipelined, with its optimizer (learner/policy.py)
+        self.policy = policy_form(cfg)(cfg, model, model_path, self.dist, self.dims)
         # MoE (docs/moe.md): routing replay, balancing, health; None for a dense model
         self.moe = moe_training.start(self.model, self.optimizer, cfg.moe)
         self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
         self.aggregate = LOSS_AGG.get(cfg.algorithm.loss_agg)
-        self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
-        # log-probs under the rollout's filtered distribution
-        self.sampling = sampling_of(cfg.rollout)
-        self.skips = SkipCounter(cfg.alerts.max_nonfinite_in_a_row, "actor")
         self.old = NotedOldLogProbs()  # old log-probs noted by the running / last update
         ref_path = reference_path or model_path
         self.reference = (
@@ -132,20 +121,108 @@ class Learner(Worker):
         self.transports: dict[str, weight_sync.WeightTransport] = {}
         self.writer = BackgroundWriter()  # background checkpoint saves (trainer.async_save)
 
+    @property
+    def model(self):
+        """The policy's model (a pipelined policy: this rank's stages)."""
+        return self.policy.model
+
+    @property
+    def optimizer(self):
+        return self.policy.optimizer
+
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
     def train_step(self, version: int, source) -> dict:
         """Train weights ``version`` on ``source``: the step's scored samples, or a trajectory
         buffer (``rollout/buffer.py``) to take the next batch from. Returns ``metrics``, the trained
-        prompts' ``uids``, each sample's ``staleness`` (versions behind) and ``busy_s`` (time not
-        spent waiting). The passes and their order: ``learner/step.py``."""
-        return learning_step.train_step(self, version, source)
+        prompts' ``uids``, ``reward_failures``, each sample's ``staleness`` (versions behind) and
+        ``busy_s`` (time not spent waiting)."""
+        t0 = time.perf_counter()
+        samples = self.take_samples(source, version)
+        waited = time.perf_counter() - t0
+        cfg, timer, policy = self.cfg, self.timer, self.policy
+        alg = cfg.algorithm
+        batch = samples_to_batch(samples, self.tokenizer.pad_token_id)
+        # each replica's share of each of the update's mini-batches gets an equal token count
+        minis = first_epoch_minibatches(len(batch), policy.shuffle, cfg.actor.ppo_minibatch_size)
+        batch, balanced = balance_for_ranks(
+            batch, policy.replicas, cfg.trainer.balance_batch, minis
+        )  # parallel/balance.py
+        reuse = reuses_old_log_probs(cfg, len(batch))
+        moe = self.moe
+        batch = moe.mark(batch) if moe else batch  # which rows replay their routing
+        if self.reference is not None:
+            with timer.phase("reference"):
+                batch |= on_my_rows(
+                    lambda rows: self.reference.log_probs(rows, policy.shuffle), batch
+                )
+        if alg.rollout_bypass:  # the rollout's log-probs are the old policy: no forward
+            batch |= bypass_old_log_probs(batch)
+        elif not reuse:
+            with timer.phase("old_log_prob"):
+                batch |= policy.rows(self.compute_log_prob, batch)
+        batch = moe.after_old_pass(batch) if moe else batch  # r2: replay that pass
+        correction = {}
+        if not reuse:
+            batch, correction = rollout_correction(batch, alg)
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch |= on_my_rows(self.critic.values, batch)
+        with timer.phase("advantage"):
+            batch, metrics = self.shape(batch)
+            batch = compute_advantages(batch, alg)
+        if self.critic is not None:
+            with timer.phase("critic_update"):
+                metrics |= on_my_rows(self.critic.update, batch)
+        with timer.phase("update"):
+            metrics |= policy.rows(self.update_policy, batch)
+        if reuse:  # the update's first forward computed them: the gap metrics come now
+            batch |= policy.rows(self.old_log_probs_of_last_update, batch)
+            batch, correction = rollout_correction(batch, alg)
+        stale, lag = {}, []
+        if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
+            stale, lag = staleness_metrics(batch, version, cfg.asynchronous.max_staleness)
+        timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
+        # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
+        # the tokens one epoch of the update computed (a shared prompt once): what the FLOPs count
+        fed, padding = metrics.get("perf/tokens_fed"), metrics.get("perf/padding_fraction", 0.0)
+        computed = fed * (1 - padding) / cfg.actor.ppo_epochs if fed else None
+        perf = learner_perf(self, timing, batch["attention_mask"], computed) | balanced
+        if moe:  # moe/: loads, routing changes; with moe.ep_size > 1 the rows exchanged
+            perf |= moe.step_metrics(batch) | ep_traffic_metrics(self.model)
+        return {
+            "metrics": metrics | correction | batch_metrics(batch) | stale | timing | perf,
+            "uids": list(dict.fromkeys(s.uid for s in samples)),
+            "reward_failures": reward_failures(samples),
+            "staleness": lag,
+            "busy_s": time.perf_counter() - t0 - waited,
+        }
+
+    def take_samples(self, source, version: int) -> list[Sample]:
+        """The step's samples: ``source`` itself (synchronous), or the next batch rank 0 takes from
+        the trajectory buffer ``source`` and shares with the other ranks (asynchronous). A rollout
+        being replaced raises on every rank."""
+        if isinstance(source, list):
+            return source
+        with self.timer.phase("wait_batch"):
+            samples = None
+            if self.rank == 0:
+                try:
+                    samples = source.get_batch(version, self.cfg.asynchronous.batch_timeout_s)
+                except RuntimeError as exc:  # the rollout is replaced: every rank raises it
+                    if REPLACING not in str(exc):
+                        raise
+                    samples = REPLACING
+            if distributed.world_size() > 1:
+                samples = distributed.all_gather_object(samples)[0]
+        if isinstance(samples, str):
+            raise RuntimeError(samples)
+        return samples
 
     def policy_loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's share of the mini-batch objective (:meth:`objective`) from a forward
         of the policy."""
-        logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
-        return self.objective(logp, entropy, mb, totals)
+        return self.policy.loss(self.objective, mb, totals)
 
     def objective(
         self, logp: torch.Tensor, entropy: torch.Tensor, mb: Batch, totals: AggTotals
@@ -178,77 +255,29 @@ class Learner(Worker):
     # --- the policy's passes (this rank's rows) -------------------------------------------------
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """π_old of every row, grouped as the next update's first epoch groups them
-        (``first_epoch_map``); with an estimator that reads it, also ``sum_pi_squared`` (a second
-        forward of the same micro-batches)."""
-
-        def fn(model, mb):
-            return response_log_probs(model, mb, self.sampling)[0]
-
-        if self.pipeline is not None:
-            old = pipeline_update.first_epoch_log_probs(
-                self.pipeline, batch, self.shuffle, self.cfg.actor, self.sampling
-            )
-            return Batch({"old_log_probs": old})
-        cols = {
-            "old_log_probs": first_epoch_map(self.model, batch, self.shuffle, self.cfg.actor, fn)
-        }
-        if needs_sum_pi_squared(self.cfg):
-            cols["sum_pi_squared"] = first_epoch_map(
-                self.model,
-                batch,
-                self.shuffle,
-                self.cfg.actor,
-                lambda model, mb: response_sum_pi_squared(model, mb, self.sampling),
-            )
-        return Batch(cols)
+        """π_old of every row, grouped as the next update's first epoch groups them; with an
+        estimator that reads it, also ``sum_pi_squared`` (``Policy.old_log_probs``)."""
+        return self.policy.old_log_probs(batch)
 
     @register(Dispatch.DP_COMPUTE)
-    def update_policy(self, batch: Batch, loss_fn=None) -> dict[str, float]:
-        """Train on ``batch`` with ``loss_fn`` (each micro-batch's objective; default
-        :meth:`policy_loss`). Without ``old_log_probs`` the old policy is the update's own first
-        forward, which needs one epoch over one mini-batch (checked over the global batch); a model
-        with dropout in training mode computes them with the separate pass instead. Either way
-        :meth:`old_log_probs_of_last_update` returns them afterwards; ``actor/old_log_prob_reused``
-        is 1 when no separate pass ran."""
+    def update_policy(self, batch: Batch) -> dict[str, float]:
+        """Train on ``batch`` with :meth:`objective`. Without ``old_log_probs`` the old policy is
+        the update's own first forward, which needs one epoch over one mini-batch (checked over
+        the global batch); a model with dropout in training mode computes them with the separate
+        pass instead. Either way :meth:`old_log_probs_of_last_update` returns them afterwards;
+        ``actor/old_log_prob_reused`` is 1 when no separate pass ran."""
         reuse = False
         if "old_log_probs" not in batch:
-            check_single_pass(self.cfg.actor, self.pipeline, len(batch))
+            check_single_pass(self.cfg.actor, self.policy.total_rows(len(batch)))
             reuse = not dropout_in_training(self.model)
             if reuse:
                 batch = self.old.expect(batch)
             else:
                 batch = batch | self.compute_log_prob(batch)
                 self.old.taken = batch["old_log_probs"]
-        if self.pipeline is not None:
-            if loss_fn is not None:
-                raise ValueError("update_policy: a pipelined policy trains on objective() only")
-            passes = pipeline_update.PipelineRounds(
-                self.pipeline, self.objective, self.cfg.actor, self.sampling
-            )
-            metrics = run_updates(
-                passes,
-                self.optimizer,
-                batch,
-                self.cfg.actor,
-                generator=self.shuffle,
-                norm_len=self.cfg.loss_norm_len,
-                prefix="actor",
-                skips=self.skips,
-            )
-            if reuse:  # the last stage noted them
-                self.old.taken = self.pipeline.broadcast_from_last(self.old.taken)
-            return metrics | {"actor/old_log_prob_reused": float(reuse)}
-        metrics = run_updates(
-            MicroBatches(self.model, loss_fn or self.policy_loss, self.cfg.actor),
-            self.optimizer,
-            batch,
-            self.cfg.actor,
-            generator=self.shuffle,
-            norm_len=self.cfg.loss_norm_len,
-            prefix="actor",
-            skips=self.skips,
-        )
+        metrics = self.policy.update(batch, self.objective)
+        if reuse:  # noted where the objective ran
+            self.old.taken = self.policy.from_loss_ranks(self.old.taken)
         return metrics | {"actor/old_log_prob_reused": float(reuse)}
 
     @register(Dispatch.DP_COMPUTE)
@@ -268,7 +297,7 @@ class Learner(Worker):
         the base weights, then the adapters; ``auto``: ``base`` on the first call after the learner
         was built or loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain
         names)."""
-        buckets = policy_io.weight_buckets(self, bucket_bytes, mode)
+        buckets = self.policy.weight_buckets(bucket_bytes, mode)
         return buckets if self.rank == 0 else []
 
     @register(Dispatch.ALL_FIRST)
@@ -294,14 +323,28 @@ class Learner(Worker):
     ) -> str | None:
         """Every rank: the policy in transformers format with its tokenizer (rank 0), and the
         sharded model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of
-        ``learner/lora.py``); the critic the same way under ``critic_path`` when there is one.
-        Raises ``NonFiniteWeightsError`` before writing anything when a weight is NaN or inf.
+        ``learner/lora.py``; pipelined: of ``learner/pipeline_policy.py``); the critic the same way
+        under ``critic_path`` when there is one. Raises ``NonFiniteWeightsError`` before writing
+        anything when a weight is NaN or inf.
 
         ``marker`` (``trainer.async_save``): snapshot the state now and write it on a background
-        thread (LoRA: the policy is written now, the critic in the background), then write
-        ``<marker>-rank<r>`` (``learner/state.py``: ``BackgroundWriter``); returns that path. The
-        choices: ``learner/checkpoint.py``."""
-        return checkpoint.save(self, path, critic_path, marker)
+        thread (LoRA and pipelined: the policy is written now, the critic in the background), then
+        write ``<marker>-rank<r>``; returns that path."""
+        critic = self.critic.model if self.critic is not None else None
+        check_finite({"policy": self.model, "critic": critic})
+        writer = None
+        if marker is not None:
+            self.wait_checkpoint()  # one save in flight at most
+            writer = self.writer
+        self.policy.save(path, self.tokenizer, writer)
+        if self.critic is not None and critic_path is not None:
+            c = self.critic
+            save_trainable(critic_path, c.model, c.optimizer, c.shuffle, background=writer)
+        if writer is None:
+            return None
+        removing_on_failure(writer, [path, critic_path])
+        writer.start(f"{marker}-rank{self.rank}")
+        return f"{marker}-rank{self.rank}"
 
     @register(Dispatch.ONE_TO_ALL)
     def wait_checkpoint(self) -> dict | None:
@@ -311,7 +354,10 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str, critic_path: str | None = None) -> None:
-        checkpoint.load(self, path, critic_path)
+        """The policy from ``path``, the critic from ``critic_path``."""
+        self.policy.load(path)
+        if self.critic is not None and critic_path is not None:
+            self.critic.load(critic_path)
 
     @register(Dispatch.RANK_ZERO)
     def kl_reward_coef(self) -> float:
@@ -322,13 +368,26 @@ class Learner(Worker):
         if value is not None:  # a resumed run continues the adaptive coefficient
             self.shape = RewardShaper(self.cfg.algorithm, self.cfg.rollout.max_new_tokens, value)
 
+    def held_models(self) -> list[tuple]:
+        """Every (model, optimizer or None) the learner holds."""
+        held = [(self.model, self.optimizer)]
+        held += [(self.reference.model, None)] if self.reference is not None else []
+        held += [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []
+        return held
+
     def sleep(self) -> None:
-        """Colocation: the training state leaves the device while the rollout has it (on a CPU rank
-        everything already lives in host memory; ``learner/offload.py``)."""
-        offload.sleep(self)
+        """Colocation: the training state to host memory while the rollout has the device, the
+        device's cache emptied (a CPU rank: nothing)."""
+        if self.dist.device.type != "cpu":
+            for model, optimizer in self.held_models():
+                move_training_state(model, optimizer, torch.device("cpu"))
+            torch.cuda.empty_cache()
 
     def wake(self) -> None:
-        offload.wake(self)
+        """The training state back to the learner's device (a CPU rank: nothing)."""
+        if self.dist.device.type != "cpu":
+            for model, optimizer in self.held_models():
+                move_training_state(model, optimizer, self.dist.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def close(self) -> None:
@@ -337,3 +396,32 @@ class Learner(Worker):
         for transport in self.transports.values():
             transport.close()
         distributed.teardown_distributed()
+
+
+def removing_on_failure(writer, paths: list[str | None]) -> None:
+    """The writes queued on ``writer``, as one write that removes ``paths`` (this save's output
+    directories) when any of them fails, then fails the same way."""
+    jobs, writer.jobs = writer.jobs, []
+
+    def run() -> None:
+        try:
+            for job in jobs:
+                job()
+        except BaseException:
+            for path in paths:
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    writer.add(run)
+
+
+@torch.no_grad()
+def move_training_state(model, optimizer, device: torch.device) -> None:
+    """A model's parameters and its optimizer's states (exp_avg, exp_avg_sq ...) to ``device``."""
+    # FSDP2 keeps the sharded parameters' identity: the optimizer still refers to them
+    model.to(device)
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":  # Adam's step counter stays on the CPU
+                state[key] = value.to(device, non_blocking=True)

@@ -1,4 +1,4 @@
-"""Per-step metrics computed from a scored batch, and their mean over ranks."""
+"""Per-step metrics from a scored batch or the step's samples, and their mean over ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from hybridrl.protocol import Batch
+from hybridrl.protocol import Batch, Sample
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
@@ -80,3 +80,17 @@ def staleness_metrics(
         "async/partial_frac": ((newest > oldest) & mask.any(-1)).float().mean().item(),
     }
     return out, lag
+
+
+def reward_failures(samples: list[Sample]) -> tuple[int, int, str | None]:
+    """``(failed, scored, first error)``: how many of the step's samples had a reward that failed
+    (``rollout/scoring.py``) or an environment that failed (multi-turn: its reward is then 0),
+    out of how many, and the first failure's message."""
+    failed = [
+        s for s in samples if s.reward_extras.get("reward_errors") or s.metadata.get("env_error")
+    ]
+    first = next(
+        (s.metadata.get("reward_error") or s.metadata.get("env_error_message") for s in failed),
+        None,
+    )
+    return len(failed), len(samples), first

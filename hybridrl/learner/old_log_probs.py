@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.learner import pipeline_policy
 from hybridrl.learner.update import is_single_pass
-from hybridrl.parallel import distributed
 from hybridrl.protocol import Batch
 
 # a batch column: each row's index, so the update's forward can note its old log-probs
 ROW = "update_row"
 
 
-def check_single_pass(actor, pipeline, rows: int) -> None:
-    """Raise unless the update over this rank's ``rows`` (the global batch: every rank's, each
-    pipeline replica counted once) is one epoch over one mini-batch, the only update whose first
-    forward is the old policy's."""
-    if pipeline is not None:
-        total = pipeline_policy.replica_total(rows, pipeline.layout)
-    else:
-        total = sum(distributed.all_gather_ints(rows))
+def check_single_pass(actor, total: int) -> None:
+    """Raise unless the update over ``total`` rows (the global batch: every rank's, each pipeline
+    replica counted once) is one epoch over one mini-batch, the only update whose first forward is
+    the old policy's."""
     if not is_single_pass(actor, total):
         raise ValueError(
             "update_policy: a batch without old_log_probs needs one epoch over one "

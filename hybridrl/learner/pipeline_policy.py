@@ -4,7 +4,7 @@ weights by transformers name, checkpoints.
 The actor's ``world`` ranks form a (world / pp_size) x pp_size mesh (``parallel/pipeline.py``):
 each data-parallel replica (pp_size consecutive ranks) takes a contiguous chunk of the step's rows,
 and every rank of a replica holds that same chunk. The reference and the critic are not pipelined:
-they stay sharded with FSDP2 over all the ranks (``on_my_rows`` in ``learner/step.py``).
+they stay sharded with FSDP2 over all the ranks (``on_my_rows`` in ``learner/policy.py``).
 
 Checkpoint layout of a pipelined policy at ``path``: the full model in transformers format (rank 0,
 gathered from every stage by name, as for weight sync) and ``path/pipeline/stage<p>/``, one DCP
