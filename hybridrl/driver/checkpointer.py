@@ -14,8 +14,9 @@ previous checkpoint the newest complete one.
 At most one save is in flight: the next save and the end of the run wait for it (a resume starts
 after the end of the run it resumes). A failed background save (a full disk, a write error) removes
 its temporary directory and is raised at the next step (:meth:`Checkpointer.check`) or at the end,
-with the synchronous path's one-line message; a rank whose write fails removes its partial files at
-once (``Learner.save_checkpoint``), so a full disk is usable again for its marker and the run's logs.
+with the synchronous path's one-line message; a rank whose write fails removes its partial files
+at once (``Learner.save_checkpoint``), so a full disk is usable again for its marker and the run's
+logs.
 A run that fails while a save is in flight gives the ranks a few seconds to end their writes, then
 completes the save or removes it; one still being written after that is left as ``.tmp-step_N/``,
 which the next run removes before its first step, as it removes any an earlier process left.
