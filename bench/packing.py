@@ -52,7 +52,7 @@ from hybridrl.learner.update import (  # noqa: E402
     minibatch_rows,
 )
 from hybridrl.models.loading import make_task  # noqa: E402
-from hybridrl.parallel.balance import balance_for_ranks  # noqa: E402
+from hybridrl.parallel.batch_balance import balance_for_ranks  # noqa: E402
 from hybridrl.parallel.fsdp import clip_grad_norm  # noqa: E402
 from hybridrl.protocol import Batch, Sample, samples_to_batch  # noqa: E402
 

@@ -157,7 +157,7 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int) -> float:
 def always_speculate(eng: NativeRollout) -> None:
     """Bypass the speculation cost model: every eligible step speculates with the longest
     proposal."""
-    spec = eng.engine.spec
+    spec = eng.engine.speculative
     spec.choose_k = lambda batch_size: spec.max_k
 
 
@@ -449,8 +449,8 @@ def spec(batches: list[int], quick: bool, device: torch.device) -> dict:
         acceptance=mid["acceptance"],
         speedup=mid["decode_speedup"],
         generation_speedup=mid["generation_speedup"],
-        k=fast.engine.spec.max_k,
-        auto_off_batch=fast.engine.spec.max_batch,
+        k=fast.engine.speculative.max_k,
+        auto_off_batch=fast.engine.speculative.max_batch,
     )
     return res
 

@@ -24,7 +24,7 @@ from hybridrl.parallel.distributed import DistEnv
 from hybridrl.rollout.backends import make_backend, missing_requirement
 from hybridrl.rollout.backends.hf import HFRollout
 from hybridrl.rollout.backends.native import NativeRollout
-from hybridrl.rollout.precision import engine_precision
+from hybridrl.rollout.engine_dtype import engine_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,7 +31,7 @@ def test_agreement_is_the_acceptance_probability_of_rejection_sampling():
 
 def spec_acceptance(target, draft, prompts) -> float:
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
-    spec = eng.engine.spec
+    spec = eng.engine.speculative
     spec.choose_k = lambda batch_size: spec.max_k  # speculate on every eligible step
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, ignore_eos=True)
     eng.generate([Sample(prompt_ids=p, uid=f"r{i}") for i, p in enumerate(prompts)], params)

@@ -28,7 +28,7 @@ from hybridrl.learner.logprob import (
 )
 from hybridrl.learner.update import first_epoch_minibatches
 from hybridrl.models.loading import load_model
-from hybridrl.parallel.balance import (
+from hybridrl.parallel.batch_balance import (
     balance_for_ranks,
     balanced_order,
     balanced_positions,

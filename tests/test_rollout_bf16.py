@@ -98,7 +98,7 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
     for gain, dtype in ((1.8, torch.bfloat16), (1.0, torch.float32)):
         monkeypatch.setattr(precision.SPEEDUPS, "get", lambda model, train, gain=gain: gain)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="hybridrl.rollout.precision"):
+        with caplog.at_level(logging.INFO, logger="hybridrl.rollout.engine_dtype"):
             auto = NativeRollout(old, Tok(), rcfg(dtype="auto"))
         assert auto.engine.dtype == dtype
         assert [

@@ -209,7 +209,7 @@ def test_speculative_decoding_keeps_tokens_and_routing():
     ps = prompts([5, 9, 3])
     plain = NativeRollout(target, Tok(), rcfg()).generate(reqs(ps), greedy(14))
     eng = NativeRollout(target, Tok(), rcfg(num_speculative_tokens=3), draft_model=draft)
-    spec = eng.engine.spec
+    spec = eng.engine.speculative
     spec.choose_k = lambda batch_size: spec.max_k  # speculate on every eligible step
     out = eng.generate(reqs(ps), greedy(14))
     st = eng.stats()

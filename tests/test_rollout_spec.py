@@ -67,7 +67,7 @@ def test_greedy_speculative_equals_plain_greedy():
     params.ignore_eos = True
     plain = NativeRollout(target, Tok(), rcfg()).generate(req, params)
     spec_eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
-    always_speculate(spec_eng.engine.spec)
+    always_speculate(spec_eng.engine.speculative)
     spec = spec_eng.generate(req, params)
     assert [s.response_ids for s in spec] == [s.response_ids for s in plain]
     assert all(
@@ -86,8 +86,8 @@ def test_greedy_speculation_with_admissions_in_the_same_step_equals_plain_greedy
 
     def run(**kw):
         eng = NativeRollout(target, Tok(), rcfg(max_batch_size=3), **kw).engine
-        if eng.spec is not None:
-            always_speculate(eng.spec)
+        if eng.speculative is not None:
+            always_speculate(eng.speculative)
         for i, p in enumerate(ps):
             params = SamplingParams(temperature=0, max_new_tokens=5 + 4 * i)
             params.ignore_eos = True
@@ -107,7 +107,7 @@ def test_speculative_sampling_matches_the_target_distribution_on_a_real_model(de
     target, draft = qwen(V, 32, 2, 0, 6.0).to(device), qwen(V, 32, 1, 5, 6.0).to(device)
     prompt = [1, 4, 2]
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft, spec_max_batch=10**6)
-    always_speculate(eng.engine.spec)
+    always_speculate(eng.engine.speculative)
     params = SamplingParams(temperature=1.0, max_new_tokens=L, n=N, seed=11)
     params.ignore_eos = True
     out = eng.generate([Sample(prompt_ids=prompt, uid="r")], params)
@@ -142,7 +142,7 @@ def test_speculation_turns_itself_off_at_large_batch():
 def test_speculation_turns_itself_off_when_it_does_not_pay():
     target, draft = qwen(40, 64, 2, 0), qwen(40, 32, 1, 1)
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=draft)
-    spec = eng.engine.spec
+    spec = eng.engine.speculative
     # a disagreeing draft, and a compute-bound target (a step's seconds grow with its tokens)
     spec.alpha, spec.plain, spec.verify, spec.t_draft = 0.05, (1, 1.0), (4, 3.0), 0.1
     spec.probe_every = 10**9  # no probes: the decision alone
@@ -158,7 +158,7 @@ def test_a_draft_that_did_not_follow_a_cached_prefix_prefills_it_itself():
     off). Reading the draft KV it never wrote accepted 0.29 of the proposals here."""
     target = qwen(40, 64, 2, 0)  # unscaled: the context matters to every next token
     eng = NativeRollout(target, Tok(), rcfg(), draft_model=copy.deepcopy(target))
-    spec = eng.engine.spec
+    spec = eng.engine.speculative
     params = SamplingParams(temperature=0, max_new_tokens=16)
     params.ignore_eos = True
     shared = list(range(5, 25))  # five full blocks

@@ -74,7 +74,7 @@ from hybridrl.learner.update import first_epoch_minibatches
 from hybridrl.models.loading import load_model
 from hybridrl.moe.ep import traffic_metrics as ep_traffic_metrics
 from hybridrl.parallel import distributed, shm_staging, weight_sync
-from hybridrl.parallel.balance import balance_for_ranks
+from hybridrl.parallel.batch_balance import balance_for_ranks
 from hybridrl.parallel.buckets import BUCKET_BYTES
 from hybridrl.parallel.mesh import ParallelDims
 from hybridrl.protocol import REPLACING, Batch, Sample, samples_to_batch
@@ -147,7 +147,7 @@ class Learner(Worker):
         minis = first_epoch_minibatches(len(batch), policy.shuffle, cfg.actor.ppo_minibatch_size)
         batch, balanced = balance_for_ranks(
             batch, policy.replicas, cfg.trainer.balance_batch, minis
-        )  # parallel/balance.py
+        )  # parallel/batch_balance.py
         reuse = reuses_old_log_probs(cfg, len(batch))
         moe = self.moe
         batch = moe.mark(batch) if moe else batch  # which rows replay their routing

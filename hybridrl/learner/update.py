@@ -135,7 +135,7 @@ def chunk_minibatch_rows(
 def first_epoch_minibatches(n: int, generator: torch.Generator, size: int) -> list[list[int]]:
     """The global rows of each mini-batch that the next :func:`run_updates` with ``generator``
     draws in its first epoch over ``n`` rows (as :func:`minibatch_rows`); the generator is only
-    peeked at. Data-parallel balancing (``parallel/balance.py``) evens the ranks' shares of
+    peeked at. Data-parallel balancing (``parallel/batch_balance.py``) evens the ranks' shares of
     these."""
     peek = torch.Generator()
     peek.set_state(generator.get_state())

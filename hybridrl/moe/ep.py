@@ -6,7 +6,7 @@ The transformers experts module (``mlp.experts``: fused ``gate_up_proj`` (E, 2I,
 ``down_proj`` (E, H, I), ``forward(hidden_states, top_k_index, top_k_weights)``) keeps its class,
 its parameter names and the router in front of it; :func:`install` only replaces its two
 parameters by DTensors sharded on dim 0 over the EP mesh dimension (rank r of the group holds
-experts ``r·E/ep .. (r+1)·E/ep - 1``) and its ``forward`` by :class:`Dispatch`:
+experts ``r·E/ep .. (r+1)·E/ep - 1``) and its ``forward`` by :class:`ExpertParallelForward`:
 
 1. **plan**: the (token, slot) pairs sorted by expert; their counts per expert exchanged with one
    small all-to-all, so that every rank knows how many rows it sends to and receives from each
@@ -116,7 +116,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return AllToAll.apply(x, out_splits, in_splits, group)
 
 
-class Plan:
+class Routes:
     """Where the (token, slot) pairs of one forward go: ``token`` (M,) each sorted pair's token,
     ``weight`` (M,) its router weight, ``send`` / ``recv`` the rows per peer rank, ``local``
     (ep, E_local) the received rows per (source rank, local expert)."""
@@ -162,7 +162,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-class Dispatch:
+class ExpertParallelForward:
     """The replacement ``forward`` of one experts module under expert parallelism (see the module
     docstring); ``group`` is the EP process group."""
 
@@ -171,15 +171,15 @@ class Dispatch:
         self.sent_rows, self.received_rows = 0, 0  # since the last :func:`pop_traffic`
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        plan = Plan(top_k_index, top_k_weights, self.n_experts, self.ep, self.group)
-        self.sent_rows += len(plan.token)
-        self.received_rows += sum(plan.recv)
-        rows = all_to_all(hidden_states[plan.token], plan.recv, plan.send, self.group)
-        out = run_local_experts(self.module, rows, plan.local)
-        back = all_to_all(out, plan.send, plan.recv, self.group)
-        weighted = back * plan.weight[:, None].to(back.dtype)
+        routes = Routes(top_k_index, top_k_weights, self.n_experts, self.ep, self.group)
+        self.sent_rows += len(routes.token)
+        self.received_rows += sum(routes.recv)
+        rows = all_to_all(hidden_states[routes.token], routes.recv, routes.send, self.group)
+        out = run_local_experts(self.module, rows, routes.local)
+        back = all_to_all(out, routes.send, routes.recv, self.group)
+        weighted = back * routes.weight[:, None].to(back.dtype)
         final = torch.zeros_like(hidden_states)
-        return final.index_add(0, plan.token, weighted.to(final.dtype))
+        return final.index_add(0, routes.token, weighted.to(final.dtype))
 
 
 # --- installing ---------------------------------------------------------------------------------
@@ -226,9 +226,9 @@ def install(model: nn.Module, ep_mesh, ep: int) -> list[nn.Module]:
             mine = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
             shard = DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)
             setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
-        dispatch = Dispatch(module, group, ep, n_experts)
-        module.forward = dispatch
-        module.hybridrl_ep = dispatch
+        forward = ExpertParallelForward(module, group, ep, n_experts)
+        module.forward = forward
+        module.hybridrl_ep = forward
     return modules
 
 

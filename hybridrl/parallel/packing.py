@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 # balancing lived here first; a learner that still imports it from here keeps working
-from hybridrl.parallel.balance import balance_for_ranks  # noqa: F401
+from hybridrl.parallel.batch_balance import balance_for_ranks  # noqa: F401
 
 # row capacities tried above the longest sequence (within the token budget; choose_capacity)
 ROW_CANDIDATES = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

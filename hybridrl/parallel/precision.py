@@ -22,7 +22,7 @@ machine.
 Training in bf16 on a CPU is autocast (``torch.autocast("cpu", dtype=torch.bfloat16)``):
 parameters, gradients and optimizer state stay fp32 (the master weights); matmuls run in bf16; the
 loss math casts the logits to fp32 first (``learner/logprob.py``). The rollout engine in bf16 holds
-bf16 weights and KV and reports fp32 log-probs (``rollout/precision.py``).
+bf16 weights and KV and reports fp32 log-probs (``rollout/engine_dtype.py``).
 
 ``HYBRIDRL_AUTO_PRECISION=fp32|bf16`` fixes what ``auto`` resolves to (CPU and CUDA) without
 measuring: for reproducible runs and for the test suite, whose exactness checks compare with fp32

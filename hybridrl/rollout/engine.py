@@ -22,9 +22,9 @@ import torch
 
 from hybridrl.moe.routing import NOT_ROUTED
 from hybridrl.rollout.block_manager import BlockManager
+from hybridrl.rollout.engine_dtype import resolve_engine_dtype
 from hybridrl.rollout.kv_capacity import check_fits, pool_blocks
 from hybridrl.rollout.model_runner import ModelRunner
-from hybridrl.rollout.precision import resolve_engine_dtype
 from hybridrl.rollout.scheduler import Scheduler
 from hybridrl.rollout.sequence import Sequence, Status, derive_seed
 from hybridrl.rollout.stop import as_tuple, stop_hit
@@ -46,7 +46,7 @@ class LLMEngine:
     ):
         # the engine's weights, KV pool and sampling live on `device` (None: the model's device),
         # copied from the model wherever it is; rollout.dtype: they may be bf16 while the model it
-        # copies is fp32 (rollout/precision.py)
+        # copies is fp32 (rollout/engine_dtype.py)
         self.device = (
             torch.device(device) if device is not None else next(model.parameters()).device
         )
@@ -61,7 +61,7 @@ class LLMEngine:
             block_size=cfg.block_size,
             hf_model=model,
         )
-        self.spec = None
+        self.speculative = None
         per_block = self.runner.bytes_per_block()
         if draft_model is not None:
             from hybridrl.rollout.spec_decode import SpecDecoder
@@ -75,7 +75,9 @@ class LLMEngine:
             )
             if spec_max_batch is None:
                 spec_max_batch = cfg.spec_max_batch
-            self.spec = SpecDecoder(self, draft_runner, cfg.num_speculative_tokens, spec_max_batch)
+            self.speculative = SpecDecoder(
+                self, draft_runner, cfg.num_speculative_tokens, spec_max_batch
+            )
             per_block += draft_runner.bytes_per_block()
         self.num_blocks = pool_blocks(cfg, self.device, per_block, num_blocks)
         self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -91,8 +93,8 @@ class LLMEngine:
     # --- memory -----------------------------------------------------------------------
     def _allocate(self) -> None:
         self.runner.allocate_kv(self.num_blocks)
-        if self.spec is not None:
-            self.spec.draft.allocate_kv(self.num_blocks)
+        if self.speculative is not None:
+            self.speculative.draft.allocate_kv(self.num_blocks)
 
     def release_memory(self) -> None:
         """Free the KV pool; running sequences go back to waiting and are recomputed after
@@ -101,8 +103,8 @@ class LLMEngine:
             self.scheduler.preempt_all(count=False)  # not memory pressure: do not count
             self.bm.reset()
             self.runner.free_kv()
-            if self.spec is not None:
-                self.spec.draft.free_kv()
+            if self.speculative is not None:
+                self.speculative.draft.free_kv()
             self.released = True
 
     def wake_up(self) -> None:
@@ -123,7 +125,7 @@ class LLMEngine:
             max_positions=self.runner.spec.max_positions,
             max_seqs=self.scheduler.max_num_seqs,
             # a speculative step reserves k more slots for each decoding sequence
-            lookahead=self.spec.max_k if self.spec is not None else 0,
+            lookahead=self.speculative.max_k if self.speculative is not None else 0,
         )
 
     def add_request(
@@ -244,8 +246,8 @@ class LLMEngine:
         self._drop_aborted()
         if not self.scheduler.has_work():
             return 0
-        spec = self.spec is not None and self.spec.wants_step(self.scheduler)
-        batch = self.scheduler.schedule(lookahead=self.spec.k if spec else 0)
+        spec = self.speculative is not None and self.speculative.wants_step(self.scheduler)
+        batch = self.scheduler.schedule(lookahead=self.speculative.k if spec else 0)
         if not batch.seqs:
             if self.scheduler.running or not self.scheduler.waiting:
                 return 0
@@ -259,23 +261,23 @@ class LLMEngine:
         acc["kv_usage_peak"] = max(acc["kv_usage_peak"], self.bm.usage())
         decode = batch.is_decode_only
         t0 = time.perf_counter()
-        n = self.spec.step(batch) if spec else None
+        n = self.speculative.step(batch) if spec else None
         if n is None:  # no speculation, or nothing in the batch to speculate for
             n = self._plain_step(batch)
         if decode:  # decode speed, apart from prefill: tokens per second of decode-only steps
             dt = time.perf_counter() - t0
             acc["decode_seconds"] += dt
             acc["decode_tokens"] += n
-            if self.spec is not None and not spec:
-                self.spec.note_plain(len(batch.seqs), dt)
+            if self.speculative is not None and not spec:
+                self.speculative.note_plain(len(batch.seqs), dt)
         return n
 
     def _plain_step(self, batch) -> int:
         seqs, qs = batch.seqs, batch.num_tokens
         self.count_prompt_tokens(seqs, qs)
         logits = self.runner.execute(seqs, qs)
-        if self.spec is not None:
-            self.spec.follow(seqs, qs)
+        if self.speculative is not None:
+            self.speculative.follow(seqs, qs)
         return self.complete(seqs, qs, logits)
 
     def count_prompt_tokens(self, seqs: list[Sequence], qs: list[int]) -> None:
@@ -324,8 +326,8 @@ class LLMEngine:
         partial = parent.num_computed % self.bm.block_size != 0
         if self.bm.num_free >= int(partial):
             self.runner.copy_blocks(copies := self.bm.fork(parent, child))
-            if self.spec is not None:
-                self.spec.draft.copy_blocks(copies)
+            if self.speculative is not None:
+                self.speculative.draft.copy_blocks(copies)
             self.scheduler.add_running(child)
         else:
             # no block for the copy: recompute the prompt later (prefix caching serves its full
@@ -411,7 +413,7 @@ class LLMEngine:
             "engine/preemptions": float(self.scheduler.num_preemptions) - a["preemptions_base"],
             "engine/interrupted": a["interrupted"],
         }
-        if self.spec is not None:
+        if self.speculative is not None:
             out["engine/spec_acceptance"] = (
                 a["spec_accepted"] / a["spec_proposed"] if a["spec_proposed"] else 0.0
             )

@@ -12,8 +12,8 @@ completes one (``rollout/stop.py``). Generation is batch-synchronous, so ``pause
 between ``generate`` calls; streaming is the interface's default (one ``generate`` per ``step``).
 
 ``device``: where the model generates (None: where it is). On CUDA the model is cast to
-``rollout.dtype`` (``auto``: bf16 where the GPU has it natively, ``rollout/precision.py``); on a CPU
-it keeps its own dtype. Weights synced later are cast on load (``copy_``).
+``rollout.dtype`` (``auto``: bf16 where the GPU has it natively, ``rollout/engine_dtype.py``); on a
+CPU it keeps its own dtype. Weights synced later are cast on load (``copy_``).
 
 Mixture-of-experts models: each sample's routing (the experts every MoE layer chose for each of its
 prompt and response tokens, ``hybridrl/moe/routing.py``) is recorded during ``generate`` and lands
@@ -43,7 +43,7 @@ from hybridrl.moe.balance import BIAS_NAME, attach_bias
 from hybridrl.moe.routing import NOT_ROUTED, is_moe, moe_gates, record
 from hybridrl.protocol import Sample, pad_2d
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
-from hybridrl.rollout.precision import resolve_engine_dtype
+from hybridrl.rollout.engine_dtype import resolve_engine_dtype
 from hybridrl.rollout.sequence import derive_seed, request_seed
 from hybridrl.rollout.stop import as_tuple, eos_token_ids, stop_hit
 from hybridrl.sampling import STREAM_SAMPLE, draw, filtered_log_softmax, uniform
