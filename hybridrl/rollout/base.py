@@ -175,14 +175,13 @@ class RolloutEngine(ABC):
         return count
 
     def generate_streamed(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        """``generate`` through the streaming interface (add, step until done, take): for backends
-        whose ``step`` is their own (continuous batching), so that one path serves both modes."""
-        n = max(1, params.n)
-        pending = self.add(prompts, params)
-        while pending:
-            self.step()
-            pending = [p for p in pending if not self.done(p, n)]
-        return [s for p in prompts for s in self.take(p, n)]
+        """``generate`` through the streaming interface (:class:`InFlight`): for backends whose
+        ``step`` is their own (continuous batching), so that one path serves both modes."""
+        flight, out = InFlight(self), {}
+        flight.add(prompts, params)
+        while flight:
+            out |= {id(p): samples for p, samples in flight.step()}
+        return [s for p in prompts for s in out[id(p)]]
 
     # --- streaming --------------------------------------------------------------------------------
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
@@ -348,3 +347,41 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional: an engine in this process needs nothing)
         """Shut the engine down at the end of a run: the processes and files it started."""
+
+
+class InFlight:
+    """The one loop over a backend's streaming interface: prompts are added (``add``), the engine
+    is stepped (``step``), and each prompt's group is taken as soon as it is ``done``. The
+    synchronous call (:meth:`RolloutEngine.generate_streamed`), the rollout worker's scoring that
+    overlaps generation (``worker_scoring.generate_scored``) and the asynchronous stream
+    (``rollout/stream.py``) all drive a backend through it; they differ only in what they add when
+    and what they do with each finished group."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.pending: list[tuple[Sample, int]] = []  # (prompt, samples it waits for), added order
+
+    def add(self, prompts: list[Sample], params: SamplingParams) -> None:
+        """Queue ``prompts``. Each is pending until its group is taken; one aborted already is not
+        queued, is done at once and comes back as its aborted samples."""
+        self.backend.add(prompts, params)
+        self.pending += [(p, max(1, params.n)) for p in prompts]
+
+    def step(self) -> list[tuple[Sample, list[Sample]]]:
+        """The groups that are done, taken, in the order their prompts were added; when none is,
+        one engine step first."""
+        finished = self._take_done()
+        if not finished:
+            self.backend.step()
+            finished = self._take_done()
+        return finished
+
+    def _take_done(self) -> list[tuple[Sample, list[Sample]]]:
+        finished, keep = [], []
+        for p, n in self.pending:
+            (finished if self.backend.done(p, n) else keep).append((p, n))
+        self.pending = keep
+        return [(p, self.backend.take(p, n)) for p, n in finished]
+
+    def __len__(self) -> int:
+        return len(self.pending)

@@ -25,7 +25,9 @@ from dataclasses import replace
 from hybridrl.data.prefetch import PromptPrefetcher
 from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
+from hybridrl.rollout.base import InFlight
 from hybridrl.rollout.group_hooks import (
+    GREEDY_SUFFIX,
     DynamicSampling,
     greedy_request,
     needs_greedy_baseline,
@@ -63,8 +65,10 @@ class RolloutStream:
         self.scorer, self.params, self.seed, self.max_groups = scorer, params, seed, max_groups
         ahead = max_groups if prefetch is None else prefetch
         self.prompts = PromptPrefetcher(task, tokenizer, ahead)
-        # prompt samples generating (metadata: index, admitted version)
-        self.pending: list[Sample] = []
+        self.flight = InFlight(backend)  # the requests generating: samples, greedy baselines
+        # uid -> the groups of a prompt generating (metadata: index, admitted version): its
+        # samples, then (ReMax) its greedy baseline, each None until it is done
+        self.generating: dict[str, list] = {}
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.idle_s = self.busy_s = 0.0
@@ -92,48 +96,48 @@ class RolloutStream:
             raise RuntimeError(f"the rollout stream failed: {self.error!r}") from self.error
 
     def _admit(self) -> None:
-        free = self.max_groups - len(self.pending)
+        free = self.max_groups - len(self.generating)
         if free <= 0:
             return
         version = self.backend.version
         for index in self.buffer.admit(free, version):
             prompt = self.prompts.get(index)
             prompt.metadata |= {"index": index, "admitted": version}
-            self.backend.add([prompt], replace(self.params, seed=derive_seed(self.seed, index)))
+            self.flight.add([prompt], replace(self.params, seed=derive_seed(self.seed, index)))
+            self.generating[prompt.uid] = [prompt, None] + ([None] if self.greedy else [])
             if self.greedy:
-                self.backend.add(
-                    [greedy_request(prompt)], replace(self.params, n=1, temperature=0.0)
-                )
-            self.pending.append(prompt)
+                greedy = greedy_request(prompt)
+                self.flight.add([greedy], replace(self.params, n=1, temperature=0.0))
 
-    def _deliver(self) -> None:
-        n, keep = self.params.n, []
-        for prompt in self.pending:
-            greedy = greedy_request(prompt) if self.greedy else None
-            if not self.backend.done(prompt, n) or (greedy and not self.backend.done(greedy, 1)):
-                keep.append(prompt)
+    def _deliver(self, finished: list[tuple[Sample, list[Sample]]]) -> None:
+        """Each prompt whose requests are all done, scored, through the group hooks, into the
+        buffer."""
+        for request, samples in finished:
+            uid = request.uid.removesuffix(GREEDY_SUFFIX)
+            parts = self.generating[uid]
+            parts[2 if request.uid != uid else 1] = samples
+            if any(part is None for part in parts):
                 continue
-            group = self.scorer(self.backend.take(prompt, n))
-            if greedy is not None:
-                set_baselines(group, self.scorer(self.backend.take(greedy, 1)), self.cfg)
+            del self.generating[uid]
+            prompt, group = parts[0], self.scorer(parts[1])
+            if self.greedy:
+                set_baselines(group, self.scorer(parts[2]), self.cfg)
             if self.filter is not None and not self.filter.keep(group):
                 self.buffer.discard(prompt.metadata["index"])
             else:
                 self.buffer.put(group)
                 self.groups += 1
-        self.pending = keep
 
     def _run(self) -> None:
         try:
             while not self.stopping.is_set():
                 t0 = time.perf_counter()
                 self._admit()
-                if not self.pending:  # the staleness bound holds us back: wait for the learner
+                if not self.flight:  # the staleness bound holds us back: wait for the learner
                     time.sleep(IDLE_SLEEP_S)
                     self.idle_s += time.perf_counter() - t0
                     continue
-                self.backend.step()
-                self._deliver()
+                self._deliver(self.flight.step())
                 self.busy_s += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 -- reported to the driver through check()/stats()
             log.exception("rollout stream failed")
@@ -149,7 +153,7 @@ class RolloutStream:
         out = {
             "async/rollout_idle_frac": self.idle_s / total if total else 0.0,
             "async/generated_groups": float(self.groups),
-            "async/inflight_groups": float(len(self.pending)),
+            "async/inflight_groups": float(len(self.generating)),
         }
         if self.filter is not None:
             out |= self.filter.stats()

@@ -5,7 +5,7 @@ Why: in a continuous batch the groups finish at different engine steps (a short 
 early, the longest response sets the end), so scoring the whole batch after the last step leaves
 the reward functions' time, a slow tool or a remote judge, on the step's critical path. Here the
 rollout worker drives the backend's streaming interface itself (``add`` / ``step`` / ``done`` /
-``take``, the loop of :meth:`~hybridrl.rollout.base.RolloutEngine.generate_streamed`) and hands
+``take``, through :class:`~hybridrl.rollout.base.InFlight` like every caller) and hands
 the finished groups to a scoring thread: while it scores one call, the groups that finish wait,
 and when it is free they all go in its next call. Only what is left of the last groups' scoring
 remains after generation.
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import RolloutEngine, SamplingParams
+from hybridrl.rollout.base import InFlight, RolloutEngine, SamplingParams
 
 
 def steps_itself(backend) -> bool:
@@ -99,25 +99,15 @@ def generate_scored(
     """``score(backend.generate(prompts, params))`` with the groups scored on a helper thread as
     they finish (see the module docstring): ``params.n`` scored samples per prompt, in prompt
     order. A prompt the backend did not queue (aborted) comes back as its aborted samples, scored
-    after generation as the plain path scores them."""
-    n = max(1, params.n)
-    queued = {id(p) for p in backend.add(prompts, params)}
-    pending = [i for i, p in enumerate(prompts) if id(p) in queued]
+    like the others."""
+    flight, index = InFlight(backend), {id(p): i for i, p in enumerate(prompts)}
+    flight.add(prompts, params)
     scoring = _Scoring(score)
     try:
-        while pending:
-            backend.step()
-            waiting = []
-            for i in pending:
-                if backend.done(prompts[i], n):
-                    scoring.add(i, backend.take(prompts[i], n))
-                else:
-                    waiting.append(i)
-            pending = waiting
+        while flight:
+            for p, samples in flight.step():
+                scoring.add(index[id(p)], samples)
             scoring.pump()
-        for i, p in enumerate(prompts):
-            if id(p) not in queued:
-                scoring.add(i, backend.take(p, n))
         scored = scoring.finish()
     finally:
         scoring.close()
