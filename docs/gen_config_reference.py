@@ -17,7 +17,13 @@ from pathlib import Path
 
 from hybridrl.config import Config
 from hybridrl.config.aliases import MOVED, alias_table
-from hybridrl.config.reference import allowed, default_of, fmt_value, type_name
+from hybridrl.config.reference import (
+    allowed,
+    declared_options,
+    default_of,
+    fmt_value,
+    type_name,
+)
 
 OUT = Path(__file__).resolve().parent / "configuration.md"
 BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
@@ -72,8 +78,6 @@ def section(cls: type, prefix: str) -> list[str]:
 def plugin_options() -> list[str]:
     """Each registered advantage estimator's and policy loss's own options (their ``options``
     dataclass), and the keys they replaced."""
-    from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES
-
     lines = [
         "## Plug-in options",
         "",
@@ -89,16 +93,10 @@ def plugin_options() -> list[str]:
         '`cfg.options(ItsOptions, "policy_loss")` (or `"advantage"`).',
         "",
     ]
-    for registry, key in (
-        (ADVANTAGES, "advantage_options"),
-        (POLICY_LOSSES, "policy_loss_options"),
-    ):
-        for name in registry.names():
-            declared = getattr(registry.get(name), "options", None)
-            if declared is not None:
-                what = "advantage" if registry is ADVANTAGES else "policy_loss"
-                lines += [f"### `algorithm.{what}: {name}`", ""]
-                lines += section(declared, f"algorithm.{key}")
+    for role in ("advantage", "policy_loss"):
+        for name, declared in declared_options(role):
+            lines += [f"### `algorithm.{role}: {name}`", ""]
+            lines += section(declared, f"algorithm.{role}_options")
     lines += [
         "Keys these options replaced are refused in one line naming the new key:",
         "",

@@ -68,22 +68,27 @@ def allowed(tp: Any, meta: dict) -> str:
     return "; ".join(parts)
 
 
-def plugin_options(role: str) -> list[str]:
-    """One line per registered ``role`` plug-in ("advantage" or "policy_loss") that declares
-    options: its options with their types and defaults."""
+def declared_options(role: str) -> list[tuple[str, type]]:
+    """(name, options dataclass) of each registered ``role`` plug-in ("advantage" or
+    "policy_loss") that declares options, in registration order."""
     from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES  # lazy: they import the config
 
     registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES}[role]
+    found = ((name, getattr(registry.get(name), "options", None)) for name in registry.names())
+    return [(name, declared) for name, declared in found if declared is not None]
+
+
+def plugin_options(role: str) -> list[str]:
+    """One line per registered ``role`` plug-in that declares options: its options with their
+    types and defaults."""
     lines = []
-    for name in registry.names():
-        declared = getattr(registry.get(name), "options", None)
-        if declared is not None:
-            hints = typing.get_type_hints(declared)
-            opts = ", ".join(
-                f"{f.name} ({type_name(hints[f.name])}, default {fmt_value(default_of(f))})"
-                for f in dataclasses.fields(declared)
-            )
-            lines.append(f"  with {role} {name}: {opts}")
+    for name, declared in declared_options(role):
+        hints = typing.get_type_hints(declared)
+        opts = ", ".join(
+            f"{f.name} ({type_name(hints[f.name])}, default {fmt_value(default_of(f))})"
+            for f in dataclasses.fields(declared)
+        )
+        lines.append(f"  with {role} {name}: {opts}")
     return lines
 
 
