@@ -16,7 +16,7 @@ that the config has and is not None.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def _get(cfg, *names: str, default=None):
@@ -68,8 +68,8 @@ class MoEShape:
     intermediate: int  # of each routed expert
     shared_intermediate: int  # 0: no shared expert
     normalise: bool  # top-k weights divided by their sum
-    cast_weights: bool  # dispatch weights cast to the activations' dtype (Qwen) or kept fp32
     sparse_layers: tuple[bool, ...]  # per decoder layer: MoE block (True) or dense MLP
+    cast_weights: bool = True  # dispatch weights cast to the activations' dtype (Qwen) or fp32
 
     @property
     def moe_layers(self) -> int:
@@ -95,7 +95,6 @@ def _qwen_moe(cfg) -> MoEShape:
         intermediate=cfg.moe_intermediate_size,
         shared_intermediate=_get(cfg, "shared_expert_intermediate_size", default=0),
         normalise=bool(cfg.norm_topk_prob),
-        cast_weights=True,
         sparse_layers=_qwen_sparse(cfg, cfg.num_experts),
     )
 
@@ -107,7 +106,6 @@ def _mixtral(cfg) -> MoEShape:
         intermediate=cfg.intermediate_size,
         shared_intermediate=0,
         normalise=True,  # always renormalised
-        cast_weights=False,
         sparse_layers=(True,) * cfg.num_hidden_layers,
     )
 
@@ -129,17 +127,35 @@ def _generic_moe(cfg) -> MoEShape | None:
         intermediate=int(_get(cfg, "moe_intermediate_size", "intermediate_size")),
         shared_intermediate=int(_get(cfg, "shared_expert_intermediate_size", default=0)),
         normalise=bool(_get(cfg, "norm_topk_prob", default=True)),
-        cast_weights=True,
         sparse_layers=_qwen_sparse(cfg, count),
     )
 
 
-# model_type -> how its config describes the experts
-MOE_FAMILIES: dict[str, Callable[[object], MoEShape]] = {
-    "qwen3_moe": _qwen_moe,
-    "qwen2_moe": _qwen_moe,
-    "mixtral": _mixtral,
+@dataclass(frozen=True)
+class MoEFamily:
+    """One family's mixture of experts: how its config describes the experts, and its router, the
+    transformers module (``mlp.gate``) whose top-k choice the routing hooks read and replace
+    (``moe/routing.py``)."""
+
+    shape: Callable[[object], MoEShape]
+    router: str  # the router's class name
+    # whether the router divides its top-k probabilities by their sum, read from the router
+    normalises: Callable[[object], bool]
+    cast_weights: bool  # dispatch weights cast to the router logits' dtype (Qwen) or kept fp32
+
+
+def _router_flag(router) -> bool:
+    return bool(router.norm_topk_prob)
+
+
+# model_type -> its experts and router
+MOE_FAMILIES: dict[str, MoEFamily] = {
+    "qwen3_moe": MoEFamily(_qwen_moe, "Qwen3MoeTopKRouter", _router_flag, cast_weights=True),
+    "qwen2_moe": MoEFamily(_qwen_moe, "Qwen2MoeTopKRouter", _router_flag, cast_weights=True),
+    "mixtral": MoEFamily(_mixtral, "MixtralTopKRouter", lambda router: True, cast_weights=False),
 }
+# a router's class name -> its family; a class not listed here is not recognised as a router
+ROUTER_FAMILIES: dict[str, MoEFamily] = {f.router: f for f in MOE_FAMILIES.values()}
 
 
 @dataclass(frozen=True)
@@ -196,7 +212,11 @@ class ModelSpec:
             )
         mt = getattr(cfg, "model_type", "") or ""
         family = DECODER_FAMILIES.get(mt, GENERIC_FAMILY)
-        moe = MOE_FAMILIES[mt](cfg) if mt in MOE_FAMILIES else _generic_moe(cfg)
+        experts = MOE_FAMILIES.get(mt)
+        if experts is not None:
+            moe = replace(experts.shape(cfg), cast_weights=experts.cast_weights)
+        else:
+            moe = _generic_moe(cfg)
         return ModelSpec(
             model_type=mt,
             family=mt if mt in DECODER_FAMILIES else None,

@@ -12,7 +12,8 @@ sees those three tensors, so routing is read and replaced there without touching
   depends on the router's weights as it would with those ids chosen freshly, so the router keeps
   its gradient; only the discrete choice is fixed.
 
-Families differ in how the top-k weights are normalised (:data:`GATE_FAMILIES`): Qwen2-MoE and
+Families differ in how the top-k weights are normalised (the router of each entry of the model
+spec's family table, ``models/spec.py``: ``MOE_FAMILIES``): Qwen2-MoE and
 Qwen3-MoE divide by their sum only when ``norm_topk_prob`` is set (Qwen2-MoE's default is off),
 Mixtral always does. Ids are stored as int16, with :data:`NOT_ROUTED` (-1) for a token that has no
 recorded routing (padding, a response's last token): replay leaves those tokens to the router.
@@ -27,41 +28,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from hybridrl.models.spec import ROUTER_FAMILIES
 
 # a token without recorded routing (padding; the last response token, never fed to the model)
 NOT_ROUTED = -1
 ROUTING_DTYPE = torch.int16
 
 
-@dataclass(frozen=True)
-class GateFamily:
-    """How one router class turns probabilities into the dispatch weights."""
-
-    # whether the top-k probabilities are divided by their sum (given the router module)
-    normalises: Callable[[nn.Module], bool]
-    # whether the weights are cast back to the logits' dtype (Qwen) or stay fp32 (Mixtral)
-    cast_to_logits: bool
-
-
-def _by_config(gate: nn.Module) -> bool:
-    return bool(gate.norm_topk_prob)
-
-
-# router class name -> family; a class not listed here is not recognised as an MoE router
-GATE_FAMILIES: dict[str, GateFamily] = {
-    "Qwen3MoeTopKRouter": GateFamily(_by_config, cast_to_logits=True),
-    "Qwen2MoeTopKRouter": GateFamily(_by_config, cast_to_logits=True),
-    "MixtralTopKRouter": GateFamily(lambda gate: True, cast_to_logits=False),
-}
-
-
 def moe_gates(model: nn.Module) -> list[nn.Module]:
     """The model's routers in layer order (one per MoE layer; dense layers have none)."""
-    return [m for m in model.modules() if type(m).__name__ in GATE_FAMILIES]
+    return [m for m in model.modules() if type(m).__name__ in ROUTER_FAMILIES]
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -100,11 +80,11 @@ def gate_weights(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> to
     """The dispatch weights of experts ``ids`` (N, k) under ``logits`` (N, E), as the router's
     family computes them for its own choice: softmax probabilities at the ids, renormalised when the
     family does. Differentiable in ``logits``."""
-    family = GATE_FAMILIES[type(gate).__name__]
+    family = ROUTER_FAMILIES[type(gate).__name__]
     weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
     if family.normalises(gate):
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights.to(logits.dtype) if family.cast_to_logits else weights
+    return weights.to(logits.dtype) if family.cast_weights else weights
 
 
 def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
