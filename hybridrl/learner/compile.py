@@ -15,8 +15,9 @@ unchanged). Shapes are dynamic from the first compile, so packed micro-batches o
 row counts reuse the graph. A one-row micro-batch compiles once more (a dimension of size 1 is
 specialised; marking it unspecialised breaks the attention mask's broadcast head dimension).
 
-Where it runs: only layer classes listed in :data:`TESTED_LAYERS` (the families whose compiled
-forward and backward we checked against eager), never on a model sharded with FSDP2 (the per-layer
+Where it runs: only the families whose entry in the model spec's family table says so
+(``models/spec.py``: ``DecoderFamily.compiles``, the families whose compiled forward and backward
+we checked against eager), never on a model sharded with FSDP2 (the per-layer
 FSDP hooks would have to be compiled with it: not measured), a pipeline stage, a LoRA policy or a
 mixture-of-experts model (routing replay records inside the layer). ``auto`` adds what was measured
 to pay: a CPU (fp32, or bf16 autocast, where the matmuls are fast and the elementwise passes
@@ -36,11 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridrl.models.spec import DECODER_FAMILIES
+
 log = logging.getLogger(__name__)
 
-# decoder-layer classes whose compiled forward and backward were checked against eager
-# (tests/test_compile_layers.py): transformers' class name is the key
-TESTED_LAYERS = ("Qwen2DecoderLayer",)
 # auto: the smallest hidden size where compiling measured faster (bench/learner_speed.py)
 AUTO_MIN_HIDDEN = 512
 
@@ -73,9 +73,11 @@ def _blocker(model: nn.Module) -> str | None:
     layers = decoder_layers(model)
     if not layers:
         return "no decoder layers found"
-    name = type(layers[0]).__name__
-    if name not in TESTED_LAYERS:
-        return f"{name} is not a tested family ({', '.join(TESTED_LAYERS)})"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = DECODER_FAMILIES.get(model_type)
+    if family is None or not family.compiles:
+        tested = ", ".join(name for name, f in DECODER_FAMILIES.items() if f.compiles)
+        return f"{model_type} is not a tested family ({tested})"
     if is_sharded(model):
         return "sharded with FSDP2 (compiled per-layer hooks not measured)"
     if is_moe(model):

@@ -34,17 +34,20 @@ def _never(cfg) -> bool:
 
 @dataclass(frozen=True)
 class DecoderFamily:
-    """The attention switches of one ``model_type``."""
+    """The attention switches of one ``model_type``, and what the learner may do with it."""
 
     attn_bias: Callable[[object], bool]  # q/k/v projections carry a bias
     o_bias: Callable[[object], bool]  # the output projection carries a bias
     qk_norm: bool  # RMSNorm on each head's q and k (Qwen3)
     mlp_bias: Callable[[object], bool] = _flag("mlp_bias")
+    # the learner may compile its decoder layers (actor.compile): their compiled forward and
+    # backward were checked against eager (tests/test_compile_layers.py)
+    compiles: bool = False
 
 
 # model_type -> attention switches; the MLP is dense unless MOE_FAMILIES lists the type
 DECODER_FAMILIES: dict[str, DecoderFamily] = {
-    "qwen2": DecoderFamily(lambda cfg: True, _never, qk_norm=False),
+    "qwen2": DecoderFamily(lambda cfg: True, _never, qk_norm=False, compiles=True),
     "qwen3": DecoderFamily(_flag("attention_bias"), _flag("attention_bias"), qk_norm=True),
     "llama": DecoderFamily(_flag("attention_bias"), _flag("attention_bias"), qk_norm=False),
     "qwen2_moe": DecoderFamily(_flag("qkv_bias", True), _never, qk_norm=False),
