@@ -10,6 +10,7 @@ from test_rollout_engine import Tok, model, prompts, rcfg
 
 from hybridrl.protocol import Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
+from hybridrl.rollout.base import InFlight
 
 torch.set_num_threads(1)
 BACKENDS = ["native", "hf"]
@@ -94,6 +95,33 @@ def test_an_aborted_prompt_is_done_with_aborted_samples(backend):
     got, _ = stream(eng, ps[1:], 1)
     assert [s.status for s in got] == ["truncated", "aborted"]
     assert got[1].response_ids == [] and got[1].metadata == {"index": 2}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_flight_takes_each_group_when_it_is_done(backend):
+    """InFlight, the loop every caller drives a backend through: a prompt aborted before it was
+    added comes back at once as its aborted samples, without an engine step; the others as each
+    finishes, with what ``generate`` gives."""
+    m = model()
+    ps = prompt_samples([5, 9, 4])
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=3)
+    want = engine(backend, m).generate(ps[1:], params)
+    eng = engine(backend, m)
+    eng.abort(["u0"])
+    steps, step = [], eng.step
+    eng.step = lambda: steps.append(1) or step()
+    flight = InFlight(eng)
+    flight.add(ps, params)
+    assert len(flight) == 3
+    first = flight.step()
+    assert not steps and [(p.uid, samples) for p, samples in first] == [
+        ("u0", [ps[0].aborted()] * 2)
+    ]
+    got = {}
+    while flight:
+        got |= {p.uid: samples for p, samples in flight.step()}
+    assert_same(got["u1"] + got["u2"], want)
+    assert steps  # the queued prompts needed engine steps
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
