@@ -162,6 +162,25 @@ def test_first_sync_resets_a_rollout_built_from_merged_weights(trained):
     assert (logits(rollout.model, batch) - want).abs().max().item() <= TOL
 
 
+def test_shm_sync_of_a_lora_learner_goes_through_its_buckets():
+    """The shm transport moves a single-rank learner's parameters into its staging file when they
+    are its weights; a LoRA learner's are not (PEFT names, the base sent once, then adapters), so
+    it publishes its buckets, and the rollout loads them."""
+    from hybridrl.parallel.weight_sync import SHM_DIR, ShmTransport
+
+    if SHM_DIR is None:
+        pytest.skip("no shared-memory directory")
+    assert Learner(CTX1, Config(), None).weights_are_parameters  # a plain one's are
+    actor = Learner(CTX1, make_cfg(), None)
+    assert not actor.weights_are_parameters
+    rollout = hf_rollout(actor.cfg, merged_model(actor))
+    with ShmTransport() as writer, ShmTransport() as reader:
+        handle = writer.publish(actor, 1)
+        assert not writer.rehomed
+        assert reader.load(rollout, handle, 1) > 0  # the rollout's sync check accepts the names
+    assert actor.policy.base_synced
+
+
 @pytest.mark.parametrize("backend", ["hf", "native"])
 def test_every_backend_merges_lora_syncs(trained, backend):
     """The merge lives in ``RolloutEngine``: each backend's live weights equal the merged

@@ -46,7 +46,7 @@ class Tok:
 class Source:
     """The trained side as the transports see it: one rank, no LoRA, the built-in tiny model."""
 
-    world_size, lora = 1, None
+    world_size, weights_are_parameters = 1, True
 
     def __init__(self, seed: int = 0):
         self.model = build_model("tiny", Tok(), seed)

@@ -130,6 +130,11 @@ class Learner(Worker):
     def optimizer(self):
         return self.policy.optimizer
 
+    @property
+    def weights_are_parameters(self) -> bool:
+        """Whether the published weights are the model's parameters by name (weight sync)."""
+        return self.policy.weights_are_parameters
+
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
     def train_step(self, version: int, source) -> dict:

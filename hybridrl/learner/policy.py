@@ -66,6 +66,10 @@ class Policy:
     """The policy as one model: in one process, or sharded with FSDP2 over every learner rank
     (its experts split with ``moe.ep_size``)."""
 
+    # the weights it publishes are its model's parameters under their own names (a weight-sync
+    # transport may then move the parameters themselves into shared memory)
+    weights_are_parameters = True
+
     def __init__(self, cfg: Config, model, source: str | None, dist, dims: ParallelDims):
         """``model``: the policy as loaded from ``source`` (a transformers directory, None: the
         built-in model), on no device yet."""
@@ -173,6 +177,8 @@ class LoraPolicy(Policy):
     """LoRA adapters over a frozen base (``learner/lora.py``); the optimizer holds the adapters
     only. Its checkpoint is written at once, whatever the writer."""
 
+    weights_are_parameters = False  # PEFT names; the base once, then the adapters
+
     def __init__(self, cfg: Config, model, source: str | None, dist, dims: ParallelDims):
         self.settings = lora_lib.lora_settings(cfg)
         self.base_source = source  # where the base weights came from; None: built-in
@@ -193,9 +199,9 @@ class LoraPolicy(Policy):
                 f"weight_buckets: mode must be auto, adapter, base or merged, got {mode!r}"
             )
         with_base = mode == "base" or (mode == "auto" and not self.base_synced)
-        buckets = lora_lib.lora_weight_buckets(self.model, bucket_bytes, with_base=with_base)
-        self.base_synced |= with_base
-        return list(buckets)
+        buckets = list(lora_lib.lora_weight_buckets(self.model, bucket_bytes, with_base=with_base))
+        self.base_synced |= with_base  # once they are gathered
+        return buckets
 
     def save(self, path: str, tokenizer, writer) -> None:
         lora_lib.save_lora_checkpoint(
@@ -217,6 +223,8 @@ class PipelinedPolicy(Policy):
     """This rank's stages of the pipelined policy (``learner/pipeline_policy.py``); ``model`` is
     the stages' modules. A replica's pipeline ranks hold the same rows; the objective runs on the
     last stage."""
+
+    weights_are_parameters = False  # gathered from every stage by transformers name
 
     def place(self, model, dist, dims: ParallelDims):
         self.pipeline, modules = pipeline_policy.build(self.cfg, model, dist, dims.pipelined)

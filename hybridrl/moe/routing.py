@@ -32,15 +32,16 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hybridrl.models.spec import ROUTER_FAMILIES
-
 # a token without recorded routing (padding; the last response token, never fed to the model)
 NOT_ROUTED = -1
 ROUTING_DTYPE = torch.int16
 
 
 def moe_gates(model: nn.Module) -> list[nn.Module]:
-    """The model's routers in layer order (one per MoE layer; dense layers have none)."""
+    """The model's routers in layer order (one per MoE layer; dense layers have none): modules of
+    a router class of the model spec's family table."""
+    from hybridrl.models.spec import ROUTER_FAMILIES  # here: the models package loads transformers
+
     return [m for m in model.modules() if type(m).__name__ in ROUTER_FAMILIES]
 
 
@@ -80,6 +81,8 @@ def gate_weights(gate: nn.Module, logits: torch.Tensor, ids: torch.Tensor) -> to
     """The dispatch weights of experts ``ids`` (N, k) under ``logits`` (N, E), as the router's
     family computes them for its own choice: softmax probabilities at the ids, renormalised when the
     family does. Differentiable in ``logits``."""
+    from hybridrl.models.spec import ROUTER_FAMILIES
+
     family = ROUTER_FAMILIES[type(gate).__name__]
     weights = torch.softmax(logits.float(), dim=-1).gather(-1, ids)
     if family.normalises(gate):

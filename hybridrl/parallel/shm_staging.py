@@ -9,8 +9,9 @@ Separate processes on one node: rank 0 copies the buckets into a shared-memory s
 from it into its live weights: two memcpys in all. The file is overwritten by the next publish, so
 syncs must not overlap (load before publishing again).
 
-Re-homing (``shm`` only). A single-rank source without LoRA whose parameters are all on the CPU and
-which offers the two methods below has its parameters moved into the staging file on the first
+Re-homing (``shm`` only). A single-rank source whose published weights are its parameters by name
+(``weights_are_parameters``: not LoRA adapters, not a pipeline's stages), all on the CPU, and which
+offers the two methods below has its parameters moved into the staging file on the first
 publish (each one a view of the file): the optimizer then updates them in place there and later
 publishes copy nothing, leaving one memcpy in all, on the rollout side. The transport never touches
 the parameters itself; the source moves its own, with the helpers of this module:
@@ -220,7 +221,7 @@ class ShmStaging:
         return (
             self.rehome
             and source.world_size == 1
-            and getattr(source, "lora", None) is None
+            and getattr(source, "weights_are_parameters", False)
             and callable(getattr(source, "rehome_parameters", None))
             and callable(getattr(source, "unhome_parameters", None))
             and all(p.device.type == "cpu" for p in source.model.parameters())

@@ -32,7 +32,8 @@ The driver only passes handles, never the bytes. Transports (:data:`TRANSPORTS`,
 
 The source (the trained side's worker) offers ``weight_buckets(bucket_bytes)`` (rank 0 returns the
 buckets of ``(name, tensor)``, the other ranks ``[]``; every rank must call it), ``model``,
-``world_size`` and ``lora`` (None without LoRA). Whatever ``weight_buckets`` yields (full weights,
+``world_size`` and ``weights_are_parameters`` (whether those buckets are its model's parameters
+under their own names: false for LoRA adapters). Whatever ``weight_buckets`` yields (full weights,
 LoRA adapters, merged deltas) is what travels; nothing here knows about adapters.
 """
 
@@ -75,7 +76,7 @@ class WeightSource(Protocol):
 
     model: nn.Module
     world_size: int
-    lora: Any
+    weights_are_parameters: bool
 
     def weight_buckets(self, bucket_bytes: int) -> list[list[Named]]: ...
 

@@ -350,12 +350,14 @@ class RolloutEngine(ABC):
 
 
 class InFlight:
-    """The one loop over a backend's streaming interface: prompts are added (``add``), the engine
-    is stepped (``step``), and each prompt's group is taken as soon as it is ``done``. The
-    synchronous call (:meth:`RolloutEngine.generate_streamed`), the rollout worker's scoring that
-    overlaps generation (``worker_scoring.generate_scored``) and the asynchronous stream
-    (``rollout/stream.py``) all drive a backend through it; they differ only in what they add when
-    and what they do with each finished group."""
+    """The one loop that drives a backend's streaming interface to finished groups: prompts are
+    added (``add``), the engine is stepped (``step``), and each prompt's group is taken as soon as
+    it is ``done``. The synchronous call (:meth:`RolloutEngine.generate_streamed`), the rollout
+    worker's scoring that overlaps generation (``worker_scoring.generate_scored``) and the
+    asynchronous stream (``rollout/stream.py``) all drive a backend through it; they differ only in
+    what they add when and what they do with each finished group. (The multi-turn rollout is a
+    backend itself: it queues one request per turn on its inner engine and carries each trajectory
+    on when its turn is done.)"""
 
     def __init__(self, backend):
         self.backend = backend
