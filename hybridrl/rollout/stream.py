@@ -66,9 +66,9 @@ class RolloutStream:
         ahead = max_groups if prefetch is None else prefetch
         self.prompts = PromptPrefetcher(task, tokenizer, ahead)
         self.flight = InFlight(backend)  # the requests generating: samples, greedy baselines
-        # uid -> the groups of a prompt generating (metadata: index, admitted version): its
-        # samples, then (ReMax) its greedy baseline, each None until it is done
-        self.generating: dict[str, list] = {}
+        # a prompt generating (metadata: index, admitted version) -> its requests done so far, by
+        # uid: its samples and (ReMax) its greedy baseline
+        self.generating: dict[str, dict[str, list[Sample]]] = {}
         self.stopping = threading.Event()
         self.error: BaseException | None = None
         self.idle_s = self.busy_s = 0.0
@@ -104,7 +104,7 @@ class RolloutStream:
             prompt = self.prompts.get(index)
             prompt.metadata |= {"index": index, "admitted": version}
             self.flight.add([prompt], replace(self.params, seed=derive_seed(self.seed, index)))
-            self.generating[prompt.uid] = [prompt, None] + ([None] if self.greedy else [])
+            self.generating[prompt.uid] = {}
             if self.greedy:
                 greedy = greedy_request(prompt)
                 self.flight.add([greedy], replace(self.params, n=1, temperature=0.0))
@@ -114,16 +114,16 @@ class RolloutStream:
         buffer."""
         for request, samples in finished:
             uid = request.uid.removesuffix(GREEDY_SUFFIX)
-            parts = self.generating[uid]
-            parts[2 if request.uid != uid else 1] = samples
-            if any(part is None for part in parts):
+            done = self.generating[uid]
+            done[request.uid] = samples
+            if len(done) < (2 if self.greedy else 1):
                 continue
             del self.generating[uid]
-            prompt, group = parts[0], self.scorer(parts[1])
+            group = self.scorer(done[uid])
             if self.greedy:
-                set_baselines(group, self.scorer(parts[2]), self.cfg)
+                set_baselines(group, self.scorer(done[uid + GREEDY_SUFFIX]), self.cfg)
             if self.filter is not None and not self.filter.keep(group):
-                self.buffer.discard(prompt.metadata["index"])
+                self.buffer.discard(group[0].metadata["index"])
             else:
                 self.buffer.put(group)
                 self.groups += 1

@@ -222,9 +222,9 @@ class AlgorithmConfig:
 
     def check_plugins(self) -> None:
         """The chosen estimator's and loss's options, read into the dataclass each declares (its
-        ``options`` attribute), and each one's own checks of the rest of the config (its
-        ``check_config`` attribute); never by name here. The whole config's ``validate`` calls
-        it, once ``policy_loss: auto`` is resolved."""
+        ``options`` attribute, whose ``__post_init__`` holds any rule between them); never by
+        name here. The whole config's ``validate`` calls it, once ``policy_loss: auto`` is
+        resolved."""
         # lazy: the algorithms import the config
         from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES
         from hybridrl.config.convert import ConfigError
@@ -243,9 +243,6 @@ class AlgorithmConfig:
                 )
             if declared is not None:
                 self.options(declared, role)
-            check = getattr(plugin, "check_config", None)
-            if check is not None:
-                check(self)
 
     def options(self, declared: type, role: str):
         """``<role>_options`` (role: "advantage" or "policy_loss") read into the plug-in's
