@@ -172,7 +172,7 @@ def measure(learner: Learner, batch: Batch, budget: int, clip: tuple[float, floa
     logp = {}
     for mode, flag in (("none", 0), ("r3", 1)):
         marked = batch | Batch({REPLAY: torch.full((len(batch),), flag)})
-        logp[mode] = batch_log_probs(learner.model, marked, budget, learner.policy.sampling)[mask]
+        logp[mode] = batch_log_probs(learner.model, marked, budget, learner.actor.sampling)[mask]
     rollout = batch["rollout_log_probs"][mask]
     gap = {mode: (lp - rollout).abs() for mode, lp in logp.items()}
     outside = {

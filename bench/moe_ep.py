@@ -9,7 +9,7 @@ build an EP 2 learner and an EP 1 learner from the same seed, run the same log-p
 on their halves of the batch (the EP 2 results against the single process: ``max_abs_diff``,
 the largest difference of log-probs and updated weights), then alternate further updates of the
 two learners on the same halves, ``--steps`` each; a step's time is the slower rank's
-``update_policy`` (a forward and backward per micro-batch and one optimizer step), and
+``update_actor`` (a forward and backward per micro-batch and one optimizer step), and
 ``step_seconds`` holds the median per EP size (EP 1 is the baseline of the same run).
 ``traffic_rows`` are the (token, expert) rows each rank sent and received through the EP 2
 exchanges of the timed steps.
@@ -102,7 +102,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     first = with_old(learners[2], part)
     out = {"logp": first["old_log_probs"]}
     for ep, learner in learners.items():  # the first update (not timed: it also warms up)
-        learner.update_policy(with_old(learner, part))
+        learner.update_actor(with_old(learner, part))
         if ep == 2:
             out["weights"] = weights(learner)
     pop_traffic(learners[2].model)
@@ -112,7 +112,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
             mb = with_old(learner, part)
             distributed.barrier()
             t0 = time.perf_counter()
-            learner.update_policy(mb)
+            learner.update_actor(mb)
             dt = time.perf_counter() - t0
             times[ep].append(float(distributed.all_reduce([dt], op="max")[0]))
     out["times"] = times
@@ -165,7 +165,7 @@ def run_ep(rows: int = 64, steps: int = 5, threads: int = 1) -> dict:
         procs = launch(work)
         first = with_old(single, batch)
         t0 = time.perf_counter()
-        single.update_policy(first)
+        single.update_actor(first)
         single_s = time.perf_counter() - t0
         ref = weights(single)
         logs = [p.communicate(timeout=1800)[0] for p in procs]

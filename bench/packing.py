@@ -18,7 +18,7 @@ workload's config: ppo_clip, 4 mini-batches of 64, ``actor.micro_batch_tokens`` 
   and over each rank's share of each mini-batch of 64 that the update draws from the step's 256
   rows, where the ranks meet (``..._per_minibatch``: ``perf/dp_token_imbalance_minibatch``); the
   mean over the steps.
-- ``update``: the policy update (``Learner.update_policy``) on the same batch from the same
+- ``update``: the policy update (``Learner.update_actor``) on the same batch from the same
   weights and optimizer state, the settings alternating (packed, grouped, naive, naive, grouped,
   packed, ...) ``--reps`` times; the median seconds of each, ``update_speedup_vs_unpacked`` =
   grouped / packed and ``update_speedup_vs_naive`` = naive / packed, and the largest weight
@@ -114,7 +114,7 @@ def naive_update(lrn: Learner, batch: Batch) -> dict[str, float]:
     lrn.model.train()
     fed = real = 0
     per_mb = max(1, a.micro_batch_tokens // batch["input_ids"].shape[1])
-    for rows in minibatch_rows(len(batch), lrn.policy.shuffle, a.ppo_minibatch_size):
+    for rows in minibatch_rows(len(batch), lrn.actor.shuffle, a.ppo_minibatch_size):
         mini = batch.index(rows)
         lrn.optimizer.zero_grad(set_to_none=True)
         totals = global_totals(mini, lrn.cfg.loss_norm_len)
@@ -132,10 +132,10 @@ def timed_update(lrn: Learner, batch: Batch, setting: str, start: dict) -> tuple
     """(seconds, metrics) of one update from the weights and optimizer state in ``start``."""
     lrn.model.load_state_dict(start["model"])
     lrn.optimizer.load_state_dict(start["optimizer"])
-    lrn.policy.shuffle.set_state(start["shuffle"])
+    lrn.actor.shuffle.set_state(start["shuffle"])
     lrn.cfg.actor.packing = setting == "packed"
     t0 = time.perf_counter()
-    metrics = naive_update(lrn, batch) if setting == "naive" else lrn.update_policy(batch)
+    metrics = naive_update(lrn, batch) if setting == "naive" else lrn.update_actor(batch)
     return time.perf_counter() - t0, metrics
 
 
@@ -146,7 +146,7 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
     task, tokenizer = make_task(cfg), lrn.tokenizer
     # every update starts from these weights and a fresh AdamW state (it has taken no step yet)
     start = {"model": {k: v.clone() for k, v in lrn.model.state_dict().items()}}
-    start |= {"optimizer": lrn.optimizer.state_dict(), "shuffle": lrn.policy.shuffle.get_state()}
+    start |= {"optimizer": lrn.optimizer.state_dict(), "shuffle": lrn.actor.shuffle.get_state()}
     pad: dict[str, list[float]] = {s: [] for s in SETTINGS}
     imb: dict[str, list[float]] = {"balanced": [], "unbalanced": []}
     per_mini: dict[str, list[float]] = {"balanced": [], "unbalanced": []}
@@ -159,7 +159,7 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
         batch = update_inputs(lrn, samples, tokenizer.pad_token_id)
         for key, on in (("balanced", True), ("unbalanced", False)):
             minis = first_epoch_minibatches(
-                len(batch), lrn.policy.shuffle, cfg.actor.ppo_minibatch_size
+                len(batch), lrn.actor.shuffle, cfg.actor.ppo_minibatch_size
             )
             metrics = balance_for_ranks(batch, 2, on, minis)[1]
             imb[key].append(metrics["perf/dp_token_imbalance"])

@@ -5,7 +5,7 @@ Prints one JSON object and a small table. Parts (``--only``):
 - ``probe``: the CPU's bf16 flag, an n x n matmul in bf16 against fp32, and what ``auto`` picks for
   the built-in sizes (``parallel/precision.py``: one measured decoder layer, forward + backward for
   training, forward only for the rollout), with the measured gains.
-- ``step``: W1 tiny and small, one actor ``update_policy`` (forward + backward + AdamW; 32 prompts x
+- ``step``: W1 tiny and small, one actor ``update_actor`` (forward + backward + AdamW; 32 prompts x
   8 samples, 10 prompt + 16 response tokens, 4 mini-batches of 64) and one ``compute_log_prob``
   pass, fp32 against bf16 autocast. Variants alternate, ``--reps`` rounds, medians.
 - ``engine``: the native engine's throughput, fp32 against bf16 weights and KV (``rollout.dtype``):
@@ -134,7 +134,7 @@ def step(reps: int) -> dict:
             actors[prec] = Learner(ctx, cfg, None)
         batch = w1_batch(actors["fp32"].model.config.vocab_size)
         upd = alternate(
-            {p: functools.partial(a.update_policy, batch) for p, a in actors.items()}, reps
+            {p: functools.partial(a.update_actor, batch) for p, a in actors.items()}, reps
         )
         lp = alternate(
             {p: functools.partial(a.compute_log_prob, batch) for p, a in actors.items()}, reps

@@ -178,11 +178,11 @@ def test_the_learner_and_its_critic_count_with_the_configured_limit():
     cfg.algorithm.advantage = "gae"  # the learner builds a critic
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="p", num_threads=1)
     learner = Learner(ctx, cfg, None)
-    assert (learner.policy.skips.limit, learner.policy.skips.role) == (1, "actor")
+    assert (learner.actor.skips.limit, learner.actor.skips.role) == (1, "actor")
     assert (learner.critic.skips.limit, learner.critic.skips.role) == (1, "critic")
     model, opt = toy()
     with pytest.raises(NonFiniteUpdateError, match="max_nonfinite_in_a_row=1"):
-        update(model, opt, ToyLoss(model, nan_calls={0}), skips=learner.policy.skips)
+        update(model, opt, ToyLoss(model, nan_calls={0}), skips=learner.actor.skips)
 
 
 WORLD = 2
@@ -231,9 +231,9 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
             self.n += 1
             return loss, metrics
 
-    out = {"first": learner.policy.update(part, Poisoned(1, {0}).objective)}
+    out = {"first": learner.actor.update(part, Poisoned(1, {0}).objective)}
     try:
-        learner.policy.update(part, Poisoned(0, set(range(100))).objective)
+        learner.actor.update(part, Poisoned(0, set(range(100))).objective)
         out["error"] = None
     except NonFiniteUpdateError as e:
         out["error"] = str(e)

@@ -73,7 +73,7 @@ def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
     actor = Learner(WorkerContext(rank=0, world_size=1, role="learner", pool="p"), cfg, None)
     assert next(actor.model.parameters()).device.type == "cuda"
     batch = rl_batch(actor)
-    metrics = actor.update_policy(batch)
+    metrics = actor.update_actor(batch)
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
     eng = NativeRollout(actor.model, actor.tokenizer, rcfg())
     assert (
@@ -126,7 +126,7 @@ def test_one_gpu_trains_under_bf16_autocast_with_fp32_master_weights(monkeypatch
     cfg.fsdp.strategy = "none"
     actor = Learner(WorkerContext(rank=0, world_size=1, role="learner", pool="p"), cfg, None)
     assert (autocast_device(actor.model), autocast_dtype(actor.model)) == ("cuda", torch.bfloat16)
-    metrics = actor.update_policy(rl_batch(actor))
+    metrics = actor.update_actor(rl_batch(actor))
     assert all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())
     params = list(actor.model.parameters())
     assert {(p.device.type, p.dtype) for p in params} == {("cuda", torch.float32)}

@@ -108,10 +108,10 @@ def step(learner, part: Batch) -> dict:
     from hybridrl.moe.ep import traffic_metrics
 
     logp = learner.compute_log_prob(part)["old_log_probs"]
-    ref_logp = learner.reference.log_probs(part, learner.policy.shuffle)[
+    ref_logp = learner.reference.log_probs(part, learner.actor.shuffle)[
         "ref_log_probs"
     ]  # the frozen initial policy
-    metrics = learner.update_policy(part)
+    metrics = learner.update_actor(part)
     return {
         "logp": logp,
         "ref_logp": ref_logp,

@@ -65,7 +65,7 @@ def setup():
     batch = (
         batch
         | learner.compute_log_prob(batch)
-        | with_ref.reference.log_probs(batch, with_ref.policy.shuffle)
+        | with_ref.reference.log_probs(batch, with_ref.actor.shuffle)
     )
     return cfg, learner, batch
 

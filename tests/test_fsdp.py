@@ -123,7 +123,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         learner = Learner(ctx, make_cfg(sharding, ac), None)
         workers.append(learner)
         logp = learner.compute_log_prob(part)["old_log_probs"]
-        metrics = learner.update_policy(part)
+        metrics = learner.update_actor(part)
         out[(sharding, ac)] = {
             "weights": full_weights(learner),
             "metrics": metrics,
@@ -138,7 +138,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     workers.append(bf16)
     out["bf16"] = {
         "logp": bf16.compute_log_prob(part)["old_log_probs"],
-        "metrics": bf16.update_policy(part),
+        "metrics": bf16.update_actor(part),
         "weights": full_weights(bf16),
         "autocast": autocast_dtype(bf16.model),
         "dtypes": {p.dtype for p in bf16.model.parameters()},
@@ -163,7 +163,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         name: all(isinstance(p, DTensor) for p in held.model.parameters())
         for name, held in (("reference", ppo.reference), ("critic", ppo.critic))
     }
-    out["reference"] = ppo.reference.log_probs(part, ppo.policy.shuffle)["ref_log_probs"]
+    out["reference"] = ppo.reference.log_probs(part, ppo.actor.shuffle)["ref_log_probs"]
     out["values"] = ppo.critic.values(part)["values"]
     out["critic_metrics"] = ppo.critic.update(part)
     out["critic_weights"] = {n: t.clone() for n, t in full_state_dict(ppo.critic.model).items()}
@@ -185,12 +185,10 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         "trained": full_weights(trained),
         "loaded": full_weights(fresh),
         "same_optim": same_optim,
-        "same_rng": torch.equal(
-            trained.policy.shuffle.get_state(), fresh.policy.shuffle.get_state()
-        ),
+        "same_rng": torch.equal(trained.actor.shuffle.get_state(), fresh.actor.shuffle.get_state()),
     }
-    trained.update_policy(part)
-    fresh.update_policy(part)
+    trained.update_actor(part)
+    fresh.update_actor(part)
     out["ckpt"] |= {"trained2": full_weights(trained), "loaded2": full_weights(fresh)}
     for w in workers:
         w.close()
@@ -247,16 +245,16 @@ def runs(tmp_path_factory):
         text=True,
     )
     logp = single.compute_log_prob(batch)["old_log_probs"]
-    metrics = single.update_policy(batch)
+    metrics = single.update_actor(batch)
     reference = {"weights": full_weights(single), "metrics": metrics, "logp": logp, "batch": batch}
     bf16 = Learner(ctx1, make_cfg(precision="bf16"), None)
     reference["bf16"] = {
         "logp": bf16.compute_log_prob(batch)["old_log_probs"],
-        "metrics": bf16.update_policy(batch),
+        "metrics": bf16.update_actor(batch),
         "weights": full_weights(bf16),
     }
     ppo = Learner(ctx1, make_cfg(advantage="gae"), None)
-    reference["reference"] = ppo.reference.log_probs(batch, ppo.policy.shuffle)["ref_log_probs"]
+    reference["reference"] = ppo.reference.log_probs(batch, ppo.actor.shuffle)["ref_log_probs"]
     reference["values"] = ppo.critic.values(batch)["values"]
     reference["critic_metrics"] = ppo.critic.update(batch)
     reference["critic_weights"] = {
@@ -433,7 +431,7 @@ def test_ray_worker_group_of_two_fsdp_ranks(runs, tmp_path):
     try:
         logp = learner.compute_log_prob(batch)["old_log_probs"]
         assert (logp - batch["old_log_probs"]).abs().max().item() <= 1e-5
-        m0, m1 = learner.update_policy(batch)
+        m0, m1 = learner.update_actor(batch)
         assert m0 == m1 and m0["actor/pg_loss"] == pytest.approx(
             runs["ref"]["metrics"]["actor/pg_loss"], rel=1e-4
         )

@@ -86,10 +86,10 @@ def trained():
     actor = Learner(CTX1, make_cfg(), None)
     batch = rl_batch(actor)
     before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
-    actor.update_policy(batch)
+    actor.update_actor(batch)
     after1 = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
     grads = {n for n, p in actor.model.named_parameters() if p.grad is not None}
-    actor.update_policy(batch)
+    actor.update_actor(batch)
     return {"actor": actor, "batch": batch, "before": before, "after1": after1, "grads": grads}
 
 
@@ -148,11 +148,11 @@ def test_first_sync_resets_a_rollout_built_from_merged_weights(trained):
     merged = merged_model(actor)
     want = logits(merged, batch)
     rollout = hf_rollout(actor.cfg, merged_model(actor))
-    actor.policy.base_synced = False
+    actor.actor.base_synced = False
     auto = actor.weight_buckets()
     assert (
         any(n == "model.embed_tokens.weight" for b in auto for n, _ in b)
-        and actor.policy.base_synced
+        and actor.actor.base_synced
     )
     rollout.update_weights((item for b in auto for item in b), 1)
     assert (logits(rollout.model, batch) - want).abs().max().item() <= TOL
@@ -178,7 +178,7 @@ def test_shm_sync_of_a_lora_learner_goes_through_its_buckets():
         handle = writer.publish(actor, 1)
         assert not writer.rehomed
         assert reader.load(rollout, handle, 1) > 0  # the rollout's sync check accepts the names
-    assert actor.policy.base_synced
+    assert actor.actor.base_synced
 
 
 @pytest.mark.parametrize("backend", ["hf", "native"])
@@ -245,7 +245,7 @@ def test_checkpoint_resume_and_export(trained, tmp_path):
     ):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(actor.optimizer.state[p1][k], resumed.optimizer.state[p2][k])
-    assert torch.equal(actor.policy.shuffle.get_state(), resumed.policy.shuffle.get_state())
+    assert torch.equal(actor.actor.shuffle.get_state(), resumed.actor.shuffle.get_state())
     # export: a transformers directory with the merged model's logits
     import transformers
 
@@ -285,7 +285,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         "trainable": sorted(n for n, p in params.items() if p.requires_grad),
         "optimized": len(actor.optimizer.param_groups[0]["params"]),
     }
-    actor.update_policy(batch.chunk(WORLD)[rank])
+    actor.update_actor(batch.chunk(WORLD)[rank])
     buckets = actor.weight_buckets(mode="base")
     merged = lora_lib.merged_weights(actor.model)
     actor.save_checkpoint(str(work / "ckpt"))
@@ -308,7 +308,7 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     batch = rl_batch(single)
     torch.save(batch.tensors, tmp_path / "batch.pt")
     procs = launch_ranks(__file__, WORLD, tmp_path)
-    single.update_policy(batch)
+    single.update_actor(batch)
     want = lora_lib.merged_weights(single.model)
     want_buckets = dict(item for b in single.weight_buckets(mode="base") for item in b)
     wait_ranks(procs, timeout=240)

@@ -473,7 +473,7 @@ def train_part(lrn, part):
     from hybridrl.parallel import distributed
 
     part = part | lrn.compute_log_prob(part)
-    metrics = lrn.update_policy(part)
+    metrics = lrn.update_actor(part)
     loads = distributed.all_reduce(lrn.moe.counts.flatten().clone()).view(lrn.moe.counts.shape)
     return metrics | lrn.moe.step_metrics(part), loads
 

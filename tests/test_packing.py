@@ -338,8 +338,8 @@ def weights(model) -> dict[str, torch.Tensor]:
 def test_packed_update_trains_the_same_weights():
     batch = make_batch(n=16, seed=5)
     plain, packed = learner(False), learner(True)
-    m0 = plain.update_policy(update_batch(plain, batch))
-    m1 = packed.update_policy(update_batch(packed, batch))
+    m0 = plain.update_actor(update_batch(plain, batch))
+    m1 = packed.update_actor(update_batch(packed, batch))
     w0, w1 = weights(plain.model), weights(packed.model)
     assert max((w0[k] - w1[k]).abs().max().item() for k in w0) <= TOL
     assert m0["actor/updates"] == m1["actor/updates"] == 2
@@ -454,7 +454,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     lrn = learner(True, WORLD, rank, port)
     part = batch.chunk(WORLD)[rank]
     logp = lrn.compute_log_prob(part)["old_log_probs"]
-    metrics = lrn.update_policy(part | Batch({"old_log_probs": logp, "ref_log_probs": logp * 0.9}))
+    metrics = lrn.update_actor(part | Batch({"old_log_probs": logp, "ref_log_probs": logp * 0.9}))
     from hybridrl.parallel.fsdp import full_state_dict
 
     state = {k: v.clone() for k, v in full_state_dict(lrn.model).items()}
@@ -469,13 +469,13 @@ def test_two_rank_packed_balanced_update_equals_one_process(tmp_path):
     single = learner(True)
     batch = make_batch(n=16, seed=9)
     minis = first_epoch_minibatches(
-        len(batch), single.policy.shuffle, single.cfg.actor.ppo_minibatch_size
+        len(batch), single.actor.shuffle, single.cfg.actor.ppo_minibatch_size
     )
     batch, balance = balance_for_ranks(batch, WORLD, True, minis)
     assert balance["perf/dp_token_imbalance_minibatch"] <= 0.1
     torch.save(batch.tensors, tmp_path / "batch.pt")
     procs = launch_ranks(__file__, WORLD, tmp_path)
-    metrics = single.update_policy(update_batch(single, batch))
+    metrics = single.update_actor(update_batch(single, batch))
     ref = weights(single.model)
     wait_ranks(procs, timeout=300)
     got = torch.load(tmp_path / "ranks.pt", weights_only=False)

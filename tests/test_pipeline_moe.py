@@ -102,9 +102,9 @@ def step(lrn, batch: Batch) -> dict:
 
     moe = lrn.moe
     batch = moe.mark(batch)
-    batch = batch | lrn.policy.rows(lrn.compute_log_prob, batch)
+    batch = batch | lrn.actor.rows(lrn.compute_log_prob, batch)
     batch = moe.after_old_pass(batch)
-    metrics = lrn.policy.rows(lrn.update_policy, batch)
+    metrics = lrn.actor.rows(lrn.update_actor, batch)
     loads = distributed.all_reduce(moe.counts.flatten().clone()).view(moe.counts.shape)
     metrics |= moe.step_metrics(batch)
     return {"old": batch["old_log_probs"], "metrics": metrics, "loads": loads}
@@ -140,20 +140,18 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     for replay, schedule in saved["modes"]:
         lrn = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb)
         if ep > 1:  # each rank holds half of every layer's experts
-            experts = (
-                lrn.policy.pipeline.stages[0].layers["0" if rank % 2 == 0 else "2"].mlp.experts
-            )
+            experts = lrn.actor.pipeline.stages[0].layers["0" if rank % 2 == 0 else "2"].mlp.experts
             assert experts.gate_up_proj.to_local().shape[0] == 4
         out = {"steps": train(lrn, Batch(saved["tensors"]), saved["steps"])}
-        lrn.policy.pipeline.reshard()  # the stages keep their gathered roots
-        out["grads"] = named_grads(lrn.policy.pipeline.stages)
-        out["weights"] = lrn.policy.pipeline.full_weights()  # rank 0: the whole model
+        lrn.actor.pipeline.reshard()  # the stages keep their gathered roots
+        out["grads"] = named_grads(lrn.actor.pipeline.stages)
+        out["weights"] = lrn.actor.pipeline.full_weights()  # rank 0: the whole model
         path = str(work / f"checkpoint-{replay}-{schedule}")
         lrn.save_checkpoint(path)
         if ep > 1:  # the sharded checkpoint (split experts and all) loads back on this layout
             fresh = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb)
             fresh.load_state(path)
-            out["reloaded"] = fresh.policy.pipeline.full_weights()
+            out["reloaded"] = fresh.actor.pipeline.full_weights()
         results[replay, schedule] = out
     torch.save(results, work / f"out-{rank}.pt")
     distributed.barrier()
@@ -252,7 +250,7 @@ def test_every_pipeline_rank_needs_a_router():
     dense layers is refused when the pipeline is built."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from hybridrl.learner.pipeline_policy import check_routers_per_rank
+    from hybridrl.learner.pipeline_actor import check_routers_per_rank
     from hybridrl.models.factory import MOE_SIZES
     from hybridrl.parallel.pipeline import PipeLayout
 

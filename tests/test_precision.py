@@ -147,16 +147,16 @@ def test_actor_reference_and_critic_share_one_measurement_and_its_verdict(monkey
 
 @pytest.fixture(scope="module")
 def steps():
-    """One update_policy of the same policy on the same batch in fp32 and in bf16 (forced)."""
+    """One update_actor of the same policy on the same batch in fp32 and in bf16 (forced)."""
     out = {}
     for precision in ("fp32", "bf16"):
         actor = make_learner(make_cfg(precision))
         before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
         batch = out.get("batch") or make_batch(make_learner(make_cfg("fp32")))
         shuffle = torch.Generator()  # the update's mini-batch generator before the update draws
-        shuffle.set_state(actor.policy.shuffle.get_state())
+        shuffle.set_state(actor.actor.shuffle.get_state())
         logp = actor.compute_log_prob(batch)["old_log_probs"]
-        metrics = actor.update_policy(batch)
+        metrics = actor.update_actor(batch)
         out |= {
             "batch": batch,
             "shuffle": shuffle,

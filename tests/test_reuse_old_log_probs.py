@@ -143,8 +143,8 @@ def test_update_without_old_log_probs_equals_the_update_after_the_pass(loss, pre
     passed, reused = make_learner(cfg), make_learner(cfg)
     batch = ragged_batch(passed.model.config.vocab_size)
     old = passed.compute_log_prob(batch)["old_log_probs"]
-    m_pass = passed.update_policy(batch | Batch({"old_log_probs": old}))
-    m_reuse = reused.update_policy(batch)
+    m_pass = passed.update_actor(batch | Batch({"old_log_probs": old}))
+    m_reuse = reused.update_actor(batch)
     assert (m_pass.pop(INDICATOR), m_reuse.pop(INDICATOR)) == (0.0, 1.0)
     assert_same(m_pass, m_reuse)
     assert_same(state(passed), state(reused))
@@ -168,7 +168,7 @@ def test_the_pass_is_the_update_forward_bit_for_bit():
     batch = batch | Batch({"row": torch.arange(ROWS)})
     old = learner.compute_log_prob(batch)["old_log_probs"]
     regrouped = batch_log_probs(
-        learner.model, batch, learner.cfg.actor.micro_batch_tokens, learner.policy.sampling
+        learner.model, batch, learner.cfg.actor.micro_batch_tokens, learner.actor.sampling
     )
     objective = learner.objective
 
@@ -177,7 +177,7 @@ def test_the_pass_is_the_update_forward_bit_for_bit():
         return objective(logp, entropy, mb, totals)
 
     learner.objective = record
-    learner.update_policy(batch | Batch({"old_log_probs": old}))
+    learner.update_actor(batch | Batch({"old_log_probs": old}))
     assert torch.equal(seen, old)
     assert torch.allclose(regrouped, old, atol=1e-5)  # the same numbers up to rounding
 
@@ -185,7 +185,7 @@ def test_the_pass_is_the_update_forward_bit_for_bit():
 def test_reuse_needs_a_single_pass():
     learner = make_learner(actor_cfg(f"actor.ppo_minibatch_size={ROWS // 2}"))
     with pytest.raises(ValueError, match="one epoch over one mini-batch"):
-        learner.update_policy(ragged_batch(learner.model.config.vocab_size))
+        learner.update_actor(ragged_batch(learner.model.config.vocab_size))
 
 
 def test_dropout_in_training_mode_falls_back_to_the_pass():
@@ -197,7 +197,7 @@ def test_dropout_in_training_mode_falls_back_to_the_pass():
     )
     batch = ragged_batch(passed.model.config.vocab_size)
     old = passed.compute_log_prob(batch)["old_log_probs"]
-    metrics = fallback.update_policy(batch)
+    metrics = fallback.update_actor(batch)
     assert metrics[INDICATOR] == 0.0
     assert torch.equal(fallback.old_log_probs_of_last_update(batch)["old_log_probs"], old)
 
@@ -377,8 +377,8 @@ def dp_rank_main(rank: int, port: int, workdir: str) -> None:
     passed, reused = Learner(ctx, cfg, None), Learner(ctx, cfg, None)
     old = passed.compute_log_prob(part)["old_log_probs"]
     out = {
-        "pass": passed.update_policy(part | Batch({"old_log_probs": old})),
-        "reuse": reused.update_policy(part),
+        "pass": passed.update_actor(part | Batch({"old_log_probs": old})),
+        "reuse": reused.update_actor(part),
         "old": old,
         "taken": reused.old_log_probs_of_last_update(part)["old_log_probs"],
     }

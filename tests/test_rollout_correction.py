@@ -139,7 +139,7 @@ class StubLearner:
         self.tokenizer = SimpleNamespace(pad_token_id=0)
         self.moe, self.rank = None, 0
         # one process: the policy's rows are the whole batch
-        self.policy = SimpleNamespace(shuffle=torch.Generator(), replicas=1, rows=lambda f, b: f(b))
+        self.actor = SimpleNamespace(shuffle=torch.Generator(), replicas=1, rows=lambda f, b: f(b))
 
     take_samples = Learner.take_samples
 
@@ -150,7 +150,7 @@ class StubLearner:
     def policy_loss(self, mb, totals):  # never called: the stub's update does not run micro-batches
         raise AssertionError("policy_loss called")
 
-    def update_policy(self, batch):
+    def update_actor(self, batch):
         self.updated = batch
         return {"actor/pg_loss": 0.0}
 

@@ -306,7 +306,7 @@ def train_batch(cfg, tokenizer, prompts, rollout):
     assert "reward_errors" in batch
     assert cfg.algorithm.kl_coef > 0  # a KL term reads the reference: the learner holds one
     learner = group(Learner, cfg, "learner").workers[0]
-    batch = batch | learner.reference.log_probs(batch, learner.policy.shuffle)
+    batch = batch | learner.reference.log_probs(batch, learner.actor.shuffle)
     batch = batch | learner.compute_log_prob(batch)
     batch = compute_advantages(batch, cfg.algorithm)
     assert batch["advantages"].abs().sum() > 0
@@ -320,7 +320,7 @@ def params_of(wg):
 def test_update_policy_metrics_and_weights_change(cfg, train_batch):
     learner = group(Learner, cfg, "learner")
     before = params_of(learner)
-    (metrics,) = learner.update_policy(train_batch)  # DP_COMPUTE: each rank's metrics
+    (metrics,) = learner.update_actor(train_batch)  # DP_COMPUTE: each rank's metrics
     for key in (
         "actor/pg_loss",
         "actor/kl_ref",
@@ -361,8 +361,8 @@ def test_micro_batching_is_exact_gradient_accumulation(train_batch):
     assert len(micro_batches(train_batch[:4], 1)[0]) == 4
     assert len(micro_batches(train_batch[:4], 1 << 20)[0]) == 1
     g_one, g_many = record_grads(one), record_grads(many)
-    m_one = one.update_policy(train_batch)[0]
-    m_many = many.update_policy(train_batch)[0]
+    m_one = one.update_actor(train_batch)[0]
+    m_many = many.update_actor(train_batch)[0]
     # the gradient of every optimizer step is the same token-mean, up to float32 rounding
     assert len(g_one) == len(g_many) == 2
     for step, (a, b) in enumerate(zip(g_one, g_many)):

@@ -136,7 +136,7 @@ def build_roles(
     mapped to the same pool share its processes (colocation) under the ``ray`` backend."""
     c = cfg.controller
     if learner and cfg.actor.pp_size > 1:  # the actor's ranks are a dp x pp mesh: refuse early
-        from hybridrl.learner.pipeline_policy import check_config, model_layers
+        from hybridrl.learner.pipeline_actor import check_config, model_layers
 
         p = c.pools[c.pool_of("learner")]
         check_config(cfg, p.nodes * p.workers_per_node, model_layers(cfg, policy_path))

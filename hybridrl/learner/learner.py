@@ -7,13 +7,13 @@ the samples; the reference and old log-probs, the values, the advantages and bot
 each pass adding its columns to the batch; the driver gets metrics back, never tensors. The order
 of the passes is :meth:`Learner.train_step`, which reads as docs/architecture.md draws it.
 
-The learner holds its trained models: the policy, in whichever form it takes (plain or FSDP2,
-LoRA, pipelined: ``learner/policy.py``, one interface), the reference (``learner/reference.py``)
-when a KL term reads it, the critic (``learner/critic.py``) when the advantage estimator needs
-values. With more than one rank the models are sharded with FSDP2 over the meshes of one
-:class:`~hybridrl.parallel.mesh.ParallelDims`, every rank runs the whole step, and each per-row pass
-runs on the rank's contiguous share of the rows (the ranks' results gathered), so the step equals
-the single-process one (``learner/update.py``).
+The learner holds its trained models: the actor (the policy being trained), in whichever form it
+takes (plain or FSDP2, LoRA, pipelined: ``learner/actor.py``, one interface), the reference
+(``learner/reference.py``) when a KL term reads it, the critic (``learner/critic.py``) when the
+advantage estimator needs values. With more than one rank the models are sharded with FSDP2 over the
+meshes of one :class:`~hybridrl.parallel.mesh.ParallelDims`, every rank runs the whole step, and
+each per-row pass runs on the rank's contiguous share of the rows (the ranks' results gathered), so
+the step equals the single-process one (``learner/update.py``).
 
 Decoupled PPO's three policies: behaviour = the rollout's log-probs (``rollout_log_probs``, possibly
 stale and mixed across versions), proximal = ``old_log_probs`` (these weights before the update),
@@ -57,6 +57,7 @@ from hybridrl.algorithms.rollout_correction import (
 from hybridrl.config import Config
 from hybridrl.controller import Dispatch, Worker, WorkerContext, register
 from hybridrl.learner import moe as moe_training
+from hybridrl.learner.actor import actor_form, on_my_rows
 from hybridrl.learner.critic import Critic
 from hybridrl.learner.metrics import batch_metrics, reward_failures, staleness_metrics
 from hybridrl.learner.old_log_probs import NotedOldLogProbs, check_single_pass
@@ -66,7 +67,6 @@ from hybridrl.learner.passes import (
     needs_reference,
     reuses_old_log_probs,
 )
-from hybridrl.learner.policy import on_my_rows, policy_form
 from hybridrl.learner.reference import Reference
 from hybridrl.learner.shaping import RewardShaper
 from hybridrl.learner.state import BackgroundWriter, check_finite, save_trainable
@@ -98,8 +98,8 @@ class Learner(Worker):
         # every group the models are sharded, split or pipelined over (parallel/mesh.py)
         self.dims = ParallelDims.of(self.dist, cfg.actor.pp_size, cfg.moe.ep_size)
         model, self.tokenizer = load_model(cfg, model_path)
-        # plain / FSDP2, LoRA or pipelined, with its optimizer (learner/policy.py)
-        self.policy = policy_form(cfg)(cfg, model, model_path, self.dist, self.dims)
+        # plain / FSDP2, LoRA or pipelined, with its optimizer (learner/actor.py)
+        self.actor = actor_form(cfg)(cfg, model, model_path, self.dist, self.dims)
         # MoE (docs/moe.md): routing replay, balancing, health; None for a dense model
         self.moe = moe_training.start(self.model, self.optimizer, cfg.moe)
         self.loss_fn = POLICY_LOSSES.get(cfg.algorithm.policy_loss)
@@ -123,17 +123,17 @@ class Learner(Worker):
 
     @property
     def model(self):
-        """The policy's model (a pipelined policy: this rank's stages)."""
-        return self.policy.model
+        """The actor's model (a pipelined actor: this rank's stages)."""
+        return self.actor.model
 
     @property
     def optimizer(self):
-        return self.policy.optimizer
+        return self.actor.optimizer
 
     @property
     def weights_are_parameters(self) -> bool:
         """Whether the published weights are the model's parameters by name (weight sync)."""
-        return self.policy.weights_are_parameters
+        return self.actor.weights_are_parameters
 
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
@@ -145,13 +145,13 @@ class Learner(Worker):
         t0 = time.perf_counter()
         samples = self.take_samples(source, version)
         waited = time.perf_counter() - t0
-        cfg, timer, policy = self.cfg, self.timer, self.policy
+        cfg, timer, actor = self.cfg, self.timer, self.actor
         alg = cfg.algorithm
         batch = samples_to_batch(samples, self.tokenizer.pad_token_id)
         # each replica's share of each of the update's mini-batches gets an equal token count
-        minis = first_epoch_minibatches(len(batch), policy.shuffle, cfg.actor.ppo_minibatch_size)
+        minis = first_epoch_minibatches(len(batch), actor.shuffle, cfg.actor.ppo_minibatch_size)
         batch, balanced = balance_for_ranks(
-            batch, policy.replicas, cfg.trainer.balance_batch, minis
+            batch, actor.replicas, cfg.trainer.balance_batch, minis
         )  # parallel/batch_balance.py
         reuse = reuses_old_log_probs(cfg, len(batch))
         moe = self.moe
@@ -159,13 +159,13 @@ class Learner(Worker):
         if self.reference is not None:
             with timer.phase("reference"):
                 batch |= on_my_rows(
-                    lambda rows: self.reference.log_probs(rows, policy.shuffle), batch
+                    lambda rows: self.reference.log_probs(rows, actor.shuffle), batch
                 )
         if alg.rollout_bypass:  # the rollout's log-probs are the old policy: no forward
             batch |= bypass_old_log_probs(batch)
         elif not reuse:
             with timer.phase("old_log_prob"):
-                batch |= policy.rows(self.compute_log_prob, batch)
+                batch |= actor.rows(self.compute_log_prob, batch)
         batch = moe.after_old_pass(batch) if moe else batch  # r2: replay that pass
         correction = {}
         if not reuse:
@@ -180,9 +180,9 @@ class Learner(Worker):
             with timer.phase("critic_update"):
                 metrics |= on_my_rows(self.critic.update, batch)
         with timer.phase("update"):
-            metrics |= policy.rows(self.update_policy, batch)
+            metrics |= actor.rows(self.update_actor, batch)
         if reuse:  # the update's first forward computed them: the gap metrics come now
-            batch |= policy.rows(self.old_log_probs_of_last_update, batch)
+            batch |= actor.rows(self.old_log_probs_of_last_update, batch)
             batch, correction = rollout_correction(batch, alg)
         stale, lag = {}, []
         if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
@@ -226,8 +226,8 @@ class Learner(Worker):
 
     def policy_loss(self, mb: Batch, totals: AggTotals) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's share of the mini-batch objective (:meth:`objective`) from a forward
-        of the policy."""
-        return self.policy.loss(self.objective, mb, totals)
+        of the actor."""
+        return self.actor.loss(self.objective, mb, totals)
 
     def objective(
         self, logp: torch.Tensor, entropy: torch.Tensor, mb: Batch, totals: AggTotals
@@ -257,15 +257,15 @@ class Learner(Worker):
             moe_training.note_minibatch(self.model, totals)
         return loss, metrics
 
-    # --- the policy's passes (this rank's rows) -------------------------------------------------
+    # --- the actor's passes (this rank's rows) -------------------------------------------------
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """π_old of every row, grouped as the next update's first epoch groups them; with an
-        estimator that reads it, also ``sum_pi_squared`` (``Policy.old_log_probs``)."""
-        return self.policy.old_log_probs(batch)
+        estimator that reads it, also ``sum_pi_squared`` (``Actor.old_log_probs``)."""
+        return self.actor.old_log_probs(batch)
 
     @register(Dispatch.DP_COMPUTE)
-    def update_policy(self, batch: Batch) -> dict[str, float]:
+    def update_actor(self, batch: Batch) -> dict[str, float]:
         """Train on ``batch`` with :meth:`objective`. Without ``old_log_probs`` the old policy is
         the update's own first forward, which needs one epoch over one mini-batch (checked over
         the global batch); a model with dropout in training mode computes them with the separate
@@ -273,21 +273,21 @@ class Learner(Worker):
         ``actor/old_log_prob_reused`` is 1 when no separate pass ran."""
         reuse = False
         if "old_log_probs" not in batch:
-            check_single_pass(self.cfg.actor, self.policy.total_rows(len(batch)))
+            check_single_pass(self.cfg.actor, self.actor.total_rows(len(batch)))
             reuse = not dropout_in_training(self.model)
             if reuse:
                 batch = self.old.expect(batch)
             else:
                 batch = batch | self.compute_log_prob(batch)
                 self.old.taken = batch["old_log_probs"]
-        metrics = self.policy.update(batch, self.objective)
+        metrics = self.actor.update(batch, self.objective)
         if reuse:  # noted where the objective ran
-            self.old.taken = self.policy.from_loss_ranks(self.old.taken)
+            self.old.taken = self.actor.from_loss_ranks(self.old.taken)
         return metrics | {"actor/old_log_prob_reused": float(reuse)}
 
     @register(Dispatch.DP_COMPUTE)
     def old_log_probs_of_last_update(self, batch: Batch) -> Batch:
-        """The old log-probs the last ``update_policy`` given a batch without them noted, for this
+        """The old log-probs the last ``update_actor`` given a batch without them noted, for this
         rank's rows of ``batch`` (the batch it trained on)."""
         return self.old.take(batch)
 
@@ -302,7 +302,7 @@ class Learner(Worker):
         the base weights, then the adapters; ``auto``: ``base`` on the first call after the learner
         was built or loaded, ``adapter`` afterwards; ``merged`` the full merged weights (plain
         names)."""
-        buckets = self.policy.weight_buckets(bucket_bytes, mode)
+        buckets = self.actor.weight_buckets(bucket_bytes, mode)
         return buckets if self.rank == 0 else []
 
     @register(Dispatch.ALL_FIRST)
@@ -326,22 +326,22 @@ class Learner(Worker):
     def save_checkpoint(
         self, path: str, critic_path: str | None = None, marker: str | None = None
     ) -> str | None:
-        """Every rank: the policy in transformers format with its tokenizer (rank 0), and the
+        """Every rank: the actor in transformers format with its tokenizer (rank 0), and the
         sharded model + optimizer + shuffle RNG under ``path/dcp`` (LoRA: the layout of
-        ``learner/lora.py``; pipelined: of ``learner/pipeline_policy.py``); the critic the same way
+        ``learner/lora.py``; pipelined: of ``learner/pipeline_actor.py``); the critic the same way
         under ``critic_path`` when there is one. Raises ``NonFiniteWeightsError`` before writing
         anything when a weight is NaN or inf.
 
         ``marker`` (``trainer.async_save``): snapshot the state now and write it on a background
-        thread (LoRA and pipelined: the policy is written now, the critic in the background), then
+        thread (LoRA and pipelined: the actor is written now, the critic in the background), then
         write ``<marker>-rank<r>``; returns that path."""
         critic = self.critic.model if self.critic is not None else None
-        check_finite({"policy": self.model, "critic": critic})
+        check_finite({"actor": self.model, "critic": critic})
         writer = None
         if marker is not None:
             self.wait_checkpoint()  # one save in flight at most
             writer = self.writer
-        self.policy.save(path, self.tokenizer, writer)
+        self.actor.save(path, self.tokenizer, writer)
         if self.critic is not None and critic_path is not None:
             c = self.critic
             save_trainable(critic_path, c.model, c.optimizer, c.shuffle, background=writer)
@@ -359,8 +359,8 @@ class Learner(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def load_state(self, path: str, critic_path: str | None = None) -> None:
-        """The policy from ``path``, the critic from ``critic_path``."""
-        self.policy.load(path)
+        """The actor from ``path``, the critic from ``critic_path``."""
+        self.actor.load(path)
         if self.critic is not None and critic_path is not None:
             self.critic.load(critic_path)
 

@@ -26,7 +26,7 @@ def check_single_pass(actor, total: int) -> None:
     the old policy's."""
     if not is_single_pass(actor, total):
         raise ValueError(
-            "update_policy: a batch without old_log_probs needs one epoch over one "
+            "update_actor: a batch without old_log_probs needs one epoch over one "
             f"mini-batch, got ppo_epochs={actor.ppo_epochs}, "
             f"ppo_minibatch_size={actor.ppo_minibatch_size} for {total} rows; "
             "run compute_log_prob first"
@@ -65,7 +65,7 @@ class NotedOldLogProbs:
         old, self.taken = self.taken, None
         if old is None or len(old) != len(batch):
             raise RuntimeError(
-                "old_log_probs_of_last_update: the last update_policy was not given a batch "
+                "old_log_probs_of_last_update: the last update_actor was not given a batch "
                 "without old_log_probs"
             )
         return Batch({"old_log_probs": old})

@@ -1,12 +1,12 @@
-"""The learner's policy as a pipeline (``actor.pp_size > 1``): building it, the replicas' rows,
+"""The actor as a pipeline (``actor.pp_size > 1``): building it, the replicas' rows,
 weights by transformers name, checkpoints.
 
 The actor's ``world`` ranks form a (world / pp_size) x pp_size mesh (``parallel/pipeline.py``):
 each data-parallel replica (pp_size consecutive ranks) takes a contiguous chunk of the step's rows,
 and every rank of a replica holds that same chunk. The reference and the critic are not pipelined:
-they stay sharded with FSDP2 over all the ranks (``on_my_rows`` in ``learner/policy.py``).
+they stay sharded with FSDP2 over all the ranks (``on_my_rows`` in ``learner/actor.py``).
 
-Checkpoint layout of a pipelined policy at ``path``: the full model in transformers format (rank 0,
+Checkpoint layout of a pipelined actor at ``path``: the full model in transformers format (rank 0,
 gathered from every stage by name, as for weight sync) and ``path/pipeline/stage<p>/``, one DCP
 checkpoint per pipeline rank (its stages' weights and optimizer state, sharded over the replicas),
 with ``path/pipeline/extra.pt`` holding the shuffle RNG.
@@ -43,7 +43,7 @@ def check_config(cfg, world: int, n_layers: int | None = None) -> None:
 
 
 def model_layers(cfg, path: str | None) -> int | None:
-    """Decoder layers of the policy the learner will load (``path``, else ``model.path``, else the
+    """Decoder layers of the actor the learner will load (``path``, else ``model.path``, else the
     built-in size); None when unknown."""
     import json
 

@@ -1,21 +1,22 @@
-"""The trained policy of one learner rank, in the three forms it takes, behind one interface.
+"""The actor (the policy being trained) of one learner rank, in the three forms it takes, behind
+one interface.
 
-* :class:`Policy`: the model itself, in one process or sharded with FSDP2 over the learner's ranks
+* :class:`Actor`: the model itself, in one process or sharded with FSDP2 over the learner's ranks
   (its layers compiled with ``actor.compile``);
-* :class:`LoraPolicy` (``actor.lora_rank > 0``): PEFT LoRA adapters over a frozen base
+* :class:`LoraActor` (``actor.lora_rank > 0``): PEFT LoRA adapters over a frozen base
   (``learner/lora.py``); the first weight sync after it is built or loaded also sends the base;
-* :class:`PipelinedPolicy` (``actor.pp_size > 1``): this rank's stages of a pipeline
-  (``learner/pipeline_policy.py``), its data-parallel replicas each holding a share of the rows.
+* :class:`PipelinedActor` (``actor.pp_size > 1``): this rank's stages of a pipeline
+  (``learner/pipeline_actor.py``), its data-parallel replicas each holding a share of the rows.
 
 Each form holds its model, its AdamW (with ``actor.lr_schedule``), the shuffle generator that draws
 the update's mini-batches, the sampling filters its log-probs are taken under and its counter of
 skipped steps, and answers the same calls: the share of a batch this rank computes
-(:meth:`Policy.rows`), the old log-probs grouped as the next update groups them
-(:meth:`Policy.old_log_probs`), the update (:meth:`Policy.update`, the one loop of
+(:meth:`Actor.rows`), the old log-probs grouped as the next update groups them
+(:meth:`Actor.old_log_probs`), the update (:meth:`Actor.update`, the one loop of
 ``learner/update.py`` over the form's backward passes), its weights for the rollout
-(:meth:`Policy.weight_buckets`) and its checkpoint (:meth:`Policy.save`, :meth:`Policy.load`). The
-learner (``learner/learner.py``) picks the form once (:func:`policy_form`) and never asks which it
-has. What the policy is trained on (the objective: loss, KL, entropy) is the learner's.
+(:meth:`Actor.weight_buckets`) and its checkpoint (:meth:`Actor.save`, :meth:`Actor.load`). The
+learner (``learner/learner.py``) picks the form once (:func:`actor_form`) and never asks which it
+has. What the actor is trained on (the objective: loss, KL, entropy) is the learner's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from hybridrl.config import Config
 from hybridrl.learner import lora as lora_lib
 from hybridrl.learner import moe as moe_training
-from hybridrl.learner import pipeline_policy
+from hybridrl.learner import pipeline_actor
 from hybridrl.learner.compile import maybe_compile
 from hybridrl.learner.logprob import (
     model_device,
@@ -62,8 +63,8 @@ def on_my_rows(fn, batch: Batch):
     return Batch.concat(parts) if isinstance(parts[0], Batch) else mean_over_ranks(parts)
 
 
-class Policy:
-    """The policy as one model: in one process, or sharded with FSDP2 over every learner rank
+class Actor:
+    """The actor as one model: in one process, or sharded with FSDP2 over every learner rank
     (its experts split with ``moe.ep_size``)."""
 
     # the weights it publishes are its model's parameters under their own names (a weight-sync
@@ -71,14 +72,14 @@ class Policy:
     weights_are_parameters = True
 
     def __init__(self, cfg: Config, model, source: str | None, dist, dims: ParallelDims):
-        """``model``: the policy as loaded from ``source`` (a transformers directory, None: the
+        """``model``: the actor as loaded from ``source`` (a transformers directory, None: the
         built-in model), on no device yet."""
         self.cfg = cfg
         model = moe_training.prepare(self.adapt(model), cfg.moe)  # MoE: biases, before sharding
         self.model = self.place(model, dist, dims)
         # fused where it applies (learner/optim.py: one pass per parameter, same AdamW math)
         a = cfg.actor
-        self.optimizer = make_adamw(self.trainable(), a.lr, a.weight_decay, "policy")
+        self.optimizer = make_adamw(self.trainable(), a.lr, a.weight_decay, "actor")
         add_lr_schedule(self.optimizer, a, planned_steps(cfg, a))  # warmup, then decay
         self.shuffle = torch.Generator().manual_seed(cfg.trainer.seed + 1)
         self.sampling = sampling_of(cfg.rollout)  # log-probs under the rollout's filters
@@ -92,7 +93,7 @@ class Policy:
     def place(self, model, dist, dims: ParallelDims):
         """The model on its devices: sharded over every rank, then compiled (``actor.compile``)."""
         model = prepare_model(model, fsdp_config_of(self.cfg), dist, mesh=dims.unpipelined)
-        return maybe_compile(self.cfg.actor.compile, model, model_device(model), "policy")
+        return maybe_compile(self.cfg.actor.compile, model, model_device(model), "actor")
 
     def trainable(self):
         """The parameters the optimizer steps."""
@@ -132,7 +133,7 @@ class Policy:
         return Batch(cols)
 
     def loss(self, objective, mb: Batch, totals) -> tuple[torch.Tensor, dict[str, float]]:
-        """``objective`` of one micro-batch, from a forward of the policy."""
+        """``objective`` of one micro-batch, from a forward of the actor."""
         logp, entropy = response_log_probs(self.model, mb, self.sampling, with_entropy=True)
         return objective(logp, entropy, mb, totals)
 
@@ -173,7 +174,7 @@ class Policy:
         load_trainable(path, self.model, self.optimizer, self.shuffle)
 
 
-class LoraPolicy(Policy):
+class LoraActor(Actor):
     """LoRA adapters over a frozen base (``learner/lora.py``); the optimizer holds the adapters
     only. Its checkpoint is written at once, whatever the writer."""
 
@@ -219,15 +220,15 @@ class LoraPolicy(Policy):
         self.base_synced = False
 
 
-class PipelinedPolicy(Policy):
-    """This rank's stages of the pipelined policy (``learner/pipeline_policy.py``); ``model`` is
+class PipelinedActor(Actor):
+    """This rank's stages of the pipelined actor (``learner/pipeline_actor.py``); ``model`` is
     the stages' modules. A replica's pipeline ranks hold the same rows; the objective runs on the
     last stage."""
 
     weights_are_parameters = False  # gathered from every stage by transformers name
 
     def place(self, model, dist, dims: ParallelDims):
-        self.pipeline, modules = pipeline_policy.build(self.cfg, model, dist, dims.pipelined)
+        self.pipeline, modules = pipeline_actor.build(self.cfg, model, dist, dims.pipelined)
         return modules
 
     @property
@@ -235,10 +236,10 @@ class PipelinedPolicy(Policy):
         return self.pipeline.layout.dp
 
     def rows(self, fn, batch: Batch):
-        return pipeline_policy.on_replica_rows(fn, batch, self.pipeline.layout)
+        return pipeline_actor.on_replica_rows(fn, batch, self.pipeline.layout)
 
     def total_rows(self, rows: int) -> int:
-        return pipeline_policy.replica_total(rows, self.pipeline.layout)
+        return pipeline_actor.replica_total(rows, self.pipeline.layout)
 
     def old_log_probs(self, batch: Batch) -> Batch:
         old = first_epoch_log_probs(
@@ -253,20 +254,20 @@ class PipelinedPolicy(Policy):
         return self.pipeline.broadcast_from_last(t)
 
     def weight_buckets(self, bucket_bytes: int, mode: str) -> list[list]:
-        return pipeline_policy.weight_buckets(self.pipeline, bucket_bytes)
+        return pipeline_actor.weight_buckets(self.pipeline, bucket_bytes)
 
     def save(self, path: str, tokenizer, writer) -> None:
         """Written at once on every rank, whatever the writer."""
-        pipeline_policy.save(
+        pipeline_actor.save(
             path, self.pipeline, self.model, self.optimizer, self.shuffle, tokenizer
         )
 
     def load(self, path: str) -> None:
-        pipeline_policy.load(path, self.pipeline, self.model, self.optimizer, self.shuffle)
+        pipeline_actor.load(path, self.pipeline, self.model, self.optimizer, self.shuffle)
 
 
-def policy_form(cfg: Config) -> type[Policy]:
+def actor_form(cfg: Config) -> type[Actor]:
     """The form the config asks for (LoRA and a pipeline do not combine: the config refuses it)."""
     if cfg.actor.pp_size > 1:
-        return PipelinedPolicy
-    return LoraPolicy if cfg.actor.lora_rank > 0 else Policy
+        return PipelinedActor
+    return LoraActor if cfg.actor.lora_rank > 0 else Actor
