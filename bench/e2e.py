@@ -53,9 +53,9 @@ Differences that remain (each framework's own way of doing the same step):
   the same way;
 - bf16 (``--precision bf16``): TRL ``bf16=True``, bf16 autocast over fp32 weights for every forward,
   generation included; hybridrl ``fsdp.mixed_precision=bf16`` (on a CPU: bf16 autocast over fp32
-  weights for the actor and the reference) and ``rollout.dtype=bf16`` (the engine's weights and KV
-  cache in bf16). The JSON records each side's precision as reported (``hybridrl.precision_notes``,
-  ``trl.precision_note``).
+  weights for the actor and the reference) and ``rollout.backend_options.dtype=bf16`` (the engine's
+  weights and KV cache in bf16). The JSON records each side's precision as reported
+  (``hybridrl.precision_notes``, ``trl.precision_note``).
 
 s/step: the median over the timed steps (warm-up steps excluded) of each step's wall time:
 hybridrl's ``timing/step`` from ``metrics.jsonl``; TRL's between ``on_step_begin`` and

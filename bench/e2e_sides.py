@@ -72,14 +72,14 @@ def hybridrl_overrides(
         "controller.backend=local",
         f"controller.num_threads={threads}",
         f"fsdp.mixed_precision={precision}",
-        f"rollout.dtype={precision}",
+        f"rollout.backend_options.dtype={precision}",
     ]
 
 
 def known_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides whose key this checkout's config schema has, the others): keys added by newer
-    code (``rollout.dtype``) are dropped, not failed on, so the bench runs on older checkouts
-    too."""
+    code (``rollout.backend_options.dtype``) are dropped, not failed on, so the bench runs on older
+    checkouts too."""
     from hybridrl.config import Config
 
     section = lambda o: getattr(Config(), o.split(".")[0], None)  # noqa: E731

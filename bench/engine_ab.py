@@ -46,10 +46,12 @@ def child(model_name: str, shape: str, repeats: int, threads: int) -> dict:
     model = build_model(model_name, tok, 0).eval()
     rc = RolloutConfig(
         backend="native",
-        kv_cache_bytes=1 << 30,
-        max_batch_size=512,
-        max_num_batched_tokens=4096,
-        dtype="fp32",
+        backend_options={
+            "kv_cache_bytes": 1 << 30,
+            "max_batch_size": 512,
+            "max_num_batched_tokens": 4096,
+            "dtype": "fp32",
+        },
     )
     eng = NativeRollout(model, tok, rc)
     p = SamplingParams(temperature=1.0, max_new_tokens=N, n=G, seed=0)

@@ -65,16 +65,20 @@ def engines(model_name: str, dtype: str, max_batch: int, eager: bool = True):
     native = ROLLOUT_BACKENDS.get("native")(
         model,
         tok,
-        RolloutConfig(backend="native", kv_cache_bytes=kv, max_batch_size=max_batch, dtype=dtype),
+        RolloutConfig(
+            backend="native",
+            backend_options={"kv_cache_bytes": kv, "max_batch_size": max_batch, "dtype": dtype},
+        ),
     )
     vllm = ROLLOUT_BACKENDS.get("vllm")(
         model,
         tok,
         RolloutConfig(
             backend="vllm",
-            kv_cache_bytes=kv,
-            max_batch_size=max_batch,
-            engine_kwargs={"enforce_eager": eager, "max_num_seqs": max_batch},
+            backend_options={
+                "kv_cache_bytes": kv,
+                "engine_kwargs": {"enforce_eager": eager, "max_num_seqs": max_batch},
+            },
         ),
     )
     return tok, {"native": native, "vllm": vllm}

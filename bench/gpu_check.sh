@@ -105,7 +105,7 @@ for key, cls in (("learner", learner_mod.Learner), ("rollout", worker_mod.Rollou
 
 steps = 6
 cfg = load_config(Config, "examples/arith_grpo.yaml", [
-    "model.name=small", "rollout.backend=native", "rollout.dtype=bf16",
+    "model.name=small", "rollout.backend=native", "rollout.backend_options.dtype=bf16",
     "fsdp.strategy=none", "fsdp.mixed_precision=bf16", "sft.enabled=false",
     f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0",
     "trainer.loggers=[jsonl]", "trainer.progress=false", "trainer.log_samples_every=0",

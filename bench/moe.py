@@ -235,12 +235,14 @@ def replay(args) -> dict:
     reward = REWARDS.get(cfg.task.reward_fn)
     tok = learner.tokenizer
     rollouts = {
-        name: NativeRollout(learner.model, tok, dataclasses.replace(cfg.rollout, dtype=dtype))
+        name: NativeRollout(
+            learner.model, tok, dataclasses.replace(cfg.rollout, backend_options={"dtype": dtype})
+        )
         for name, dtype in (("bf16", "bf16"), ("fp32", "fp32"))
     }
     if args.bias_noise > 0:
         rollouts["fp32_bias_noise"] = NativeRollout(
-            learner.model, tok, dataclasses.replace(cfg.rollout, dtype="fp32")
+            learner.model, tok, dataclasses.replace(cfg.rollout, backend_options={"dtype": "fp32"})
         )
     model = (
         "tiny_moe (Qwen3-MoE, 8 experts, top-2)"

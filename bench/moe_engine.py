@@ -55,10 +55,12 @@ def params(n_new: int, n: int = 1, seed: int = 0) -> SamplingParams:
 def native_engine(model) -> NativeRollout:
     rc = RolloutConfig(
         backend="native",
-        kv_cache_bytes=2 << 30,
-        max_batch_size=512,
-        max_num_batched_tokens=4096,
-        dtype="fp32",
+        backend_options={
+            "kv_cache_bytes": 2 << 30,
+            "max_batch_size": 512,
+            "max_num_batched_tokens": 4096,
+            "dtype": "fp32",
+        },
     )
     eng = NativeRollout(model, TOK, rc)
     eng.generate([Sample(prompt_ids=[1, 3, 4], uid="warm")], params(4, n=2))  # first-call costs
@@ -67,7 +69,11 @@ def native_engine(model) -> NativeRollout:
 
 
 def hf_engine(model) -> HFRollout:
-    eng = HFRollout(model, TOK, RolloutConfig(backend="hf", max_batch_size=4096, dtype="fp32"))
+    eng = HFRollout(
+        model,
+        TOK,
+        RolloutConfig(backend="hf", backend_options={"max_batch_size": 4096, "dtype": "fp32"}),
+    )
     # eos ignored, as for the native engine: every row runs to its limit
     eng.eos_token_ids = []
     eng.generate([Sample(prompt_ids=[1, 3, 4], uid="warm")], params(4, n=2))

@@ -8,9 +8,10 @@ Prints one JSON object and a small table. Parts (``--only``):
 - ``step``: W1 tiny and small, one actor ``update_actor`` (forward + backward + AdamW; 32 prompts x
   8 samples, 10 prompt + 16 response tokens, 4 mini-batches of 64) and one ``compute_log_prob``
   pass, fp32 against bf16 autocast. Variants alternate, ``--reps`` rounds, medians.
-- ``engine``: the native engine's throughput, fp32 against bf16 weights and KV (``rollout.dtype``):
-  32 prompts x 8 samples, 16 new tokens (W1) and 128 new tokens (decode-heavy), eos ignored; decode
-  tokens/s (decode-only steps) and tokens/s of the whole generation. Alternating, medians.
+- ``engine``: the native engine's throughput, fp32 against bf16 weights and KV
+  (``rollout.backend_options.dtype``): 32 prompts x 8 samples, 16 new tokens (W1) and 128 new tokens
+  (decode-heavy), eos ignored; decode tokens/s (decode-only steps) and tokens/s of the whole
+  generation. Alternating, medians.
 - ``runs``: the default job (``examples/arith_grpo.yaml``) for ``--steps`` RL steps from the same
   cached warm start, with training / rollout precision fp32/fp32, bf16/bf16, bf16/fp32 and
   fp32/bf16: held-out accuracy after (sampled and greedy), wall time, and the train-rollout log-prob
@@ -164,7 +165,9 @@ def engine(reps: int) -> dict:
     for size in SIZES:
         model = build_model(size, TOK, 0)
         engines = {
-            d: NativeRollout(model, TOK, RolloutConfig(dtype=d, kv_cache_bytes=1 << 30))
+            d: NativeRollout(
+                model, TOK, RolloutConfig(backend_options={"dtype": d, "kv_cache_bytes": 1 << 30})
+            )
             for d in ("fp32", "bf16")
         }
         for new in (16, 128):
@@ -216,7 +219,7 @@ def _train_command(
         "examples/arith_grpo.yaml",
         f"trainer.total_steps={steps}",
         f"fsdp.mixed_precision={train}",
-        f"rollout.dtype={roll}",
+        f"rollout.backend_options.dtype={roll}",
         f"controller.num_threads={threads}",
         f"trainer.name=prec_{name}",
         f"trainer.runs_dir={workdir}",

@@ -109,13 +109,15 @@ def params(n_new: int, n: int = 1, seed: int = 0) -> SamplingParams:
 def engine(model, kv_gb: float = 2.0, **kw) -> NativeRollout:
     dtype = (
         "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-    )  # the model's, not rollout.dtype=auto's
+    )  # the model's, not rollout.backend_options.dtype=auto's
     rc = RolloutConfig(
         backend="native",
-        kv_cache_bytes=int(kv_gb * (1 << 30)),
-        max_batch_size=512,
-        max_num_batched_tokens=4096,
-        dtype=dtype,
+        backend_options={
+            "kv_cache_bytes": int(kv_gb * (1 << 30)),
+            "max_batch_size": 512,
+            "max_num_batched_tokens": 4096,
+            "dtype": dtype,
+        },
     )
     eng = NativeRollout(model, TOK, rc, **kw)
     eng.generate(

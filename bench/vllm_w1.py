@@ -6,10 +6,11 @@ Runs ``examples/arith_grpo.yaml`` (GRPO on 3-digit addition, the tiny model) twi
 one backend after the other, with everything else equal: the cached warm start (trained first when
 none exists), the seed, ``--steps`` GRPO steps, ``--threads`` torch threads. vLLM is its CPU build
 in ``.venv-vllm`` (``make test-vllm`` builds it), fp32, eager; its KV cache is
-``rollout.kv_cache_bytes`` as the native engine's. Reports, per backend: sampled (T = 1) held-out
-accuracy before and after, the gain, the median step time and its rollout phase (generation and
-scoring), the median weight sync, and the largest train-rollout log-prob gap of any step. Prints one
-JSON object; ``gain_gap`` is native's gain minus vLLM's (the goal: within 3 points).
+``rollout.backend_options.kv_cache_bytes`` as the native engine's. Reports, per backend: sampled
+(T = 1) held-out accuracy before and after, the gain, the median step time and its rollout phase
+(generation and scoring), the median weight sync, and the largest train-rollout log-prob gap of any
+step. Prints one JSON object; ``gain_gap`` is native's gain minus vLLM's (the goal: within 3
+points).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def run(backend: str, steps: int, threads: int, runs_dir: Path) -> dict:
         f"controller.num_threads={threads}",
     ]
     if backend == "vllm":
-        overrides.append("rollout.engine_kwargs={enforce_eager: true}")
+        overrides.append("rollout.backend_options.engine_kwargs={enforce_eager: true}")
     t0 = time.perf_counter()
     summary = train(ROOT / "examples" / "arith_grpo.yaml", overrides=overrides)
     wall = time.perf_counter() - t0

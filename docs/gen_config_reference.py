@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hybridrl.config import Config
 from hybridrl.config.aliases import MOVED, alias_table
-from hybridrl.config.reference import (
+from hybridrl.config_reference import (
     allowed,
     declared_options,
     default_of,
@@ -75,28 +75,38 @@ def section(cls: type, prefix: str) -> list[str]:
     return out
 
 
+# each plug-in role: the key that chooses the plug-in and the key that holds its options
+ROLES = {
+    "advantage": ("algorithm.advantage", "algorithm.advantage_options"),
+    "policy_loss": ("algorithm.policy_loss", "algorithm.policy_loss_options"),
+    "backend": ("rollout.backend", "rollout.backend_options"),
+}
+
+
 def plugin_options() -> list[str]:
-    """Each registered advantage estimator's and policy loss's own options (their ``options``
-    dataclass), and the keys they replaced."""
+    """Each registered advantage estimator's, policy loss's and rollout backend's own options
+    (their ``options`` dataclass), and the keys they replaced."""
     lines = [
         "## Plug-in options",
         "",
-        "An advantage estimator or a policy loss may declare options of its own: a dataclass as "
-        "its `options` attribute, whose fields are "
+        "An advantage estimator, a policy loss or a rollout backend may declare options of its "
+        "own: a dataclass as its `options` attribute, whose fields are "
         "`hybridrl.registry.option(default, help, ge=...)` like the ones above. They are "
-        "given under `algorithm.advantage_options` and "
-        "`algorithm.policy_loss_options` for the chosen plug-in, e.g. "
-        "`algorithm.policy_loss=cispo algorithm.policy_loss_options.clip_high=0.3`, and checked "
-        "against its dataclass when the config loads (unknown keys, types and bounds, one line "
+        "given under `algorithm.advantage_options`, `algorithm.policy_loss_options` and "
+        "`rollout.backend_options` for the chosen plug-in, e.g. "
+        "`algorithm.policy_loss=cispo algorithm.policy_loss_options.clip_high=0.3` or "
+        "`rollout.backend=vllm rollout.backend_options.gpu_memory_utilization=0.8`, and checked "
+        "against its dataclass before any work starts (unknown keys, types and bounds, one line "
         "each); a plug-in that declares none takes none. A plug-in given by dotted path declares "
-        "options the same way. The plug-in reads them with "
-        '`cfg.options(ItsOptions, "policy_loss")` (or `"advantage"`).',
+        "options the same way. A loss or estimator reads them with "
+        '`cfg.options(ItsOptions, "policy_loss")` (or `"advantage"`), a backend (a '
+        "`RolloutEngine`) with `self.read_options(cfg)`.",
         "",
     ]
-    for role in ("advantage", "policy_loss"):
+    for role, (chooser, holder) in ROLES.items():
         for name, declared in declared_options(role):
-            lines += [f"### `algorithm.{role}: {name}`", ""]
-            lines += section(declared, f"algorithm.{role}_options")
+            lines += [f"### `{chooser}: {name}`", ""]
+            lines += section(declared, holder)
     lines += [
         "Keys these options replaced are refused in one line naming the new key:",
         "",

@@ -164,42 +164,47 @@ def check_run_dir(cfg: Config) -> None:
 
 
 def check_kv_pool(cfg: Config) -> None:
-    """The native engine's KV pool (``rollout.kv_cache_bytes`` in blocks of ``rollout.block_size``
+    """The native engine's KV pool (its ``kv_cache_bytes`` option in blocks of ``block_size``
     tokens) holds one sequence of one prompt token and ``rollout.max_new_tokens`` new ones in the
     model (and its draft): a smaller pool can serve no request, and would fail at the first
-    generation. Counted at bf16, the smallest dtype ``rollout.dtype=auto`` may pick, unless fp32 is
-    set; skipped for other backends, with ``kv_cache_memory_fraction``, and where the model's
-    config cannot be read here (the engine checks each request as it arrives)."""
+    generation. Counted at bf16, the smallest dtype ``dtype=auto`` may pick, unless fp32 is set;
+    skipped for other backends, with ``kv_cache_memory_fraction``, and where the model's config
+    cannot be read here (the engine checks each request as it arrives)."""
     import torch
 
     from hybridrl.models.spec import ModelSpec
+    from hybridrl.rollout import ROLLOUT_BACKENDS
     from hybridrl.rollout.kv_capacity import bytes_per_block, pool_blocks
 
     r = cfg.rollout
-    if r.backend != "native" or r.kv_cache_memory_fraction:
+    if r.backend != "native":
         return
-    dtype = torch.float32 if r.dtype == "fp32" else torch.bfloat16
+    o = ROLLOUT_BACKENDS.get("native").read_options(r)
+    if o.kv_cache_memory_fraction:
+        return
+    dtype = torch.float32 if o.dtype == "fp32" else torch.bfloat16
     try:
         per_block = sum(
-            bytes_per_block(ModelSpec.from_config(config), r.block_size, dtype)
-            for config in _rollout_model_configs(cfg)
+            bytes_per_block(ModelSpec.from_config(config), o.block_size, dtype)
+            for config in _rollout_model_configs(cfg, o.draft_model_path)
         )
     except (OSError, ValueError, KeyError):  # no readable config: the engine checks at start
         return
-    blocks = pool_blocks(r, torch.device("cpu"), per_block, None)
-    need = -(-r.max_new_tokens // r.block_size)  # the last token is sampled, never stored
+    blocks = pool_blocks(o, torch.device("cpu"), per_block, None)
+    need = -(-r.max_new_tokens // o.block_size)  # the last token is sampled, never stored
     if blocks < need:
         raise ConfigError(
-            f"config key 'rollout.kv_cache_bytes': {r.kv_cache_bytes} bytes hold {blocks} blocks "
-            f"of {r.block_size} tokens ({per_block} bytes each in this model), fewer than the "
-            f"{need} blocks one sequence of rollout.max_new_tokens={r.max_new_tokens} needs; give "
-            f"at least {need * per_block} bytes"
+            f"config key 'rollout.backend_options.kv_cache_bytes': {o.kv_cache_bytes} bytes hold "
+            f"{blocks} blocks of {o.block_size} tokens ({per_block} bytes each in this model), "
+            f"fewer than the {need} blocks one sequence of "
+            f"rollout.max_new_tokens={r.max_new_tokens} needs; give at least {need * per_block} "
+            "bytes"
         )
 
 
-def _rollout_model_configs(cfg: Config) -> list:
-    """The transformers configs of the model the rollout serves and of its draft model (if any),
-    read from disk or built for a built-in name, no weights loaded."""
+def _rollout_model_configs(cfg: Config, draft_path: str | None) -> list:
+    """The transformers configs of the model the rollout serves and of its draft model at
+    ``draft_path`` (if any), read from disk or built for a built-in name, no weights loaded."""
     from transformers import AutoConfig
 
     from hybridrl.models.factory import model_size_config
@@ -209,18 +214,19 @@ def _rollout_model_configs(cfg: Config) -> list:
         configs = [AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)]
     else:
         configs = [model_size_config(cfg.model.name, load_tokenizer(cfg, None))]
-    if cfg.rollout.draft_model_path:
-        configs.append(
-            AutoConfig.from_pretrained(cfg.rollout.draft_model_path, local_files_only=True)
-        )
+    if draft_path:
+        configs.append(AutoConfig.from_pretrained(draft_path, local_files_only=True))
     return configs
 
 
 def check_rollout_backend(cfg: Config) -> None:
-    """A rollout backend whose package is missing (vllm, sglang) fails now, before any worker
-    starts, naming the extra that installs it."""
+    """The backend's options (``rollout.backend_options``) are the ones it declares, of their
+    types and in their bounds; a backend whose package is missing (vllm, sglang) fails now,
+    before any worker starts, naming the extra that installs it."""
+    from hybridrl.rollout import ROLLOUT_BACKENDS
     from hybridrl.rollout.backends import missing_requirement
 
+    ROLLOUT_BACKENDS.get(cfg.rollout.backend).read_options(cfg.rollout)
     problem = missing_requirement(cfg.rollout.backend)
     if problem:
         raise ConfigError(f"config key 'rollout.backend': {problem}")

@@ -215,7 +215,7 @@ def config_key(argv: list[str]) -> int:
     section lists its keys)."""
     p = argparse.ArgumentParser(prog="hybridrl config", description=config_key.__doc__)
     p.add_argument("keys", nargs="+", metavar="KEY", help="a dotted key (actor.lr) or a section")
-    from hybridrl.config.reference import describe
+    from hybridrl.config_reference import describe
 
     try:
         print("\n\n".join(describe(k) for k in p.parse_args(argv).keys))

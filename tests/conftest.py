@@ -3,9 +3,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-# `auto` precision (fsdp.mixed_precision, rollout.dtype) means fp32 in the suite: its exactness
-# checks compare with fp32 references, and a measured choice would differ between machines; the
-# bf16 tests ask for bf16 explicitly.
+# `auto` precision (fsdp.mixed_precision, rollout.backend_options.dtype) means fp32 in the suite:
+# its exactness checks compare with fp32 references, and a measured choice would differ between
+# machines; the bf16 tests ask for bf16 explicitly.
 os.environ.setdefault("HYBRIDRL_AUTO_PRECISION", "fp32")
 
 import pytest  # noqa: E402

@@ -170,7 +170,9 @@ class Tok:
 
 def test_interrupted_sequence_continues_from_its_tokens_under_the_new_weights():
     old, new = tiny_model(0), tiny_model(1)
-    cfg = RolloutConfig(backend="native", kv_cache_bytes=1 << 20, block_size=4)
+    cfg = RolloutConfig(
+        backend="native", backend_options={"kv_cache_bytes": 1 << 20, "block_size": 4}
+    )
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
     eng = NativeRollout(old, Tok(), cfg)
     req = Sample(prompt_ids=[1, 5, 7, 9, 11], uid="r")
@@ -433,7 +435,9 @@ def test_remax_gets_each_prompts_greedy_baseline_in_the_stream():
          "rollout.max_new_tokens=6"],
     )  # fmt: skip
     model = tiny_model(0)
-    eng = NativeRollout(model, Tok(), RolloutConfig(backend="native", kv_cache_bytes=1 << 20))
+    eng = NativeRollout(
+        model, Tok(), RolloutConfig(backend="native", backend_options={"kv_cache_bytes": 1 << 20})
+    )
 
     class Task:  # prompts of the tiny vocabulary
         def prompt(self, i):

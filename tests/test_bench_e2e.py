@@ -53,7 +53,9 @@ def test_both_configs_describe_the_same_step(tmp_path):
     overrides, dropped = SIDES.known_overrides(
         SIDES.hybridrl_overrides(str(tmp_path), 128, 4, 2, "fp32", str(tmp_path), "x")
     )
-    assert set(dropped) <= {"rollout.dtype=fp32"}  # the only key an older checkout may lack
+    assert set(dropped) <= {
+        "rollout.backend_options.dtype=fp32"
+    }  # the only key an older checkout may lack
     assert SIDES.known_overrides(["actor.lr=1", "actor.no_such_key=1", "nosection.x=1"]) == (
         ["actor.lr=1"],
         ["actor.no_such_key=1", "nosection.x=1"],

@@ -36,19 +36,28 @@ def run(capsys, *argv):
         (["trainer.seed=1180591620717411303424"], "'trainer.seed' must be >= 0 and <= 92233"),
         (["model.seed=-1"], "'model.seed' must be >= 0 and <= 9223372036854775807, got -1"),
         (["rollout.max_new_tokens=1180591620717411303424"], "max_new_tokens' must be a 64-bit"),
-        (["rollout.kv_cache_bytes=1180591620717411303424"], "must be a 64-bit integer"),
+        (
+            ["rollout.backend_options.kv_cache_bytes=1180591620717411303424"],
+            "must be a 64-bit integer",
+        ),
         (["trainer.prompts_per_step=100000000"], "hybridrl memory"),
         # paths and names that would fail only after the run directory exists
-        (["rollout.draft_model_path=/nonexistent"], "'/nonexistent' does not exist"),
+        (
+            ["rollout.backend_options.draft_model_path=/nonexistent"],
+            "'/nonexistent' does not exist",
+        ),
         (["actor.lora_rank=4", "actor.lora_target_modules=[q_proj, qkv]"], "[1] = 'qkv'"),
         (["actor.lora_rank=4", "actor.lora_target_modules=[all-linear, q_proj]"], "stands alone"),
         (["sft.checkpoint=/etc/passwd/ckpt"], "'/etc/passwd' is not a directory"),
         (["controller.num_threads=100000"], "'controller.num_threads' must be >= 1 and <= 1024"),
         (
-            ["rollout.kv_cache_bytes=1000", "rollout.max_new_tokens=64"],
+            ["rollout.backend_options.kv_cache_bytes=1000", "rollout.max_new_tokens=64"],
             "bytes hold 2 blocks of 16 tokens (16384 bytes each in this model), fewer than the 4",
         ),
-        (["rollout.block_size=100000"], "'rollout.block_size' must be >= 1 and <= 1024"),
+        (
+            ["rollout.backend_options.block_size=100000"],
+            "'rollout.backend_options.block_size' must be >= 1 and <= 1024",
+        ),
         # a run name is one directory name: a path would move aside and write any directory
         (["trainer.name=."], "config 'trainer': name '.' is not a run name: one path component"),
         (["trainer.name=.."], "name '..' is not a run name"),
@@ -78,10 +87,12 @@ def test_a_run_name_derived_from_a_plug_in_path_is_one_component(tmp_path):
 def test_a_small_kv_pool_is_checked_only_for_the_native_engine():
     from hybridrl.checks import check_config
 
-    small = ["rollout.kv_cache_bytes=1000", "rollout.max_new_tokens=64"]
-    check_config(load_config(Config, None, [*small, "rollout.backend=hf"]))  # no pool to size
-    with pytest.raises(ConfigError, match="rollout.kv_cache_bytes"):
-        check_config(load_config(Config, None, small))
+    long = ["rollout.max_new_tokens=64"]
+    check_config(load_config(Config, None, [*long, "rollout.backend=hf"]))  # no pool to size
+    with pytest.raises(ConfigError, match="rollout.backend_options.kv_cache_bytes': 1000 bytes"):
+        check_config(
+            load_config(Config, None, [*long, "rollout.backend_options.kv_cache_bytes=1000"])
+        )
 
 
 def test_large_finite_values_are_numbers(capsys):
@@ -91,7 +102,7 @@ def test_large_finite_values_are_numbers(capsys):
 
 
 def test_draft_model_path_must_be_a_checkpoint(tmp_path, capsys):
-    code, _, err = run(capsys, "train", f"rollout.draft_model_path={tmp_path}")
+    code, _, err = run(capsys, "train", f"rollout.backend_options.draft_model_path={tmp_path}")
     assert code == 2 and "holds no config.json" in err and err.count("\n") == 1
 
 

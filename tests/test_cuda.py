@@ -96,8 +96,8 @@ def test_actor_step_on_the_gpu_and_its_weights_served_by_the_engine():
 
 def test_the_rollout_worker_runs_its_engine_on_the_gpu_in_bf16(monkeypatch):
     """A rollout worker in a process with a GPU builds its engine there (weights, KV cache,
-    sampling) from the model loaded on the CPU; rollout.dtype=auto is bf16 on a GPU with native
-    bf16 (compute capability >= 8.0), and it generates."""
+    sampling) from the model loaded on the CPU; rollout.backend_options.dtype=auto is bf16 on a GPU
+    with native bf16 (compute capability >= 8.0), and it generates."""
     from hybridrl.config import load_config
     from hybridrl.rollout.worker import RolloutWorker
 

@@ -16,6 +16,8 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.stop import eos_token_ids
 
+NATIVE = {"kv_cache_bytes": 4 << 20, "block_size": 4}  # the native engine: a small KV pool
+
 torch.set_num_threads(1)
 WORDS = ["<pad>", "<bos>", "<|im_end|>", "<|endoftext|>", "<unk>", "a", "b", "c", "w"]
 IDS = {t: i for i, t in enumerate(WORDS)}
@@ -36,7 +38,9 @@ def chain_model(eos) -> Qwen2ForCausalLM:
 def generate(backend: str, eos, params: SamplingParams) -> Sample:
     tok = tokenizer()
     engine = ROLLOUT_BACKENDS.get(backend)(
-        chain_model(eos), tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
+        chain_model(eos),
+        tok,
+        RolloutConfig(backend=backend, backend_options=NATIVE if backend == "native" else {}),
     )
     return engine.generate([Sample(prompt_ids=[IDS["<bos>"], IDS["a"]], uid="u")], params)[0]
 

@@ -120,7 +120,10 @@ def test_the_rollout_worker_builds_its_engine_on_its_device(monkeypatch, backend
     monkeypatch.setattr(worker, "compute_device", lambda: torch.device("meta"))
     w = worker.RolloutWorker(
         WorkerContext(role="rollout", rank=0, world_size=1, pool="p"),
-        small_cfg(f"rollout.backend={backend}", "rollout.kv_cache_bytes=1048576"),
+        small_cfg(
+            f"rollout.backend={backend}",
+            *(["rollout.backend_options.kv_cache_bytes=1048576"] if backend == "native" else []),
+        ),
         None,
     )
     if backend == "native":
@@ -137,7 +140,7 @@ def test_a_cpu_rollout_worker_stays_on_the_cpu_in_fp32():
 
     w = RolloutWorker(
         WorkerContext(role="rollout", rank=0, world_size=1, pool="p"),
-        small_cfg("rollout.kv_cache_bytes=1048576"),
+        small_cfg("rollout.backend_options.kv_cache_bytes=1048576"),
         None,
     )
     eng = w.backend.engine
@@ -219,13 +222,17 @@ class Recorder(torch.nn.Module):
 def test_the_hf_backend_on_a_gpu_moves_and_casts_its_model(monkeypatch, setting, want):
     fake_gpu(monkeypatch)
     m = Recorder()
-    HFRollout(m, Tok(), RolloutConfig(backend="hf", dtype=setting), device="cuda:0")
+    HFRollout(
+        m, Tok(), RolloutConfig(backend="hf", backend_options={"dtype": setting}), device="cuda:0"
+    )
     assert m.sent == ("cuda:0", want)
 
 
 def test_the_hf_backend_on_the_cpu_keeps_the_models_dtype():
     m = model()
-    eng = HFRollout(m, Tok(), RolloutConfig(backend="hf", dtype="bf16"), device="cpu")
+    eng = HFRollout(
+        m, Tok(), RolloutConfig(backend="hf", backend_options={"dtype": "bf16"}), device="cpu"
+    )
     assert {p.dtype for p in eng.model.parameters()} == {torch.float32}
 
 
@@ -291,7 +298,7 @@ def test_precision_settings_are_checked(monkeypatch):
         prec.cuda_precision("fp16", key="fsdp.mixed_precision")
     monkeypatch.setenv(prec.ENV_OVERRIDE, "fp16")
     with pytest.raises(ValueError, match=prec.ENV_OVERRIDE):
-        prec.cuda_precision("auto", key="rollout.dtype")
+        prec.cuda_precision("auto", key="rollout.backend_options.dtype")
 
 
 # --- vllm / sglang without their package ---------------------------------------------------------

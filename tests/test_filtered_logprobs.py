@@ -11,6 +11,8 @@ from hybridrl.learner.logprob import response_log_probs, sampling_of
 from hybridrl.protocol import Sample, samples_to_batch
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 
+NATIVE = {"kv_cache_bytes": 4 << 20, "block_size": 4}  # the native engine: a small KV pool
+
 torch.set_num_threads(1)
 PAD = 0
 
@@ -51,7 +53,7 @@ BACKENDS = ["native", "hf"]
 
 
 def generate(backend, model, kw):
-    cfg = RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
+    cfg = RolloutConfig(backend=backend, backend_options=NATIVE if backend == "native" else {})
     eng = ROLLOUT_BACKENDS.get(backend)(model, Tok(), cfg)
     n = 1 if kw.get("temperature") == 0 else 3  # hf refuses n > 1 without sampling
     params = SamplingParams(max_new_tokens=8, n=n, seed=5, **kw)

@@ -188,7 +188,13 @@ def test_every_backend_merges_lora_syncs(trained, backend):
     actor = trained["actor"]
     model, tok = load_model(actor.cfg, None)
     rollout = ROLLOUT_BACKENDS.get(backend)(
-        model, tok, dataclasses.replace(actor.cfg.rollout, kv_cache_bytes=4 << 20)
+        model,
+        tok,
+        dataclasses.replace(
+            actor.cfg.rollout,
+            backend=backend,
+            backend_options={"kv_cache_bytes": 4 << 20} if backend == "native" else {},
+        ),
     )
     want = lora_lib.merged_weights(actor.model)
     for version, mode in enumerate(["base", "adapter", "adapter"], 1):

@@ -425,7 +425,7 @@ def test_a_plugin_by_dotted_path_declares_its_own_options(tmp_path):
 
 
 def test_hybridrl_config_lists_each_plugins_options():
-    from hybridrl.config.reference import describe
+    from hybridrl.config_reference import describe
 
     text = describe("algorithm.policy_loss_options")
     assert "with policy_loss cispo: clip_low (float | null, default `null`)" in text

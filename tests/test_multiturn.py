@@ -168,7 +168,7 @@ def test_an_moe_engine_records_each_trajectorys_routing_for_replay():
     from hybridrl.models.factory import build_model
     from hybridrl.moe.routing import NOT_ROUTED, record
 
-    cfg = load_config(Config, None, ["task.name=calc", "rollout.dtype=fp32"])
+    cfg = load_config(Config, None, ["task.name=calc", "rollout.backend_options.dtype=fp32"])
     model = build_model("tiny_moe", TOK, 0)
     mt = rollout(NativeRollout(model, TOK, cfg.rollout), Echo, max_turns=3, kwargs={"turns": 3})
     out = mt.generate(prompts(2), params(max_new_tokens=6))

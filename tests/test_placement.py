@@ -96,7 +96,7 @@ def count_calls(part, counts: dict, role: str) -> None:
 
 
 def test_colocated_roles_take_turns_and_sync_in_memory():
-    cfg = small_cfg("rollout.backend=native", "rollout.kv_cache_bytes=1048576")
+    cfg = small_cfg("rollout.backend=native", "rollout.backend_options.kv_cache_bytes=1048576")
     parts = {r: (WORKER_CLASSES[r], (cfg, None)) for r in ("learner", "rollout")}
     group = WorkerGroup(ColocatedWorker, ResourcePool(), role="learner+rollout", args=(parts,))
     learner, rollout = (

@@ -184,12 +184,14 @@ def fake_sglang():
 
 @pytest.fixture
 def make(monkeypatch):
-    def build(name, model, **cfg):
+    def build(name, model, **options):
         mod = {"vllm": fake_vllm, "sglang": fake_sglang}[name]()
         monkeypatch.setitem(sys.modules, name, mod)
         if name == "vllm":
             monkeypatch.setitem(sys.modules, "vllm.platforms", mod.platforms)
-        eng = ROLLOUT_BACKENDS.get(name)(model, None, RolloutConfig(backend=name, **cfg))
+        eng = ROLLOUT_BACKENDS.get(name)(
+            model, None, RolloutConfig(backend=name, backend_options=options)
+        )
         return eng, eng.engine.core
 
     return build
@@ -446,7 +448,7 @@ def test_real_engine_generation_and_weight_update(name):
     pytest.importorskip(name)
     m = tiny()
     eng = ROLLOUT_BACKENDS.get(name)(
-        m, None, RolloutConfig(backend=name, gpu_memory_utilization=0.2)
+        m, None, RolloutConfig(backend=name, backend_options={"gpu_memory_utilization": 0.2})
     )
     try:
         params = SamplingParams(temperature=1.0, max_new_tokens=8, n=4, seed=0, ignore_eos=True)

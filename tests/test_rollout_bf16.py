@@ -1,6 +1,7 @@
-"""The native engine in bf16 (``rollout.dtype``) against fp32: logits and log-probs no further from
-fp32 than transformers' own bf16 forward (both round weights and activations to 8 significant bits),
-weights synced from an fp32 actor cast on load, and what ``auto`` picks, logged with why."""
+"""The native engine in bf16 (``rollout.backend_options.dtype``) against fp32: logits and log-probs
+no further from fp32 than transformers' own bf16 forward (both round weights and activations to 8
+significant bits), weights synced from an fp32 actor cast on load, and what ``auto`` picks, logged
+with why."""
 
 import logging
 
@@ -107,7 +108,7 @@ def test_rollout_dtype_picks_the_engine_dtype_and_synced_weights_are_cast(monkey
             if r.getMessage().startswith("rollout precision: ")
         ] == [
             f"rollout precision: {'bf16' if gain > 1.3 else 'fp32'} "
-            "(rollout.dtype=auto: CPU amx_bf16, "
+            "(rollout.backend_options.dtype=auto: CPU amx_bf16, "
             + (
                 f"bf16 measured {gain:.2f}x"
                 if gain > 1.3

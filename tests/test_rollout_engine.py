@@ -74,12 +74,11 @@ def reqs(ps):
     return [Sample(prompt_ids=p, uid=f"u{i}") for i, p in enumerate(ps)]
 
 
-def rcfg(**kw):
-    # fp32 unless a test asks otherwise: the exactness checks compare
-    # with transformers' fp32 forward
-    return RolloutConfig(
-        **{"backend": "native", "kv_cache_bytes": 4 << 20, "block_size": 4, "dtype": "fp32", **kw}
-    )
+def rcfg(backend="native", **kw):
+    # ``kw``: the backend's options (hf takes only dtype and max_batch_size); fp32 unless a test
+    # asks otherwise: the exactness checks compare with transformers' fp32 forward
+    native = {"kv_cache_bytes": 4 << 20, "block_size": 4} if backend == "native" else {}
+    return RolloutConfig(backend=backend, backend_options={**native, "dtype": "fp32", **kw})
 
 
 def greedy(n, **kw):
@@ -173,7 +172,7 @@ def test_a_request_the_pool_can_never_hold_fails_when_added():
         "max_new_tokens 24",
         "needs 9 blocks",
         "8 blocks of 4 tokens",
-        "rollout.kv_cache_bytes",
+        "rollout.backend_options.kv_cache_bytes",
         "kv_cache_memory_fraction on CUDA",
         "a shorter rollout.max_new_tokens",
         "shorter prompts",

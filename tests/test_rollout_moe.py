@@ -91,10 +91,10 @@ def reqs(ps):
     return [Sample(prompt_ids=p, uid=f"u{i}") for i, p in enumerate(ps)]
 
 
-def rcfg(**kw):
-    return RolloutConfig(
-        **{"backend": "native", "kv_cache_bytes": 4 << 20, "block_size": 4, "dtype": "fp32", **kw}
-    )
+def rcfg(backend="native", **kw):
+    # (``kw``: the backend's options; hf takes only dtype and max_batch_size)
+    native = {"kv_cache_bytes": 4 << 20, "block_size": 4} if backend == "native" else {}
+    return RolloutConfig(backend=backend, backend_options={**native, "dtype": "fp32", **kw})
 
 
 def greedy(n):

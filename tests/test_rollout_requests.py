@@ -46,7 +46,7 @@ def test_samples_do_not_depend_on_how_the_prompts_are_split_among_ranks(backend)
 
 
 def test_a_group_larger_than_the_seats_enters_in_parts():
-    """samples_per_prompt above rollout.max_batch_size: the group is admitted in
+    """samples_per_prompt above rollout.backend_options.max_batch_size: the group is admitted in
     parts of at most that many."""
     m = model()
     ps = prompts([9, 6])

@@ -41,15 +41,15 @@ def qwen(vocab, hidden, layers, seed, scale=1.0):
 
 def rcfg(**kw):
     return RolloutConfig(
-        **{
-            "backend": "native",
+        backend="native",
+        backend_options={
             "kv_cache_bytes": 16 << 20,
             "block_size": 4,
             "max_batch_size": 8192,
             "max_num_batched_tokens": 8192,
             "num_speculative_tokens": 3,
             **kw,
-        }
+        },
     )
 
 

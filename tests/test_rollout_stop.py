@@ -12,6 +12,8 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout import ROLLOUT_BACKENDS, SamplingParams
 from hybridrl.rollout.stop import stop_hit
 
+NATIVE = {"kv_cache_bytes": 4 << 20, "block_size": 4}  # the native engine: a small KV pool
+
 torch.set_num_threads(1)
 STOP = "</ans>"
 FILLERS = {
@@ -56,7 +58,9 @@ def test_a_stop_string_ends_the_response_at_the_token_that_completes_it(backend,
     tok = tokenizer()
     m, ids = chain_model()
     eng = ROLLOUT_BACKENDS.get(backend)(
-        m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
+        m,
+        tok,
+        RolloutConfig(backend=backend, backend_options=NATIVE if backend == "native" else {}),
     )
     params = SamplingParams(temperature=0, max_new_tokens=24, stop=(STOP,))
     prompt = [ids["<bos>"], ids[FILLERS[family][start]]]
@@ -75,7 +79,9 @@ def test_without_a_stop_string_the_chain_runs_to_max_tokens(backend):
     tok = tokenizer()
     m, ids = chain_model()
     eng = ROLLOUT_BACKENDS.get(backend)(
-        m, tok, RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4)
+        m,
+        tok,
+        RolloutConfig(backend=backend, backend_options=NATIVE if backend == "native" else {}),
     )
     s = eng.generate(
         [Sample(prompt_ids=[ids["<bos>"], ids["a0"]], uid="r")],

@@ -103,7 +103,9 @@ def engine_processes() -> list[psutil.Process]:
 def engine():
     m = model()
     eng = ROLLOUT_BACKENDS.get("vllm")(
-        m, None, RolloutConfig(backend="vllm", engine_kwargs={"enforce_eager": True})
+        m,
+        None,
+        RolloutConfig(backend="vllm", backend_options={"engine_kwargs": {"enforce_eager": True}}),
     )
     yield eng, m
     eng.close()

@@ -71,7 +71,8 @@ class RehomingSource(Source):
 
 
 def engine(backend: str = "native", seed: int = 7):
-    cfg = RolloutConfig(backend=backend, kv_cache_bytes=4 << 20, block_size=4, dtype="fp32")
+    native = {"kv_cache_bytes": 4 << 20, "block_size": 4} if backend == "native" else {}
+    cfg = RolloutConfig(backend=backend, backend_options={**native, "dtype": "fp32"})
     return ROLLOUT_BACKENDS.get(backend)(build_model("tiny", Tok(), seed), Tok(), cfg)
 
 

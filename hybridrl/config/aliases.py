@@ -54,7 +54,7 @@ ALIASES: dict[str, tuple[str, str, str]] = {
     "loss_agg_mode": ("veRL", "algorithm.loss_agg", ""),
     "norm_adv_by_std_in_grpo": ("veRL", "algorithm.norm_adv_by_std", ""),
     "ppo_max_token_len_per_gpu": ("veRL", "actor.micro_batch_tokens", ""),
-    "tensor_model_parallel_size": ("veRL", "rollout.tensor_parallel_size", ""),
+    "tensor_model_parallel_size": ("veRL", "rollout.backend_options.tensor_parallel_size", ""),
     "optim.lr": ("veRL", "actor.lr", ""),
     "logger": ("veRL", "trainer.loggers", ""),
     "project_name": ("veRL", "trainer.wandb_project", ""),
@@ -67,7 +67,7 @@ ALIASES: dict[str, tuple[str, str, str]] = {
 }
 
 
-# keys a plug-in's options replaced: old key -> (new key, the plug-in it belongs to)
+# keys a plug-in's options replaced: old key -> (new key, the plug-ins it belongs to)
 MOVED: dict[str, tuple[str, str]] = {
     "algorithm.rloo_group_of_one": ("algorithm.advantage_options.group_of_one", "advantage rloo"),
     "algorithm.gdpo_reward_keys": ("algorithm.advantage_options.reward_keys", "advantage gdpo"),
@@ -94,6 +94,41 @@ MOVED: dict[str, tuple[str, str]] = {
     "algorithm.sapo_tau_pos": ("algorithm.policy_loss_options.tau_pos", "policy_loss sapo"),
     "algorithm.sapo_tau_neg": ("algorithm.policy_loss_options.tau_neg", "policy_loss sapo"),
     "algorithm.dro_beta": ("algorithm.policy_loss_options.beta", "policy_loss dro"),
+    "rollout.max_batch_size": ("rollout.backend_options.max_batch_size", "backend native / hf"),
+    "rollout.kv_cache_bytes": ("rollout.backend_options.kv_cache_bytes", "backend native / vllm"),
+    "rollout.block_size": ("rollout.backend_options.block_size", "backend native"),
+    "rollout.max_num_batched_tokens": (
+        "rollout.backend_options.max_num_batched_tokens",
+        "backend native",
+    ),
+    "rollout.enable_prefix_caching": (
+        "rollout.backend_options.enable_prefix_caching",
+        "backend native / vllm / sglang",
+    ),
+    "rollout.draft_model_path": ("rollout.backend_options.draft_model_path", "backend native"),
+    "rollout.num_speculative_tokens": (
+        "rollout.backend_options.num_speculative_tokens",
+        "backend native",
+    ),
+    "rollout.spec_max_batch": ("rollout.backend_options.spec_max_batch", "backend native"),
+    "rollout.dtype": ("rollout.backend_options.dtype", "backend native / hf"),
+    "rollout.kv_cache_memory_fraction": (
+        "rollout.backend_options.kv_cache_memory_fraction",
+        "backend native",
+    ),
+    "rollout.engine_model_path": (
+        "rollout.backend_options.engine_model_path",
+        "backend vllm / sglang",
+    ),
+    "rollout.gpu_memory_utilization": (
+        "rollout.backend_options.gpu_memory_utilization",
+        "backend vllm / sglang",
+    ),
+    "rollout.tensor_parallel_size": (
+        "rollout.backend_options.tensor_parallel_size",
+        "backend vllm / sglang",
+    ),
+    "rollout.engine_kwargs": ("rollout.backend_options.engine_kwargs", "backend vllm / sglang"),
 }
 
 

@@ -38,7 +38,9 @@ def sample_responses(
     """(prompt, response) pairs sampled from ``target`` with the native engine (eos honoured)."""
     from hybridrl.rollout.backends.native import NativeRollout
 
-    eng = NativeRollout(target, tokenizer, RolloutConfig(backend="native", max_batch_size=256))
+    eng = NativeRollout(
+        target, tokenizer, RolloutConfig(backend="native", backend_options={"max_batch_size": 256})
+    )
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     out = eng.generate([Sample(prompt_ids=p, uid=f"d{i}") for i, p in enumerate(prompts)], params)
     eng.release_memory()

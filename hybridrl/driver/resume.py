@@ -46,13 +46,14 @@ RESUMABLE_CHANGES = (
     "controller.num_threads",
     "controller.pg_timeout_s",
     "rollout.timeout_s",
-    "rollout.max_batch_size",  # the engine's memory and batching: the same samples' distribution
-    "rollout.kv_cache_bytes",
-    "rollout.block_size",
-    "rollout.max_num_batched_tokens",
-    "rollout.enable_prefix_caching",
-    "rollout.kv_cache_memory_fraction",
-    "rollout.gpu_memory_utilization",
+    # the engine's memory and batching: the same samples' distribution
+    "rollout.backend_options.max_batch_size",
+    "rollout.backend_options.kv_cache_bytes",
+    "rollout.backend_options.block_size",
+    "rollout.backend_options.max_num_batched_tokens",
+    "rollout.backend_options.enable_prefix_caching",
+    "rollout.backend_options.kv_cache_memory_fraction",
+    "rollout.backend_options.gpu_memory_utilization",
     "controller.ray_address",
     "env.step_timeout_s",
     "env.max_concurrent_steps",
@@ -83,17 +84,27 @@ class Resume:
 def changed_training_keys(saved: dict, cfg: Config) -> list[str]:
     """``"key: old -> new"`` for each key outside :data:`RESUMABLE_CHANGES` whose value in ``cfg``
     differs from ``saved`` (a checkpoint's config.yaml, read)."""
-    now = yaml.safe_load(dump_yaml(cfg))
-    changes = []
-    for section in now.keys() | saved.keys():
-        old, new = saved.get(section) or {}, now.get(section) or {}
-        for key in sorted(old.keys() | new.keys()):
-            name = f"{section}.{key}"
-            if old.get(key) != new.get(key) and not any(
-                name == k or (k.endswith(".") and name.startswith(k)) for k in RESUMABLE_CHANGES
-            ):
-                changes.append(f"{name}: {old.get(key)!r} -> {new.get(key)!r}")
-    return changes
+    old, new = flat(saved), flat(yaml.safe_load(dump_yaml(cfg)))
+    return [
+        f"{name}: {old.get(name)!r} -> {new.get(name)!r}"
+        for name in sorted(old.keys() | new.keys())
+        if old.get(name) != new.get(name)
+        and not any(
+            name == k or (k.endswith(".") and name.startswith(k)) for k in RESUMABLE_CHANGES
+        )
+    ]
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; a mapping inside a key (a plug-in's options, an
+    environment's arguments) is walked too, so each of its entries is a key of its own."""
+    out = {}
+    for key, value in (tree or {}).items():
+        if isinstance(value, dict):  # an empty one adds no key: {} and its defaults are alike
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def chosen_checkpoint(path: Path) -> tuple[Path, dict]:

@@ -44,9 +44,11 @@ import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
+from hybridrl.config.convert import ConfigError, from_dict
 from hybridrl.protocol import LORA_A, LORA_B, LORA_SCALING, Sample
 from hybridrl.registry import Registry
 from hybridrl.sampling import SamplingParams
@@ -138,6 +140,26 @@ def _by_params(
 class RolloutEngine(ABC):
     """Base of all rollout backends; holds the weight version, pause/abort state and the default
     streaming queue (``add`` / ``step`` / ``done`` / ``take`` over ``generate``)."""
+
+    # the backend's own options (``rollout.backend_options``): a dataclass whose fields are
+    # ``hybridrl.registry.option(default, help, ...)``; None: the backend takes none
+    options: type | None = None
+
+    @classmethod
+    def read_options(cls, cfg) -> Any:
+        """``cfg.backend_options`` (a ``RolloutConfig``'s) read into this backend's ``options``
+        dataclass: every key checked (unknown keys, types, bounds), the others at their defaults;
+        None for a backend that declares no options, which then takes none. The same call checks
+        a config before any work (``hybridrl.checks``) and builds the backend's options."""
+        given = cfg.backend_options
+        if cls.options is None:
+            if given:
+                raise ConfigError(
+                    f"config key 'rollout.backend_options': backend {cls.__name__} declares no "
+                    f"options, got {', '.join(map(str, given))}"
+                )
+            return None
+        return from_dict(cls.options, given, "rollout.backend_options")
 
     def __init__(self) -> None:
         self.version = 0

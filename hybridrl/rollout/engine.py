@@ -16,11 +16,14 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
+from hybridrl.config.sections.common import _check_checkpoint_dir
 from hybridrl.moe.routing import NOT_ROUTED
+from hybridrl.registry import option
 from hybridrl.rollout.block_manager import BlockManager
 from hybridrl.rollout.engine_dtype import resolve_engine_dtype
 from hybridrl.rollout.kv_capacity import check_fits, pool_blocks
@@ -31,11 +34,53 @@ from hybridrl.rollout.stop import as_tuple, stop_hit
 from hybridrl.sampling import SamplingParams, SamplingTensors, sample
 
 
+@dataclass
+class NativeOptions:
+    """The native engine's options (``rollout.backend_options`` with ``rollout.backend=native``)."""
+
+    max_batch_size: int = option(512, "most sequences decoding at once", ge=1)
+    kv_cache_bytes: int = option(256 << 20, "bytes of the paged KV-cache pool", ge=1)
+    block_size: int = option(
+        16,
+        "tokens per KV-cache block (at most 1024: a block is the unit of sharing and of "
+        "allocation, and the pool holds at least two)",
+        ge=1,
+        le=1024,
+    )
+    max_num_batched_tokens: int = option(
+        4096, "token budget of one engine step (prefill + decode)", ge=1
+    )
+    enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
+    draft_model_path: str | None = option(
+        None, "draft model checkpoint for speculative decoding (null: off)"
+    )
+    num_speculative_tokens: int = option(4, "tokens the draft proposes per step", ge=1)
+    spec_max_batch: int = option(
+        32, "speculate only while at most this many sequences decode", ge=1
+    )
+    dtype: Literal["auto", "fp32", "bf16"] = option(
+        "auto",
+        "dtype of the engine's weights and KV cache (log-probs stay fp32); auto: on CUDA bf16 "
+        "where the GPU has native bf16 (compute capability >= 8.0), else fp32; on a CPU bf16 when "
+        "it has native bf16 matmuls and a measurement on the model says they pay, else fp32",
+    )
+    kv_cache_memory_fraction: float | None = option(
+        None,
+        "on CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)",
+        gt=0,
+        le=1,
+    )
+
+    def __post_init__(self) -> None:
+        if self.draft_model_path:
+            _check_checkpoint_dir("draft_model_path", self.draft_model_path)
+
+
 class LLMEngine:
     def __init__(
         self,
         model,
-        cfg,
+        options: NativeOptions,
         *,
         eos_token_ids: Iterable[int] = (),
         tokenizer=None,
@@ -45,20 +90,20 @@ class LLMEngine:
         device: torch.device | str | None = None,
     ):
         # the engine's weights, KV pool and sampling live on `device` (None: the model's device),
-        # copied from the model wherever it is; rollout.dtype: they may be bf16 while the model it
-        # copies is fp32 (rollout/engine_dtype.py)
+        # copied from the model wherever it is; the dtype option: they may be bf16 while the model
+        # it copies is fp32 (rollout/engine_dtype.py)
         self.device = (
             torch.device(device) if device is not None else next(model.parameters()).device
         )
-        self.dtype = resolve_engine_dtype(cfg.dtype, model, self.device)
-        self.cfg = cfg
+        self.dtype = resolve_engine_dtype(options.dtype, model, self.device)
+        self.options = options
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.runner = ModelRunner(
             model.config,
             device=self.device,
             dtype=self.dtype,
-            block_size=cfg.block_size,
+            block_size=options.block_size,
             hf_model=model,
         )
         self.speculative = None
@@ -70,18 +115,18 @@ class LLMEngine:
                 draft_model.config,
                 device=self.device,
                 dtype=self.dtype,
-                block_size=cfg.block_size,
+                block_size=options.block_size,
                 hf_model=draft_model,
             )
             if spec_max_batch is None:
-                spec_max_batch = cfg.spec_max_batch
+                spec_max_batch = options.spec_max_batch
             self.speculative = SpecDecoder(
-                self, draft_runner, cfg.num_speculative_tokens, spec_max_batch
+                self, draft_runner, options.num_speculative_tokens, spec_max_batch
             )
             per_block += draft_runner.bytes_per_block()
-        self.num_blocks = pool_blocks(cfg, self.device, per_block, num_blocks)
-        self.bm = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.bm, cfg.max_batch_size, cfg.max_num_batched_tokens)
+        self.num_blocks = pool_blocks(options, self.device, per_block, num_blocks)
+        self.bm = BlockManager(self.num_blocks, options.block_size, options.enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, options.max_batch_size, options.max_num_batched_tokens)
         self._allocate()
         self.version = 0
         self.lock = threading.RLock()
@@ -144,9 +189,9 @@ class LLMEngine:
         )
         max_tokens = self.check_fits(request_id, prompt_ids, params)
         # a group enters as one sequence that forks its samples after the prompt; a group larger
-        # than the seats (rollout.max_batch_size) enters in parts of at most that many samples, each
-        # part forking its own (the later parts find the prompt's full blocks in the prefix cache),
-        # so sample i's seed stays derive_seed(seed, i)
+        # than the seats (the max_batch_size option) enters in parts of at most that many samples,
+        # each part forking its own (the later parts find the prompt's full blocks in the prefix
+        # cache), so sample i's seed stays derive_seed(seed, i)
         cap = self.scheduler.max_num_seqs
         parts = [
             Sequence(
@@ -253,7 +298,8 @@ class LLMEngine:
                 return 0
             raise RuntimeError(
                 f"a sequence of {len(self.scheduler.waiting[0])} tokens does not fit the KV pool "
-                f"({self.num_blocks} blocks of {self.bm.block_size}); raise rollout.kv_cache_bytes"
+                f"({self.num_blocks} blocks of {self.bm.block_size}); raise "
+                "rollout.backend_options.kv_cache_bytes"
             )
         acc = self.stats_acc
         acc["steps"] += 1

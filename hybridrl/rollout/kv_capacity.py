@@ -1,11 +1,12 @@
 """The native engine's KV pool capacity: how many blocks the pool gets, and whether a request can
 ever run in it.
 
-Both answers come from the same numbers (blocks of ``rollout.block_size`` tokens, the bytes one
-block costs in the model and its draft) and both are settled before any step runs: the pool's size
-once when the engine is built, a request's fit when it arrives. A request that could never be
-scheduled then fails at once, naming the settings that would make it fit, instead of waiting in
-the queue forever. The step loop itself (``rollout/engine.py``) only asks the block manager.
+Both answers come from the same numbers (blocks of the native engine's ``block_size`` option tokens,
+the bytes one block costs in the model and its draft) and both are settled before any step runs: the
+pool's size once when the engine is built, a request's fit when it arrives. A request that could
+never be scheduled then fails at once, naming the settings that would make it fit, instead of
+waiting in the queue forever. The step loop itself (``rollout/engine.py``) only asks the block
+manager.
 """
 
 from __future__ import annotations
@@ -28,18 +29,19 @@ def bytes_per_block(spec, block_size: int, dtype: torch.dtype, routing_bytes: in
     return block_size * (kv + routing_bytes)
 
 
-def pool_blocks(cfg, device: torch.device, bytes_per_block: int, num_blocks: int | None) -> int:
+def pool_blocks(options, device: torch.device, bytes_per_block: int, num_blocks: int | None) -> int:
     """The pool's block count: ``num_blocks`` when given, else the KV budget over
-    ``bytes_per_block`` (at least 2). The budget is ``rollout.kv_cache_bytes``, or on CUDA
-    ``rollout.kv_cache_memory_fraction`` of the device memory free now, when that is set."""
-    budget = cfg.kv_cache_bytes
-    fraction = cfg.kv_cache_memory_fraction  # GPU: a share of the free device memory
+    ``bytes_per_block`` (at least 2). The budget is the ``kv_cache_bytes`` option, or on CUDA
+    ``kv_cache_memory_fraction`` of the device memory free now, when that is set (``options``:
+    the native engine's, ``rollout/engine.py``)."""
+    budget = options.kv_cache_bytes
+    fraction = options.kv_cache_memory_fraction  # GPU: a share of the free device memory
     if fraction and device.type == "cuda":
         budget = int(fraction * torch.cuda.mem_get_info(device)[0])
     elif fraction:
         log.warning(
-            "rollout.kv_cache_memory_fraction applies on CUDA only; on %s the KV pool takes "
-            "rollout.kv_cache_bytes = %d",
+            "rollout.backend_options.kv_cache_memory_fraction applies on CUDA only; on %s the KV "
+            "pool takes rollout.backend_options.kv_cache_bytes = %d",
             device.type,
             budget,
         )
@@ -83,12 +85,17 @@ def check_fits(
     )
     spec = f" plus {lookahead} speculative tokens" if lookahead else ""
     group = forks > 0 and need_forks > total  # only a group has forks to reserve for
-    fixes = ["a larger rollout.kv_cache_bytes (or rollout.kv_cache_memory_fraction on CUDA)"]
+    fixes = [
+        "a larger rollout.backend_options.kv_cache_bytes (or "
+        "rollout.backend_options.kv_cache_memory_fraction on CUDA)"
+    ]
     if need > total:
         fixes.append("a shorter rollout.max_new_tokens")
     fixes.append("shorter prompts")
     if group:
-        fixes.append("a smaller rollout.max_batch_size or trainer.samples_per_prompt")
+        fixes.append(
+            "a smaller rollout.backend_options.max_batch_size or trainer.samples_per_prompt"
+        )
     raise ValueError(
         f"request {request_id!r} cannot fit the KV pool: one sequence of its "
         f"{len(prompt_ids)}-token prompt and max_new_tokens {params.max_new_tokens}{capped}"

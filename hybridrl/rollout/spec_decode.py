@@ -19,7 +19,7 @@ Speculation runs only while at most ``max_batch`` sequences are running, and
 turns itself off where it does not pay: the engine fits the seconds of a
 forward over T query tokens as t0 + c T to its plain decode steps and its
 verification passes, measures a draft step's seconds and the acceptance rate a,
-and speculates with the k (up to ``rollout.num_speculative_tokens``) that
+and speculates with the k (up to ``rollout.backend_options.num_speculative_tokens``) that
 maximises B E(k) / (t(B (k + 1)) + k t_draft), E(k) = (1 - a^(k+1)) / (1 - a),
 when that beats plain decoding's B / t(B); otherwise it probes one round in 16
 to keep the estimates fresh. Where a step is memory-bound (batch 1) c is small
@@ -61,7 +61,7 @@ class SpecDecoder:
             raise ValueError("the draft model must share the target's vocabulary")
         self.engine = engine
         self.draft = draft_runner
-        self.max_k = k  # rollout.num_speculative_tokens: the longest proposal
+        self.max_k = k  # rollout.backend_options.num_speculative_tokens: the longest proposal
         self.k = k  # this round's proposal length (the cost model's choice)
         self.max_batch = max_batch
         # cost model: a forward over T query tokens takes about t0 + c * T seconds, fitted to two

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from hybridrl.config.sections.common import (
-    _absolute_file_path,
-    _check_checkpoint_dir,
-    _f,
-)
+from hybridrl.config.sections.common import _absolute_file_path, _f
 
 
 @dataclass
@@ -28,65 +24,13 @@ class RolloutConfig:
         "for the built-in toy models)",
         ge=1,
     )
-    max_batch_size: int = _f(
-        512, "hf: sequences per generate call; native: most sequences decoding at once", ge=1
-    )
-    kv_cache_bytes: int = _f(
-        256 << 20,
-        "native, and vllm on a CPU: bytes of the paged KV-cache pool (vllm: unless "
-        "VLLM_CPU_KVCACHE_SPACE is set)",
-        ge=1,
-    )
-    block_size: int = _f(
-        16,
-        "native: tokens per KV-cache block (at most 1024: a block is the unit of sharing and of "
-        "allocation, and the pool holds at least two)",
-        ge=1,
-        le=1024,
-    )
-    max_num_batched_tokens: int = _f(
-        4096, "native: token budget of one engine step (prefill + decode)", ge=1
-    )
-    enable_prefix_caching: bool = _f(
-        True, "native, vllm, sglang: share KV blocks of identical prompt prefixes"
-    )
-    draft_model_path: str | None = _f(
-        None, "native: draft model checkpoint for speculative decoding (null: off)"
-    )
-    num_speculative_tokens: int = _f(4, "native: tokens the draft proposes per step", ge=1)
-    spec_max_batch: int = _f(
-        32, "native: speculate only while at most this many sequences decode", ge=1
-    )
-    dtype: Literal["auto", "fp32", "bf16"] = _f(
-        "auto",
-        "native (and hf on CUDA): dtype of the engine's weights and KV cache (log-probs stay "
-        "fp32); auto: on CUDA bf16 where the GPU has native bf16 (compute capability >= 8.0), "
-        "else fp32; on a CPU bf16 when it has native bf16 matmuls and a measurement on the "
-        "model says they pay, else fp32",
-    )
-    kv_cache_memory_fraction: float | None = _f(
-        None,
-        "native, CUDA: KV pool = this share of free device memory (overrides kv_cache_bytes)",
-        gt=0,
-        le=1,
-    )
-    engine_model_path: str | None = _f(
-        None,
-        "vllm, sglang: checkpoint directory the engine loads (null: the in-memory model and "
-        "tokenizer are saved to a temporary directory)",
-    )
-    gpu_memory_utilization: float = _f(
-        0.5,
-        "vllm, sglang: share of GPU memory the engine takes for weights and KV cache "
-        "(sglang: mem_fraction_static)",
-        gt=0,
-        le=1,
-    )
-    tensor_parallel_size: int = _f(1, "vllm, sglang: GPUs the engine shards the model over", ge=1)
-    engine_kwargs: dict = _f(
+    backend_options: dict[str, Any] = _f(
         {},
-        "vllm, sglang: extra keyword arguments passed as they are to vllm.LLM / sglang.Engine "
-        "(e.g. {dtype: bfloat16})",
+        "the backend's own options, as the backend declares them (listed per backend under "
+        "'Plug-in options' in docs/configuration.md): the native engine's KV cache, batching, "
+        "speculative decoding and dtype; vllm's and sglang's memory share, tensor parallelism "
+        "and engine arguments; e.g. rollout.backend_options.kv_cache_bytes=536870912 with native",
+        options_of="backend",
     )
     timeout_s: float | None = _f(
         1200.0,
@@ -96,10 +40,6 @@ class RolloutConfig:
         "null: no limit. Not applied under the local backend (a thread cannot be stopped)",
         gt=0,
     )
-
-    def validate(self) -> None:
-        if self.draft_model_path:
-            _check_checkpoint_dir("rollout.draft_model_path", self.draft_model_path)
 
 
 @dataclass

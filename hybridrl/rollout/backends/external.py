@@ -5,9 +5,13 @@ hybridrl never imports vLLM or SGLang; a missing package raises an
 ``ImportError`` that says what to install and which backends work here.
 
 The engines load a checkpoint *directory*, not our in-memory model: the
-adapter uses ``rollout.engine_model_path`` when it is set, else it saves the
+adapter uses the ``engine_model_path`` option when it is set, else it saves the
 model and tokenizer it is given (``save_pretrained``) to a temporary
 directory that lives as long as the adapter.
+
+Their options (``rollout.backend_options``) are :class:`ExternalOptions` (vllm adds the KV cache
+size it takes on a CPU): the engine's checkpoint, its share of GPU memory, tensor parallelism,
+prefix caching and extra engine arguments.
 
 Weight sync: ``update_weights`` passes the stream through ``merge_adapters``
 (LoRA), groups it into buckets of about ``bucket_bytes`` and hands each bucket
@@ -31,12 +35,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from hybridrl.config import RolloutConfig
 from hybridrl.parallel.buckets import bucketed
 from hybridrl.protocol import Sample
+from hybridrl.registry import option
 from hybridrl.rollout.backends import usable_backends
 from hybridrl.rollout.base import RolloutEngine, SamplingParams
 from hybridrl.rollout.sequence import request_seed
@@ -61,6 +67,32 @@ def import_engine(package: str, install: str):
         ) from e
 
 
+@dataclass
+class ExternalOptions:
+    """The options of an external engine (``rollout.backend_options`` with ``rollout.backend``
+    vllm or sglang)."""
+
+    engine_model_path: str | None = option(
+        None,
+        "checkpoint directory the engine loads (null: the in-memory model and tokenizer are saved "
+        "to a temporary directory)",
+    )
+    gpu_memory_utilization: float = option(
+        0.5,
+        "share of GPU memory the engine takes for weights and KV cache (sglang: "
+        "mem_fraction_static)",
+        gt=0,
+        le=1,
+    )
+    tensor_parallel_size: int = option(1, "GPUs the engine shards the model over", ge=1)
+    enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
+    engine_kwargs: dict = option(
+        {},
+        "extra keyword arguments passed as they are to vllm.LLM / sglang.Engine (e.g. {dtype: "
+        "bfloat16})",
+    )
+
+
 class ExternalRollout(RolloutEngine):
     """Base of the vllm / sglang adapters. Subclasses set ``package``/``install`` and implement
     ``_start``, ``_generate``, ``_load_bucket``, ``_reset_prefix_cache``, ``release_memory``,
@@ -70,10 +102,11 @@ class ExternalRollout(RolloutEngine):
     extra = ""  # the hybridrl extra that installs it: pip install 'hybridrl[extra]'
     install = ""  # how to get it
     bucket_bytes = 256 << 20  # weight-sync bucket size handed to the engine per call
+    options = ExternalOptions
 
     def __init__(self, model, tokenizer, cfg: RolloutConfig | None = None):
         super().__init__()
-        self.cfg = cfg or RolloutConfig()
+        self.engine_options = self.read_options(cfg or RolloutConfig())
         self.lib = import_engine(self.package, self.install)
         self.model = model  # host mirror of the live weights (LoRA base copies); None: no LoRA sync
         self.tokenizer = tokenizer
@@ -85,7 +118,7 @@ class ExternalRollout(RolloutEngine):
         )
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._engine_lock = threading.Lock()  # one call into the engine at a time
-        self.model_path = self.cfg.engine_model_path or self._save(model, tokenizer)
+        self.model_path = self.engine_options.engine_model_path or self._save(model, tokenizer)
         self._tokens, self._seconds, self._sync_seconds = 0, 0.0, 0.0
         self.engine = self._start(self.model_path)
 
@@ -93,7 +126,7 @@ class ExternalRollout(RolloutEngine):
         if model is None:
             raise ValueError(
                 f"{self.package}: no model to save; "
-                "set rollout.engine_model_path to a checkpoint directory"
+                "set rollout.backend_options.engine_model_path to a checkpoint directory"
             )
         self._tmp = tempfile.TemporaryDirectory(prefix=f"hybridrl-{self.package}-")
         model.save_pretrained(self._tmp.name)

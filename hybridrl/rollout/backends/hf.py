@@ -11,9 +11,9 @@ taken under the distribution it was drawn from. Stop strings end a sample at the
 completes one (``rollout/stop.py``). Generation is batch-synchronous, so ``pause`` only takes effect
 between ``generate`` calls; streaming is the interface's default (one ``generate`` per ``step``).
 
-``device``: where the model generates (None: where it is). On CUDA the model is cast to
-``rollout.dtype`` (``auto``: bf16 where the GPU has it natively, ``rollout/engine_dtype.py``); on a
-CPU it keeps its own dtype. Weights synced later are cast on load (``copy_``).
+``device``: where the model generates (None: where it is). On CUDA the model is cast to the
+``dtype`` option (``auto``: bf16 where the GPU has it natively, ``rollout/engine_dtype.py``); on
+a CPU it keeps its own dtype. Weights synced later are cast on load (``copy_``).
 
 Mixture-of-experts models: each sample's routing (the experts every MoE layer chose for each of its
 prompt and response tokens, ``hybridrl/moe/routing.py``) is recorded during ``generate`` and lands
@@ -28,6 +28,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import (
@@ -42,6 +44,7 @@ from hybridrl.config import RolloutConfig
 from hybridrl.moe.balance import BIAS_NAME, attach_bias
 from hybridrl.moe.routing import NOT_ROUTED, is_moe, moe_gates, record
 from hybridrl.protocol import Sample, pad_2d
+from hybridrl.registry import option
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
 from hybridrl.rollout.engine_dtype import resolve_engine_dtype
 from hybridrl.rollout.sequence import derive_seed, request_seed
@@ -116,10 +119,23 @@ def sample_routing(forwards: list[torch.Tensor], rows: list[Sample], width: int)
     ]
 
 
+@dataclass
+class HfOptions:
+    """The hf backend's options (``rollout.backend_options`` with ``rollout.backend=hf``)."""
+
+    max_batch_size: int = option(512, "sequences per generate call", ge=1)
+    dtype: Literal["auto", "fp32", "bf16"] = option(
+        "auto",
+        "on CUDA, dtype of the weights generate runs with (log-probs stay fp32); auto: bf16 where "
+        "the GPU has native bf16 (compute capability >= 8.0), else fp32; on a CPU the model's own",
+    )
+
+
 @ROLLOUT_BACKENDS.register("hf")
 class HFRollout(RolloutEngine):
     takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
     records_routing = True  # MoE models: Sample.routing, for moe.routing_replay=r3
+    options = HfOptions
 
     def __init__(
         self,
@@ -130,15 +146,15 @@ class HFRollout(RolloutEngine):
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        cfg = cfg or RolloutConfig()
+        options = self.read_options(cfg or RolloutConfig())
         if device is not None and torch.device(device).type == "cuda":
-            model = model.to(device, resolve_engine_dtype(cfg.dtype, model, device))
+            model = model.to(device, resolve_engine_dtype(options.dtype, model, device))
         elif device is not None:
             model = model.to(device)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(model, tokenizer)  # the tokenizer's and the model's
-        self.max_batch_size = cfg.max_batch_size
+        self.max_batch_size = options.max_batch_size
         self.records_routing = is_moe(model)
         self._tokens = 0
         self._seconds = 0.0

@@ -11,8 +11,11 @@ Streaming (``add`` / ``step`` / ``done`` / ``take``) drives the engine's continu
 
 ``device``: where the engine's weights, KV pool and sampling live (None: the model's device). The
 rollout worker passes its GPU (``parallel.distributed.compute_device``) with a model loaded on the
-CPU: the engine copies the weights onto the GPU (cast to ``rollout.dtype``) and keeps no reference
-to the model, so no fp32 copy of it occupies device memory.
+CPU: the engine copies the weights onto the GPU (cast to the ``dtype`` option) and keeps no
+reference to the model, so no fp32 copy of it occupies device memory.
+
+Its options (``rollout.backend_options``: the KV pool, batching, speculative decoding, dtype) are
+:class:`~hybridrl.rollout.engine.NativeOptions`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from hybridrl.config import RolloutConfig
 from hybridrl.protocol import Sample
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, RolloutEngine, SamplingParams
-from hybridrl.rollout.engine import LLMEngine
+from hybridrl.rollout.engine import LLMEngine, NativeOptions
 from hybridrl.rollout.sequence import Sequence, request_seed
 from hybridrl.rollout.stop import eos_token_ids
 
@@ -44,6 +47,7 @@ def _load_draft(path: str, like):
 class NativeRollout(RolloutEngine):
     takes_device = True  # the worker passes its device (rollout/backends/__init__.py)
     records_routing = True  # MoE models: Sample.routing, for moe.routing_replay=r3
+    options = NativeOptions
 
     def __init__(
         self,
@@ -56,12 +60,12 @@ class NativeRollout(RolloutEngine):
         **engine_kw,
     ):
         super().__init__()
-        cfg = cfg or RolloutConfig()
-        if draft_model is None and cfg.draft_model_path:
-            draft_model = _load_draft(cfg.draft_model_path, model)
+        options = self.read_options(cfg or RolloutConfig())
+        if draft_model is None and options.draft_model_path:
+            draft_model = _load_draft(options.draft_model_path, model)
         self.engine = LLMEngine(
             model,
-            cfg,
+            options,
             eos_token_ids=eos_token_ids(model, tokenizer),  # the tokenizer's and the model's
             tokenizer=tokenizer,
             draft_model=draft_model,

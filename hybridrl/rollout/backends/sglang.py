@@ -2,12 +2,12 @@
 
 Needs the ``sglang`` package (CUDA); it is imported when the backend is
 constructed, never when hybridrl is imported. The engine loads
-``rollout.engine_model_path``, or the in-memory model and tokenizer saved to a
-temporary directory (see ``external.py``). Engine arguments: ``model_path``,
-``dtype`` (the in-memory model's), ``mem_fraction_static`` (=
-``rollout.gpu_memory_utilization``), ``tp_size``, ``disable_radix_cache`` (= not
-``rollout.enable_prefix_caching``), ``enable_memory_saver=True`` (for
-``release_memory``); ``rollout.engine_kwargs`` overrides any of them.
+the ``engine_model_path`` option, or the in-memory model and tokenizer saved to a
+temporary directory (see ``external.py``). Engine arguments, from its options
+(``rollout.backend_options``, ``ExternalOptions``): ``model_path``, ``dtype`` (the in-memory
+model's), ``mem_fraction_static`` (= ``gpu_memory_utilization``), ``tp_size``,
+``disable_radix_cache`` (= not ``enable_prefix_caching``), ``enable_memory_saver=True`` (for
+``release_memory``); ``engine_kwargs`` overrides any of them.
 
 Mapping: each request is sent ``params.n`` times with its own sampling dict
 (``max_new_tokens, temperature, top_p, top_k (0 -> -1), min_p, stop,
@@ -41,18 +41,18 @@ class SGLangRollout(ExternalRollout):
     install = "pip install 'hybridrl[sglang]'  (after torch; needs a CUDA GPU)"
 
     def _start(self, path: str):
-        cfg = self.cfg
+        opts = self.engine_options
         kwargs = dict(
             model_path=path,
             dtype=self.dtype,
-            mem_fraction_static=cfg.gpu_memory_utilization,
-            tp_size=cfg.tensor_parallel_size,
-            disable_radix_cache=not cfg.enable_prefix_caching,
+            mem_fraction_static=opts.gpu_memory_utilization,
+            tp_size=opts.tensor_parallel_size,
+            disable_radix_cache=not opts.enable_prefix_caching,
             enable_memory_saver=True,
             skip_tokenizer_init=self.tokenizer is None
-            and not cfg.engine_model_path,  # no tokenizer was saved
+            and not opts.engine_model_path,  # no tokenizer was saved
         )
-        kwargs.update(cfg.engine_kwargs)
+        kwargs.update(opts.engine_kwargs)
         return self.lib.Engine(**kwargs)
 
     @staticmethod

