@@ -89,6 +89,33 @@ def check_plugins(cfg: Config) -> None:
         resolve_reward_fns(cfg)
     except RewardConfigError as e:
         raise ConfigError(f"config key {e.key!r}: {e.message}") from None
+    check_episode(cfg)
+
+
+def check_episode(cfg: Config) -> None:
+    """``rollout.episode`` loads and is an ``async def`` of (gen, prompt, params)."""
+    import inspect
+
+    from hybridrl.registry import load_dotted
+
+    if cfg.rollout.episode is None:
+        return
+    try:
+        fn = load_dotted(cfg.rollout.episode)
+    except KeyError as e:
+        raise ConfigError(f"config key 'rollout.episode': {e.args[0]}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(
+            f"config key 'rollout.episode': {cfg.rollout.episode!r} is not an async def; an "
+            "episode is `async def fn(gen, prompt, params)` returning the samples to train on"
+        )
+    try:
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        raise ConfigError(
+            f"config key 'rollout.episode': {cfg.rollout.episode}{inspect.signature(fn)} cannot be "
+            "called as fn(gen, prompt, params)"
+        ) from None
 
 
 def data_columns(cfg: Config) -> list[str]:

@@ -191,15 +191,17 @@ def model_accuracy(
     stream; scored by ``scorer`` (the rollout's :class:`~hybridrl.rollout.scoring.Scorer`), as the
     RL evaluation is. With ``cfg`` naming an environment (``env.name``), each sample is a whole
     episode, the model's turns and the environment's answers, as the RL rollout runs it: a task
-    whose skill is to use a tool is measured using it. Restores train mode.
+    whose skill is to use a tool is measured using it. So does an episode of ``rollout.episode``.
+    Restores train mode.
     """
+    from hybridrl.rollout.episode import with_episode
     from hybridrl.rollout.multiturn import with_environment
 
     was_training = model.training
     engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
-    episodes = cfg is not None and cfg.env.name is not None
+    episodes = cfg is not None and (cfg.env.name is not None or cfg.rollout.episode is not None)
     if episodes:
-        engine = with_environment(cfg, engine, tokenizer)
+        engine = with_episode(cfg, with_environment(cfg, engine, tokenizer), tokenizer)
     try:
         samples = engine.generate(
             [prompt_sample(p, tokenizer) for p in prompts], replace(params, n=1)

@@ -17,6 +17,7 @@ from hybridrl.protocol import Sample
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends import make_backend
 from hybridrl.rollout.env_rewards import env_rewards
+from hybridrl.rollout.episode import with_episode
 from hybridrl.rollout.multiturn import with_environment
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stop import eos_token_ids
@@ -40,7 +41,9 @@ class RolloutWorker(Worker):
         device = compute_device()
         backend = make_backend(cfg.rollout, model, self.tokenizer, device)
         other = None if start is None else make_backend(cfg.rollout, start, self.tokenizer, device)
-        self.backend = with_environment(cfg, backend, self.tokenizer, other)
+        self.backend = with_episode(
+            cfg, with_environment(cfg, backend, self.tokenizer, other), self.tokenizer
+        )
         # engine steps for the heartbeat (controller/health.py): generate and the stream step here
         self.progress = Progress()
         self.backend.step = self.progress.counting(self.backend.step)

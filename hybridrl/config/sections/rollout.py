@@ -32,6 +32,19 @@ class RolloutConfig:
         "and engine arguments; e.g. rollout.backend_options.kv_cache_bytes=536870912 with native",
         options_of="backend",
     )
+    episode: str | None = _f(
+        None,
+        "an episode you write, the rollout of one prompt: 'pkg.module:fn' or 'episodes.py:fn', "
+        "an async def fn(gen, prompt, params) returning the samples to train on (docs/agentic.md, "
+        "'Writing an episode'); null: each prompt's samples are generated as they are, or by "
+        "env.name's environment",
+    )
+    episode_timeout_s: float = _f(
+        600.0,
+        "seconds one episode of rollout.episode may run; past it the episode is cancelled and its "
+        "prompt's samples come back aborted, counted in episode/errors; the run goes on",
+        gt=0,
+    )
     timeout_s: float | None = _f(
         1200.0,
         "ray backend: a generate call of the rollout still running after this many seconds has "
@@ -40,6 +53,12 @@ class RolloutConfig:
         "null: no limit. Not applied under the local backend (a thread cannot be stopped)",
         gt=0,
     )
+
+    def validate(self) -> None:
+        if self.episode is not None:
+            if not isinstance(self.episode, str) or not self.episode.strip():
+                raise ValueError("episode must be a non-empty dotted path (null: none)")
+            self.episode = _absolute_file_path(self.episode)  # workers may run elsewhere
 
 
 @dataclass
