@@ -371,6 +371,65 @@ class RolloutEngine(ABC):
         """Shut the engine down at the end of a run: the processes and files it started."""
 
 
+class RolloutLayer(RolloutEngine):
+    """A rollout over another backend, ``inner``, with the same interface: what makes a prompt's
+    samples (an environment's turns, ``rollout/multiturn.py``; a user's episode,
+    ``rollout/episode.py``) over the engine that generates them. The engine's state and controls
+    are the inner backend's: its weight version, weight syncs, pause, memory; any other attribute
+    (``engine``, ``model`` ...) is read from it. A layer implements ``add`` / ``step`` / ``done`` /
+    ``take`` (and ``abort``, ``stats``, ``close`` where it holds more); ``generate`` runs them
+    through :class:`InFlight`."""
+
+    def __init__(self, inner: RolloutEngine):
+        self.inner = inner
+        super().__init__()
+        self.batched = type(inner).step is RolloutEngine.step  # no continuous batching
+
+    # the inner engine holds the weight version (RolloutEngine.__init__ assigns 0: ignored)
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        pass
+
+    def __getattr__(self, name: str):  # engine, model ...: the inner backend's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        return self.generate_streamed(prompts, params)
+
+    def update_weights(self, named_tensors, version: int) -> int:
+        return self.inner.update_weights(named_tensors, version)
+
+    def _load_weights(self, named_tensors, version: int) -> int:
+        return self.inner._load_weights(named_tensors, version)
+
+    def check_servable(self) -> None:
+        self.inner.check_servable()
+
+    def pause(self) -> None:
+        self.inner.pause()
+
+    def resume(self) -> None:
+        self.inner.resume()
+
+    def release_memory(self) -> None:
+        self.inner.release_memory()
+
+    def wake_up(self) -> None:
+        self.inner.wake_up()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class InFlight:
     """The one loop that drives a backend's streaming interface to finished groups: prompts are
     added (``add``), the engine is stepped (``step``), and each prompt's group is taken as soon as

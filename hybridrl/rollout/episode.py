@@ -56,7 +56,7 @@ import torch
 
 from hybridrl.moe.routing import NOT_ROUTED
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import RolloutEngine, SamplingParams
+from hybridrl.rollout.base import RolloutEngine, RolloutLayer, SamplingParams
 from hybridrl.rollout.turns import EnvCalls
 
 log = logging.getLogger(__name__)
@@ -144,13 +144,12 @@ class Generator:
         )
 
 
-class EpisodeRollout(RolloutEngine):
+class EpisodeRollout(RolloutLayer):
     """The rollout interface over ``inner``, each prompt's samples made by ``episode`` (module
     docstring)."""
 
     def __init__(self, inner: RolloutEngine, episode, tokenizer, timeout_s: float | None = None):
-        self.inner = inner
-        super().__init__()
+        super().__init__(inner)
         self.episode, self.tokenizer = episode, tokenizer
         self.calls = EnvCalls(timeout_s, MAX_EPISODES)
         self.groups: dict[str, Group] = {}
@@ -160,26 +159,8 @@ class EpisodeRollout(RolloutEngine):
         self.wake = threading.Condition()  # an episode asked or finished
         self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
         self.counts: dict[str, float] = defaultdict(float)
-        self.batched = type(inner).step is RolloutEngine.step  # no continuous batching
-
-    # the inner engine holds the weight version (RolloutEngine.__init__ assigns 0: ignored)
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        pass
-
-    def __getattr__(self, name: str):  # engine, model ...: the inner backend's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     # --- the rollout interface --------------------------------------------------------------------
-    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        return self.generate_streamed(prompts, params)
-
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         self.inner.check_servable()
         added = [p for p in prompts if p.uid not in self._aborted]
@@ -247,28 +228,6 @@ class EpisodeRollout(RolloutEngine):
             for s in samples
         ]
 
-    # --- controls: the inner engine's -------------------------------------------------------------
-    def update_weights(self, named_tensors, version: int) -> int:
-        return self.inner.update_weights(named_tensors, version)
-
-    def _load_weights(self, named_tensors, version: int) -> int:
-        return self.inner._load_weights(named_tensors, version)
-
-    def check_servable(self) -> None:
-        self.inner.check_servable()
-
-    def pause(self) -> None:
-        self.inner.pause()
-
-    def resume(self) -> None:
-        self.inner.resume()
-
-    def release_memory(self) -> None:
-        self.inner.release_memory()
-
-    def wake_up(self) -> None:
-        self.inner.wake_up()
-
     def abort(self, request_ids) -> None:
         """Abort prompts: their completions in the engine are aborted there, their later calls
         return aborted samples, and their groups come back aborted now."""
@@ -301,7 +260,7 @@ class EpisodeRollout(RolloutEngine):
 
     def close(self) -> None:
         self.calls.close()
-        self.inner.close()
+        super().close()
 
     # --- the engine's side of a generate call -----------------------------------------------------
     def ask(self, g: Group, request: Sample, params: SamplingParams, future) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 from hybridrl.config.schema import DataConfig
 from hybridrl.envs.base import ENVIRONMENTS, Env, StepResult
 from hybridrl.protocol import Sample
-from hybridrl.rollout.base import RolloutEngine, SamplingParams
+from hybridrl.rollout.base import RolloutEngine, RolloutLayer, SamplingParams
 from hybridrl.rollout.turns import (
     ChatObservations,
     EnvCalls,
@@ -65,17 +65,17 @@ BATCH_WAIT_S = 0.05
 LOGGED_ERRORS = 5  # environment failures logged in full; later ones only counted
 
 
-class MultiTurnRollout(RolloutEngine):
+class MultiTurnRollout(RolloutLayer):
     """The rollout interface over ``inner``, with an environment per trajectory (module
     docstring). ``env_cfg``: the run's ``env`` section; ``env_cls``: the environment class
     (default: ``env_cfg.name`` looked up in the registry); ``data``: the run's ``data`` section
-    (how prompts were rendered: the chat template, the system prompt)."""
+    (how prompts were rendered: the chat template, the system prompt). ``generate`` gives
+    ``params.n`` trajectories per prompt, in prompt order (more where one was split)."""
 
     def __init__(
         self, inner: RolloutEngine, tokenizer, env_cfg, env_cls=None, other=None, data=None
     ):
-        self.inner = inner
-        super().__init__()
+        super().__init__(inner)
         self.other = other  # the frozen policy of cross-policy sampling (None: off)
         self.tokenizer, self.cfg = tokenizer, env_cfg
         self.data = data if data is not None else DataConfig()
@@ -90,27 +90,8 @@ class MultiTurnRollout(RolloutEngine):
         self.counts: dict[str, float] = defaultdict(float)
         self.info: dict[str, list[float]] = defaultdict(list)
         self.calls_out = 0  # environment calls submitted and not yet handled
-        self.batched = type(inner).step is RolloutEngine.step  # no continuous batching
-
-    # the inner engine holds the weight version (RolloutEngine.__init__ assigns 0: ignored)
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        pass
-
-    def __getattr__(self, name: str):  # engine, model ...: the inner backend's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     # --- the rollout interface --------------------------------------------------------------------
-    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        """``params.n`` trajectories per prompt, in prompt order (more where one was split)."""
-        return self.generate_streamed(prompts, params)
-
     def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         self.inner.check_servable()
         added = [p for p in prompts if p.uid not in self._aborted]
@@ -156,28 +137,6 @@ class MultiTurnRollout(RolloutEngine):
         if group is None:
             return [prompt.aborted() for _ in range(n)]
         return [s for t in group.trajs for s in t.samples()]
-
-    # --- controls: the inner engine's -------------------------------------------------------------
-    def update_weights(self, named_tensors, version: int) -> int:
-        return self.inner.update_weights(named_tensors, version)
-
-    def _load_weights(self, named_tensors, version: int) -> int:
-        return self.inner._load_weights(named_tensors, version)
-
-    def check_servable(self) -> None:
-        self.inner.check_servable()
-
-    def pause(self) -> None:
-        self.inner.pause()
-
-    def resume(self) -> None:
-        self.inner.resume()
-
-    def release_memory(self) -> None:
-        self.inner.release_memory()
-
-    def wake_up(self) -> None:
-        self.inner.wake_up()
 
     def abort(self, request_ids) -> None:
         """Abort prompts: a turn in the inner engine is aborted there (its trajectory comes back
