@@ -414,3 +414,21 @@ def test_a_signal_finishes_the_step_saves_and_says_how_to_resume(tmp_path, signu
     ]
     assert main(resumed) == 0
     assert json.loads((tmp_path / "runs/a/summary.json").read_text())["resumed_from_step"] == step
+
+
+def test_a_checkpoint_of_the_former_rollout_layout_compares_by_the_options_it_means():
+    import yaml
+
+    from hybridrl.config import Config, dump_yaml, load_config
+    from hybridrl.driver.resume import changed_training_keys
+
+    cfg = load_config(Config, None, [])
+    saved = yaml.safe_load(dump_yaml(cfg))
+    del saved["rollout"]["backend_options"]  # saved before the backends owned their options
+    saved["rollout"] |= {"block_size": 16, "dtype": "auto", "gpu_memory_utilization": 0.5}
+    assert changed_training_keys(saved, cfg) == []
+    saved["rollout"]["dtype"] = "fp32"
+    assert changed_training_keys(saved, cfg) == ["rollout.backend_options.dtype: 'fp32' -> 'auto'"]
+    # an option written at its default and one left out are the same options
+    written = load_config(Config, None, ["rollout.backend_options.dtype=auto"])
+    assert changed_training_keys(yaml.safe_load(dump_yaml(written)), cfg) == []

@@ -13,7 +13,7 @@ save, evaluate and log, where metrics go, timeouts, threads and engine memory.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -84,7 +84,7 @@ class Resume:
 def changed_training_keys(saved: dict, cfg: Config) -> list[str]:
     """``"key: old -> new"`` for each key outside :data:`RESUMABLE_CHANGES` whose value in ``cfg``
     differs from ``saved`` (a checkpoint's config.yaml, read)."""
-    old, new = flat(saved), flat(yaml.safe_load(dump_yaml(cfg)))
+    old, new = flat(with_backend_options(saved)), flat(with_backend_options(dump_yaml(cfg)))
     return [
         f"{name}: {old.get(name)!r} -> {new.get(name)!r}"
         for name in sorted(old.keys() | new.keys())
@@ -93,6 +93,34 @@ def changed_training_keys(saved: dict, cfg: Config) -> list[str]:
             name == k or (k.endswith(".") and name.startswith(k)) for k in RESUMABLE_CHANGES
         )
     ]
+
+
+def with_backend_options(config: dict | str) -> dict:
+    """A config (a dict read from config.yaml, or its text) with ``rollout.backend_options`` as the
+    backend reads them, every option at its value or default, so that a default left out and the
+    same value written compare equal. A checkpoint saved before the backends owned their options
+    has them as ``rollout.<key>``: they are read from there (the backend's own only)."""
+    from dataclasses import asdict
+
+    from hybridrl.config import RolloutConfig
+    from hybridrl.config.aliases import MOVED
+    from hybridrl.rollout import ROLLOUT_BACKENDS
+
+    tree = yaml.safe_load(config) if isinstance(config, str) else dict(config)
+    rollout = dict(tree.get("rollout") or {})
+    backend = ROLLOUT_BACKENDS.get(rollout.get("backend", "native"))
+    given = dict(rollout.get("backend_options") or {})
+    declared = {f.name for f in fields(backend.options)} if backend.options else set()
+    for key in [k for k in list(rollout) if f"rollout.{k}" in MOVED]:  # the former layout
+        value = rollout.pop(key)
+        if key in declared:
+            given.setdefault(key, value)
+    try:
+        options = backend.read_options(RolloutConfig(backend_options=given))
+    except ConfigError:  # options this code does not read: compared as they were written
+        options = None
+    rollout["backend_options"] = given if options is None else asdict(options)
+    return tree | {"rollout": rollout}
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
