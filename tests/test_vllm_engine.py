@@ -307,3 +307,44 @@ def test_hybridrl_generate_through_vllm(tmp_path, capsys):
     assert len(lines) == 6 and all(len(x["responses"]) == len(x["rewards"]) == 2 for x in lines)
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["eval/accuracy"] == pytest.approx(sum(sum(x["rewards"]) for x in lines) / 12)
+
+
+def test_an_episode_runs_over_vllm(engine):
+    """An episode a user writes (``rollout.episode``) over the real engine, batch-synchronous: the
+    calls its attempts make at once join one engine call, each is a request of its own seeded by
+    what it continues (the engine alone gives the same tokens for it), and ``join`` lines the
+    tokens up with their log-probs and loss mask."""
+    import asyncio
+    from dataclasses import replace
+
+    from hybridrl.rollout.episode import EpisodeRollout, request_uid
+
+    eng, _ = engine
+    hint = [7, 8, 9]
+
+    async def refine(gen, prompt, params):
+        async def attempt():
+            draft = await gen.generate(prompt.prompt_ids)
+            context = draft.prompt_ids + draft.response_ids + hint
+            return gen.join(draft, hint, await gen.generate(context, max_new_tokens=4))
+
+        return await asyncio.gather(*(attempt() for _ in range(params.n)))
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=5)
+    layer = EpisodeRollout(eng, refine, None)
+    try:
+        out = layer.generate(prompts(), params)
+        stats = layer.stats()
+    finally:
+        layer.calls.close()  # the engine is the module's: not layer.close()
+    assert len(out) == 2 * len(prompts()) and (stats["episode/count"], stats["episode/errors"]) == (
+        len(prompts()),
+        0,
+    )
+    for p, joined in zip(prompts(), out[::2]):  # each prompt's first attempt made call 0
+        first = replace(p, uid=request_uid(p.uid, p.prompt_ids, 0))
+        [alone] = eng.generate([first], replace(params, n=1))
+        n = len(alone.response_ids)
+        assert joined.response_ids[:n] == alone.response_ids
+        assert joined.response_ids[n : n + 3] == hint and joined.loss_mask[n : n + 3] == [0, 0, 0]
+        assert len(joined.log_probs) == len(joined.response_ids) == len(joined.loss_mask)
