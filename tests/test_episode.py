@@ -149,13 +149,16 @@ def test_the_episode_is_checked_before_any_work(tmp_path):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_trains_through_an_episode(tmp_path, mode):
+    """examples/arith_refine.yaml, two short steps: its attempts answer twice, through the stream
+    too."""
     import hybridrl
 
     root = Path(__file__).resolve().parents[1]
     summary = hybridrl.train(
-        root / "examples" / "arith_grpo.yaml",
+        root / "examples" / "arith_refine.yaml",
         overrides=[
-            f"rollout.episode={episode_file(tmp_path)}:refine",
+            f"rollout.episode={root / 'examples' / 'arith_refine.py'}:refine",
+            f"task.reward_fn={root / 'examples' / 'arith_refine.py'}:second_answer",
             f"trainer.mode={mode}",
             "sft.steps=3",
             "sft.batch_size=16",
