@@ -46,7 +46,7 @@ def process_gone(pid: int, timeout_s: float = 20.0) -> bool:
             with open(f"/proc/{pid}/status") as f:
                 if any(line.startswith("State:") and "Z" in line.split()[1] for line in f):
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or mid-read
             return True
         time.sleep(0.1)
     return False
