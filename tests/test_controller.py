@@ -29,6 +29,9 @@ from hybridrl.controller import (
 from hybridrl.controller.dispatch import combine, plan, registered_methods
 from hybridrl.protocol import Batch
 
+# the Ray backend: worker processes of their own (make test-distributed)
+RAY = pytest.param("ray", marks=pytest.mark.distributed)
+
 
 @pytest.fixture(scope="module")
 def shared_pool():
@@ -37,7 +40,7 @@ def shared_pool():
     pool.release()
 
 
-@pytest.fixture(scope="module", params=["local", "ray"])
+@pytest.fixture(scope="module", params=["local", RAY])
 def group(request, shared_pool):
     if request.param == "ray":
         request.getfixturevalue("ray_cluster")
@@ -72,7 +75,7 @@ class ListWorker(Worker):
         return self.calls
 
 
-@pytest.fixture(scope="module", params=["local", "ray"])
+@pytest.fixture(scope="module", params=["local", RAY])
 def list_group(request, shared_pool):
     if request.param == "ray":
         request.getfixturevalue("ray_cluster")
@@ -250,7 +253,7 @@ def test_worker_error_names_role_rank_method(group):
     assert group.boom(-1) == [0, 1]  # the group survives a failed call
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+@pytest.mark.parametrize("backend", ["local", RAY])
 def test_constructor_error(backend, request):
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
@@ -269,6 +272,7 @@ def test_constructor_error(backend, request):
 
 
 # --- ray only ------------------------------------------------------------------
+@pytest.mark.distributed
 @pytest.mark.parametrize("group", ["ray"], indirect=True)
 def test_colocated_roles_share_bundles(shared_pool, group):
     with WorkerGroup(ScoreWorker, shared_pool, role="reward", backend="ray") as reward:

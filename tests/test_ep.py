@@ -251,6 +251,7 @@ def check_equal(ref: dict, got: dict, world: int) -> None:
     assert max_diff(ref["weights"], got["weights"]) <= TOL
 
 
+@pytest.mark.distributed
 def test_ep2_equals_single_process(runs):
     ref, got = runs["ref"], runs["ranks"][2]
     assert got["shapes"] == {(4, 512, 128)}  # 4 of the 8 experts per rank
@@ -264,6 +265,7 @@ def test_ep2_equals_single_process(runs):
     assert ref["traffic"] == {}  # no EP: no metrics, no collective
 
 
+@pytest.mark.distributed
 def test_weight_sync_sends_full_experts_by_transformers_name(runs):
     from hybridrl.models.factory import build_model
     from hybridrl.tasks import TASKS
@@ -275,6 +277,7 @@ def test_weight_sync_sends_full_experts_by_transformers_name(runs):
     assert got["model.layers.0.mlp.experts.down_proj"].shape == (8, 128, 256)
 
 
+@pytest.mark.distributed
 def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -294,6 +297,7 @@ def test_ep2_checkpoint_loads_at_ep1(runs, tmp_path):
     assert max_diff(trained, dict(kept.named_parameters())) == 0.0
 
 
+@pytest.mark.distributed
 def test_ep2_with_lora_equals_single_process_and_reloads_at_ep1(runs):
     ref, got = runs["ref_lora"], runs["ranks"]["lora"]
     assert got["shapes"] == {(4, 512, 128)}  # the frozen experts are split as without LoRA
@@ -311,6 +315,7 @@ def test_ep2_with_lora_equals_single_process_and_reloads_at_ep1(runs):
     assert max_diff(got["weights"], full_weights(learner)) == 0.0
 
 
+@pytest.mark.distributed
 def test_critic_on_an_ep2_trunk_equals_single_process(runs):
     ref, got = runs["ref_critic"], runs["ranks"]["critic"]
     assert got["shapes"] == {(4, 512, 128)}  # the value model's experts are split too

@@ -27,6 +27,8 @@ from hybridrl.parallel.sharded_checkpoint import export_hf, is_complete, load_sh
 from hybridrl.protocol import Batch
 
 WORLD = 2
+# every test runs on the two ranks of the module fixture
+pytestmark = pytest.mark.distributed
 VARIANTS = [("full", False), ("full", True), ("grad_op", False), ("grad_op", True)]
 TOL = 1e-5
 

@@ -171,6 +171,7 @@ def test_step_timeout_must_be_positive():
         load_config(Config, None, ["trainer.step_timeout_s=0"])
 
 
+@pytest.mark.distributed
 def test_ray_hung_worker_is_dumped_abandoned_and_killed(tmp_path, ray_cluster):  # noqa: F811
     import ray
     from test_worker_failure import process_gone

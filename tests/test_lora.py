@@ -308,6 +308,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         )
 
 
+@pytest.mark.distributed
 def test_two_fsdp_ranks_equal_one_process(tmp_path):
 
     single = Learner(CTX1, make_cfg(lr=FSDP_LR), None)

@@ -5,8 +5,9 @@ routing differ for most tokens, and the router still gets gradients (Qwen3-MoE, 
 Mixtral); the ``hf`` rollout's routing reaches the batch aligned with ``input_ids`` and R3 log-probs
 through the learner's micro-batching (length groups and packing) equal the rollout-time ones; R2
 captures the old-policy pass; the balancing losses and the bias update against hand-computed
-values; the health monitor flags a collapsed router; the config checks; a 2-step GRPO run with R3
-logs ``moe/`` metrics.
+values; activation checkpointing recomputes each layer with its forward's routing and counts
+nothing twice; the health monitor flags a collapsed router; the config checks; a 2-step GRPO run
+with R3 logs ``moe/`` metrics.
 """
 
 from __future__ import annotations
@@ -360,6 +361,45 @@ def test_losses_and_bias_through_a_training_step(tok, rollout_batch):
     assert runtime.bias_loads.sum() == 0
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_activation_checkpointing_recomputes_with_the_forwards_routing(tok, rollout_batch, packing):
+    """With activation checkpointing the backward runs each decoder layer again: its router must
+    dispatch as the forward did (R3's replayed experts, not a fresh choice, which the selection bias
+    makes differ for most tokens) and nothing may count twice. One training step with R3, both
+    balancing losses and the expert bias gives the same gradients, expert loads and ``moe/``
+    metrics with checkpointing as without."""
+    from hybridrl.parallel.fsdp import enable_activation_checkpointing
+
+    _, _, batch = rollout_batch
+    cfg = moe_cfg(routing_replay="r3", aux_loss_coef=0.01, z_loss_coef=0.001, bias_update_rate=0.05)
+    got = []
+    for checkpointing in (False, True):
+        model = build_model("tiny_moe", tok, 0)
+        skew_selection(model)  # fresh routing now differs from the rollout's for most tokens
+        if checkpointing:
+            enable_activation_checkpointing(model)
+        runtime = start(model, torch.optim.SGD(model.parameters(), lr=0.0), cfg)
+        marked = runtime.mark(batch.index(list(range(len(batch)))))
+        totals = agg_totals(marked["response_mask"], 6)
+        mbs, _ = micro_batches(marked, 48, packing)
+        model.train()
+        for mb in mbs:
+            logp, _ = response_log_probs(model, mb)
+            note_minibatch(model, totals)
+            logp.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        loads = runtime.bias_loads.clone()
+        got.append((grads, loads, runtime.step_metrics(marked)))
+    (grads, loads, metrics), (ac_grads, ac_loads, ac_metrics) = got
+    assert len(mbs) > 1 and metrics["moe/routing_changed_vs_rollout"] > 0.5  # replay mattered
+    assert grads.keys() == ac_grads.keys() and len(grads) > 20
+    for name, g in grads.items():
+        assert torch.allclose(ac_grads[name], g, rtol=1e-5, atol=1e-7), name
+    assert torch.equal(ac_loads, loads)  # each token counted once
+    for key, value in metrics.items():
+        assert ac_metrics[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+
+
 # --- health ---------------------------------------------------------------------------------------
 def test_load_stats_by_hand():
     stats = load_stats(torch.tensor([[4.0, 4.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]))
@@ -502,6 +542,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         torch.save({"weights": state, "metrics": metrics, "loads": loads}, work / "ranks.pt")
 
 
+@pytest.mark.distributed
 def test_two_rank_fsdp_moe_update_equals_one_process(tmp_path, rollout_batch):
     """R3 replay and the expert bias under FSDP2 at world size 2 train the same weights (the bias
     included), count the same expert loads and log the same ``moe/`` metrics as one process. The

@@ -68,6 +68,7 @@ def check_case(outs: list[dict], ref: dict, case: tuple) -> None:
     assert 0.0 <= idle < 1.0
 
 
+@pytest.mark.distributed
 def test_pp2_default(tmp_path):
     """pp = 2: 1F1B (tie across two ranks) under every loss aggregation mode, DualPipeV (V-shaped,
     tie on rank 0, split backward) under two; the other modes are in the slow set."""

@@ -14,7 +14,8 @@ load counts.
 
 In the default set, four ranks compose expert and pipeline parallelism: two replicas of the
 two-stage pipeline, each stage's experts split over the replicas (``moe.ep_size=2``), R3 and every
-balancing option, against the same single process.
+balancing option, against the same single process, with activation checkpointing on the four
+ranks and without.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ ROWS, PROMPT, RESP = 12, 5, 6
 TOL = 1e-5
 
 
-def learner(replay, schedule="1f1b", pp=1, rank=0, port=None, world=1, ep=1, rows=ROWS, per_mb=2):
+def learner(
+    replay, schedule="1f1b", pp=1, rank=0, port=None, world=1, ep=1, rows=ROWS, per_mb=2, ac=False
+):
     from hybridrl.controller import WorkerContext
     from hybridrl.learner import Learner
 
@@ -60,6 +63,7 @@ def learner(replay, schedule="1f1b", pp=1, rank=0, port=None, world=1, ep=1, row
             f"actor.pp_schedule={schedule}",
             "actor.pp_microbatches=4",
             f"moe.ep_size={ep}",
+            f"fsdp.activation_checkpointing={str(ac).lower()}",
         ],
     )
     ctx = WorkerContext(
@@ -136,9 +140,10 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     work = Path(workdir)
     saved = torch.load(work / "batch.pt", weights_only=True)
     world, ep, rows, per_mb = saved["world"], saved["ep"], saved["rows"], saved["per_mb"]
+    ac = saved["ac"]
     results = {}
     for replay, schedule in saved["modes"]:
-        lrn = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb)
+        lrn = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb, ac)
         if ep > 1:  # each rank holds half of every layer's experts
             experts = lrn.actor.pipeline.stages[0].layers["0" if rank % 2 == 0 else "2"].mlp.experts
             assert experts.gate_up_proj.to_local().shape[0] == 4
@@ -149,7 +154,7 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
         path = str(work / f"checkpoint-{replay}-{schedule}")
         lrn.save_checkpoint(path)
         if ep > 1:  # the sharded checkpoint (split experts and all) loads back on this layout
-            fresh = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb)
+            fresh = learner(replay, schedule, 2, rank, port, world, ep, rows, per_mb, ac)
             fresh.load_state(path)
             out["reloaded"] = fresh.actor.pipeline.full_weights()
         results[replay, schedule] = out
@@ -159,17 +164,17 @@ def rank_main(rank: int, port: int, workdir: str) -> None:
     os._exit(0)  # see parallel/distributed.py: teardown after FSDP2 may abort at exit
 
 
-def run(tmp_path, modes, world=WORLD, ep=1, rows=ROWS, per_mb=2, steps=2) -> None:
+def run(tmp_path, modes, world=WORLD, ep=1, rows=ROWS, per_mb=2, steps=2, ac=False) -> None:
     """Each (replay, schedule) of ``modes`` on ``world`` ranks (two pipeline stages, ``ep`` ranks
-    per expert group) against one process, for ``steps`` steps; ``per_mb`` rows per
-    micro-batch."""
+    per expert group; ``ac``: with activation checkpointing) against one process without it, for
+    ``steps`` steps; ``per_mb`` rows per micro-batch."""
     from rank_processes import launch_ranks, wait_ranks
 
     replays = {replay for replay, _ in modes}
     single = {replay: learner(replay, rows=rows, per_mb=per_mb) for replay in replays}
     batch = make_batch(next(iter(single.values())).model.config.vocab_size, rows)
     shape = {"world": world, "ep": ep, "rows": rows, "per_mb": per_mb, "modes": modes}
-    shape["steps"] = steps
+    shape |= {"steps": steps, "ac": ac}
     torch.save(shape | {"tensors": dict(batch.tensors)}, tmp_path / "batch.pt")
     procs = launch_ranks(__file__, world, tmp_path)
     want = {}
@@ -271,15 +276,19 @@ def test_pipelined_moe_update_equals_one_process_r3(tmp_path):
     run(tmp_path, [("r3", "1f1b")])
 
 
-def test_expert_and_pipeline_parallelism_compose(tmp_path):
+@pytest.mark.distributed
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation_checkpointing"])
+def test_expert_and_pipeline_parallelism_compose(tmp_path, checkpointing):
     """Four ranks: two replicas of two pipeline stages, each stage's experts split over the two
     replicas' ranks that hold it (``moe.ep_size=2``, FSDP2 over the replicas for the rest), R3,
     against one process over one step (two optimizer steps; the two-rank tests check the second
     step's routing drift). Micro-batches of one row make the replicas' micro-batches the single
     process's, so even the per-micro-batch auxiliary loss is the same loss; 16 rows in
     mini-batches of 8 give each replica rounds of four rows (as many rounds as the busier
-    replica). The sharded checkpoint loads back on the same layout with equal weights."""
-    run(tmp_path, [("r3", "1f1b")], world=4, ep=2, rows=16, per_mb=1, steps=1)
+    replica). The sharded checkpoint loads back on the same layout with equal weights. With
+    activation checkpointing on the four ranks, each layer the backward recomputes routes as its
+    forward did, exchanging its tokens with the other replica again, and counts nothing twice."""
+    run(tmp_path, [("r3", "1f1b")], world=4, ep=2, rows=16, per_mb=1, steps=1, ac=checkpointing)
 
 
 @pytest.mark.slow

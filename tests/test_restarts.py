@@ -291,6 +291,7 @@ def unkilled(ray_cluster, tmp_path_factory, warm) -> dict:
     "role",
     ["learner", pytest.param("rollout", marks=pytest.mark.slow)],
 )
+@pytest.mark.distributed
 def test_sigkill_restarts_and_finishes_as_if_unkilled(tmp_path, warm, unkilled, role, monkeypatch):
     """A learner or rollout process SIGKILLed after step 3 (checkpoint at 2): one restart, one step
     done again, final weights bit for bit those of the unkilled run, no prompt trained twice."""

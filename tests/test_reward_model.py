@@ -217,6 +217,7 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.mark.distributed
 def test_ray_colocated_with_the_rollout_scores_in_memory(tmp_path, rm_path, ray_cluster):
     """Under Ray, unplaced: the reward model shares the rollout's processes (one colocated group)
     and the rollout's Scorer calls it there; its scores equal the role's own."""

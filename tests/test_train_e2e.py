@@ -91,6 +91,7 @@ def test_two_steps_local_then_resume(tmp_path):
     assert resumed["accuracy_before"] == summary["accuracy_before"]
 
 
+@pytest.mark.distributed
 def test_ray_first_step_matches_local(tmp_path, ray_cluster):
     local = train(make_cfg(tmp_path, "trainer.total_steps=1", "trainer.name=local"))
     remote = train(

@@ -79,6 +79,7 @@ def make_roles(
     return Roles(learner=learner, rollout=rollout, groups=groups, pools=[train, gen])
 
 
+@pytest.mark.distributed
 @pytest.mark.usefixtures("ray_cluster")
 def test_dead_rank_is_named_and_every_group_is_shut_down():
     """SIGKILL rank 1 of the learner group while rank 0 waits for it in an all-reduce: rank 0 fails
@@ -125,6 +126,7 @@ def test_dead_rank_is_named_and_every_group_is_shut_down():
     assert {placement_group_table(pg)["state"] for pg in pgs} == {"REMOVED"}
 
 
+@pytest.mark.distributed
 @pytest.mark.usefixtures("ray_cluster")
 def test_busy_survivor_is_not_awaited(monkeypatch):
     """Rank 1 dies in the all-reduce while rank 0 is busy for a minute: the driver reports the death
@@ -153,6 +155,7 @@ def test_busy_survivor_is_not_awaited(monkeypatch):
         pool.release()
 
 
+@pytest.mark.distributed
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_call_past_its_timeout_kills_the_group():
     """``set_call_timeout``: rank 1 sleeps past the bound while rank 0 waits for it in the
@@ -204,6 +207,7 @@ def test_shutdown_closes_every_role_past_a_failing_close_local():
     assert all(group.workers == [] for group in roles.groups)
 
 
+@pytest.mark.distributed
 def test_process_group_timeout_bounds_a_missing_peer(monkeypatch):
     """Rank 0 of a 2-rank group whose rank 1 never comes: HYBRIDRL_PG_TIMEOUT_S bounds the wait (the
     same timeout bounds every collective of the group), not torch's default 30 minutes."""

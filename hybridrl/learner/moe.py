@@ -179,7 +179,7 @@ class _Forward:
         tokens = float(mb["response_mask"].sum()) if "response_mask" in mb else 0.0
         self.share = _Share(runtime, tokens) if runtime is not None else None
 
-    def __call__(self, layer: int, gate: nn.Module, out: tuple):
+    def __call__(self, layer: int, gate: nn.Module, out: tuple, recomputing: bool = False):
         logits, weights, fresh = out
         ids = fresh
         if self.forced is not None:
@@ -192,8 +192,14 @@ class _Forward:
             ids = torch.where((forced >= 0).all(-1, keepdim=True), forced, fresh)
             weights = gate_weights(gate, logits, ids)
         if self.runtime is not None:
-            weights = self.runtime.observe(layer, logits, fresh, ids, weights, self)
+            weights = self.runtime.observe(layer, logits, fresh, ids, weights, self, recomputing)
         return logits, weights, ids
+
+    def recompute(self, layer: int, gate: nn.Module, out: tuple):
+        """A layer activation checkpointing runs again in the backward: the same experts and the
+        same operations (torch checks that the recomputed tensors are the forward's), nothing
+        counted twice."""
+        return self(layer, gate, out, recomputing=True)
 
 
 @contextmanager
@@ -266,20 +272,24 @@ class MoETraining:
         return batch
 
     # --- during forwards ------------------------------------------------------------------------
-    def observe(self, layer, logits, fresh, ids, weights, forward: _Forward) -> torch.Tensor:
+    def observe(
+        self, layer, logits, fresh, ids, weights, forward: _Forward, recomputing: bool = False
+    ) -> torch.Tensor:
         """One router call of ``forward``: R2's capture in a pass without gradient; in a training
-        forward, the loads, the comparison with the recorded routing and the balancing losses.
-        Returns the dispatch weights (carrying the layer's balancing losses)."""
+        forward, the loads, the comparison with the recorded routing and the balancing losses (a
+        layer ``recomputing`` for activation checkpointing: the losses' operations alone, counted
+        by its forward). Returns the dispatch weights (carrying the layer's balancing losses)."""
         if not torch.is_grad_enabled():
             if forward.capture is not None:
                 self._capture(layer, fresh, forward.capture)
             return weights
         seen = forward.seen.to(ids.device)
         used = ids[seen]
-        count = torch.bincount(used.reshape(-1), minlength=self.n_experts).double().cpu()
-        self.counts[layer] += count
-        self.bias_loads[layer] += count
-        if forward.recorded is not None:
+        if not recomputing:
+            count = torch.bincount(used.reshape(-1), minlength=self.n_experts).double().cpu()
+            self.counts[layer] += count
+            self.bias_loads[layer] += count
+        if forward.recorded is not None and not recomputing:
             rec = forward.recorded[:, layer].to(ids.device)[seen].long()
             valid = (rec >= 0).all(-1)
             diff = ~same_sets(fresh[seen][valid], rec[valid])
@@ -289,7 +299,8 @@ class MoETraining:
             return weights
         aux, z = switch_aux_loss(logits[seen], used), router_z_loss(logits[seen])
         tokens = forward.share.tokens
-        self.balance += torch.tensor([tokens * aux.item(), tokens * z.item(), tokens])
+        if not recomputing:
+            self.balance += torch.tensor([tokens * aux.item(), tokens * z.item(), tokens])
         # the mean over the whole model's layers, whichever of them this module holds
         term = (self.cfg.aux_loss_coef * aux + self.cfg.z_loss_coef * z) / self.n_layers
         return _Balanced.apply(weights, term, forward.share)

@@ -27,7 +27,7 @@ recordings and counts use the whole model's layer numbers on every stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -96,23 +96,63 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 GateHook = Callable[[int, nn.Module, tuple], tuple | None]
+# on a router while gate_hooks runs: (its layer, the hook), for activation checkpointing to find
+HOOK_ATTR = "hybridrl_gate_hook"
+
+
+@contextmanager
+def _hooked(hooks: list[tuple[int, nn.Module, GateHook]]) -> Iterator[None]:
+    """Each ``(layer, gate, fn)``: ``fn(layer, gate, out)`` as a forward hook on ``gate``."""
+    handles = [
+        gate.register_forward_hook(lambda mod, args, out, layer=layer, fn=fn: fn(layer, mod, out))
+        for layer, gate, fn in hooks
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager
 def gate_hooks(model: nn.Module, fn: GateHook) -> Iterator[list[nn.Module]]:
     """``fn(layer, gate, (logits, weights, ids))`` as a forward hook on every router while the
     block runs (``layer``: :func:`gate_layers`); a tuple it returns replaces the router's output
-    (what the MoE block dispatches)."""
+    (what the MoE block dispatches). A layer that activation checkpointing recomputes in the
+    backward, after the block, gets the hook again (:func:`checkpoint_context`)."""
     layers = gate_layers(model)
-    handles = [
-        gate.register_forward_hook(lambda mod, args, out, layer=i: fn(layer, mod, out))
-        for i, gate in layers
-    ]
+    before = [getattr(gate, HOOK_ATTR, None) for _, gate in layers]
+    for layer, gate in layers:
+        setattr(gate, HOOK_ATTR, (layer, fn))
     try:
-        yield [gate for _, gate in layers]
+        with _hooked([(layer, gate, fn) for layer, gate in layers]):
+            yield [gate for _, gate in layers]
     finally:
-        for h in handles:
-            h.remove()
+        for (_, gate), hook in zip(layers, before):
+            setattr(gate, HOOK_ATTR, hook)
+
+
+def checkpoint_context(model: nn.Module) -> Callable[[], tuple]:
+    """The ``context_fn`` of torch's (non-reentrant) activation checkpointing for ``model``'s
+    layers: a layer the backward runs again routes as its forward did. Torch calls it as each
+    checkpointed layer's forward begins; it notes the hooks on the routers then (:func:`gate_hooks`:
+    a replay's forced experts, the training runtime's observer) and returns the contexts of that
+    forward (nothing) and of its recomputation, which puts the same hooks back while the layer runs
+    again, each as its ``recompute`` where it has one (what happens once per forward, counting
+    loads or recording, happens in the forward only). Without it the recomputed router would choose
+    afresh: other experts than the forward's, under replay or a moved selection."""
+    gates = moe_gates(model)
+
+    def context() -> tuple:
+        hooks = [getattr(gate, HOOK_ATTR, None) for gate in gates]
+        again = [
+            (hook[0], gate, getattr(hook[1], "recompute", hook[1]))
+            for gate, hook in zip(gates, hooks)
+            if hook is not None
+        ]
+        return nullcontext(), _hooked(again)
+
+    return context
 
 
 class RoutingRecorder:
@@ -123,6 +163,9 @@ class RoutingRecorder:
 
     def __call__(self, layer: int, gate: nn.Module, out: tuple) -> None:
         self.calls[layer].append(out[2].detach().to("cpu", ROUTING_DTYPE))
+
+    def recompute(self, layer: int, gate: nn.Module, out: tuple) -> None:
+        """A layer recomputed in the backward: its forward's call was recorded already."""
 
     def forwards(self) -> list[torch.Tensor]:
         """One (N, layers, k) tensor per recorded forward of the model (the layers it holds, in

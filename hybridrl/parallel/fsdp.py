@@ -65,13 +65,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Recompute every decoder layer in backward (only the layer inputs are kept: O(L)
-    activations)."""
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+    activations). A mixture-of-experts layer is recomputed with its forward's routing
+    (``moe/routing.py``: :func:`~hybridrl.moe.routing.checkpoint_context`)."""
+    from hybridrl.moe.routing import checkpoint_context, moe_gates
+
+    kwargs = {"use_reentrant": False}
+    if moe_gates(model):
+        kwargs["context_fn"] = checkpoint_context(model)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
         raise TypeError(
             f"{type(model).__name__} is not a transformers model: "
