@@ -8,7 +8,9 @@ policy-gradient-like loss plus an entropy term, ``backward``; then
 ``clip_grad_norm_`` and ``AdamW.step``), with AdamW states already allocated
 (a step has happened before) and ``--micro-batches`` micro-batches of
 ``tokens`` tokens accumulating gradients, for each micro-batch size with
-activation checkpointing off and on.
+activation checkpointing off and on. A mixture-of-experts model (``--model tiny_moe``) trains as
+an MoE run does: every forward replays a random recorded routing (R3), with both balancing losses
+and the expert bias.
 
 How the peak is measured: each configuration runs in fresh subprocesses
 (1 torch thread). After the imports and the tokenizer, before the model is
@@ -47,6 +49,16 @@ import sys
 import time
 import weakref
 
+# a mixture-of-experts model trains as an MoE run does: R3 replay, both balancing losses, the
+# expert bias (with activation checkpointing each layer is recomputed with its forward's routing)
+MOE = argparse.Namespace(
+    routing_replay="r3",
+    aux_loss_coef=0.01,
+    z_loss_coef=0.001,
+    bias_update_rate=0.01,
+    health_max_mean_threshold=3.0,
+    health_empty_steps=2,
+)
 MMAP_THRESHOLD = 128 * 1024  # glibc default start value, pinned (no dynamic raise up to 32 MiB)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,8 +144,12 @@ def child(args) -> dict:
     import torch
 
     torch.set_num_threads(1)
+    from hybridrl.algorithms import agg_totals
+    from hybridrl.learner import moe
     from hybridrl.learner.logprob import response_log_probs
     from hybridrl.models.factory import build_model
+    from hybridrl.moe.routing import NOT_ROUTED, ROUTING_DTYPE, is_moe, routing_shape
+    from hybridrl.parallel.fsdp import enable_activation_checkpointing
     from hybridrl.protocol import Batch
     from hybridrl.tasks import build_char_tokenizer
 
@@ -142,11 +158,10 @@ def child(args) -> dict:
     baseline = _status("VmRSS")
     model = build_model(args.model, tok, seed=0)
     if args.ac:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        enable_activation_checkpointing(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+    runtime = moe.start(moe.prepare(model, MOE), opt, MOE) if is_moe(model) else None
     for p in model.parameters():  # allocate m and v as a previous step would have
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -161,7 +176,7 @@ def child(args) -> dict:
         attn[: rows // 2, :2] = 0  # some left padding, as the actor's batches have
         ids[attn == 0] = 0
         resp = ids[:, 1:]
-        return Batch(
+        mb = Batch(
             {
                 "input_ids": ids,
                 "attention_mask": attn,
@@ -169,6 +184,13 @@ def child(args) -> dict:
                 "response_mask": attn[:, 1:].float(),
             }
         )
+        if runtime is not None:  # R3: every forward replays a random recorded routing
+            layers, experts, k = routing_shape(model)
+            routing = torch.rand(rows, T, layers, experts, generator=gen).argsort(-1)[..., :k]
+            routing[attn == 0] = NOT_ROUTED
+            mb[moe.ROUTING] = routing.to(ROUTING_DTYPE)
+            mb[moe.REPLAY] = torch.ones(rows, dtype=torch.long)
+        return mb
 
     mbs = [micro_batch() for _ in range(args.micro_batches)]
 
@@ -178,6 +200,7 @@ def child(args) -> dict:
             logp, ent = response_log_probs(model, mb, 1.0, with_entropy=True)
             n = mb["response_mask"].sum()
             loss = -(logp.sum() + 1e-3 * ent.sum()) / n
+            moe.note_minibatch(model, agg_totals(mb["response_mask"]))
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
