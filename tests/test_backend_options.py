@@ -44,14 +44,18 @@ def test_each_backend_checks_its_own_options_before_any_work():
         ConfigError, match="'rollout.backend_options.dtype'.*'auto', 'fp32', 'bf16'"
     ):
         checked("rollout.backend_options.dtype=fp16")
-    # an option of another backend is refused, naming the ones this backend has
+    # an option of another backend is refused, naming the backend and the options it has
     with pytest.raises(
         ConfigError,
-        match=r"'rollout.backend_options.gpu_memory_utilization' \(keys of "
+        match=r"^rollout.backend=native: unknown config key "
+        r"'rollout.backend_options.gpu_memory_utilization' \(keys of "
         r"rollout.backend_options: max_batch_size, kv_cache_bytes, block_size",
     ):
         checked("rollout.backend_options.gpu_memory_utilization=0.8")
-    with pytest.raises(ConfigError, match=r"block_size' \(keys of rollout.backend_options: max_b"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^rollout.backend=hf: .*block_size' \(keys of rollout.backend_options: max_b",
+    ):
         checked("rollout.backend=hf", "rollout.backend_options.block_size=8")
 
 

@@ -159,7 +159,10 @@ class RolloutEngine(ABC):
                     f"options, got {', '.join(map(str, given))}"
                 )
             return None
-        return from_dict(cls.options, given, "rollout.backend_options")
+        try:
+            return from_dict(cls.options, given, "rollout.backend_options")
+        except ConfigError as e:  # which backend's options these are
+            raise ConfigError(f"rollout.backend={cfg.backend}: {e}") from None
 
     def __init__(self) -> None:
         self.version = 0
@@ -384,6 +387,8 @@ class RolloutLayer(RolloutEngine):
         self.inner = inner
         super().__init__()
         self.batched = type(inner).step is RolloutEngine.step  # no continuous batching
+        self.groups: dict[str, Any] = {}  # prompt uid -> what makes its samples (begin)
+        self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
 
     # the inner engine holds the weight version (RolloutEngine.__init__ assigns 0: ignored)
     @property
@@ -401,6 +406,22 @@ class RolloutLayer(RolloutEngine):
 
     def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
         return self.generate_streamed(prompts, params)
+
+    def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
+        """Start making each prompt's samples (:meth:`begin`), but an aborted prompt's; a prompt
+        already generating is refused."""
+        self.inner.check_servable()
+        added = [p for p in prompts if p.uid not in self._aborted]
+        with self.lock:
+            for p in added:
+                if p.uid in self.groups:
+                    raise ValueError(f"prompt {p.uid!r} is already generating")
+                self.groups[p.uid] = self.begin(p, params)
+        return added
+
+    def begin(self, prompt: Sample, params: SamplingParams):
+        """Start making ``prompt``'s samples (under the lock); returns what holds them."""
+        raise NotImplementedError
 
     def update_weights(self, named_tensors, version: int) -> int:
         return self.inner.update_weights(named_tensors, version)

@@ -152,26 +152,18 @@ class EpisodeRollout(RolloutLayer):
         super().__init__(inner)
         self.episode, self.tokenizer = episode, tokenizer
         self.calls = EnvCalls(timeout_s, MAX_EPISODES)
-        self.groups: dict[str, Group] = {}
         # completions asked for, (episode, request, params, future): not yet in the engine; in it
         self.asked: list[tuple[Group, Sample, SamplingParams, asyncio.Future]] = []
         self.running: dict[str, tuple[Group, Sample, asyncio.Future]] = {}  # by request uid
         self.wake = threading.Condition()  # an episode asked or finished
-        self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
         self.counts: dict[str, float] = defaultdict(float)
 
     # --- the rollout interface --------------------------------------------------------------------
-    def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        self.inner.check_servable()
-        added = [p for p in prompts if p.uid not in self._aborted]
-        with self.lock:
-            for p in added:
-                if p.uid in self.groups:
-                    raise ValueError(f"prompt {p.uid!r} is already generating")
-                g = self.groups[p.uid] = Group(p, params)
-                g.future = self.calls.submit(self.episode, Generator(self, g), p, params)
-                g.future.add_done_callback(lambda _: self._notify())
-        return added
+    def begin(self, prompt: Sample, params: SamplingParams) -> Group:
+        g = Group(prompt, params)
+        g.future = self.calls.submit(self.episode, Generator(self, g), prompt, params)
+        g.future.add_done_callback(lambda _: self._notify())
+        return g
 
     def step(self) -> int:
         """The completions asked for added to the inner engine, one step of it, and each finished

@@ -82,28 +82,20 @@ class MultiTurnRollout(RolloutLayer):
         self.env_cls = env_cls if env_cls is not None else ENVIRONMENTS.get(env_cfg.name)
         self.calls = EnvCalls(env_cfg.step_timeout_s, env_cfg.max_concurrent_steps)
         self.plain, self.chat = observation_paths(tokenizer, env_cfg)
-        self.groups: dict[str, Group] = {}
         self.in_engine: dict[str, Trajectory] = {}  # turn request uid -> its trajectory
         self.arrived: deque = deque()  # (trajectory, kind, future) of finished environment calls
         self.wake = threading.Condition()
-        self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
         self.counts: dict[str, float] = defaultdict(float)
         self.info: dict[str, list[float]] = defaultdict(list)
         self.calls_out = 0  # environment calls submitted and not yet handled
 
     # --- the rollout interface --------------------------------------------------------------------
-    def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        self.inner.check_servable()
-        added = [p for p in prompts if p.uid not in self._aborted]
-        with self.lock:
-            for p in added:
-                if p.uid in self.groups:
-                    raise ValueError(f"prompt {p.uid!r} is already generating")
-                group = self.groups[p.uid] = Group(p, params)
-                for i in range(max(1, params.n)):
-                    group.trajs.append(Trajectory(group, i, list(p.prompt_ids)))
-                    self._begin(group.trajs[-1])
-        return added
+    def begin(self, prompt: Sample, params: SamplingParams) -> Group:
+        group = Group(prompt, params)
+        for i in range(max(1, params.n)):
+            group.trajs.append(Trajectory(group, i, list(prompt.prompt_ids)))
+            self._begin(group.trajs[-1])
+        return group
 
     def step(self) -> int:
         """One step of the inner engine over the turns in it (when none is, a short wait for an
