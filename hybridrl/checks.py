@@ -263,6 +263,19 @@ def check_rollout_backend(cfg: Config) -> None:
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def _checkpoint_config(cfg: Config) -> dict | None:
+    """The config.json of ``model.path``; None for a built-in model or one that cannot be read."""
+    import json
+    from pathlib import Path
+
+    if cfg.model.path is None:
+        return None
+    try:
+        return json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def model_is_moe(cfg: Config) -> bool | None:
     """Whether the configured model is a mixture of experts: a built-in MoE name, or a checkpoint
     whose config.json counts experts; None when its config.json cannot be read."""
@@ -270,20 +283,16 @@ def model_is_moe(cfg: Config) -> bool | None:
 
     if cfg.model.path is None:
         return cfg.model.name in MOE_SIZES
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
+    config = _checkpoint_config(cfg)
+    if config is None:
         return None
     return any(int(config.get(k) or 0) > 0 for k in MOE_CONFIG_KEYS)
 
 
 def check_moe(cfg: Config) -> None:
-    """Routing replay and balancing need an MoE model, r3 a rollout backend that records routing
-    (native and hf do; vllm, sglang and external engines do not), and no activation checkpointing
-    (its recomputed forward would route afresh)."""
+    """Routing replay, balancing and expert parallelism need an MoE model of a family whose routers
+    and experts hybridrl knows, r3 a rollout backend that records routing (native and hf do; vllm,
+    sglang and external engines do not)."""
     moe = model_is_moe(cfg)
     if moe is False and cfg.moe.active:
         raise ConfigError(
@@ -292,6 +301,18 @@ def check_moe(cfg: Config) -> None:
             "model, and the configured model is dense; use model.name=tiny_moe or an MoE "
             "checkpoint, or leave the moe section at its defaults"
         )
+    model_type = (_checkpoint_config(cfg) or {}).get("model_type")
+    if moe and (cfg.moe.active or cfg.moe.ep_size > 1) and model_type is not None:
+        from hybridrl.models.spec import MOE_FAMILIES
+
+        if model_type not in MOE_FAMILIES:
+            raise ConfigError(
+                "config section 'moe': routing replay, the balancing losses, the expert bias and "
+                "expert parallelism work through the routers and experts of the families "
+                f"{', '.join(sorted(MOE_FAMILIES))}; model.path is a {model_type!r} model, whose "
+                "routers they would not find. Leave the moe section at its defaults to train it "
+                "as any model"
+            )
     if cfg.moe.routing_replay == "r3":
         from hybridrl.rollout.base import ROLLOUT_BACKENDS
 

@@ -445,6 +445,25 @@ def test_config_checks():
         check_moe(load_config(Config, None, [*r3[:2], "moe.routing_replay=r2"]))
 
 
+@pytest.mark.parametrize("model_type", ["olmoe", "deepseek_v3"])
+def test_moe_training_of_a_family_without_known_routers_is_refused(tmp_path, model_type):
+    """The hooks find routers by the family table's classes: another MoE family (its config counts
+    experts) would train with none of them applied, silently; refused before any work, while the
+    same model trains plainly and a known family passes."""
+    experts = "n_routed_experts" if model_type == "deepseek_v3" else "num_experts"
+    for name, family in (("other", model_type), ("known", "qwen3_moe")):
+        (tmp_path / name).mkdir()
+        config = {"model_type": family, experts: 8, "num_experts_per_tok": 2}
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    other = [f"model.path={tmp_path / 'other'}", "rollout.backend=hf"]
+    for asked in ("moe.routing_replay=r2", "moe.aux_loss_coef=0.01", "moe.bias_update_rate=0.01"):
+        with pytest.raises(ConfigError, match=f"model.path is a '{model_type}' model, whose rou"):
+            check_moe(load_config(Config, None, [*other, asked]))
+    check_moe(load_config(Config, None, other))  # the moe section at its defaults: plain training
+    known = [f"model.path={tmp_path / 'known'}", "rollout.backend=hf", "moe.routing_replay=r2"]
+    check_moe(load_config(Config, None, known))
+
+
 # --- end to end -----------------------------------------------------------------------------------
 def test_grpo_with_r3_on_tiny_moe_logs_moe_metrics(tmp_path):
     import hybridrl
