@@ -142,7 +142,8 @@ def make_batch(n: int = 16, prompt_len: int = 8, resp_len: int = 40, seed: int =
     vocab = 17
     p_len = torch.randint(2, prompt_len + 1, (n,), generator=g)
     r_len = torch.randint(1, 9, (n,), generator=g)
-    r_len[:: max(1, n // 3)] = torch.randint(resp_len - 8, resp_len + 1, (len(r_len[:: n // 3]),))
+    long = r_len[:: max(1, n // 3)]
+    long[:] = torch.randint(resp_len - 8, resp_len + 1, (len(long),), generator=g)
     prompts = torch.randint(3, vocab, (n, prompt_len), generator=g)
     responses = torch.randint(3, vocab, (n, resp_len), generator=g)
     pmask = (torch.arange(prompt_len) >= prompt_len - p_len[:, None]).long()
@@ -403,6 +404,9 @@ def test_fill_shares_with_unequal_sizes():
     # sizes 3 and 1: the 1-slot share misses the most per slot, so it takes the 9 (9 vs 6; the
     # lightest-first rule would give 12 vs 3)
     assert fill_shares([1, 9, 2, 3], [3, 1]) == [[0, 2, 3], [1]]
+    # the greedy fill gives the 2-slot share the 10 and the 9 (19 vs 13); swapping the 9 with the
+    # 5 evens the shares (15 vs 17), the best two slots can hold
+    assert fill_shares([9, 3, 5, 3, 2, 10], [4, 2]) == [[0, 1, 3, 4], [2, 5]]
     # sizes as chunk gives them: Karmarkar-Karp with equal sizes
     assert fill_shares([8, 7, 6, 5], [2, 2]) == karmarkar_karp([8, 7, 6, 5], 2, equal_size=True)
 
