@@ -1,6 +1,6 @@
 """Sequence packing and data-parallel balancing: padding, rank imbalance, the policy update's time.
 
-    python bench/packing.py [--steps 3] [--reps 5] [--out FILE]
+    python bench/packing.py [--steps 3] [--reps 5] [--ranks 2] [--minibatch-rows 64] [--out FILE]
 
 For each workload, W1 (3-digit addition, responses of 2-5 tokens) and W3 (reversing digits,
 long-tailed: 90% of prompts have 1-16 digits, 10% 48-96), ``--steps`` steps of 32 prompts x 8
@@ -12,12 +12,13 @@ workload's config: ppo_clip, 4 mini-batches of 64, ``actor.micro_batch_tokens`` 
 - ``padding_fraction``: padded / all token positions fed to the model in the update
   (``perf/padding_fraction``), packed, today's length-grouped trimmed micro-batches, and naive
   padding (every row of a mini-batch at the batch's full width).
-- ``dp_imbalance``: max / mean - 1 of the tokens per rank with 2 data-parallel ranks
+- ``dp_imbalance``: max / mean - 1 of the tokens per rank with ``--ranks`` data-parallel ranks
   (``perf/dp_token_imbalance``), the samples in the order the rollout returns them, balanced
-  (``trainer.balance_batch``) and not, over each rank's half of the step (``dp_imbalance_2_ranks``)
-  and over each rank's share of each mini-batch of 64 that the update draws from the step's 256
-  rows, where the ranks meet (``..._per_minibatch``: ``perf/dp_token_imbalance_minibatch``); the
-  mean over the steps.
+  (``trainer.balance_batch``), balanced without the swaps that even the greedy fill of unequal
+  shares (the baseline), and not, over each rank's part of the step
+  (``dp_imbalance_<ranks>_ranks``) and over each rank's share of each mini-batch of
+  ``--minibatch-rows`` that the update draws from the step's 256 rows, where the ranks meet
+  (``..._per_minibatch``: ``perf/dp_token_imbalance_minibatch``); the mean over the steps.
 - ``update``: the policy update (``Learner.update_actor``) on the same batch from the same
   weights and optimizer state, the settings alternating (packed, grouped, naive, naive, grouped,
   packed, ...) ``--reps`` times; the median seconds of each, ``update_speedup_vs_unpacked`` =
@@ -52,6 +53,7 @@ from hybridrl.learner.update import (  # noqa: E402
     minibatch_rows,
 )
 from hybridrl.models.loading import make_task  # noqa: E402
+from hybridrl.parallel import batch_balance  # noqa: E402
 from hybridrl.parallel.batch_balance import balance_for_ranks  # noqa: E402
 from hybridrl.parallel.fsdp import clip_grad_norm  # noqa: E402
 from hybridrl.protocol import Batch, Sample, samples_to_batch  # noqa: E402
@@ -60,7 +62,7 @@ WORKLOADS = {
     "w1": ["task.name=arith", "rollout.max_new_tokens=16"],
     "w3": ["task.name=reverse", "rollout.max_new_tokens=100"],
 }
-COMMON = ["actor.ppo_minibatch_size=64", "algorithm.policy_loss=ppo_clip", "model.name=tiny"]
+COMMON = ["algorithm.policy_loss=ppo_clip", "model.name=tiny"]
 SETTINGS = ("packed", "grouped", "naive")
 PROMPTS, G = 32, 8
 
@@ -139,8 +141,9 @@ def timed_update(lrn: Learner, batch: Batch, setting: str, start: dict) -> tuple
     return time.perf_counter() - t0, metrics
 
 
-def run_workload(name: str, steps: int, reps: int) -> dict:
-    cfg = load_config(Config, None, COMMON + WORKLOADS[name])
+def run_workload(name: str, steps: int, reps: int, ranks: int = 2, rows: int = 64) -> dict:
+    overrides = [*COMMON, *WORKLOADS[name], f"actor.ppo_minibatch_size={rows}"]
+    cfg = load_config(Config, None, overrides)
     ctx = WorkerContext(rank=0, world_size=1, role="learner", pool="bench", num_threads=1)
     lrn = Learner(ctx, cfg, None)
     task, tokenizer = make_task(cfg), lrn.tokenizer
@@ -148,8 +151,9 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
     start = {"model": {k: v.clone() for k, v in lrn.model.state_dict().items()}}
     start |= {"optimizer": lrn.optimizer.state_dict(), "shuffle": lrn.actor.shuffle.get_state()}
     pad: dict[str, list[float]] = {s: [] for s in SETTINGS}
-    imb: dict[str, list[float]] = {"balanced": [], "unbalanced": []}
-    per_mini: dict[str, list[float]] = {"balanced": [], "unbalanced": []}
+    kinds = ("balanced", "balanced_without_swaps", "unbalanced")
+    imb: dict[str, list[float]] = {k: [] for k in kinds}
+    per_mini: dict[str, list[float]] = {k: [] for k in kinds}
     secs: dict[str, list[float]] = {s: [] for s in SETTINGS}
     diffs: dict[str, float] = {s: 0.0 for s in SETTINGS[1:]}
     lengths = []
@@ -157,11 +161,16 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
         samples = step_samples(cfg, task, tokenizer, step)
         lengths += [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         batch = update_inputs(lrn, samples, tokenizer.pad_token_id)
-        for key, on in (("balanced", True), ("unbalanced", False)):
-            minis = first_epoch_minibatches(
-                len(batch), lrn.actor.shuffle, cfg.actor.ppo_minibatch_size
-            )
-            metrics = balance_for_ranks(batch, 2, on, minis)[1]
+        minis = first_epoch_minibatches(len(batch), lrn.actor.shuffle, cfg.actor.ppo_minibatch_size)
+        for key in kinds:
+            # the baseline without the swaps that even a greedy fill (batch_balance.evened)
+            evened = batch_balance.evened
+            if key == "balanced_without_swaps":
+                batch_balance.evened = lambda sets, lengths: sets
+            try:
+                metrics = balance_for_ranks(batch, ranks, key != "unbalanced", minis)[1]
+            finally:
+                batch_balance.evened = evened
             imb[key].append(metrics["perf/dp_token_imbalance"])
             per_mini[key].append(metrics["perf/dp_token_imbalance_minibatch"])
         after: dict[str, dict] = {}
@@ -183,8 +192,8 @@ def run_workload(name: str, steps: int, reps: int) -> dict:
             "max": max(lengths),
         },
         "padding_fraction": {s: round(statistics.fmean(v), 4) for s, v in pad.items()},
-        "dp_imbalance_2_ranks": {k: round(statistics.fmean(v), 4) for k, v in imb.items()},
-        "dp_imbalance_2_ranks_per_minibatch": {
+        f"dp_imbalance_{ranks}_ranks": {k: round(statistics.fmean(v), 4) for k, v in imb.items()},
+        f"dp_imbalance_{ranks}_ranks_per_minibatch": {
             k: round(statistics.fmean(v), 4) for k, v in per_mini.items()
         },
         "update_median_s": {s: round(v, 4) for s, v in median.items()},
@@ -201,12 +210,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="batches per workload")
     ap.add_argument("--reps", type=int, default=5, help="timed updates per setting and batch")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--ranks", type=int, default=2, help="data-parallel ranks to balance over")
+    ap.add_argument("--minibatch-rows", type=int, default=64, help="actor.ppo_minibatch_size")
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
     out = {
         "steps": args.steps,
         "reps": args.reps,
+        "ranks": args.ranks,
+        "minibatch_rows": args.minibatch_rows,
         "threads": 1,
         "commit": subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
@@ -214,7 +227,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
     for name in args.workloads:
-        out[name] = run_workload(name, args.steps, args.reps)
+        out[name] = run_workload(name, args.steps, args.reps, args.ranks, args.minibatch_rows)
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
