@@ -14,9 +14,8 @@ workload's config: ppo_clip, 4 mini-batches of 64, ``actor.micro_batch_tokens`` 
   padding (every row of a mini-batch at the batch's full width).
 - ``dp_imbalance``: max / mean - 1 of the tokens per rank with ``--ranks`` data-parallel ranks
   (``perf/dp_token_imbalance``), the samples in the order the rollout returns them, balanced
-  (``trainer.balance_batch``), balanced over the draw before every rank got an equal count of
-  each mini-batch (consecutive slices of the permutation: the baseline), and not, over each rank's
-  part of the step
+  (``trainer.balance_batch``), balanced without the swaps that even the greedy fill of unequal
+  shares (the baseline), and not, over each rank's part of the step
   (``dp_imbalance_<ranks>_ranks``) and over each rank's share of each mini-batch of
   ``--minibatch-rows`` that the update draws from the step's 256 rows, where the ranks meet
   (``..._per_minibatch``: ``perf/dp_token_imbalance_minibatch``); the mean over the steps.
@@ -54,6 +53,7 @@ from hybridrl.learner.update import (  # noqa: E402
     minibatch_rows,
 )
 from hybridrl.models.loading import make_task  # noqa: E402
+from hybridrl.parallel import batch_balance  # noqa: E402
 from hybridrl.parallel.batch_balance import balance_for_ranks  # noqa: E402
 from hybridrl.parallel.fsdp import clip_grad_norm  # noqa: E402
 from hybridrl.protocol import Batch, Sample, samples_to_batch  # noqa: E402
@@ -151,7 +151,7 @@ def run_workload(name: str, steps: int, reps: int, ranks: int = 2, rows: int = 6
     start = {"model": {k: v.clone() for k, v in lrn.model.state_dict().items()}}
     start |= {"optimizer": lrn.optimizer.state_dict(), "shuffle": lrn.actor.shuffle.get_state()}
     pad: dict[str, list[float]] = {s: [] for s in SETTINGS}
-    kinds = ("balanced", "balanced_global_slices", "unbalanced")
+    kinds = ("balanced", "balanced_without_swaps", "unbalanced")
     imb: dict[str, list[float]] = {k: [] for k in kinds}
     per_mini: dict[str, list[float]] = {k: [] for k in kinds}
     secs: dict[str, list[float]] = {s: [] for s in SETTINGS}
@@ -161,13 +161,16 @@ def run_workload(name: str, steps: int, reps: int, ranks: int = 2, rows: int = 6
         samples = step_samples(cfg, task, tokenizer, step)
         lengths += [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         batch = update_inputs(lrn, samples, tokenizer.pad_token_id)
-        size = cfg.actor.ppo_minibatch_size
+        minis = first_epoch_minibatches(len(batch), lrn.actor.shuffle, cfg.actor.ppo_minibatch_size)
         for key in kinds:
-            # the baseline: the draw before each rank got an equal count of every mini-batch,
-            # consecutive slices of the permutation (the draw of one share)
-            shares = 1 if key == "balanced_global_slices" else ranks
-            minis = first_epoch_minibatches(len(batch), lrn.actor.shuffle, size, shares)
-            metrics = balance_for_ranks(batch, ranks, key != "unbalanced", minis)[1]
+            # the baseline without the swaps that even a greedy fill (batch_balance.evened)
+            evened = batch_balance.evened
+            if key == "balanced_without_swaps":
+                batch_balance.evened = lambda sets, lengths: sets
+            try:
+                metrics = balance_for_ranks(batch, ranks, key != "unbalanced", minis)[1]
+            finally:
+                batch_balance.evened = evened
             imb[key].append(metrics["perf/dp_token_imbalance"])
             per_mini[key].append(metrics["perf/dp_token_imbalance_minibatch"])
         after: dict[str, dict] = {}

@@ -100,17 +100,9 @@ def hf_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def single_process(loss_agg: str, dp: int = 1) -> dict:
+def single_process(loss_agg: str) -> dict:
     """Loss and gradients of one mini-batch (no clip, lr 0), log-probs, weights after two
-    clipped SGD steps: the numbers every pipelined case with ``dp`` replicas must match (the
-    two-mini-batch update drawn as ``dp`` data-parallel replicas draw it together)."""
-    from rank_processes import drawn_as_ranks
-
-    with drawn_as_ranks(dp):
-        return _single_process(loss_agg)
-
-
-def _single_process(loss_agg: str) -> dict:
+    clipped SGD steps: the numbers every pipelined case must match."""
     batch, out = make_batch(), {}
     model = tiny_model()
     objective, losses = objective_for(loss_agg)

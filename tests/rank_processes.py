@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from hybridrl.controller.worker import find_free_port
@@ -45,20 +44,3 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     if not all(p.returncode == 0 for p in procs):
         raise AssertionError("\n".join(log[-3000:] for log in logs))
     return logs
-
-
-@contextmanager
-def drawn_as_ranks(ranks: int):
-    """Within the block a one-process learner draws its update's mini-batches as ``ranks``
-    data-parallel ranks draw them together (each rank an equal count of every mini-batch:
-    ``learner/update.py``), so that it is the reference of a run on that many ranks."""
-    from hybridrl.learner import update
-
-    drawn = update.minibatch_rows
-    update.minibatch_rows = lambda n, generator, size: update.shared_minibatch_rows(
-        n, generator, size, ranks
-    )
-    try:
-        yield
-    finally:
-        update.minibatch_rows = drawn

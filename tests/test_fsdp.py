@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from batches import prompt_response_batch
-from rank_processes import drawn_as_ranks, launch_ranks, rank_env, wait_ranks
+from rank_processes import launch_ranks, rank_env, wait_ranks
 
 from hybridrl.config import Config
 from hybridrl.controller import WorkerContext
@@ -246,25 +246,22 @@ def runs(tmp_path_factory):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    with drawn_as_ranks(WORLD):  # the mini-batches the two ranks draw together
-        logp = single.compute_log_prob(batch)["old_log_probs"]
-        metrics = single.update_actor(batch)
-        reference = {"weights": full_weights(single), "metrics": metrics, "logp": logp}
-        reference["batch"] = batch
-        bf16 = Learner(ctx1, make_cfg(precision="bf16"), None)
-        reference["bf16"] = {
-            "logp": bf16.compute_log_prob(batch)["old_log_probs"],
-            "metrics": bf16.update_actor(batch),
-            "weights": full_weights(bf16),
-        }
-        ppo = Learner(ctx1, make_cfg(advantage="gae"), None)
-        shuffle = ppo.actor.shuffle
-        reference["reference"] = ppo.reference.log_probs(batch, shuffle)["ref_log_probs"]
-        reference["values"] = ppo.critic.values(batch)["values"]
-        reference["critic_metrics"] = ppo.critic.update(batch)
-        reference["critic_weights"] = {
-            n: t.detach().clone() for n, t in ppo.critic.model.state_dict().items()
-        }
+    logp = single.compute_log_prob(batch)["old_log_probs"]
+    metrics = single.update_actor(batch)
+    reference = {"weights": full_weights(single), "metrics": metrics, "logp": logp, "batch": batch}
+    bf16 = Learner(ctx1, make_cfg(precision="bf16"), None)
+    reference["bf16"] = {
+        "logp": bf16.compute_log_prob(batch)["old_log_probs"],
+        "metrics": bf16.update_actor(batch),
+        "weights": full_weights(bf16),
+    }
+    ppo = Learner(ctx1, make_cfg(advantage="gae"), None)
+    reference["reference"] = ppo.reference.log_probs(batch, ppo.actor.shuffle)["ref_log_probs"]
+    reference["values"] = ppo.critic.values(batch)["values"]
+    reference["critic_metrics"] = ppo.critic.update(batch)
+    reference["critic_weights"] = {
+        n: t.detach().clone() for n, t in ppo.critic.model.state_dict().items()
+    }
     wait_ranks(procs, timeout=240)
     crash_log = crash.communicate(timeout=240)[0]
     return {

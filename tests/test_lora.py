@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from batches import prompt_response_batch
-from rank_processes import drawn_as_ranks, launch_ranks, wait_ranks
+from rank_processes import launch_ranks, wait_ranks
 from test_train_e2e import TINY_RUN
 
 from hybridrl.config import Config, load_config
@@ -315,8 +315,7 @@ def test_two_fsdp_ranks_equal_one_process(tmp_path):
     batch = rl_batch(single)
     torch.save(batch.tensors, tmp_path / "batch.pt")
     procs = launch_ranks(__file__, WORLD, tmp_path)
-    with drawn_as_ranks(WORLD):  # the mini-batches the two ranks draw together
-        single.update_actor(batch)
+    single.update_actor(batch)
     want = lora_lib.merged_weights(single.model)
     want_buckets = dict(item for b in single.weight_buckets(mode="base") for item in b)
     wait_ranks(procs, timeout=240)

@@ -168,7 +168,7 @@ def run(tmp_path, modes, world=WORLD, ep=1, rows=ROWS, per_mb=2, steps=2, ac=Fal
     """Each (replay, schedule) of ``modes`` on ``world`` ranks (two pipeline stages, ``ep`` ranks
     per expert group; ``ac``: with activation checkpointing) against one process without it, for
     ``steps`` steps; ``per_mb`` rows per micro-batch."""
-    from rank_processes import drawn_as_ranks, launch_ranks, wait_ranks
+    from rank_processes import launch_ranks, wait_ranks
 
     replays = {replay for replay, _ in modes}
     single = {replay: learner(replay, rows=rows, per_mb=per_mb) for replay in replays}
@@ -179,8 +179,7 @@ def run(tmp_path, modes, world=WORLD, ep=1, rows=ROWS, per_mb=2, steps=2, ac=Fal
     procs = launch_ranks(__file__, world, tmp_path)
     want = {}
     for replay, lrn in single.items():
-        with drawn_as_ranks(world // 2):  # as the replicas of the two-stage pipeline draw
-            want[replay] = {"steps": train(lrn, batch, steps)}
+        want[replay] = {"steps": train(lrn, batch, steps)}
         params = dict(lrn.model.named_parameters())
         want[replay]["grads"] = {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
         want[replay]["weights"] = {n: p.detach().clone() for n, p in params.items()}

@@ -149,9 +149,7 @@ class Learner(Worker):
         alg = cfg.algorithm
         batch = samples_to_batch(samples, self.tokenizer.pad_token_id)
         # each replica's share of each of the update's mini-batches gets an equal token count
-        minis = first_epoch_minibatches(
-            len(batch), actor.shuffle, cfg.actor.ppo_minibatch_size, actor.replicas
-        )
+        minis = first_epoch_minibatches(len(batch), actor.shuffle, cfg.actor.ppo_minibatch_size)
         batch, balanced = balance_for_ranks(
             batch, actor.replicas, cfg.trainer.balance_batch, minis
         )  # parallel/batch_balance.py

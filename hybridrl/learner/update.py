@@ -8,15 +8,12 @@ micro-batches is exactly the mini-batch loss whatever the budget.
 
 Data parallel (world size > 1): the driver gives rank r a contiguous chunk of
 the step's batch (``Dispatch.DP_COMPUTE``). Every rank draws the same
-permutation of the *global* batch (same generator state on every rank); each
-takes its own rows in the permutation's order and cuts them into as many
-equal parts as there are mini-batches, its share of each (:func:`epoch_minibatches`:
-every rank trains the same number of rows of every mini-batch). The totals
+permutation of the *global* batch (same generator state on every rank) and
+cuts it into the same global mini-batches as one process would; a rank trains
+on the rows of each mini-batch that lie in its chunk. The totals
 (``AggTotals``) are all-reduced, so each rank's loss is its share of the
 global mini-batch loss, and FSDP sums the gradients over ranks: the update
-equals the single-process update over the same global mini-batches
-(:func:`shared_minibatch_rows`) up to float rounding; one process draws
-consecutive slices of the permutation.
+equals the single-process update on the same batch (up to float rounding).
 Ranks with fewer micro-batches run dummy ones (no contribution) so that the
 collectives line up. Metrics are token-weighted means over the global
 mini-batch, identical on every rank.
@@ -125,57 +122,25 @@ def chunk_minibatch_rows(
     sizes: list[int], position: int, generator: torch.Generator, minibatch_size: int
 ) -> list[torch.Tensor]:
     """The rows of chunk ``position`` (of contiguous chunks of ``sizes`` rows, indices into it) in
-    each mini-batch of one shuffled epoch over all of them (:func:`epoch_minibatches`)."""
-    return epoch_minibatches(sizes, generator, minibatch_size)[position]
-
-
-def epoch_minibatches(
-    sizes: list[int], generator: torch.Generator, minibatch_size: int
-) -> list[list[torch.Tensor]]:
-    """Per chunk (contiguous chunks of ``sizes`` rows: the data-parallel ranks' shares), its rows
-    (indices into it) in each mini-batch of one shuffled epoch over all of them; one permutation
-    of every row drawn from ``generator``. One chunk (one process) takes the permutation's
-    consecutive slices of ``minibatch_size``. Several chunks each take their own rows in the
-    permutation's order, cut into as many nearly equal parts as there are mini-batches: every rank
-    trains as many rows of each mini-batch as the others (slices of the global permutation would
-    give the ranks unequal counts, which no reordering of the rows can even out, and the ranks
-    meet at every mini-batch)."""
-    total = sum(sizes)
+    each mini-batch of one shuffled epoch over all of them."""
+    total, offset, n_local = sum(sizes), sum(sizes[:position]), sizes[position]
     perm = torch.randperm(total, generator=generator)
-    if len(sizes) == 1:
-        return [[perm[start : start + minibatch_size] for start in range(0, total, minibatch_size)]]
-    n_minibatches = -(-total // minibatch_size)
-    out, offset = [], 0
-    for n_local in sizes:
-        mine = perm[(perm >= offset) & (perm < offset + n_local)] - offset
-        out.append(list(mine.tensor_split(n_minibatches)))
-        offset += n_local
+    out = []
+    for start in range(0, total, minibatch_size):
+        rows = perm[start : start + minibatch_size]
+        out.append(rows[(rows >= offset) & (rows < offset + n_local)] - offset)
     return out
 
 
-def shared_minibatch_rows(
-    n: int, generator: torch.Generator, size: int, shares: int
-) -> list[torch.Tensor]:
-    """The global rows of each mini-batch of one epoch over ``n`` rows held as ``shares``
-    data-parallel shares (as ``Batch.chunk`` splits them), drawn from ``generator``: what the
-    ranks' :func:`minibatch_rows` draw together."""
-    from hybridrl.parallel.batch_balance import chunk_bounds, chunk_sizes
-
-    bounds = chunk_bounds(n, shares)
-    per_share = epoch_minibatches(chunk_sizes(n, shares), generator, size)
-    return [torch.cat([r + at for r, at in zip(parts, bounds)]) for parts in zip(*per_share)]
-
-
-def first_epoch_minibatches(
-    n: int, generator: torch.Generator, size: int, shares: int = 1
-) -> list[list[int]]:
+def first_epoch_minibatches(n: int, generator: torch.Generator, size: int) -> list[list[int]]:
     """The global rows of each mini-batch that the next :func:`run_updates` with ``generator``
-    draws in its first epoch over ``n`` rows held as ``shares`` data-parallel shares; the
-    generator is only peeked at. Data-parallel balancing (``parallel/batch_balance.py``) evens the
-    ranks' shares of these."""
+    draws in its first epoch over ``n`` rows (as :func:`minibatch_rows`); the generator is only
+    peeked at. Data-parallel balancing (``parallel/batch_balance.py``) evens the ranks' shares of
+    these."""
     peek = torch.Generator()
     peek.set_state(generator.get_state())
-    return [rows.tolist() for rows in shared_minibatch_rows(n, peek, size, shares)]
+    perm = torch.randperm(n, generator=peek).tolist()
+    return [perm[i : i + size] for i in range(0, n, size)]
 
 
 def first_epoch_map(

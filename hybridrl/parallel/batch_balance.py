@@ -1,24 +1,26 @@
 """Balancing the data-parallel ranks: each rank gets an equal share of the step's tokens.
 
 Data-parallel ranks each take a contiguous share of the step's rows (``Batch.chunk``: the learner's
-per-row passes, and within each mini-batch of the update the rank's equal count of its own rows,
-``learner/update.py``). With long-tailed lengths one rank can get most of the long sequences, and
-since the ranks meet at every forward and backward (FSDP's collectives), the others wait for it. The
-rows are therefore reordered before any of that (:func:`balance_for_ranks`,
-``trainer.balance_batch``), so that each rank's share of every mini-batch of the update's first
-epoch holds nearly the same number of tokens; the mini-batches keep the samples the unbalanced order
-would give them. The *Karmarkar-Karp* largest-differencing method makes the partition where the
-ranks' shares have equal sizes (the update gives every rank an equal count of each mini-batch, one
-more where the rows do not divide); where a mini-batch's shares have other sizes (mini-batches drawn
-otherwise) the largest sequence goes first into the share that misses the most tokens per free slot.
+per-row passes, and within each mini-batch of the update the drawn rows that lie in the rank's
+share). With long-tailed lengths one rank can get most of the long sequences, and since the ranks
+meet at every forward and backward (FSDP's collectives), the others wait for it. The rows are
+therefore reordered before any of that (:func:`balance_for_ranks`, ``trainer.balance_batch``), so
+that each rank's share of every mini-batch of the update's first epoch holds nearly the same number
+of tokens; the mini-batches keep the samples the unbalanced order would give them. The
+*Karmarkar-Karp* largest-differencing method makes the partition where the ranks' shares have equal
+sizes (one mini-batch of the whole batch: the share is the chunk); where a mini-batch's shares have
+unequal sizes (the update draws its rows at random) the largest sequence goes first into the share
+that misses the most tokens per free slot, and swaps between the fullest and the emptiest share
+then even them out.
 
 The reordering only decides which rank computes which rows: the update of the reordered batch on k
-ranks equals the single-process update of the reordered batch over the same mini-batches
-(``learner/update.py``), and one rank is left untouched.
+ranks equals the single-process update of the reordered batch (the mini-batch shuffle is drawn over
+global rows, ``learner/update.py``), and one rank is left untouched.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 
@@ -71,7 +73,8 @@ def balanced_order(lengths: Sequence[int], k: int) -> list[int]:
 def fill_shares(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
     """Item indices in ``len(sizes)`` sets of exactly ``sizes`` items with nearly equal length sums:
     Karmarkar-Karp when the sizes are those of ``chunk`` (differing by one at most, the larger
-    first), else the largest item first into the set that misses the most tokens per free slot."""
+    first), else the largest item first into the set that misses the most tokens per free slot,
+    then evened by swaps (:func:`evened`)."""
     k, n = len(sizes), len(lengths)
     if list(sizes) == chunk_sizes(n, k):
         sets = karmarkar_karp(lengths, k, equal_size=True)
@@ -87,7 +90,38 @@ def fill_shares(lengths: Sequence[int], sizes: Sequence[int]) -> list[list[int]]
         r = max((r for r in range(k) if len(sets[r]) < sizes[r]), key=lambda r: (need(r), -r))
         sets[r].append(i)
         sums[r] += int(lengths[i])
-    return [sorted(s) for s in sets]
+    return [sorted(s) for s in evened(sets, lengths)]
+
+
+def evened(sets: list[list[int]], lengths: Sequence[int]) -> list[list[int]]:
+    """``sets`` (item indices) with items swapped between the fullest and the emptiest set while a
+    swap brings their sums closer: each time the pair whose length difference is nearest half the
+    gap, so the set sizes stay. The greedy fill of unequal sizes ends where its last items leave it
+    (a mini-batch's shares several times as uneven as swaps make them, on long-tailed lengths).
+    Each swap lowers the sum of squared set sums, so this ends; deterministic."""
+    sums = [sum(int(lengths[i]) for i in s) for s in sets]
+    for _ in range(sum(len(s) for s in sets) ** 2):
+        hi = max(range(len(sets)), key=lambda r: (sums[r], -r))
+        lo = min(range(len(sets)), key=lambda r: (sums[r], r))
+        gap = sums[hi] - sums[lo]
+        low = sorted(sets[lo], key=lambda j: (int(lengths[j]), j))
+        keys = [int(lengths[j]) for j in low]
+        best = None  # (|gap - 2 delta|, a, b, delta)
+        for a in sorted(sets[hi]):
+            at = bisect.bisect_left(keys, int(lengths[a]) - gap / 2)
+            for q in (at - 1, at):
+                delta = int(lengths[a]) - keys[q] if 0 <= q < len(keys) else 0
+                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < best[0]):
+                    best = (abs(gap - 2 * delta), a, low[q], delta)
+        if best is None:
+            break
+        _, a, b, delta = best
+        sets[hi].remove(a)
+        sets[lo].remove(b)
+        sets[hi].append(b)
+        sets[lo].append(a)
+        sums[hi], sums[lo] = sums[hi] - delta, sums[lo] + delta
+    return sets
 
 
 def imbalance(tokens: Sequence[float]) -> float:
