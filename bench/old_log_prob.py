@@ -7,9 +7,9 @@ The default job (W1, tiny Qwen2, 32 prompts x 8 samples: the config's defaults) 
 ``actor.ppo_minibatch_size=256``: one optimizer step per batch, on-policy, so
 ``actor.reuse_old_log_probs: auto`` takes the old log-probs from the update's forward and ``never``
 runs the separate pass. One session (warm start, roles, evaluation before training) then runs the
-driver's step (collect, the learner's train_step, weight sync) with the two settings alternating
-step by step (auto, never, never, auto, auto, never, ...): both see the same machine load and the
-same policy, since the two give the same weights bit for bit
+driver's step (the feed's: generate into the buffer, the learner's train_step, weight sync) with the
+two settings alternating step by step (auto, never, never, auto, auto, never, ...): both see the
+same machine load and the same policy, since the two give the same weights bit for bit
 (``tests/test_reuse_old_log_probs.py``). The first ``--warmup`` steps are not counted, then
 ``--steps`` of each. Extra ``key=value`` arguments override the config (e.g. ``sft.steps=50`` for a
 quick run).
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrl.config import Config, load_config  # noqa: E402
-from hybridrl.driver.collect import collect  # noqa: E402
+from hybridrl.driver.loop import Feed  # noqa: E402
 from hybridrl.driver.session import open_session  # noqa: E402
 
 SETTINGS = ("auto", "never")
@@ -77,25 +77,16 @@ def main() -> None:
     )
     session = open_session(cfg, resume=False)
     rows: dict[str, list[dict]] = {s: [] for s in SETTINGS}
-    cursor = 0
+    feed = Feed(session)  # the driver's: the rollout fills the buffer, the learner takes it
     try:
+        feed.start()
         plan = ["auto"] * args.warmup + order(args.steps)
         for step, setting in enumerate(plan):
             session.roles.learner.apply_all(set_reuse, setting)  # in the learner's own config
             session.timer.pop()
             t0 = time.perf_counter()
-            samples, cursor, _ = collect(
-                session.roles.rollout,
-                session.task,
-                session.tokenizer,
-                cfg,
-                session.params,
-                cursor,
-                seed=cfg.trainer.seed + step,
-                timer=session.timer,
-            )
-            metrics = session.roles.learner.train_step(step, samples)["metrics"]
-            session.roles.sync_weights(step + 1)
+            metrics = feed.train_step(step)["metrics"]
+            feed.sync_weights(step + 1)
             seconds = time.perf_counter() - t0
             session.timer.pop()
             assert metrics["actor/old_log_prob_reused"] == float(setting == "auto"), (
@@ -112,6 +103,7 @@ def main() -> None:
                     }
                 )
     finally:
+        feed.close()
         session.logger.close()
         session.roles.shutdown()
     out = {

@@ -385,12 +385,12 @@ def test_dynamic_sampling_drops_uniform_groups_while_credit_lasts():
     def group(*rewards):
         return [Sample(prompt_ids=[1], uid="u", reward=r) for r in rewards]
 
-    rule = DynamicSampling(cfg)  # credit (3 - 1) x 2 = 4
+    rule = DynamicSampling.of(cfg)  # credit (3 - 1) x 2 = 4
     assert [rule.keep(group(0, 0)) for _ in range(5)] == [False] * 4 + [True]
     assert rule.keep(group(0, 1))  # an informative group earns 2 drops
     assert [rule.keep(group(1, 1)) for _ in range(3)] == [False, False, True]
-    stats = rule.stats()
-    assert stats["async/dropped_groups"] == 6 and stats["rollout/informative_frac"] == 1 / 3
+    assert rule.stats() == {"rollout/dropped_groups": 6}
+    assert rule.stats() == {"rollout/dropped_groups": 0}  # counted since the last call
 
 
 def group_rewards(prompt, response: str, **_) -> float:
@@ -410,7 +410,7 @@ def test_dapo_trains_in_async_mode_and_never_trains_a_dropped_prompt(tmp_path, a
     )
     train(cfg)
     rows = [json.loads(x) for x in (tmp_path / f"runs/reverse_{advantage}/metrics.jsonl").open()]
-    dropped = sum(r.get("async/dropped_groups", 0) for r in rows)
+    dropped = sum(r.get("rollout/dropped_groups", 0) for r in rows)
     assert dropped > 0, rows
     trained = [uid for r in trace(tmp_path, advantage) for uid in r["uids"]]
     assert len(set(trained)) == 4 * 4  # every step full: 4 groups

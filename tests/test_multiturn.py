@@ -3,7 +3,6 @@ versions per token, limits, failing and slow environments, the extension propert
 templates, and W4 (the calculator task) trained end to end in both modes."""
 
 import asyncio
-import contextlib
 import json
 import time
 
@@ -15,7 +14,6 @@ from hybridrl.algorithms.advantages import token_level_scores
 from hybridrl.config import Config, load_config
 from hybridrl.config.schema import DataConfig, EnvConfig
 from hybridrl.data.render import render_prompt
-from hybridrl.driver.collect import collect
 from hybridrl.driver.sft import sft_batch
 from hybridrl.envs import Env, StepResult
 from hybridrl.envs.calc_tool import CalcToolEnv
@@ -24,8 +22,10 @@ from hybridrl.protocol import Sample, prompt_sample, samples_to_batch
 from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends.native import NativeRollout
 from hybridrl.rollout.base import RolloutEngine
+from hybridrl.rollout.buffer import BufferHandle, TrajectoryBuffer
 from hybridrl.rollout.env_rewards import EnvRewards
 from hybridrl.rollout.multiturn import MultiTurnRollout
+from hybridrl.rollout.stream import RolloutStream
 from hybridrl.rollout.turns import Group, Trajectory
 from hybridrl.tasks import Prompt, Task, build_char_tokenizer
 from hybridrl.tasks.calc import CalcTask
@@ -510,12 +510,6 @@ class ChatTask(Task):
         return self.tok
 
 
-class Phases:
-    @contextlib.contextmanager
-    def phase(self, name):
-        yield
-
-
 def test_split_trajectories_keep_every_prompt_of_a_sync_step():
     """Every trajectory splits in two (the template drops earlier reasoning): the step still holds
     every prompt's whole group, not the first rows up to prompts_per_step x samples_per_prompt."""
@@ -533,9 +527,15 @@ def test_split_trajectories_keep_every_prompt_of_a_sync_step():
             "actor.ppo_minibatch_size=4",
         ],
     )
-    p = params(max_new_tokens=40)
-    samples, cursor, _ = collect(mt, ChatTask(tok), tok, cfg, p, 0, 0, Phases())
-    assert cursor == 2 and [s.uid for s in samples] == ["chat-0"] * 4 + ["chat-1"] * 4
+    buffer = BufferHandle(TrajectoryBuffer(batch_groups=2, max_staleness=0))
+    stream = RolloutStream(
+        mt, buffer, ChatTask(tok), tok, lambda g: g, params(max_new_tokens=40), 0, 2, cfg=cfg
+    )
+    stream.fill()  # a synchronous step's batch
+    samples = buffer.get_batch(0, timeout=1)
+    stream.stop()
+    assert buffer.state()["prompt_cursor"] == 2
+    assert [s.uid for s in samples] == ["chat-0"] * 4 + ["chat-1"] * 4
     assert [s.metadata["trajectory"] for s in samples] == [
         f"chat-{p}#{k}" for p in range(2) for k in range(2) for _ in range(2)
     ]

@@ -97,7 +97,8 @@ def test_a_failing_prompt_source_stops_a_synchronous_run_with_its_error(tmp_path
         tmp_path, f"task.name={__name__}:FailingTask", "trainer.total_steps=5", "trainer.mode=sync"
     )
     t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="row 6 of the prompt source is unreadable"):
+    # the rollout reads the prompts in both modes: its error names the row
+    with pytest.raises(Exception, match="row 6 of the prompt source is unreadable"):
         loop.train(config)
     assert time.perf_counter() - t0 < 120
     rows = (tmp_path / "runs" / "failingtask_grpo" / "metrics.jsonl").read_text().splitlines()
@@ -118,9 +119,9 @@ def test_a_failing_prompt_source_stops_an_asynchronous_run_with_its_error(tmp_pa
 
 
 def test_a_tiny_run_is_the_same_with_and_without_prefetch(tmp_path):
-    """Dynamic sampling (a variable number of rounds per step) and the adaptive KL coefficient
+    """Dynamic sampling (a variable number of prompts per step) and the adaptive KL coefficient
     (tests/test_resume.py's run): every metric equal, bit for bit."""
     loop.train(cfg(tmp_path, "plain", 3, "trainer.prefetch_steps=0"))
     loop.train(cfg(tmp_path, "ahead", 3, "trainer.prefetch_steps=2"))
     rows = assert_same_runs(tmp_path, "plain", "ahead", 3)
-    assert any(rows[s]["rollout/sampling_rounds"] > 1 for s in rows if s > 0)
+    assert any(rows[s]["rollout/dropped_groups"] > 0 for s in rows if s > 0)

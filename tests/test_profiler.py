@@ -56,9 +56,9 @@ def local_run(tmp_path_factory):
 
 def check_timeline(rows: list[dict], steps: list[int], phases: set[str]) -> None:
     """Every step has its window and every phase; each span lies in its step's window; the spans
-    of one worker process do not overlap, except scoring: the native engine's groups are scored on
-    a thread of their own while generation goes on, so a ``rollout/score`` span lies inside a
-    ``rollout/generate`` one."""
+    of one worker process do not overlap, except scoring: the rollout's groups are scored on a
+    thread of their own while the engine steps on, so a ``rollout/score`` span may overlap the
+    ``rollout/generate`` spans (one per engine step)."""
     windows = step_windows(rows)
     assert sorted(windows) == steps
     for step in steps:
@@ -72,10 +72,6 @@ def check_timeline(rows: list[dict], steps: list[int], phases: set[str]) -> None
             own = [r for r in mine if worker_key(r) == key]
             spans = sorted((r["t0"], r["t1"]) for r in own if r["phase"] != "rollout/score")
             assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), (key, spans)
-            generating = [(r["t0"], r["t1"]) for r in own if r["phase"] == "rollout/generate"]
-            for r in own:
-                if r["phase"] == "rollout/score":
-                    assert any(a <= r["t0"] <= r["t1"] <= b for a, b in generating), r
 
 
 def test_local_run_traces_and_timeline(local_run):

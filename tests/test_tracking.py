@@ -144,11 +144,14 @@ def test_rows_have_text_reward_extras_status_and_turns():
     assert "q a \\| x<br>line" in md[2] and len(md) == 4  # one line per row
 
 
-def test_recent_samples_keeps_the_latest_groups():
+def test_recent_samples_keeps_the_latest_groups_since_the_last_table():
     recent = RecentSamples(2)
     for u in "abc":
         assert recent.keep([sample(u, 1.0)]) == [sample(u, 1.0)]
     assert [s.uid for s in recent.take()] == ["b", "c"]
+    recent.keep([sample("d", 1.0)])
+    assert [s.uid for s in recent.take()] == ["d"]  # not c again: it was in the last table
+    assert recent.take() == []
 
 
 # --- sinks ----------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ import torch
 
 from hybridrl.config import Config, load_config
 from hybridrl.controller import ResourcePool, WorkerGroup
-from hybridrl.driver.collect import groups_of
 from hybridrl.learner import Learner
+from hybridrl.learner.metrics import batch_metrics
 from hybridrl.learner.passes import needs_critic
 from hybridrl.learner.shaping import RewardShaper, overlong_penalty
 from hybridrl.models.loading import make_task
@@ -15,20 +15,25 @@ from hybridrl.rollout.group_hooks import differs
 from hybridrl.rollout.worker import RolloutWorker
 
 
-def informative(samples: list[Sample]) -> list[Sample]:
-    """Dynamic sampling's choice: the samples of the groups whose rewards differ."""
-    return [s for g in groups_of(samples) if differs(g) for s in g]
+def test_a_group_differs_only_where_its_rewards_are_not_all_equal():
+    def group(*rewards):
+        return [Sample([1], [2], uid="a", reward=r) for r in rewards]
+
+    assert differs(group(1.0, 0.0)) and differs(group(0.5, 0.5, 0.25))
+    # all equal, or a group of one: zero advantage, dropped by dynamic sampling
+    assert not differs(group(1.0, 1.0)) and not differs(group(0.0, 0.0, 0.0))
+    assert not differs(group(1.0))
 
 
-def test_informative_drops_equal_reward_groups():
-    uids = ["a", "b", "a", "b", "c", "c", "d", "e", "e"]
-    rewards = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.25]
-    samples = [Sample([1], [2], uid=u, reward=r) for u, r in zip(uids, rewards)]
-    kept = informative(samples)
-    # b and c are all-equal, d is a group of one; each kept group's samples stay together
-    assert [(s.uid, s.reward) for s in kept] == [("a", 1.0), ("a", 0.0), ("e", 0.5), ("e", 0.25)]
-    assert all(any(k is s for s in samples) for k in kept)  # the samples themselves, not copies
-    assert informative([s for s in samples if s.uid in ("b", "c", "d")]) == []
+def test_the_informative_share_counts_groups_whose_rewards_differ():
+    uids, rewards = ["a", "b", "a", "b", "c", "c", "c"], [1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.25]
+    samples = [
+        Sample([1], [2], [0.0], [0], uid=u, reward=r, reward_extras={"reward_errors": 0.0})
+        for u, r in zip(uids, rewards)
+    ]
+    batch = samples_to_batch(samples, pad_id=0)
+    batch |= Batch({"advantages": torch.zeros(len(batch), 1)})
+    assert batch_metrics(batch)["rollout/informative_frac"] == 2 / 3  # a and c, not b
 
 
 def test_overlong_penalty_by_hand():

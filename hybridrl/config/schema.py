@@ -126,6 +126,12 @@ class Config:
         return self.task.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1].lower()
 
     @property
+    def max_staleness(self) -> int:
+        """The staleness bound the run trains under: ``asynchronous.max_staleness``, 0 in
+        synchronous training."""
+        return self.asynchronous.max_staleness if self.trainer.mode == "async" else 0
+
+    @property
     def loss_norm_len(self) -> int:
         """The fixed length of ``seq-mean-token-sum-norm`` (default: the longest response)."""
         return self.algorithm.loss_agg_norm_len or self.rollout.max_new_tokens

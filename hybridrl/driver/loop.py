@@ -2,17 +2,18 @@
 
 Every step the learner trains one version on a batch (``Learner.train_step``: reference and old
 log-probs, values, advantages, updates, all in the learner's processes), the new weights go to the
-rollout, and the driver logs, evaluates and checkpoints. Where the step's batch comes from is the
-*feed*, chosen by ``trainer.mode`` (:data:`FEEDS`):
+rollout, and the driver logs, evaluates and checkpoints. The batch comes from the :class:`Feed`,
+the same in both modes (AReaL / LlamaRL style): the rollout ranks generate (``rollout/stream.py``)
+into the trajectory buffer (``rollout/buffer.py``), which admits new prompts only within the
+staleness bound, and the learner takes each batch from the buffer itself, so no trajectory passes
+through the driver. ``trainer.mode`` says only when the rollout generates:
 
-* :class:`StepFeed` (``sync``): the rollout generates and scores the step's samples with the
-  weights just synced (``driver/collect.py``), and hands them to the learner: generation waits for
-  the weights it will sample with (no staleness);
-* :class:`StreamFeed` (``async``; AReaL / LlamaRL style): the rollout ranks generate without pause
-  (``rollout/stream.py``) into the trajectory buffer (``rollout/buffer.py``), which admits new
-  prompts only within ``asynchronous.max_staleness``; the learner takes each batch from the buffer
-  itself, so no trajectory passes through the driver. A dead rollout rank is replaced while the
-  learner goes on (``driver/replace.py``).
+* ``sync``: in turn with the learner. The bound is 0, and before each learner step the driver has
+  the rollout fill the buffer with the step's batch, sampled with the weights just synced; the
+  rollout and the learner may then share a device, each taking it in turn;
+* ``async``: without pause, on a thread of each rollout rank, within
+  ``asynchronous.max_staleness``. A dead rollout rank is replaced while the learner goes on
+  (``driver/replace.py``).
 
 Which algorithm runs is decided by registries (``algorithm.advantage``, ``algorithm.policy_loss``,
 ``algorithm.loss_agg``), never here.
@@ -25,20 +26,19 @@ import time
 from tqdm import tqdm
 
 from hybridrl.config import Config
-from hybridrl.data.prefetch import PromptPrefetcher
 from hybridrl.driver.checkpointer import Checkpointer
-from hybridrl.driver.collect import collect
 from hybridrl.driver.replace import RolloutReplacer
 from hybridrl.driver.restarts import Faults
 from hybridrl.driver.session import Session, open_session
 from hybridrl.rollout.buffer import make_buffer
+from hybridrl.rollout.group_hooks import DynamicSampling
 from hybridrl.telemetry.profiler import profiled
 
 
 def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> dict:
     s = open_session(cfg, resume, faults)  # faults: restart counters (driver/restarts.py)
     t, roles, timer, state = cfg.trainer, s.roles, s.timer, s.state
-    feed = FEEDS[t.mode](s)
+    feed = Feed(s)
     last = dict(state.get("last", state["before"]))
     bar = tqdm(range(state["step"], t.total_steps), initial=state["step"], total=t.total_steps,
                desc=cfg.algorithm.advantage + feed.label, disable=not t.progress,
@@ -92,82 +92,48 @@ def train(cfg: Config, resume: bool = False, faults: Faults | None = None) -> di
     return s.close(last)
 
 
-class StepFeed:
-    """Synchronous training: each step's samples generated and scored with the weights just
-    synced, from the prompt stream at an explicit cursor (a resumed run goes on exactly), then
-    handed to the learner."""
-
-    label = ""
-
-    def __init__(self, s: Session):
-        t = s.cfg.trainer
-        self.s, self.cursor, self.samples = s, s.state["prompt_cursor"], []
-        # the next round's prompts are prepared on a background thread while this one generates
-        self.prompts = PromptPrefetcher(s.task, s.tokenizer, t.prefetch_steps * t.prompts_per_step)
-
-    def start(self) -> None:
-        pass
-
-    def train_step(self, step: int) -> dict:
-        s = self.s
-        self.samples, self.cursor, metrics = collect(
-            s.roles.rollout, self.prompts, s.tokenizer, s.cfg, s.params, self.cursor,
-            s.cfg.trainer.seed + step, s.timer,
-        )  # fmt: skip
-        out = s.roles.learner.train_step(step, self.samples)
-        return out | {"metrics": metrics | out["metrics"]}
-
-    def sync_weights(self, version: int) -> None:
-        self.s.roles.sync_weights(version)
-
-    def stats(self, out: dict, elapsed: float) -> dict:
-        return self.s.roles.rollout.stats()
-
-    def recent_samples(self) -> list:
-        return self.samples
-
-    def state(self) -> dict:
-        return {"prompt_cursor": self.cursor}
-
-    def close(self) -> None:
-        self.prompts.close()
-
-
-class StreamFeed:
-    """Asynchronous training: the rollout's stream fills the trajectory buffer within the
-    staleness bound, and the learner takes each batch from it."""
-
-    label = " async"
+class Feed:
+    """Each step's batch, through the trajectory buffer (module doc): the rollout generates into it
+    on a thread of its own (``async``), or when the step asks (``sync``)."""
 
     def __init__(self, s: Session):
         t, state = s.cfg.trainer, s.state
-        self.s = s
+        self.s, self.threaded = s, t.mode == "async"
+        self.label = " async" if self.threaded else ""
         self.buffer = make_buffer(
             s.cfg.controller.backend,
             batch_groups=t.prompts_per_step,
-            max_staleness=s.cfg.asynchronous.max_staleness,
+            max_staleness=s.cfg.max_staleness,
             cursor=state["prompt_cursor"],
             pending=state.get("pending_prompts", ()),
             trained_groups=state["step"] * t.prompts_per_step,
+            sampling=DynamicSampling.of(s.cfg, state.get("sampling_credit")),  # DAPO
         )
-        # a dead rollout rank pauses the buffer and is replaced while the learner goes on
-        self.rep = RolloutReplacer(s, self.buffer, state["step"])
+        # asynchronous: a dead rollout rank pauses the buffer and is replaced while the learner
+        # goes on; synchronous: the run restarts (driver/restarts.py)
+        self.rep = RolloutReplacer(s, self.buffer, state["step"], replaces=self.threaded)
 
     def start(self) -> None:
-        self.s.roles.rollout.start_stream(self.buffer, self.s.params, self.s.cfg.trainer.seed)
+        self.s.roles.rollout.start_stream(
+            self.buffer, self.s.params, self.s.cfg.trainer.seed, self.threaded
+        )
 
     def train_step(self, step: int) -> dict:
+        if not self.threaded:
+            with self.s.timer.phase("rollout"):
+                self.s.roles.rollout.fill_stream()
         return self.rep.train_step(step)
 
     def sync_weights(self, version: int) -> None:
         self.rep.sync(version)
 
     def stats(self, out: dict, elapsed: float) -> dict:
-        """The rollout's and the buffer's figures, and the step's throughput and idleness
-        (``elapsed``: seconds since the step began, evaluation and checkpoints left out)."""
+        """The rollout's and the buffer's figures; asynchronous, the step's throughput and idleness
+        too (``elapsed``: seconds since the step began, evaluation and checkpoints left out)."""
         metrics = self.rep.stats() | self.buffer.stats()
-        metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
-        metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
+        if self.threaded:
+            metrics["async/samples_per_s"] = len(out["staleness"]) / elapsed
+            metrics["async/trainer_idle_frac"] = 1 - out["busy_s"] / elapsed
         return metrics
 
     def recent_samples(self) -> list:
@@ -185,7 +151,3 @@ class StreamFeed:
         finally:
             self.buffer.close()
             self.buffer.kill()
-
-
-# trainer.mode -> where each step's batch comes from
-FEEDS = {"sync": StepFeed, "async": StreamFeed}

@@ -49,13 +49,15 @@ def rollout_group(cfg, old: WorkerGroup, policy_path: str | None) -> WorkerGroup
 
 
 class RolloutReplacer:
-    """The asynchronous driver's learner and rollout calls, with a dead rollout replaced."""
+    """The driver's learner and rollout calls, with a dead rollout replaced (``replaces``: the
+    asynchronous driver's; a synchronous run restarts)."""
 
-    def __init__(self, s, buffer, version: int):
+    def __init__(self, s, buffer, version: int, replaces: bool = True):
         self.s, self.buffer, self.version = s, buffer, version
         r = s.roles
         self.able = (
-            isinstance(r.rollout, WorkerGroup)
+            replaces
+            and isinstance(r.rollout, WorkerGroup)
             and r.rollout.backend_name == "ray"
             and r.reward_model is None
         )

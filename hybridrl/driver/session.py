@@ -103,11 +103,9 @@ class Session:
             self.logger.log_samples(done, sample_rows(samples, self.tokenizer, done, t.log_samples))
 
     def trace(self, done: int, out: dict) -> None:
-        """Append step ``done``'s trained prompt uids (and, asynchronous, each sample's staleness)
+        """Append step ``done``'s trained prompt uids and each sample's staleness (versions behind)
         from the learner's ``train_step`` result to ``trajectories.jsonl``."""
-        line = {"step": done, "uids": out["uids"]}
-        if self.cfg.trainer.mode == "async":
-            line["staleness"] = out["staleness"]
+        line = {"step": done, "uids": out["uids"], "staleness": out["staleness"]}
         with open(self.run_dir / TRACE_FILE, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -242,7 +240,8 @@ def open_session(cfg: Config, resume: bool | Resume, faults: Faults | None = Non
         heldout = task.heldout()[: cfg.task.eval_size]
         evaluate = Evaluator.of(cfg, roles.rollout, heldout, tokenizer, run_dir / "eval")
         for group in roles.groups:  # the rollout's generate calls (ray only: controller/health.py)
-            group.set_call_timeout("rollout.generate", cfg.rollout.timeout_s, "rollout.timeout_s")
+            for call in ("rollout.generate", "rollout.fill_stream"):
+                group.set_call_timeout(call, cfg.rollout.timeout_s, "rollout.timeout_s")
         if cfg.controller.backend == "ray" and (cfg.rollout.timeout_s or 0) >= t.step_timeout_s:
             log.warning(
                 "rollout.timeout_s=%g is not below trainer.step_timeout_s=%g: a generate call that "
@@ -255,7 +254,7 @@ def open_session(cfg: Config, resume: bool | Resume, faults: Faults | None = Non
             "tensorboard" in t.loggers,
             resume_step=resume_step,
             alerts=cfg.alerts,
-            max_staleness=cfg.asynchronous.max_staleness,
+            max_staleness=cfg.max_staleness,
             wandb=(
                 {"project": t.wandb_project, "name": t.name, "config": to_dict(cfg)}
                 if "wandb" in t.loggers

@@ -138,10 +138,10 @@ class Learner(Worker):
     # --- the learning step ----------------------------------------------------------------------
     @register(Dispatch.ALL_FIRST)
     def train_step(self, version: int, source) -> dict:
-        """Train weights ``version`` on ``source``: the step's scored samples, or a trajectory
-        buffer (``rollout/buffer.py``) to take the next batch from. Returns ``metrics``, the trained
-        prompts' ``uids``, ``reward_failures``, each sample's ``staleness`` (versions behind) and
-        ``busy_s`` (time not spent waiting)."""
+        """Train weights ``version`` on ``source``: the trajectory buffer (``rollout/buffer.py``)
+        to take the next batch from, or scored samples in hand (a bench's, a test's). Returns
+        ``metrics``, the trained prompts' ``uids``, ``reward_failures``, each sample's
+        ``staleness`` (versions behind) and ``busy_s`` (time not spent waiting)."""
         t0 = time.perf_counter()
         samples = self.take_samples(source, version)
         waited = time.perf_counter() - t0
@@ -184,9 +184,7 @@ class Learner(Worker):
         if reuse:  # the update's first forward computed them: the gap metrics come now
             batch |= actor.rows(self.old_log_probs_of_last_update, batch)
             batch, correction = rollout_correction(batch, alg)
-        stale, lag = {}, []
-        if not isinstance(source, list):  # asynchronous: how many versions behind each sample is
-            stale, lag = staleness_metrics(batch, version, cfg.asynchronous.max_staleness)
+        stale, lag = staleness_metrics(batch, version, cfg.max_staleness)  # versions behind
         timing = {k: v for k, v in timer.pop().items() if k != "timing/step"}
         # MFU and tokens/s of the model phases, per rank (telemetry/flops.py)
         # the tokens one epoch of the update computed (a shared prompt once): what the FLOPs count
@@ -204,9 +202,9 @@ class Learner(Worker):
         }
 
     def take_samples(self, source, version: int) -> list[Sample]:
-        """The step's samples: ``source`` itself (synchronous), or the next batch rank 0 takes from
-        the trajectory buffer ``source`` and shares with the other ranks (asynchronous). A rollout
-        being replaced raises on every rank."""
+        """The step's samples: the next batch rank 0 takes from the trajectory buffer ``source``
+        and shares with the other ranks, or ``source`` itself when it is a list of samples. A
+        rollout being replaced raises on every rank."""
         if isinstance(source, list):
             return source
         with self.timer.phase("wait_batch"):

@@ -6,6 +6,7 @@ from collections import defaultdict
 
 import torch
 
+from hybridrl.algorithms.advantages import group_rows
 from hybridrl.protocol import Batch, Sample
 
 
@@ -13,12 +14,18 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     width = batch["responses"].shape[1]  # lengths count every response token, trained on or not
     rewards, lengths = batch["rewards"], batch["attention_mask"][:, -width:].sum(-1).float()
     extras = {k: batch[k].mean().item() for k in batch.tensors if k.startswith("reward/")}
+    if "baseline_rewards" in batch:  # ReMax's greedy responses (rollout/group_hooks.py)
+        extras["reward/greedy_baseline_mean"] = batch["baseline_rewards"].mean().item()
+    # the share of groups whose rewards differ: the others have zero advantage
+    groups, scores = group_rows(batch.meta["uid"]), rewards.tolist()
+    informative = sum(len({scores[i] for i in g}) > 1 for g in groups) / max(len(groups), 1)
     nonfinite, timeouts = "reward_nonfinite" in batch, "reward_timeouts" in batch
     return (
         extras
         | {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "rollout/informative_frac": informative,
             "reward/errors": batch["reward_errors"].sum().item(),
             "reward/nonfinite": batch["reward_nonfinite"].sum().item() if nonfinite else 0.0,
             "reward/timeouts": batch["reward_timeouts"].sum().item() if timeouts else 0.0,

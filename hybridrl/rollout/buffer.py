@@ -32,6 +32,7 @@ import threading
 from collections import deque
 
 from hybridrl.protocol import REPLACING, Sample
+from hybridrl.rollout.group_hooks import DynamicSampling
 
 # the scored samples of one prompt; metadata: "index" (stream position), "admitted"
 Group = list[Sample]
@@ -53,8 +54,10 @@ class TrajectoryBuffer:
         cursor: int = 0,
         pending: list[int] | tuple = (),
         trained_groups: int = 0,
+        sampling: DynamicSampling | None = None,
     ):
         self.B, self.k = batch_groups, max_staleness
+        self.sampling = sampling  # dynamic sampling (DAPO): drops uniform groups as they are put
         self.cursor = cursor  # next fresh prompt index
         self.retry = deque(pending)  # prompts admitted before a restart but never trained
         self.consumed = trained_groups
@@ -90,14 +93,10 @@ class TrajectoryBuffer:
                 raise KeyError(
                     f"group for prompt {_index(group)} was never admitted (or was put twice)"
                 )
-            self.ready.append(group)
-            self.cond.notify_all()
-
-    def discard(self, index: int) -> None:
-        """The group of prompt ``index`` was dropped (dynamic sampling): it is no longer running,
-        will not be trained, and is not handed out again."""
-        with self.cond:
-            self.running.pop(index, None)
+            # a group dropped by dynamic sampling is not trained and not handed out again: its
+            # place goes to another prompt
+            if self.sampling is None or self.sampling.keep(group):
+                self.ready.append(group)
             self.cond.notify_all()
 
     # --- learner side ---------------------------------------------------------------------------
@@ -139,21 +138,26 @@ class TrajectoryBuffer:
     # --- control ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         with self.cond:
-            return {
-                "async/buffer_groups": float(len(self.ready)),
-                "async/running_groups": float(len(self.running)),
-                "async/trained_groups": float(self.consumed),
+            out = {
+                "buffer/ready_groups": float(len(self.ready)),
+                "buffer/generating_groups": float(len(self.running)),
+                "buffer/trained_groups": float(self.consumed),
             }
+            return out | (self.sampling.stats() if self.sampling is not None else {})
 
     def state(self) -> dict:
-        """What a checkpoint needs: the cursor and the admitted, untrained prompts, oldest first."""
+        """What a checkpoint needs: the cursor, the admitted, untrained prompts, oldest first, and
+        dynamic sampling's credit."""
         with self.cond:
             pending = sorted(set(self.retry) | set(self.running) | {_index(g) for g in self.ready})
-            return {
+            out = {
                 "prompt_cursor": self.cursor,
                 "pending_prompts": pending,
                 "trained_groups": self.consumed,
             }
+            if self.sampling is not None:
+                out["sampling_credit"] = self.sampling.credit
+            return out
 
     def interrupt(self, reason: str) -> None:
         """A rollout rank died: admit nothing, hand every generating prompt out again (first, oldest

@@ -1,20 +1,20 @@
-"""What happens to a prompt's group of samples around its generation, the same in synchronous and
-asynchronous training: a greedy baseline beside the samples, and whether the group is kept.
+"""What happens to a prompt's group of samples around its generation, in synchronous and
+asynchronous training alike: a greedy baseline beside the samples (the rollout stream,
+``rollout/stream.py``), and whether the group is kept (the trajectory buffer, as the stream puts
+it, ``rollout/buffer.py``).
 
 * **A greedy baseline** (an advantage estimator with ``needs_greedy_baseline = True``, ReMax): one
   greedy (temperature 0) response per prompt, generated beside the samples with the same weights
   and scored like them, never trained on. Its reward, plus the soft overlong penalty the samples
   get (so that ``r_i - baseline`` compares like with like), reaches every sample of the group as
-  ``reward_extras["baseline_rewards"]``. The synchronous step generates the greedy responses of its
-  prompts in one call (``driver/collect.py``); the asynchronous stream queues each prompt's greedy
-  request beside its samples (uid + :data:`GREEDY_SUFFIX`) and completes the group when both are
-  done (``rollout/stream.py``).
+  ``reward_extras["baseline_rewards"]``. The stream queues each prompt's greedy request beside its
+  samples (uid + :data:`GREEDY_SUFFIX`) and completes the group when both are done.
 * **Dynamic sampling** (``algorithm.filter_groups``, DAPO): a group whose rewards are all equal has
-  zero advantage, so it is dropped and more prompts are sampled. The synchronous step samples rounds
-  of ``prompts_per_step`` prompts, at most ``max_sampling_rounds``, and fills a step that is still
-  short with uniform groups. The asynchronous stream drops a uniform group only while it has
-  credit (:class:`DynamicSampling`): the same bound, at most ``max_sampling_rounds - 1`` prompts
-  dropped per group kept, so a run whose every group is uniform still trains instead of waiting
+  zero advantage, so it is dropped and another prompt is admitted in its place, while the trajectory
+  buffer has credit (:class:`DynamicSampling`): at most ``max_sampling_rounds - 1`` prompts dropped
+  per group kept, ``(max_sampling_rounds - 1) * prompts_per_step`` to start (DAPO's cap of
+  ``max_sampling_rounds`` generate rounds per step). Out of credit a uniform group is trained on
+  with zero advantage, so a run whose every group is uniform still trains instead of waiting
   forever.
 """
 
@@ -63,33 +63,37 @@ def set_baselines(samples: list[Sample], greedy: list[Sample], cfg) -> None:
 
 
 class DynamicSampling:
-    """The asynchronous stream's rule for a uniform group (module doc): dropped while credit lasts.
-    The credit starts at ``(max_sampling_rounds - 1) * prompts_per_step`` (a synchronous step's
-    most), each kept group adds ``max_sampling_rounds - 1``, up to that start."""
+    """The rule for a uniform group (module doc): dropped while credit lasts. The credit starts at
+    ``(max_sampling_rounds - 1) * prompts_per_step``, each kept group adds ``max_sampling_rounds -
+    1``, up to that start. The trajectory buffer holds it, so the rollout ranks share one credit and
+    a checkpoint keeps it (``credit``: the one saved)."""
 
-    def __init__(self, cfg):
-        self.per_kept = cfg.algorithm.max_sampling_rounds - 1
-        self.cap = self.credit = self.per_kept * cfg.trainer.prompts_per_step
-        self.dropped = self.kept = self.uniform_kept = 0
+    def __init__(self, max_sampling_rounds: int, prompts_per_step: int, credit: int | None = None):
+        self.per_kept = max_sampling_rounds - 1
+        self.cap = self.per_kept * prompts_per_step
+        self.credit = self.cap if credit is None else credit
+        self.dropped = 0
+
+    @classmethod
+    def of(cls, cfg, credit: int | None = None) -> DynamicSampling | None:
+        """The run's rule, None when ``algorithm.filter_groups`` is off."""
+        alg = cfg.algorithm
+        if not alg.filter_groups:
+            return None
+        return cls(alg.max_sampling_rounds, cfg.trainer.prompts_per_step, credit)
 
     def keep(self, group: list[Sample]) -> bool:
         if differs(group):
-            self.kept += 1
             self.credit = min(self.cap, self.credit + self.per_kept)
             return True
         if self.credit >= 1:
             self.credit -= 1
             self.dropped += 1
             return False
-        self.uniform_kept += 1  # out of credit: trained on, with zero advantage
-        return True
+        return True  # out of credit: trained on, with zero advantage
 
     def stats(self) -> dict[str, float]:
-        """Since the last call: groups dropped, and the informative share of those kept."""
-        kept = self.kept + self.uniform_kept
-        out = {
-            "async/dropped_groups": float(self.dropped),
-            "rollout/informative_frac": self.kept / kept if kept else 1.0,
-        }
-        self.dropped = self.kept = self.uniform_kept = 0
+        """Since the last call: the groups dropped (the informative share of those trained is a
+        batch metric, ``rollout/informative_frac``)."""
+        out, self.dropped = {"rollout/dropped_groups": float(self.dropped)}, 0
         return out

@@ -88,28 +88,40 @@ class RolloutWorker(Worker):
         self.backend.close()
 
     @register(Dispatch.ONE_TO_ALL)
-    def start_stream(self, buffer, params: SamplingParams, seed: int) -> None:
-        """Asynchronous training: generate continuously, taking prompts from and putting scored
-        groups into ``buffer`` (a :class:`~hybridrl.rollout.buffer.BufferHandle`) until
-        :meth:`stop_stream`. Every rank gets the same ``seed``: a prompt's samples are seeded from
-        it, the prompt's index and its uid, so they do not depend on which rank admitted the
-        prompt."""
+    def start_stream(self, buffer, params: SamplingParams, seed: int, threaded=True) -> None:
+        """Generate into ``buffer`` (a :class:`~hybridrl.rollout.buffer.BufferHandle`), taking its
+        prompts from it: continuously on a thread of its own until :meth:`stop_stream`
+        (asynchronous training), or, ``threaded=False``, each time :meth:`fill_stream` is called
+        (synchronous training; then at most this rank's share of a step's prompts generate at
+        once, so every rank gets some). Every rank gets the same ``seed``: a prompt's samples are
+        seeded from it and the prompt's uid, so they do not depend on which rank admitted it."""
         if self.stream is not None:
             raise RuntimeError("the rollout stream is already running")
-        score = self.spans.wrap("rollout/score", self.scorer)
+        t = self.cfg.trainer
         self.stream = RolloutStream(
             SpannedEngine(self.backend, self.spans),  # engine steps as rollout/generate spans
             buffer,
             make_task(self.cfg),
             self.tokenizer,
-            lambda group: self.recent.keep(score(group)),
+            self.spans.wrap("rollout/score", self.scorer),
             params,
             seed,
-            self.cfg.asynchronous.max_concurrent_prompts,
-            prefetch=self.cfg.trainer.prefetch_steps * self.cfg.trainer.prompts_per_step,
+            self.cfg.asynchronous.max_concurrent_prompts
+            if threaded
+            else -(-t.prompts_per_step // self.world_size),
+            prefetch=t.prefetch_steps * t.prompts_per_step,
             cfg=self.cfg,
+            on_group=self.recent.keep,
         )
-        self.stream.start()
+        if threaded:
+            self.stream.start()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fill_stream(self) -> None:
+        """Synchronous training: the batch of the weights just loaded, generated and scored into
+        the buffer (:meth:`RolloutStream.fill`)."""
+        with self.progress.busy():
+            self.stream.fill()
 
     @register(Dispatch.ONE_TO_ALL)
     def stop_stream(self) -> None:

@@ -32,7 +32,7 @@ path (generate, then score).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from hybridrl.protocol import Sample
@@ -46,20 +46,31 @@ def steps_itself(backend) -> bool:
     return isinstance(backend, RolloutEngine) and step is not RolloutEngine.step
 
 
-class _Scoring:
+class Scoring:
     """One scoring thread fed between engine steps: while it scores, finished groups wait; when it
     is free, every group waiting goes in one scorer call (so the calls and thread hand-offs stay
-    few, and an async function's calls for all those groups are awaited together)."""
+    few, and an async function's calls for all those groups are awaited together). The rollout
+    stream scores through it too. Groups are known by a key of the caller's."""
 
     def __init__(self, score: Callable[[list[Sample]], list[Sample]]):
         self.score = score
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="score")
-        self.waiting: list[tuple[int, list[Sample]]] = []  # (prompt index, its samples)
-        self.flight: tuple[Future, list[tuple[int, int]]] | None = None  # (call, (index, size))
-        self.scored: dict[int, list[Sample]] = {}
+        self.waiting: list[tuple[Hashable, list[Sample]]] = []  # (key, its samples)
+        self.flight: tuple[Future, list[tuple[Hashable, int]]] | None = None  # (call, (key, size))
+        self.scored: dict[Hashable, list[Sample]] = {}
 
-    def add(self, index: int, group: list[Sample]) -> None:
-        self.waiting.append((index, group))
+    def add(self, key: Hashable, group: list[Sample]) -> None:
+        self.waiting.append((key, group))
+
+    @property
+    def busy(self) -> bool:
+        """Whether a group is waiting, being scored, or scored and not yet taken."""
+        return bool(self.waiting or self.scored) or self.flight is not None
+
+    def take(self) -> dict[Hashable, list[Sample]]:
+        """The groups scored so far and not yet taken, by key."""
+        out, self.scored = self.scored, {}
+        return out
 
     def pump(self) -> None:
         """Collect the call in flight if it is done (raising its error), then start the next."""
@@ -71,13 +82,14 @@ class _Scoring:
             self.flight, self.waiting = (self.pool.submit(self.score, samples), sizes), []
 
     def finish(self) -> dict[int, list[Sample]]:
-        """Wait for the call in flight, score what still waits; every group's scored samples."""
+        """Wait for the call in flight, score what still waits; every group's scored samples not
+        yet taken."""
         if self.flight is not None:
             self._collect()
         self.pump()
         if self.flight is not None:
             self._collect()
-        return self.scored
+        return self.take()
 
     def _collect(self) -> None:
         future, sizes = self.flight
@@ -102,7 +114,7 @@ def generate_scored(
     like the others."""
     flight, index = InFlight(backend), {id(p): i for i, p in enumerate(prompts)}
     flight.add(prompts, params)
-    scoring = _Scoring(score)
+    scoring = Scoring(score)
     try:
         while flight:
             for p, samples in flight.step():

@@ -87,7 +87,7 @@ def markdown(rows: Sequence[dict]) -> str:
 
 
 class RecentSamples:
-    """The last ``groups`` scored groups of a rollout rank (thread-safe: the stream thread keeps,
+    """The latest ``groups`` scored groups of a rollout rank (thread-safe: the stream thread keeps,
     the worker's caller takes)."""
 
     def __init__(self, groups: int):
@@ -101,6 +101,9 @@ class RecentSamples:
         return samples
 
     def take(self) -> list:
-        """The samples of the remembered groups, oldest group first."""
+        """The samples of the groups remembered since the last call, oldest group first (a run
+        resumed from a checkpoint shows the tables of the run that never stopped)."""
         with self._lock:
-            return [s for g in self._groups for s in g]
+            out = [s for g in self._groups for s in g]
+            self._groups.clear()
+            return out

@@ -186,7 +186,12 @@ class AlgorithmConfig:
     filter_groups: bool = _f(
         False, "DAPO dynamic sampling: drop groups whose rewards are all equal, sample more prompts"
     )
-    max_sampling_rounds: int = _f(4, "dynamic sampling: generate rounds per step at most", ge=1)
+    max_sampling_rounds: int = _f(
+        4,
+        "dynamic sampling: DAPO's generate rounds per step at most: up to max_sampling_rounds - 1 "
+        "uniform groups are dropped per group kept",
+        ge=1,
+    )
     overlong_buffer: int = _f(
         0,
         "DAPO soft overlong punishment: length of the buffer before max_new_tokens (0: off)",

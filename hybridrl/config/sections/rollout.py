@@ -47,7 +47,8 @@ class RolloutConfig:
     )
     timeout_s: float | None = _f(
         1200.0,
-        "ray backend: a generate call of the rollout still running after this many seconds has "
+        "ray backend: a generate call of the rollout (a synchronous step's generation, an "
+        "evaluation) still running after this many seconds has "
         "its workers killed, and the run restarts from its last checkpoint (trainer.max_restarts); "
         "keep it below trainer.step_timeout_s, whose watchdog otherwise stops the run first; "
         "null: no limit. Not applied under the local backend (a thread cannot be stopped)",
