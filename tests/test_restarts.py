@@ -293,14 +293,19 @@ def unkilled(ray_cluster, tmp_path_factory, warm) -> dict:
 )
 @pytest.mark.distributed
 def test_sigkill_restarts_and_finishes_as_if_unkilled(tmp_path, warm, unkilled, role, monkeypatch):
-    """A learner or rollout process SIGKILLed after step 3 (checkpoint at 2): one restart, one step
-    done again, final weights bit for bit those of the unkilled run, no prompt trained twice."""
+    """A learner or rollout process SIGKILLed after step 3 (checkpoint at 2). The learner's death
+    restarts the run from the checkpoint: one step done again. The rollout, on a pool of its own,
+    is replaced in place (driver/replace.py): no step lost, the new one generating what the dead
+    one would have. Either way the final weights are bit for bit those of the unkilled run and no
+    prompt is trained twice."""
     cfg = make_cfg(tmp_path, warm, f"kill_{role}", "trainer.total_steps=5", *RAY)
     killed = kill_when(tmp_path / "runs" / f"kill_{role}", 3, role, monkeypatch)
     summary = run(cfg)
-    assert len(killed) == 1 and summary["restarts"] == 1 and summary["lost_steps"] == 1
+    lost = 0 if role == "rollout" else 1
+    assert len(killed) == 1 and summary["restarts"] == 1 and summary["lost_steps"] == lost
     last = rows(Path(summary["run_dir"]))[-1]
-    assert (last["step"], last["fault/restarts"], last["fault/lost_steps"]) == (5, 1.0, 1.0)
+    assert (last["step"], last["fault/restarts"], last["fault/lost_steps"]) == (5, 1.0, lost)
+    assert last.get("fault/rollout_replacements", 0) == 1 - lost
     assert_same_weights(final_weights(summary), final_weights(unkilled))
     assert assert_lineage(summary, 5) == assert_lineage(unkilled, 5)
 
@@ -393,7 +398,11 @@ def test_replacer_retries_the_step_after_replacing(monkeypatch):
         return {"step": step}
 
     roles = SimpleNamespace(learner=SimpleNamespace(train_step=train_step), rollout=None)
-    s = SimpleNamespace(roles=roles, watch_rollout=lambda on_death: SimpleNamespace())
+    s = SimpleNamespace(
+        roles=roles,
+        watch_rollout=lambda on_death: SimpleNamespace(),
+        cfg=SimpleNamespace(trainer=SimpleNamespace(mode="async")),
+    )
     rep = RolloutReplacer(s, buffer=SimpleNamespace(close=None), version=0)
     rep.able, replaced = True, []
     monkeypatch.setattr(rep, "replace", lambda: replaced.append(1))

@@ -12,8 +12,10 @@ through the driver. ``trainer.mode`` says only when the rollout generates:
   the rollout fill the buffer with the step's batch, sampled with the weights just synced; the
   rollout and the learner may then share a device, each taking it in turn;
 * ``async``: without pause, on a thread of each rollout rank, within
-  ``asynchronous.max_staleness``. A dead rollout rank is replaced while the learner goes on
-  (``driver/replace.py``).
+  ``asynchronous.max_staleness``.
+
+In both, a dead rollout rank on a pool of its own is replaced while the learner goes on
+(``driver/replace.py``).
 
 Which algorithm runs is decided by registries (``algorithm.advantage``, ``algorithm.policy_loss``,
 ``algorithm.loss_agg``), never here.
@@ -109,9 +111,8 @@ class Feed:
             trained_groups=state["step"] * t.prompts_per_step,
             sampling=DynamicSampling.of(s.cfg, state.get("sampling_credit")),  # DAPO
         )
-        # asynchronous: a dead rollout rank pauses the buffer and is replaced while the learner
-        # goes on; synchronous: the run restarts (driver/restarts.py)
-        self.rep = RolloutReplacer(s, self.buffer, state["step"], replaces=self.threaded)
+        # a dead rollout rank pauses the buffer and is replaced while the learner goes on
+        self.rep = RolloutReplacer(s, self.buffer, state["step"])
 
     def start(self) -> None:
         self.s.roles.rollout.start_stream(
@@ -121,7 +122,7 @@ class Feed:
     def train_step(self, step: int) -> dict:
         if not self.threaded:
             with self.s.timer.phase("rollout"):
-                self.s.roles.rollout.fill_stream()
+                self.rep.fill()
         return self.rep.train_step(step)
 
     def sync_weights(self, version: int) -> None:

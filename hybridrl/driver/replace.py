@@ -1,16 +1,19 @@
-"""A dead rollout rank of an asynchronous ``ray`` run, replaced without stopping the learner.
+"""A dead rollout rank of a ``ray`` run, replaced without stopping the learner.
 
-The rollout has a pool of its own there, so the learner's actors outlive it. When the death watch
-(``controller/health.py``) finds a rollout rank dead, it pauses the trajectory buffer
+With a pool of its own the rollout's processes are its alone, so the learner's actors outlive it.
+When the death watch (``controller/health.py``) finds a rollout rank dead, or a call into it finds
+it dead, the trajectory buffer is paused
 (:meth:`~hybridrl.rollout.buffer.TrajectoryBuffer.interrupt`): every generating prompt is handed out
 again and a learner waiting for a batch stops with ``REPLACING``. The driver then, between learner
 steps (:meth:`RolloutReplacer.replace`): kills the old rollout group, builds a new one on the same
-pool, syncs the learner's current weights to it, and restarts the stream, which admits the pending
-prompts first; the step is tried again. Nothing is restored from a checkpoint: ``fault/restarts``
-and ``fault/rollout_replacements`` count it (within ``trainer.max_restarts``), ``fault/lost_steps``
-stays. A rollout beside another role (colocated, or with a reward model) is not replaced: the
-buffer is closed and the run restarts as before (``driver/restarts.py``), as it does when a
-replacement fails.
+pool, syncs the learner's current weights to it, and starts its stream again (on its thread, or for
+the next fill), which admits the pending prompts first; the step, or the synchronous step's fill, is
+tried again. A prompt's samples are seeded by the run's seed and its uid, so in synchronous training
+the new rollout generates the batch the dead one would have, and the run ends as if it had not died.
+Nothing is restored from a checkpoint: ``fault/restarts`` and ``fault/rollout_replacements`` count
+it (within ``trainer.max_restarts``), ``fault/lost_steps`` stays. A rollout beside another role
+(colocated, or with a reward model) is not replaced: the buffer is closed and the run restarts as
+before (``driver/restarts.py``), as it does when a replacement fails.
 """
 
 from __future__ import annotations
@@ -49,15 +52,14 @@ def rollout_group(cfg, old: WorkerGroup, policy_path: str | None) -> WorkerGroup
 
 
 class RolloutReplacer:
-    """The driver's learner and rollout calls, with a dead rollout replaced (``replaces``: the
-    asynchronous driver's; a synchronous run restarts)."""
+    """The driver's learner and rollout calls, with a dead rollout replaced."""
 
-    def __init__(self, s, buffer, version: int, replaces: bool = True):
+    def __init__(self, s, buffer, version: int):
         self.s, self.buffer, self.version = s, buffer, version
+        self.threaded = s.cfg.trainer.mode == "async"  # how the new rollout's stream runs
         r = s.roles
         self.able = (
-            replaces
-            and isinstance(r.rollout, WorkerGroup)
+            isinstance(r.rollout, WorkerGroup)
             and r.rollout.backend_name == "ray"
             and r.reward_model is None
         )
@@ -75,6 +77,17 @@ class RolloutReplacer:
             except WorkerError as exc:
                 if not self.able or REPLACING not in str(exc):
                     raise
+            self.replace()
+
+    def fill(self) -> None:
+        """Synchronous training: the step's batch generated into the buffer (by a new rollout, if
+        it died)."""
+        while True:
+            if not self.buffer.interrupted():
+                try:
+                    return self.s.roles.rollout.fill_stream()
+                except WorkerDiedError as exc:
+                    self._died(exc)
             self.replace()
 
     def sync(self, version: int) -> None:
@@ -127,7 +140,7 @@ class RolloutReplacer:
             roles.transport = weight_sync.choose_transport(roles.learner, new)
             roles.sync_weights(self.version)
             self.buffer.unpause()
-            new.start_stream(self.buffer, s.params, s.cfg.trainer.seed)
+            new.start_stream(self.buffer, s.params, s.cfg.trainer.seed, self.threaded)
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise RolloutReplacementError(f"replacing the dead rollout failed: {first}") from (

@@ -25,7 +25,7 @@ evaluation before training is kept). The steps done after that checkpoint are do
 Counters: ``fault/restarts`` and ``fault/lost_steps`` (steps computed again, cumulative) are logged
 on every step once a run has restarted, kept in ``trainer.json`` (a later ``--resume`` counts on),
 and ``summary.json`` holds ``restarts`` and ``lost_steps``; each restart also appends a row
-``worker_restart`` to ``alerts.jsonl``. A dead rollout of an asynchronous ``ray`` run is replaced in
+``worker_restart`` to ``alerts.jsonl``. A dead rollout on a pool of its own (``ray``) is replaced in
 place instead, the learner going on (``driver/replace.py``, ``fault/rollout_replacements``). Past
 ``trainer.max_restarts`` restarts in one invocation the run stops with
 :class:`RestartsExhaustedError`, whose one line is the last failure's.
@@ -70,7 +70,7 @@ class Faults:
     max_restarts: int
     restarts: int = 0
     lost_steps: int = 0
-    rollout_replacements: int = 0  # dead async rollouts replaced in place (driver/replace.py)
+    rollout_replacements: int = 0  # dead rollouts replaced in place (driver/replace.py)
     used: int = 0
     reached: int = 0
     restarting: str | None = None

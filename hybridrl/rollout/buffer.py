@@ -15,7 +15,8 @@ so at most ``(k + v + 1) * B`` groups were ever started by the time version ``v`
 admitted at version ``a`` must then be trained by version ``a + k`` (its deadline; its oldest token
 is at least ``a``). The admission rule alone does not ensure that: when the learner fills a batch
 with younger groups while older ones are still generating, too many old ones can fall due at once.
-So the learner training version ``s`` takes the ``B`` ready groups with the earliest deadlines, but
+So the learner training version ``s`` takes the ``B`` ready groups with the earliest deadlines (in
+prompt order among equal ones), but
 only if every group left (ready or generating) can still be trained by its deadline in the steps
 after ``s`` (for every ``t``: groups due by ``t`` <= ``(t - s) * B``); otherwise it waits for more
 to finish. With both rules no sample is trained more than ``k`` versions after its first token and
@@ -105,8 +106,9 @@ class TrajectoryBuffer:
         deadline."""
         if len(self.ready) < self.B:
             return None
-        # earliest deadline (admitted + k) first; stable: arrival order
-        self.ready.sort(key=_admitted)
+        # earliest deadline (admitted + k) first, then in prompt order (not the order the groups
+        # finished in: a batch's order does not depend on the engine's timing)
+        self.ready.sort(key=lambda g: (_admitted(g), _index(g)))
         left = sorted([_admitted(g) for g in self.ready[self.B :]] + list(self.running.values()))
         # after this step, steps version+1 .. t take (t - version) * B groups: enough for those due
         # by t?
