@@ -76,21 +76,28 @@ def test_an_episode_is_token_in_token_out_and_seeded_per_call(backend):
         assert joined.metadata.get("prompt") is p.metadata.get("prompt")
 
 
-def test_the_stream_takes_each_episode_when_it_is_done_and_an_aborted_one_at_once():
+def test_the_stream_takes_each_episode_when_it_is_done_and_an_aborted_one_with_what_it_has():
+    """An aborted prompt's completion in the engine comes back to its episode with the tokens it
+    has, its later calls aborted at once without reaching the engine, and the episode returns."""
     inner = ROLLOUT_BACKENDS.get("native")(model(), Tok(), rcfg())
     rollout = EpisodeRollout(inner, refine, Tok())
     ps, params = reqs(prompts([4, 6, 5])), sampled(new=12)
     flight = InFlight(rollout)
     flight.add(ps, params)
     got = {}
-    while not any(r.uid.startswith("u1/") for _, r, _ in rollout.running.values()):
+    while not any(r.uid.startswith("u1/") for _, r, _, _ in rollout.running.values()):
         flight.step()  # until u1's draft is in the engine
+    for _ in range(3):  # and has sampled some tokens
+        got |= {prompt.uid: samples for prompt, samples in flight.step()}
     rollout.abort(["u1"])
     assert any(uid.startswith("u1/") for uid in inner.engine.aborted)  # dropped at its next step
     while len(flight):
         for prompt, samples in flight.step():
             got[prompt.uid] = samples
     assert [s.status for s in got["u1"]] == ["aborted", "aborted"]
+    joined, draft = got["u1"]
+    assert draft.response_ids and len(draft.log_probs) == len(draft.response_ids)
+    assert joined.response_ids == draft.response_ids + HINT  # the final answer never ran
     assert not rollout.running and not rollout.groups and not inner.engine.has_unfinished()
     alone = EpisodeRollout(ROLLOUT_BACKENDS.get("native")(model(), Tok(), rcfg()), refine, Tok())
     expect = alone.generate([ps[0], ps[2]], params)
@@ -209,3 +216,32 @@ def test_join_keeps_an_moe_models_routing_token_for_token():
     assert torch.equal(through.routing[: cut - 1], hint_last.routing[: cut - 1])
     assert (through.routing[cut : cut + len(HINT)] != NOT_ROUTED).all()
     assert (hint_last.routing[-len(HINT) :] == NOT_ROUTED).all()  # never fed to a forward
+
+
+def test_a_named_call_is_seeded_by_its_name_and_misuse_is_named(caplog):
+    """A named call's uid is ``<prompt uid>/<name>`` whatever the order calls are asked in; a name
+    given twice, or ``frozen=True`` with no frozen policy, fails the episode with what was wrong."""
+    import asyncio
+
+    async def named(gen, prompt, params):
+        async def late(i):
+            await asyncio.sleep(0.01 * (params.n - i))  # asked in the reverse order
+            return await gen.generate(prompt.prompt_ids, name=f"a{i}")
+
+        out = await asyncio.gather(*(late(i) for i in range(params.n)))
+        if prompt.uid == "u1":
+            await gen.generate(prompt.prompt_ids, name="a0")
+        if prompt.uid == "u2":
+            await gen.generate(prompt.prompt_ids, frozen=True)
+        return out
+
+    inner = ROLLOUT_BACKENDS.get("native")(model(), Tok(), rcfg())
+    ps, params = reqs(prompts([4, 6, 5])), sampled()
+    rollout = EpisodeRollout(inner, named, Tok())
+    out = rollout.generate(ps, params)
+    for i in range(2):
+        [alone] = inner.generate([replace(ps[0], uid=f"u0/a{i}")], replace(params, n=1))
+        assert out[i].response_ids == alone.response_ids
+    assert [s.status for s in out[2:]] == ["aborted"] * 4
+    assert rollout.stats()["episode/errors"] == 2
+    assert "'a0' was given to an earlier call" in caplog.text and "no frozen policy" in caplog.text

@@ -195,13 +195,12 @@ def model_accuracy(
     Restores train mode.
     """
     from hybridrl.rollout.episode import with_episode
-    from hybridrl.rollout.multiturn import with_environment
 
     was_training = model.training
     engine = ROLLOUT_BACKENDS.get("hf")(model, tokenizer)  # puts the model in eval mode
     episodes = cfg is not None and (cfg.env.name is not None or cfg.rollout.episode is not None)
     if episodes:
-        engine = with_episode(cfg, with_environment(cfg, engine, tokenizer), tokenizer)
+        engine = with_episode(cfg, engine, tokenizer)
     try:
         samples = engine.generate(
             [prompt_sample(p, tokenizer) for p in prompts], replace(params, n=1)

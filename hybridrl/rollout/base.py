@@ -374,92 +374,15 @@ class RolloutEngine(ABC):
         """Shut the engine down at the end of a run: the processes and files it started."""
 
 
-class RolloutLayer(RolloutEngine):
-    """A rollout over another backend, ``inner``, with the same interface: what makes a prompt's
-    samples (an environment's turns, ``rollout/multiturn.py``; a user's episode,
-    ``rollout/episode.py``) over the engine that generates them. The engine's state and controls
-    are the inner backend's: its weight version, weight syncs, pause, memory; any other attribute
-    (``engine``, ``model`` ...) is read from it. A layer implements ``add`` / ``step`` / ``done`` /
-    ``take`` (and ``abort``, ``stats``, ``close`` where it holds more); ``generate`` runs them
-    through :class:`InFlight`."""
-
-    def __init__(self, inner: RolloutEngine):
-        self.inner = inner
-        super().__init__()
-        self.batched = type(inner).step is RolloutEngine.step  # no continuous batching
-        self.groups: dict[str, Any] = {}  # prompt uid -> what makes its samples (begin)
-        self.lock = threading.RLock()  # one step at a time (generate may run beside the stream)
-
-    # the inner engine holds the weight version (RolloutEngine.__init__ assigns 0: ignored)
-    @property
-    def version(self) -> int:
-        return self.inner.version
-
-    @version.setter
-    def version(self, value: int) -> None:
-        pass
-
-    def __getattr__(self, name: str):  # engine, model ...: the inner backend's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def generate(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        return self.generate_streamed(prompts, params)
-
-    def add(self, prompts: list[Sample], params: SamplingParams) -> list[Sample]:
-        """Start making each prompt's samples (:meth:`begin`), but an aborted prompt's; a prompt
-        already generating is refused."""
-        self.inner.check_servable()
-        added = [p for p in prompts if p.uid not in self._aborted]
-        with self.lock:
-            for p in added:
-                if p.uid in self.groups:
-                    raise ValueError(f"prompt {p.uid!r} is already generating")
-                self.groups[p.uid] = self.begin(p, params)
-        return added
-
-    def begin(self, prompt: Sample, params: SamplingParams):
-        """Start making ``prompt``'s samples (under the lock); returns what holds them."""
-        raise NotImplementedError
-
-    def update_weights(self, named_tensors, version: int) -> int:
-        return self.inner.update_weights(named_tensors, version)
-
-    def _load_weights(self, named_tensors, version: int) -> int:
-        return self.inner._load_weights(named_tensors, version)
-
-    def check_servable(self) -> None:
-        self.inner.check_servable()
-
-    def pause(self) -> None:
-        self.inner.pause()
-
-    def resume(self) -> None:
-        self.inner.resume()
-
-    def release_memory(self) -> None:
-        self.inner.release_memory()
-
-    def wake_up(self) -> None:
-        self.inner.wake_up()
-
-    def stats(self) -> dict[str, float]:
-        return self.inner.stats()
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 class InFlight:
     """The one loop that drives a backend's streaming interface to finished groups: prompts are
     added (``add``), the engine is stepped (``step``), and each prompt's group is taken as soon as
     it is ``done``. The synchronous call (:meth:`RolloutEngine.generate_streamed`), the rollout
     worker's scoring that overlaps generation (``worker_scoring.generate_scored``) and the
     asynchronous stream (``rollout/stream.py``) all drive a backend through it; they differ only in
-    what they add when and what they do with each finished group. (The multi-turn rollout is a
-    backend itself: it queues one request per turn on its inner engine and carries each trajectory
-    on when its turn is done.)"""
+    what they add when and what they do with each finished group. (An episode,
+    ``rollout/episode.py``, is a backend itself: it queues each completion its episodes ask for on
+    its inner engine and hands it back when it is done.)"""
 
     def __init__(self, backend):
         self.backend = backend

@@ -1,4 +1,4 @@
-"""The parts of a multi-turn rollout (``rollout/multiturn.py``): a trajectory's state and its
+"""The parts of the environment rollout (``rollout/multiturn.py``): a trajectory's state and its
 token bookkeeping (appending turns and observations, splitting, the samples it becomes), running
 environment calls off the engine's thread, and turning an observation into tokens.
 
@@ -86,9 +86,7 @@ class Trajectory:
     status: str = ""  # "" while running, then finished | truncated | aborted
     error: str = ""  # "" or the failure counted: errors | timeouts
     error_message: str = ""  # the failure in words (a run whose every trajectory fails names it)
-    aborted: bool = False
-    request: Sample | None = None  # the turn in the inner engine
-    cross: bool = False  # the turn in flight is the other policy's (cross-policy sampling)
+    cross: bool = False  # the turn asked for is the frozen policy's (cross-policy sampling)
     parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
     messages: list[dict] | None = None  # chat prompts: the conversation so far
     asked: int = 0  # chat prompts: how many of ``messages`` are the prompt's (the rest are text)
@@ -204,15 +202,18 @@ class EnvCalls:
         async with self.limit:
             t0 = time.perf_counter()
             try:
-                call = (
-                    _no_exit(fn(*args))
-                    if inspect.iscoroutinefunction(fn)
-                    else self._threaded(fn, args)
+                # an async def, or an object whose __call__ is one (an episode class), is awaited
+                # here; anything else runs on a thread
+                is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+                    type(fn).__call__
                 )
+                call = _no_exit(fn(*args)) if is_async else self._threaded(fn, args)
                 result = await asyncio.wait_for(call, self.timeout_s)
                 if inspect.isawaitable(result):  # a plain function that returned a coroutine
-                    left = self.timeout_s - (time.perf_counter() - t0)
-                    result = await asyncio.wait_for(_no_exit(result), max(left, 0.0))
+                    left = None
+                    if self.timeout_s is not None:
+                        left = max(self.timeout_s - (time.perf_counter() - t0), 0.0)
+                    result = await asyncio.wait_for(_no_exit(result), left)
                 return result
             finally:
                 name = getattr(fn, "__name__", "call")

@@ -18,7 +18,6 @@ from hybridrl.rollout import SamplingParams
 from hybridrl.rollout.backends import make_backend
 from hybridrl.rollout.env_rewards import env_rewards
 from hybridrl.rollout.episode import with_episode
-from hybridrl.rollout.multiturn import with_environment
 from hybridrl.rollout.scoring import Scorer
 from hybridrl.rollout.stop import eos_token_ids
 from hybridrl.rollout.stream import RolloutStream
@@ -37,13 +36,11 @@ class RolloutWorker(Worker):
         # owns them), never synced
         start = copy.deepcopy(model) if cfg.env.cross_policy_frac > 0 else None
         # native / hf run on this process's GPU when it has one (the learner's rule); with an
-        # environment (env.name) each trajectory alternates model turns and environment steps
+        # episode (rollout.episode, or env.name's environment rollout) it makes each group
         device = compute_device()
         backend = make_backend(cfg.rollout, model, self.tokenizer, device)
-        other = None if start is None else make_backend(cfg.rollout, start, self.tokenizer, device)
-        self.backend = with_episode(
-            cfg, with_environment(cfg, backend, self.tokenizer, other), self.tokenizer
-        )
+        frozen = None if start is None else make_backend(cfg.rollout, start, self.tokenizer, device)
+        self.backend = with_episode(cfg, backend, self.tokenizer, frozen)
         # engine steps for the heartbeat (controller/health.py): generate and the stream step here
         self.progress = Progress()
         self.backend.step = self.progress.counting(self.backend.step)

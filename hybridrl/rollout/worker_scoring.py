@@ -24,8 +24,8 @@ What stays the same as scoring after generation:
 - a reward function that hangs past its budget still stops the run: a failed call's error is
   raised at the next engine step.
 
-Which backends: those whose ``step`` is their own (the native engine's continuous batch, the
-multi-turn rollout). A backend whose ``step`` is the base class's default (one ``generate`` over
+Which backends: those whose ``step`` is their own (the native engine's continuous batch, an
+episode). A backend whose ``step`` is the base class's default (one ``generate`` over
 everything queued: hf, the external servers) finishes every group at once, so it keeps the plain
 path (generate, then score).
 """
