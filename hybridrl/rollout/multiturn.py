@@ -80,7 +80,9 @@ class EnvEpisode:
         self.tokenizer, self.cfg = tokenizer, env_cfg
         self.data = data if data is not None else DataConfig()
         self.env_cls = env_cls if env_cls is not None else ENVIRONMENTS.get(env_cfg.name)
-        self.calls = EnvCalls(env_cfg.step_timeout_s, env_cfg.max_concurrent_steps)
+        # on the loop the episodes run on: no hop to another thread and back per call
+        self.calls = EnvCalls(env_cfg.step_timeout_s, env_cfg.max_concurrent_steps, thread=False)
+        self.closing: set[asyncio.Task] = set()  # environments' close calls, not waited for
         self.plain, self.chat = observation_paths(tokenizer, env_cfg)
         self.lock = threading.Lock()  # the counts: episodes run on one loop, stats() is read beside
         self.counts: dict[str, float] = defaultdict(float)
@@ -117,7 +119,15 @@ class EnvEpisode:
         finally:
             self.finish(t, t.status or "aborted")
             if t.env is not None and hasattr(t.env, "close") and overrides(t.env, "close", Env):
-                self.calls.submit(t.env.close)  # not waited for; its errors are of no consequence
+                # not waited for; its errors are of no consequence
+                task = asyncio.get_running_loop().create_task(self.calls.call(t.env.close))
+                self.closing.add(task)
+                task.add_done_callback(self._closed)
+
+    def _closed(self, task: asyncio.Task) -> None:
+        self.closing.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed close is of no consequence
 
     async def call(self, fn, arg) -> Any:
         """``fn(arg)``, a reset or step, on the environment calls' loop; :class:`EnvFailed` when
@@ -125,7 +135,7 @@ class EnvEpisode:
         with self.lock:
             self.in_flight += 1
         try:
-            return await asyncio.wrap_future(self.calls.submit(fn, arg))
+            return await self.calls.call(fn, arg)
         except TimeoutError as e:
             raise EnvFailed("timeouts", e) from None
         except Exception as e:
@@ -268,9 +278,6 @@ class EnvEpisode:
             out[f"env/{name}_s_max"] = max(seconds)
         out |= {f"env/{k}": sum(v) / len(v) for k, v in info.items() if v}
         return out
-
-    def close(self) -> None:
-        self.calls.close()
 
 
 def observation_paths(tokenizer, env_cfg) -> tuple[PlainObservations, ChatObservations | None]:

@@ -2,11 +2,12 @@
 token bookkeeping (appending turns and observations, splitting, the samples it becomes), running
 environment calls off the engine's thread, and turning an observation into tokens.
 
-:class:`EnvCalls` runs every ``reset`` / ``step`` on one event-loop thread: an ``async def`` is
-awaited there, a plain function runs on a daemon thread of its own and is awaited as a future. So a
-slow tool never holds up the engine, many calls wait at once (at most ``max_concurrent``), and a
-call past its timeout is abandoned without blocking anything (Python cannot stop a thread: a hung
-plain function keeps its daemon thread until it returns, which never blocks the process's exit).
+:class:`EnvCalls` runs every ``reset`` / ``step`` on an event loop (the one the episodes run on,
+or a thread of its own): an ``async def`` is awaited there, a plain function runs on a daemon thread
+of its own and is awaited as a future. So a slow tool never holds up the engine, many calls wait at
+once (at most ``max_concurrent``), and a call past its timeout is abandoned without blocking
+anything (Python cannot stop a thread: a hung plain function keeps its daemon thread until it
+returns, which never blocks the process's exit).
 
 Observations and token-in-token-out: the trainer gets the engine's token ids as they were sampled,
 with the observation's tokens appended, never a re-tokenisation of the conversation. How the
@@ -181,24 +182,31 @@ async def _no_exit(call: Awaitable) -> Any:
 
 
 class EnvCalls:
-    """Environment calls on an event-loop thread, each with a timeout (see the module docstring)."""
+    """Environment calls, each with a timeout (see the module docstring): on an event-loop thread
+    of their own (``submit``), or, with ``thread=False``, awaited on the caller's loop (``call``:
+    an episode's environment calls, on the loop the episode runs on)."""
 
-    def __init__(self, timeout_s: float, max_concurrent: int):
+    def __init__(self, timeout_s: float | None, max_concurrent: int, thread: bool = True):
         self.timeout_s = timeout_s
-        self.loop = asyncio.new_event_loop()
         self.limit = asyncio.Semaphore(max_concurrent)
         # durations of the calls finished since the last take, by method name (reset, step ...)
         self.seconds: dict[str, list[float]] = {}
         self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="env-calls", daemon=True)
-        self.thread.start()
+        self.loop = asyncio.new_event_loop() if thread else None
+        if self.loop is not None:
+            self.thread = threading.Thread(
+                target=self.loop.run_forever, name="env-calls", daemon=True
+            )
+            self.thread.start()
 
     def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
         """``fn(*args)`` (sync or async) on the loop; the future holds its result, or
         ``TimeoutError`` past ``timeout_s``, or what it raised."""
-        return asyncio.run_coroutine_threadsafe(self._call(fn, args), self.loop)
+        return asyncio.run_coroutine_threadsafe(self.call(fn, *args), self.loop)
 
-    async def _call(self, fn: Callable, args: tuple) -> Any:
+    async def call(self, fn: Callable, *args) -> Any:
+        """``fn(*args)`` (sync or async) on the running loop: its result, or ``TimeoutError`` past
+        ``timeout_s``, or what it raised."""
         async with self.limit:
             t0 = time.perf_counter()
             try:
@@ -221,7 +229,8 @@ class EnvCalls:
                     self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
 
     def _threaded(self, fn: Callable, args: tuple) -> asyncio.Future:
-        future = self.loop.create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
 
         def settle(value, error) -> None:
             if not future.done():  # a timed-out call was cancelled meanwhile
@@ -237,7 +246,7 @@ class EnvCalls:
                     None,
                     EnvironmentExit(f"raised {e!r}: an environment cannot end the run"),
                 )
-            self.loop.call_soon_threadsafe(settle, value, error)
+            loop.call_soon_threadsafe(settle, value, error)
 
         threading.Thread(target=run, name="env-call", daemon=True).start()
         return future
@@ -257,7 +266,7 @@ class EnvCalls:
             await asyncio.gather(*rest, return_exceptions=True)
             self.loop.stop()
 
-        if self.loop.is_running():
+        if self.loop is not None and self.loop.is_running():
             asyncio.run_coroutine_threadsafe(shutdown(), self.loop)
             self.thread.join(5.0)
 
