@@ -93,10 +93,12 @@ def check_plugins(cfg: Config) -> None:
 
 
 def check_episode(cfg: Config) -> None:
-    """``rollout.episode`` loads and is an ``async def`` of (gen, prompt, params)."""
+    """``rollout.episode`` loads and is an ``async def`` of (gen, prompt, params), or, with
+    ``env.name`` set, a subclass of the environment's episode."""
     import inspect
 
     from hybridrl.registry import load_dotted
+    from hybridrl.rollout.multiturn import EnvEpisode
 
     if cfg.rollout.episode is None:
         return
@@ -104,10 +106,20 @@ def check_episode(cfg: Config) -> None:
         fn = load_dotted(cfg.rollout.episode)
     except KeyError as e:
         raise ConfigError(f"config key 'rollout.episode': {e.args[0]}") from None
+    if cfg.env.name is not None:
+        if not (inspect.isclass(fn) and issubclass(fn, EnvEpisode)):
+            raise ConfigError(
+                "config key 'rollout.episode': with env.name set it names the environment's loop, "
+                "a subclass of hybridrl.rollout.multiturn.EnvEpisode; "
+                f"{cfg.rollout.episode!r} is not one (an async def episode drives its own "
+                "environment: unset env.name)"
+            )
+        return
     if not inspect.iscoroutinefunction(fn):
         raise ConfigError(
             f"config key 'rollout.episode': {cfg.rollout.episode!r} is not an async def; an "
-            "episode is `async def fn(gen, prompt, params)` returning the samples to train on"
+            "episode is `async def fn(gen, prompt, params)` returning the samples to train on "
+            "(with env.name set: a subclass of hybridrl.rollout.multiturn.EnvEpisode)"
         )
     try:
         inspect.signature(fn).bind(None, None, None)

@@ -150,8 +150,9 @@ def test_the_episode_is_checked_before_any_work(tmp_path):
         check_config(load_config(Config, None, [f"rollout.episode={path}:not_async"]))
     with pytest.raises(ConfigError, match="rollout.episode.*no_such"):
         check_config(load_config(Config, None, [f"rollout.episode={path}:no_such"]))
-    with pytest.raises(ConfigError, match="rollout.episode and env.name"):
-        load_config(Config, None, [f"rollout.episode={path}:refine", "env.name=calc_tool"])
+    with pytest.raises(ConfigError, match="rollout.episode.*subclass of .*EnvEpisode"):
+        with_env = [f"rollout.episode={path}:refine", "env.name=calc_tool", "task.name=calc"]
+        check_config(load_config(Config, None, with_env))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

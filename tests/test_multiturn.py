@@ -247,6 +247,11 @@ def test_an_environment_that_raises_scores_zero_and_is_counted():
     broken_reset = rollout(Scripted(lambda i, ctx: turn), Echo, kwargs={"fail_on": "reset"})
     out = broken_reset.generate(prompts(1), params())
     assert [s.response_ids for s in out] == [[], []] and broken_reset.stats()["env/errors"] == 2
+    # past the failures logged in full, each is still counted and named
+    out = broken_reset.generate(prompts(4), params())
+    assert all(s.metadata["env_error_message"].endswith("raised RuntimeError('broken reset')")
+               for s in out)  # fmt: skip
+    assert len(out) == 8 and broken_reset.stats()["env/errors"] == 8
 
 
 def test_an_environment_that_hangs_times_out_and_the_rollout_goes_on():
@@ -671,6 +676,27 @@ def test_w4_trains_in_both_modes(tmp_path, mode):
     assert min(made) >= 8 if mode == "sync" else sum(made) >= 16, made
     if mode == "async":
         assert 0 < sum(r["env/cross_policy_turn_frac"] for r in trained) / 2 < 1
+
+
+def test_a_subclass_of_the_environments_episode_changes_its_loop_through_the_config(tmp_path):
+    """rollout.episode with env.name names an EnvEpisode subclass: here one whose trajectories
+    earn 5 more at each answer of the environment, which the environment's rewards (every W4
+    reward is within [0, 1] otherwise) and the training steps show."""
+    from hybridrl.driver import loop
+
+    (tmp_path / "loops.py").write_text(
+        "from hybridrl.rollout.multiturn import EnvEpisode\n\n\n"
+        "class Bonus(EnvEpisode):\n"
+        "    def stepped(self, t, result, version):\n"
+        "        super().stepped(t, result, version)\n"
+        "        t.reward += 5.0\n"
+    )
+    overrides = [*RUN, f"sft.checkpoint={tmp_path / 'ws'}", f"trainer.runs_dir={tmp_path / 'runs'}"]
+    cfg = load_config(Config, None, [*overrides, f"rollout.episode={tmp_path / 'loops.py'}:Bonus"])
+    assert loop.train(cfg)["steps"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "calc_grpo" / "metrics.jsonl").open()]
+    trained = [r for r in rows if r["step"] > 0]
+    assert len(trained) == 2 and all(r["reward/mean"] >= 5.0 for r in trained), trained
 
 
 def test_explicit_reward_functions_score_the_trajectory_text():

@@ -165,11 +165,6 @@ class Config:
                 "importance weight against their behaviour log-probs, algorithm.policy_loss="
                 "decoupled_ppo or algorithm.rollout_is=token (or use cross_policy_tokens=masked)"
             )
-        if self.rollout.episode is not None and self.env.name is not None:
-            raise ValueError(
-                "rollout.episode and env.name are both set: an environment's multi-turn rollout "
-                "is an episode of its own; drive the environment from your episode, or unset one"
-            )
         if self.env.cross_policy_frac > 0 and self.env.name is None:
             raise ValueError("env.cross_policy_frac applies to multi-turn rollouts: set env.name")
         from hybridrl.algorithms import rollout_correction  # lazy: schema stays import-light

@@ -465,14 +465,16 @@ def checked(trajectories: Any, n: int) -> list[Sample]:
 def with_episode(cfg, backend: RolloutEngine, tokenizer, frozen=None) -> RolloutEngine:
     """``backend`` as it is (``rollout.episode`` and ``env.name`` null), or each prompt's samples
     made by the configured episode, or by the environment's (:class:`~hybridrl.rollout.multiturn.
-    EnvEpisode`); ``frozen``: the frozen policy's backend of cross-policy sampling (None: off)."""
+    EnvEpisode`, or the subclass ``rollout.episode`` names); ``frozen``: the frozen policy's
+    backend of cross-policy sampling (None: off)."""
+    from hybridrl.registry import load_dotted
+
     if cfg.env.name is not None:
         from hybridrl.rollout.multiturn import EnvEpisode
 
-        episode = EnvEpisode(tokenizer, cfg.env, data=cfg.data)
+        loop = EnvEpisode if cfg.rollout.episode is None else load_dotted(cfg.rollout.episode)
+        episode = loop(tokenizer, cfg.env, data=cfg.data)
     elif cfg.rollout.episode is not None:
-        from hybridrl.registry import load_dotted
-
         episode = load_dotted(cfg.rollout.episode)
     else:
         return backend

@@ -130,7 +130,7 @@ class EnvEpisode:
             task.exception()  # retrieved: a failed close is of no consequence
 
     async def call(self, fn, arg) -> Any:
-        """``fn(arg)``, a reset or step, on the environment calls' loop; :class:`EnvFailed` when
+        """``fn(arg)``, a reset or step, on the episodes' loop; :class:`EnvFailed` when
         it raises or times out."""
         with self.lock:
             self.in_flight += 1

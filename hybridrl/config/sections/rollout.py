@@ -36,13 +36,15 @@ class RolloutConfig:
         None,
         "an episode you write, the rollout of one prompt: 'pkg.module:fn' or 'episodes.py:fn', "
         "an async def fn(gen, prompt, params) returning the samples to train on (docs/agentic.md, "
-        "'Writing an episode'); null: each prompt's samples are generated as they are, or by "
-        "env.name's environment",
+        "'Writing an episode'); with env.name set, a subclass of "
+        "hybridrl.rollout.multiturn.EnvEpisode instead, the environment's loop changed; null: "
+        "each prompt's samples are generated as they are, or by env.name's environment",
     )
     episode_timeout_s: float = _f(
         600.0,
-        "seconds one episode of rollout.episode may run; past it the episode is cancelled and its "
-        "prompt's samples come back aborted, counted in episode/errors; the run goes on",
+        "seconds one episode (rollout.episode's, or env.name's trajectories of a prompt) may run; "
+        "past it the episode is cancelled and its prompt's samples come back aborted, counted in "
+        "episode/errors; the run goes on",
         gt=0,
     )
     timeout_s: float | None = _f(
