@@ -184,9 +184,8 @@ class EpisodeRollout(RolloutEngine):
     ``episode`` (module docstring). The engine's state and controls are the inner backend's: its
     weight version, weight syncs, pause, memory; any other attribute (``engine``, ``model`` ...)
     is read from it. ``frozen``: the frozen policy's backend that ``gen.generate(frozen=True)``
-    uses, or None. An episode object may have ``stats()`` (added to the rollout's statistics),
-    ``busy()`` (its own calls running, which a batch-synchronous step waits for) and ``close()``
-    (called with the rollout's)."""
+    uses, or None. An episode object may have ``stats()`` (added to the rollout's statistics) and
+    ``busy()`` (its own calls running, which a batch-synchronous step waits for)."""
 
     def __init__(
         self,
@@ -362,8 +361,6 @@ class EpisodeRollout(RolloutEngine):
 
     def close(self) -> None:
         self.calls.close()
-        if hasattr(self.episode, "close"):
-            self.episode.close()
         for engine in (self.inner, self.frozen):
             if engine is not None:
                 engine.close()
