@@ -404,10 +404,9 @@ class EpisodeRollout(RolloutEngine):
     def _drop(self, g: Group) -> None:
         """Abort in its engine each completion of ``g``'s episode that is still running (taken as
         it finishes: handed back to a running episode, dropped after it ended)."""
-        for engine in {id(e): e for _, _, e, _ in self.running.values()}.values():
-            mine = [u for u, (owner, _, e, _) in self.running.items() if owner is g and e is engine]
-            if mine:
-                engine.abort(mine)
+        for uid, (owner, _, engine, _) in self.running.items():
+            if owner is g:
+                engine.abort([uid])
 
     def _answer(self, g: Group, future, sample: Sample | None = None, error=None) -> None:
         with self.wake:

@@ -92,9 +92,9 @@ class EnvEpisode:
     async def __call__(self, gen, prompt: Sample, params: SamplingParams) -> list[list[Sample]]:
         group = Group(prompt, params)
         n = max(1, params.n)
-        group.trajs = [Trajectory(group, i, list(prompt.prompt_ids)) for i in range(n)]
-        await asyncio.gather(*(self.run(gen, t) for t in group.trajs))
-        return [t.samples() for t in group.trajs]
+        trajs = [Trajectory(group, i, list(prompt.prompt_ids)) for i in range(n)]
+        await asyncio.gather(*(self.run(gen, t) for t in trajs))
+        return [t.samples() for t in trajs]
 
     async def run(self, gen, t: Trajectory) -> None:
         """One trajectory, from its environment's reset to its status."""
@@ -159,12 +159,12 @@ class EnvEpisode:
             return None
         p = t.group.params
         stop = tuple(p.stop) + tuple(s for s in self.cfg.turn_stop if s not in p.stop)
-        t.cross = self.crossed(t)
+        cross = self.crossed(t)
         try:
             s = await gen.generate(
                 t.prompt_ids + t.response_ids,
                 name=f"{t.index}.{t.turns}",
-                frozen=t.cross,
+                frozen=cross,
                 max_new_tokens=min(p.max_new_tokens, left),
                 stop=stop,
             )
@@ -173,7 +173,7 @@ class EnvEpisode:
             t.status = "truncated"
             return None
         ids = list(s.response_ids)
-        if t.cross:  # sampled now, by the frozen policy: its log-probs say how off-policy it is
+        if cross:  # sampled now, by the frozen policy: its log-probs say how off-policy it is
             versions = [gen.version] * len(ids)
             mask = [int(self.cfg.cross_policy_tokens == "weighted")] * len(ids)
         else:
@@ -186,7 +186,7 @@ class EnvEpisode:
         t.last_turn = ids
         with self.lock:
             self.counts["all_turns"] += 1
-            self.counts["cross_turns"] += t.cross
+            self.counts["cross_turns"] += cross
         if s.status == "aborted":
             t.status = "aborted"
         elif t.total >= self.cfg.max_total_tokens and s.status != "finished":

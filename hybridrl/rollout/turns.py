@@ -59,11 +59,10 @@ from hybridrl.sampling import SamplingParams
 
 @dataclass
 class Group:
-    """A prompt's trajectories (one per sample) and its sampling parameters."""
+    """The prompt a trajectory belongs to and its sampling parameters."""
 
     prompt: Sample
     params: SamplingParams
-    trajs: list[Trajectory] = field(default_factory=list)
 
 
 @dataclass
@@ -87,7 +86,6 @@ class Trajectory:
     status: str = ""  # "" while running, then finished | truncated | aborted
     error: str = ""  # "" or the failure counted: errors | timeouts
     error_message: str = ""  # the failure in words (a run whose every trajectory fails names it)
-    cross: bool = False  # the turn asked for is the frozen policy's (cross-policy sampling)
     parts: list[Sample] = field(default_factory=list)  # earlier parts of a split trajectory
     messages: list[dict] | None = None  # chat prompts: the conversation so far
     asked: int = 0  # chat prompts: how many of ``messages`` are the prompt's (the rest are text)
